@@ -1,0 +1,215 @@
+"""The engine: the step loop (schedule, run, sample, post-process)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.outputs import RequestOutput
+from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.paged_cache import PagedKVCache
+from kvserve.kv.prefix import make_extra_key
+from kvserve.model.llama import LlamaModel
+from kvserve.model.loader import LoadedModel, load_model
+from kvserve.request import FinishReason, Request, RequestStatus
+from kvserve.sampling.sampler import Sampler, top_logprobs
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("kvserve")
+
+KV_FORMAT = "native"   # the storage format's name, part of every block key
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, model_dtype: str) -> torch.dtype:
+    if name == "auto":
+        # fp32 on CPU: measured ~4.7x faster than bf16 there; the model's dtype on GPUs
+        name = "float32" if device.type == "cpu" else model_dtype
+        if name == "float32" and device.type == "cuda":
+            name = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        loaded = loaded if loaded is not None else load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.fingerprint = loaded.fingerprint
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, loaded.config.torch_dtype)
+        mc = loaded.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype)
+
+        cc = config.cache
+        num_blocks = cc.resolve_num_blocks(PagedKVCache.bytes_per_block(mc, cc.block_size, self.dtype))
+        self.kv_cache = PagedKVCache(mc, num_blocks, cc.block_size, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks, cc.block_size)
+        extra_key = make_extra_key(loaded.fingerprint, f"{KV_FORMAT}:{self.dtype}", cc.cache_salt)
+        self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._seq = itertools.count()
+        self.num_steps = 0
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB)",
+                 loaded.source, self.device, self.dtype, num_blocks, cc.block_size, self.kv_cache.nbytes / 2**20)
+
+    # -- requests ----------------------------------------------------------
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt, with a clear error for anything unusable."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+                raise ValueError("a token-id prompt must be a list of integers")
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"token id {bad[0]} is out of range for a vocabulary of {self.model_config.vocab_size}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context window is {self.max_model_len} tokens "
+                "and at least one must be left to generate")
+        return ids
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Validate and queue a request; raises ValueError, changing nothing, on bad input."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self.encode_prompt(prompt)
+        seq = next(self._seq)
+        rid = request_id if request_id is not None else str(seq)
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        num_blocks = self.kv.num_blocks_needed(len(ids) + max_tokens)
+        if num_blocks > self.pool.num_blocks:
+            raise ValueError(
+                f"request needs up to {num_blocks} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) "
+                f"but the cache has {self.pool.num_blocks}; lower max_tokens or give the KV cache more memory")
+        req = Request(rid, ids, params, arrival_seq=seq, priority=priority, max_tokens=max_tokens)
+        self._requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, FinishReason.ABORT)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+    # -- the step ----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for each request that got a token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.num_steps += 1
+        result = self.runner.execute(out)
+        self.scheduler.update(out)
+        for rid, lps in result.prompt_logprobs.items():
+            req = self._requests[rid]
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)
+            req.prompt_logprobs.extend(lps)
+        if not result.sample_requests:
+            return []
+        token_ids = self.sampler.sample(result.logits, result.sample_requests)
+        want_logprobs = [i for i, r in enumerate(result.sample_requests) if r.params.logprobs is not None]
+        if want_logprobs:
+            logprobs = torch.log_softmax(result.logits[want_logprobs], dim=-1)
+            for row, i in enumerate(want_logprobs):
+                req = result.sample_requests[i]
+                req.output_logprobs.extend(
+                    top_logprobs(logprobs[row:row + 1], [token_ids[i]], req.params.logprobs or 0))
+        outputs = []
+        for req, token_id in zip(result.sample_requests, token_ids):
+            req.append_token(token_id)
+            reason = self._check_stop(req, token_id)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                req.finish_time = time.monotonic()
+                del self._requests[req.request_id]
+            outputs.append(self.make_output(req))
+        return outputs
+
+    def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
+        p = req.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in p.stop_token_ids:
+            req.stop_reason = token_id
+            return FinishReason.STOP
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+            # only the tail can hold a new match
+            tail_from = max(0, len(req.output_text) - max(len(s) for s in p.stop))
+            req.output_text = text
+            for s in p.stop:
+                at = text.find(s, tail_from)
+                if at >= 0:
+                    req.output_text = text[:at + len(s)] if p.include_stop_str_in_output else text[:at]
+                    req.stop_reason = s
+                    return FinishReason.STOP
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def make_output(self, req: Request) -> RequestOutput:
+        finished = req.is_finished
+        if isinstance(req.stop_reason, str):
+            text = req.output_text   # cut at the stop string
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        else:
+            text = ""
+        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
+        e2e = None if req.finish_time is None else req.finish_time - req.arrival_time
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, text=text,
+            token_ids=list(req.output_token_ids), num_cached_tokens=req.num_cached_tokens or 0,
+            finished=finished, finish_reason=req.finish_reason.value if req.finish_reason else None,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+            ttft=ttft, e2e_latency=e2e, num_preemptions=req.num_preemptions)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

@@ -1,0 +1,150 @@
+"""The KV cache manager: the facade the scheduler talks to.
+
+It owns each request's block table and block keys and speaks to the pool below
+it. A request's blocks cover its computed tokens plus the tokens scheduled this
+step:
+
+    block table  | b0 | b1 | b2 | b3 |          (block_size = 4)
+    tokens       |0123|4567|89ab|cd  |
+                  ^^^^^^^^^ cached hit  (num_cached_tokens = 8)
+                            ^^^^^^^ computed this step, b2 becomes cacheable
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvserve.kv.block_pool import Block, BlockPool
+from kvserve.kv.prefix import extend_block_keys
+from kvserve.request import Request
+
+
+class PrefixMatch(NamedTuple):
+    """Cached blocks that hold a request's leading tokens (no references taken)."""
+
+    blocks: list[Block]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+EMPTY_MATCH = PrefixMatch([])
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, extra_key: bytes, enable_prefix_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.extra_key = extra_key
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks: dict[str, list[Block]] = {}
+        self._keys: dict[str, list[bytes]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        # counters read by the metrics observer
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    # -- queries -----------------------------------------------------------
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_keys(self, request: Request) -> list[bytes]:
+        """Keys of the request's full blocks, extended as its tokens grow."""
+        keys = self._keys.setdefault(request.request_id, [])
+        extend_block_keys(keys, request.all_token_ids, self.block_size, self.extra_key)
+        return keys
+
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """Longest run of cached blocks holding the request's leading tokens.
+
+        At least one token is always left to compute, since its logits are needed;
+        so a prompt of exactly n full blocks matches at most n - 1 of them.
+        """
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+            return EMPTY_MATCH
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        keys = self.block_keys(request)
+        tokens = request.all_token_ids
+        blocks = []
+        for i in range(max_blocks):
+            block = self.pool.lookup(keys[i], tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixMatch(blocks)
+
+    # -- verbs -------------------------------------------------------------
+    def try_allocate(self, request: Request, num_new_tokens: int,
+                     match: PrefixMatch = EMPTY_MATCH) -> bool:
+        """Give the request blocks for ``num_new_tokens`` more tokens.
+
+        ``match`` (from ``match_prefix``, for a request being admitted) is taken
+        first. Returns False, changing nothing, when the pool cannot supply the
+        blocks; the caller must then preempt or wait.
+        """
+        table = self._blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + match.num_blocks * self.block_size
+        num_needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(table) - match.num_blocks
+        # hits sitting in the free queue are counted as free but are about to be taken
+        num_evictable_hits = sum(1 for b in match.blocks if b.ref_count == 0)
+        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+            if not table:
+                del self._blocks[request.request_id]
+            return False
+        if match.blocks:
+            self.pool.touch(match.blocks)
+            table.extend(match.blocks)
+            self._num_cached_blocks[request.request_id] = len(table)
+        if num_needed > 0:
+            table.extend(self.pool.allocate(num_needed))
+        return True
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register every full block whose tokens are all computed."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        keys = self.block_keys(request)
+        table = self._blocks[rid]
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i in range(start, num_full):
+            self.pool.cache(table[i], keys[i], tuple(tokens[i * bs:(i + 1) * bs]))
+        self._num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (see BlockPool.free)."""
+        rid = request.request_id
+        table = self._blocks.pop(rid, [])
+        self.pool.free(reversed(table))
+        self._num_cached_blocks.pop(rid, None)
+
+    def forget(self, request: Request) -> None:
+        """Drop per-request state of a finished request."""
+        self.free(request)
+        self._keys.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.evict_all_cached()
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        counted: dict[int, int] = {}
+        for table in self._blocks.values():
+            for block in table:
+                counted[block.block_id] = counted.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_count == counted.get(block.block_id, 0), (
+                f"{block}: ref_count {block.ref_count} but in {counted.get(block.block_id, 0)} tables")

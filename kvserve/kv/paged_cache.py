@@ -1,0 +1,46 @@
+"""Paged KV storage: per layer, K and V tensors of shape
+[num_blocks, block_size, num_kv_heads, head_dim].
+
+A token's *slot* is ``block_id * block_size + offset``; writes scatter new keys
+and values to their slots, reads gather a request's slots in order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.config import ModelConfig
+
+
+class PagedKVCache:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return config.kv_bytes_per_token(element_size) * block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``key``/``value`` ([num_tokens, num_kv_heads, head_dim]) at their slots."""
+        k_flat = self.key_caches[layer].view(-1, *key.shape[1:])
+        v_flat = self.value_caches[layer].view(-1, *value.shape[1:])
+        k_flat.index_copy_(0, slot_mapping, key.to(k_flat.dtype))
+        v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``slots`` (any shape S), returned as S + [heads, dim]."""
+        k = self.key_caches[layer]
+        v = self.value_caches[layer]
+        k_flat = k.view(-1, k.shape[2], k.shape[3])
+        v_flat = v.view(-1, v.shape[2], v.shape[3])
+        return k_flat[slots], v_flat[slots]

@@ -1,0 +1,115 @@
+"""The Python API: ``LLM(...).generate(prompts, params)`` and ``.chat(messages, params)``."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.outputs import RequestOutput
+from kvserve.model.loader import LoadedModel
+from kvserve.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+_CACHE_OPTIONS = {"block_size": "block_size", "num_kv_blocks": "num_blocks",
+                  "enable_prefix_caching": "enable_prefix_caching", "cache_salt": "cache_salt"}
+_SCHEDULER_OPTIONS = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
+                      "enable_chunked_prefill": "enable_chunked_prefill",
+                      "scheduling_policy": "policy", "max_wait_steps": "max_wait_steps"}
+_ENGINE_OPTIONS = ("device", "dtype", "max_model_len", "seed")
+
+
+def engine_config(model: str | None = None, **options: Any) -> EngineConfig:
+    """An EngineConfig from flat keyword options (the names the CLI uses).
+
+    ``kv_cache_memory_gb`` (float) sizes the KV cache; ``num_kv_blocks`` overrides it.
+    """
+    cache: dict[str, Any] = {}
+    sched: dict[str, Any] = {}
+    engine: dict[str, Any] = {}
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name == "kv_cache_memory_gb":
+            cache["memory_bytes"] = int(float(value) * (1 << 30))
+        elif name in _CACHE_OPTIONS:
+            cache[_CACHE_OPTIONS[name]] = value
+        elif name in _SCHEDULER_OPTIONS:
+            sched[_SCHEDULER_OPTIONS[name]] = value
+        elif name in _ENGINE_OPTIONS:
+            engine[name] = value
+        else:
+            known = sorted([*_CACHE_OPTIONS, *_SCHEDULER_OPTIONS, *_ENGINE_OPTIONS, "kv_cache_memory_gb"])
+            raise ValueError(f"unknown engine option {name!r}; known options: {', '.join(known)}")
+    return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **engine)
+
+
+class LLM:
+    """A model with a paged, prefix-cached KV cache.
+
+    >>> llm = LLM()                                   # SmolLM2-135M-Instruct
+    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+    >>> out[0].text, out[0].num_cached_tokens
+    """
+
+    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None, **options: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **options), loaded)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of the prompts.
+
+        All prompts are validated before any is queued, so a bad one raises
+        ValueError and leaves the engine untouched.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if not prompt_list:
+            raise ValueError("no prompts given")
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(f"{len(param_list)} SamplingParams for {len(prompt_list)} prompts")
+        prios = list(priority) if priority is not None else [0] * len(prompt_list)
+        for prompt in prompt_list:
+            self.engine.encode_prompt(prompt)
+        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompt_list, param_list, prios)]
+        return self._run(ids)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template (with the generation prompt) and generate."""
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        if not conversations or not all(conversations):
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
+                   for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        while wanted - done.keys():
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+        return [done[r] for r in request_ids]
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()

@@ -1,0 +1,85 @@
+"""Attention over the paged KV cache (the portable torch backend).
+
+A step's tokens are flattened into one batch: each request contributes a run of
+consecutive tokens. Requests with a single new token (decodes) are attended in
+one padded call; each prefill chunk gets its own call, causal within the chunk
+and open to the request's earlier tokens already in the cache.
+
+    flat tokens  | p0 p0 p0 p0 | d1 | p2 p2 | d3 |
+    decode group: token_idx = [4, 7], slots [2, max_len], mask [2, 1, 1, max_len]
+    prefills    : (start 0, end 4), (start 5, end 7)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kv.paged_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    token_idx: torch.Tensor   # [num_decodes] positions in the flat batch
+    slots: torch.Tensor       # [num_decodes, max_len] cache slots, padded with slot 0
+    mask: torch.Tensor        # [num_decodes, 1, 1, max_len] True where a key is real
+    is_whole_batch: bool      # every token of the step is a decode (skip the scatter)
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    start: int                # first position in the flat batch
+    end: int                  # one past the last
+    num_context_tokens: int   # tokens of this request before the chunk (in the cache)
+    slots: torch.Tensor | None  # [num_context + num_new] slots; None without context
+    mask: torch.Tensor | None   # [num_new, num_context + num_new]; None without context
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor   # [num_tokens] where each new token's K/V is written
+    decode: DecodeGroup | None
+    prefills: tuple[PrefillChunk, ...]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, Hkv, D] for the step's new tokens. Returns [T, H, D]."""
+    cache.write(layer, meta.slot_mapping, k, v)
+    num_kv_heads = k.shape[1]
+    group = q.shape[1] // num_kv_heads
+    d = meta.decode
+    if d is not None and d.is_whole_batch:
+        return _decode(q, d, layer, cache, num_kv_heads, group, scale)
+    out = torch.empty_like(q)
+    for p in meta.prefills:
+        qs = q[p.start:p.end].transpose(0, 1).unsqueeze(0)            # [1, H, n, D]
+        if p.slots is None:
+            ks, vs = k[p.start:p.end], v[p.start:p.end]
+            causal, mask = True, None
+        else:
+            ks, vs = cache.gather(layer, p.slots)
+            causal, mask = False, p.mask
+        ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)               # [1, Hkv, L, D]
+        vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
+                                           scale=scale, enable_gqa=group > 1)
+        out[p.start:p.end] = o[0].transpose(0, 1)
+    if d is not None:
+        out[d.token_idx] = _decode(q[d.token_idx], d, layer, cache, num_kv_heads, group, scale)
+    return out
+
+
+def _decode(q: torch.Tensor, d: DecodeGroup, layer: int, cache: PagedKVCache,
+            num_kv_heads: int, group: int, scale: float) -> torch.Tensor:
+    # The `group` query heads sharing a KV head act as `group` query rows of one
+    # head, so GQA needs no copy of K and V: [B, Hkv, group, D] x [B, Hkv, L, D].
+    num = q.shape[0]
+    qd = q.view(num, num_kv_heads, group, q.shape[2])
+    kd, vd = cache.gather(layer, d.slots)                               # [B, L, Hkv, D]
+    kd = kd.to(q.dtype).transpose(1, 2)
+    vd = vd.to(q.dtype).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
+    return o.reshape(num, -1, q.shape[2])

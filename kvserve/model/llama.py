@@ -1,0 +1,128 @@
+"""The Llama-family decoder (Llama, SmolLM, Qwen2, Mistral) over a paged KV cache.
+
+Plain tensors, no nn.Module: the weights of Q, K and V are fused into one matrix,
+gate and up into another, so a layer is four matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.config import ModelConfig, RopeScaling
+from kvserve.kv.paged_cache import PagedKVCache
+from kvserve.model.attention import AttentionMetadata, paged_attention
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(is_medium, blended, out)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"weight {name!r} missing from the checkpoint")
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+            self.layers.append(LayerWeights(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                qkv_bias=bias,
+                o=w(a + "o_proj.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        inv_freq = rope_inv_freq(config)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        freqs = torch.outer(pos, inv_freq)
+        # computed in float32 as Hugging Face does, so logits match it closely
+        self.cos = freqs.float().cos().to(device=device, dtype=dtype)
+        self.sin = freqs.float().sin().to(device=device, dtype=dtype)
+        self.scale = config.head_dim ** -0.5
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm."""
+        cfg = self.config
+        num_tokens = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        for i, lw in enumerate(self.layers):
+            x = self._rms_norm(h, lw.input_norm)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            q = qkv[:, :q_end].view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_end:k_end].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, k_end:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            attn = paged_attention(q, k, v, i, cache, meta, self.scale)
+            h = h + F.linear(attn.reshape(num_tokens, cfg.q_size), lw.o)
+            x = self._rms_norm(h, lw.post_norm)
+            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.down)
+        return self._rms_norm(h, self.final_norm)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,95 @@
+"""A request: its tokens, its progress, and what it has produced.
+
+The scheduler owns ``status`` and ``num_computed_tokens``; the KV manager owns the
+request's blocks; the engine appends sampled tokens. Nobody else writes here.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # eos, a stop token id or a stop string
+    LENGTH = "length"    # max_tokens or the context window
+    ABORT = "abort"      # cancelled by the caller
+
+
+class TokenLogprob(NamedTuple):
+    """A token's logprob and the top alternatives at its position (best first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_seq: int
+    priority: int = 0
+    max_tokens: int = 16
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None   # set at first admission
+    num_preemptions: int = 0
+    waited_steps: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    generator: torch.Generator | None = None
+    # text produced so far (kept only when stop strings need it)
+    output_text: str = ""
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
