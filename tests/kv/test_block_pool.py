@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
+from kvserve.kv.prefix import block_key, make_extra_key
+
+EXTRA = make_extra_key("model", "native")
+
+
+def key(i: int) -> bytes:
+    return block_key(None, [i] * 4, EXTRA)
+
+
+def test_allocate_takes_lowest_ids_first_and_free_appends_to_tail():
+    pool = BlockPool(11, 4)
+    a = pool.allocate(3)
+    assert [b.block_id for b in a] == [0, 1, 2]
+    assert pool.free_queue.block_ids() == list(range(3, 11))
+    pool.free(reversed(a))  # tail first
+    assert pool.free_queue.block_ids() == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1, 0]
+    pool.check_integrity()
+
+
+def test_freed_cached_block_stays_a_hit_until_reused():
+    pool = BlockPool(4, 4)
+    [b0, b1] = pool.allocate(2)
+    assert pool.cache(b0, key(0), (0, 0, 0, 0))
+    pool.free([b1, b0])
+    assert pool.lookup(key(0), (0, 0, 0, 0)) is b0
+    assert pool.num_free_blocks == 4
+    # free order is [2, 3, 1, 0]: three allocations leave the cached block 0 alone
+    got = pool.allocate(3)
+    assert [b.block_id for b in got] == [2, 3, 1]
+    assert pool.lookup(key(0), (0, 0, 0, 0)) is b0
+    # the fourth evicts it
+    [b] = pool.allocate(1)
+    assert b.block_id == 0 and b.key is None
+    assert pool.lookup(key(0), (0, 0, 0, 0)) is None
+    assert pool.num_evicted_blocks == 1
+    pool.check_integrity()
+
+
+def test_touch_removes_a_cached_block_from_the_middle_of_the_free_queue():
+    pool = BlockPool(5, 4)
+    blocks = pool.allocate(5)
+    pool.cache(blocks[2], key(2), (2, 2, 2, 2))
+    pool.free(blocks)
+    assert pool.free_queue.block_ids() == [0, 1, 2, 3, 4]
+    pool.touch([blocks[2]])
+    assert pool.free_queue.block_ids() == [0, 1, 3, 4]
+    assert blocks[2].ref_count == 1
+    pool.touch([blocks[2]])
+    assert blocks[2].ref_count == 2
+    pool.free([blocks[2], blocks[2]])
+    assert pool.free_queue.block_ids() == [0, 1, 3, 4, 2]
+    pool.check_integrity()
+
+
+def test_collision_on_key_with_other_tokens_is_a_miss():
+    pool = BlockPool(2, 4)
+    [b] = pool.allocate(1)
+    pool.cache(b, key(7), (7, 7, 7, 7))
+    assert pool.lookup(key(7), (7, 7, 7, 8)) is None
+    assert pool.lookup(key(7), (7, 7, 7, 7)) is b
+
+
+def test_duplicate_key_keeps_first_block():
+    pool = BlockPool(3, 4)
+    a, b = pool.allocate(2)
+    assert pool.cache(a, key(1), (1, 1, 1, 1)) is True
+    assert pool.cache(b, key(1), (1, 1, 1, 1)) is False
+    assert b.key is None
+    assert pool.num_cached_blocks == 1
+
+
+def test_errors():
+    pool = BlockPool(2, 4)
+    with pytest.raises(NoFreeBlocksError, match="asked for 3 blocks, only 2"):
+        pool.allocate(3)
+    [b] = pool.allocate(1)
+    pool.free([b])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([b])
+    [b] = pool.allocate(1)
+    with pytest.raises(ValueError, match="only full blocks"):
+        pool.cache(b, key(1), (1, 1))
+    with pytest.raises(ValueError):
+        BlockPool(0, 4)
+
+
+def test_evict_all_cached_keeps_referenced_blocks():
+    pool = BlockPool(3, 4)
+    a, b = pool.allocate(2)
+    pool.cache(a, key(1), (1,) * 4)
+    pool.cache(b, key(2), (2,) * 4)
+    pool.free([a])
+    assert pool.evict_all_cached() == 1
+    assert a.key is None and b.key == key(2)
+    pool.check_integrity()
+
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "cache", "touch", "reset"]),
+                         st.integers(0, 1000)), max_size=120)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_random_operations_keep_invariants(sequence):
+    """free + cached + used == total under any mix of verbs."""
+    pool = BlockPool(9, 2)
+    owned: list[list] = []      # per "request": blocks it references
+    for op, n in sequence:
+        if op == "alloc":
+            want = n % 4 + 1
+            if want <= pool.num_free_blocks:
+                owned.append(pool.allocate(want))
+            else:
+                with pytest.raises(NoFreeBlocksError):
+                    pool.allocate(want)
+        elif op == "free" and owned:
+            blocks = owned.pop(n % len(owned))
+            pool.free(reversed(blocks))
+        elif op == "cache" and owned:
+            blocks = owned[n % len(owned)]
+            block = blocks[n % len(blocks)]
+            if block.key is None:
+                pool.cache(block, block_key(None, [n, n], EXTRA), (n, n))
+        elif op == "touch":
+            cached = [b for b in pool.blocks if b.key is not None]
+            if cached:
+                b = cached[n % len(cached)]
+                assert pool.lookup(b.key, b.token_ids) is b
+                pool.touch([b])
+                owned.append([b])
+        elif op == "reset":
+            pool.evict_all_cached()
+        pool.check_integrity()
+        refs = {}
+        for blocks in owned:
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        assert all(b.ref_count == refs.get(b.block_id, 0) for b in pool.blocks)
