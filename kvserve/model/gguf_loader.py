@@ -1,0 +1,237 @@
+"""Load a llama.cpp GGUF file: dequantize to float32, rename to HF names, cache the result.
+
+Opening a GGUF and dequantizing takes seconds, so the converted weights are kept as safetensors
+in the cache dir, next to a JSON file with config, fingerprint and tokenizer. The JSON is written
+last and names the weights file's size, so it doubles as the commit marker of an entry.
+
+    <cache_dir>/gguf/<key>.safetensors   float32 HF-named weights
+    <cache_dir>/gguf/<key>.json          {"loader_version", "source", "fingerprint", "config", ...}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvserve.config import ModelConfig, RopeScaling
+from kvserve.model.loader import LoadedModel, check_tokenizer
+from kvserve.model.tokenizer import GGUFTokenizerFields, Tokenizer
+
+# Bump whenever conversion output changes, so stale cache entries are ignored.
+LOADER_VERSION = 1
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    if m := _LAYER_RE.match(gguf_name):
+        layer, leaf, kind = m.groups()
+        if leaf in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[leaf]}.{kind}"
+    else:
+        base, _, kind = gguf_name.rpartition(".")
+        if base in _GLOBAL_NAMES and kind in ("weight", "bias"):
+            return f"{_GLOBAL_NAMES[base]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama-family equivalent; this file's "
+                     "architecture variant is not supported.")
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time Q/K row order (interleaved -> HF's rotate-half halves).
+
+    convert did ``w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)``.
+    Works for biases (1-D) too.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def cache_paths(path: Path, cache_dir: Path) -> tuple[Path, Path]:
+    """(weights, metadata) cache files for the GGUF at ``path`` as it is now on disk."""
+    stat = path.stat()
+    key = f"{LOADER_VERSION}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    folder = cache_dir / "gguf"
+    return folder / f"{path.stem}-{digest}.safetensors", folder / f"{path.stem}-{digest}.json"
+
+
+def load_gguf(path: Path, cache_dir: Path) -> LoadedModel:
+    """Load the GGUF at ``path``, from ``cache_dir`` when a valid entry exists.
+
+    A missing, stale, unreadable or corrupt cache entry is rebuilt, never an error; a cache dir
+    that cannot be written only costs the speed-up.
+    """
+    path = path.resolve()
+    weights_file, meta_file = cache_paths(path, cache_dir)
+    cached = _read_cache(weights_file, meta_file, str(path))
+    if cached is not None:
+        return cached
+    loaded = convert_gguf(path)
+    try:
+        _write_cache(loaded, weights_file, meta_file)
+    except OSError:
+        pass  # read-only or full cache dir: serve the converted model uncached
+    return loaded
+
+
+def convert_gguf(path: Path) -> LoadedModel:
+    """Read and dequantize the whole file (seconds). Raises ValueError for unsupported files."""
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises bare ValueError/struct errors on bad input
+        raise ValueError(f"Cannot read GGUF file {str(path)!r}: {e}") from e
+    config = _config_from_metadata(reader, str(path))
+    weights = {}
+    for t in reader.tensors:
+        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        array = array.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
+        name = hf_name(t.name)
+        if config.architecture == "llama" and ".self_attn.q_proj." in name:
+            array = unpermute_rows(array, config.num_heads)
+        elif config.architecture == "llama" and ".self_attn.k_proj." in name:
+            array = unpermute_rows(array, config.num_kv_heads)
+        # F32 tensors are read-only views of the file's memmap: copy those, not fresh dequant output
+        weights[name] = torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+    tokenizer = Tokenizer.from_gguf_fields(_tokenizer_fields(reader, config))
+    check_tokenizer(tokenizer, config, str(path))
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
+                       fingerprint=_file_sha256(path), source=str(path))
+
+
+def _field(reader: gguf.GGUFReader, name: str) -> Any:
+    field = reader.fields.get(name)
+    return None if field is None else field.contents()
+
+
+def _config_from_metadata(reader: gguf.GGUFReader, source: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF file {source!r} has architecture {arch!r}; supported: "
+                         f"{list(SUPPORTED_ARCHITECTURES)}.")
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}  # innermost dim first
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in shapes or scaling not in (None, "none"):
+        raise ValueError(f"GGUF file {source!r} uses RoPE scaling ({scaling or 'rope_freqs'}), "
+                         "which the GGUF loader does not support; load the Hugging Face "
+                         "directory instead, whose llama3 rope_scaling is supported.")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{name}")
+        if value is None and default is None:
+            raise ValueError(f"GGUF file {source!r} lacks metadata key {arch}.{name!r}.")
+        return default if value is None else value
+
+    num_heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    if "token_embd.weight" not in shapes:
+        raise ValueError(f"GGUF file {source!r} has no token_embd.weight tensor.")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=shapes["token_embd.weight"][1],
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=int(key("attention.key_length", key("rope.dimension_count", hidden // num_heads))),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in shapes,
+        attention_bias="blk.0.attn_q.bias" in shapes,
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+        torch_dtype="float32",
+    )
+
+
+def _tokenizer_fields(reader: gguf.GGUFReader, config: ModelConfig) -> GGUFTokenizerFields:
+    model = _field(reader, "tokenizer.ggml.model")
+    if model is None:
+        raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.model is missing).")
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    return GGUFTokenizerFields(
+        model=model,
+        pre=_field(reader, "tokenizer.ggml.pre"),
+        tokens=tokens,
+        token_types=_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens),
+        merges=_field(reader, "tokenizer.ggml.merges") or [],
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else None,
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token")),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    scaling = d.get("rope_scaling")
+    return ModelConfig(**(d | {"eos_token_ids": tuple(d["eos_token_ids"]),
+                               "rope_scaling": RopeScaling(**scaling) if scaling else None}))
+
+
+def _read_cache(weights_file: Path, meta_file: Path, source: str) -> LoadedModel | None:
+    """The cached model, or None when the entry is missing, stale or damaged in any way."""
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        if meta["loader_version"] != LOADER_VERSION or meta["source"] != source:
+            return None
+        if weights_file.stat().st_size != meta["weights_nbytes"]:
+            return None
+        # LoadedModel checks names, shapes and dtypes; a mismatch raises and means rebuild.
+        return LoadedModel(config=_config_from_dict(meta["config"]), weights=load_file(weights_file),
+                           tokenizer=Tokenizer.from_json(meta["tokenizer"]),
+                           fingerprint=meta["fingerprint"], source=source)
+    except Exception:  # noqa: BLE001  any damage (truncation, garbage, missing keys): rebuild
+        return None
+
+
+def _write_cache(loaded: LoadedModel, weights_file: Path, meta_file: Path) -> None:
+    weights_file.parent.mkdir(parents=True, exist_ok=True)
+    meta_file.unlink(missing_ok=True)  # invalidate the entry before replacing its weights
+    _atomic_write(weights_file, lambda tmp: save_file(loaded.weights, tmp))
+    meta = {"loader_version": LOADER_VERSION, "source": loaded.source,
+            "fingerprint": loaded.fingerprint, "weights_nbytes": weights_file.stat().st_size,
+            "config": dataclasses.asdict(loaded.config), "tokenizer": loaded.tokenizer.to_json()}
+    _atomic_write(meta_file, lambda tmp: Path(tmp).write_text(json.dumps(meta), encoding="utf-8"))
+
+
+def _atomic_write(target: Path, write: Any) -> None:
+    """Write via a temp file in the same folder, then ``os.replace``: readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,225 @@
+"""Text <-> token ids and chat-template rendering, on top of the ``tokenizers`` library."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
+from tokenizers import Tokenizer as BackendTokenizer
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
+
+# Split regexes of llama.cpp pre-tokenizer names (tokenizer.ggml.pre) that differ from GPT-2's.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerFields:
+    """The ``tokenizer.*`` metadata of a GGUF file, already decoded to Python values."""
+
+    model: str  # tokenizer.ggml.model
+    pre: str | None  # tokenizer.ggml.pre
+    tokens: Sequence[str]
+    token_types: Sequence[int]
+    merges: Sequence[str]
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool
+    chat_template: str | None
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre == "smollm":  # as in SmolLM2's tokenizer.json
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's own split
+
+
+def _byte_level_backend(fields: GGUFTokenizerFields) -> BackendTokenizer:
+    vocab = {token: i for i, token in enumerate(fields.tokens)}
+    merges = [(left, right) for left, _, right in (m.partition(" ") for m in fields.merges)]
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                          continuing_subword_prefix="", end_of_word_suffix=""))
+    if fields.pre in ("qwen2", "deepseek-r1-qwen"):
+        backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(fields.pre)
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>) are special: matched whole in text, skipped on request when
+    # decoding. User-defined ones (<think>) are matched whole but are ordinary text, as in
+    # llama.cpp and transformers.
+    types = list(fields.token_types)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(fields.tokens, types) if k == _GGUF_CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(fields.tokens, types) if k == _GGUF_USER_DEFINED])
+    if fields.add_bos_token and fields.bos_token_id is not None:
+        bos = fields.tokens[fields.bos_token_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, fields.bos_token_id)])
+    return backend
+
+
+def _validate_messages(messages: object) -> None:
+    """ValueError, not TypeError, for every defect: messages arrive from API clients, and the
+    server maps ValueError to a 400 response."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.200}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(  # noqa: TRY004
+                f"messages[{i}] must be a dict with 'role' and 'content', got {message!r:.200}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}]['role'] must be one of {sorted(CHAT_ROLES)}, got {role!r:.200}")
+        if not isinstance(content, str):
+            raise ValueError(  # noqa: TRY004
+                f"messages[{i}]['content'] must be a string, got {content!r:.200}")
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """Compile as transformers does, so prompts match the ones the model was trained on."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"The model's chat template does not compile: {e}") from e
+
+
+class Tokenizer:
+    """Wraps a ``tokenizers.Tokenizer`` with the model's special ids and chat template."""
+
+    def __init__(self, backend: BackendTokenizer, bos_token_id: int | None,
+                 eos_token_id: int | None, chat_template: str | None) -> None:
+        self._backend = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        self._template = _compile_chat_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_gguf_fields(cls, fields: GGUFTokenizerFields) -> Tokenizer:
+        if fields.model != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer model {fields.model!r} is not supported; only byte-level BPE "
+                "('gpt2', used by SmolLM, Llama 3, Qwen2) is. Load the model from its Hugging Face "
+                "directory (with tokenizer.json) instead.")
+        return cls(_byte_level_backend(fields), fields.bos_token_id, fields.eos_token_id,
+                   fields.chat_template)
+
+    @classmethod
+    def from_hf_dir(cls, path: Path, fallback_eos_token_id: int | None = None) -> Tokenizer:
+        """Read ``tokenizer.json`` and, when present, ``tokenizer_config.json`` and
+        ``chat_template.jinja``."""
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"{str(path)!r} has no tokenizer.json; only fast (tokenizers-library) "
+                             "tokenizers are supported.")
+        backend = BackendTokenizer.from_file(str(tokenizer_file))
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        template = _hf_chat_template(path, config)
+        bos = _token_id(backend, config.get("bos_token"))
+        eos = _token_id(backend, config.get("eos_token"))
+        return cls(backend, bos, eos if eos is not None else fallback_eos_token_id, template)
+
+    def to_tokenizer_json(self) -> str:
+        """The ``tokenizers`` library's JSON, i.e. what a ``tokenizer.json`` file holds."""
+        return self._backend.to_str()
+
+    def to_json(self) -> str:
+        """Everything ``from_json`` needs, for the weights cache."""
+        return json.dumps({"backend": self._backend.to_str(), "bos_token_id": self.bos_token_id,
+                           "eos_token_id": self.eos_token_id, "chat_template": self.chat_template})
+
+    @classmethod
+    def from_json(cls, data: str) -> Tokenizer:
+        d = json.loads(data)
+        return cls(BackendTokenizer.from_str(d["backend"]), d["bos_token_id"], d["eos_token_id"],
+                   d["chat_template"])
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Special tokens written in ``text`` (``<|im_start|>``) become their single id;
+        ``add_special_tokens`` adds BOS where the model's tokenizer asks for it."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` to the prompt text (not ids); ValueError on malformed messages,
+        a model without a template, or a conversation the template rejects."""
+        if self._template is None:
+            raise ValueError("This model has no chat template; send a plain prompt instead.")
+        _validate_messages(messages)
+        special = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id}
+        strings = {k: (self.id_to_token(v) or "") if v is not None else "" for k, v in special.items()}
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **strings)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"The chat template rejected the messages: {e}") from e
+
+
+def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    return template if isinstance(template, str) else None
+
+
+def _token_id(backend: BackendTokenizer, token: object) -> int | None:
+    """Id of a tokenizer_config special token, given as a string or {"content": ...}."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return backend.token_to_id(token) if isinstance(token, str) else None

@@ -1,0 +1,36 @@
+"""Session-wide fixtures shared by every test folder."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import pytest
+
+from kvserve.model.loader import LoadedModel, default_model_path, load_model
+
+
+class HFReference(NamedTuple):
+    """transformers' own load of the default GGUF, the reference our loader is checked against."""
+
+    model: Any  # transformers LlamaForCausalLM, float32, eval mode
+    tokenizer: Any  # transformers tokenizer built from the same GGUF
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    """The default SmolLM2 GGUF through our loader. Uses the user cache dir
+    (``$KVSERVE_CACHE_DIR`` or ``~/.cache/kvserve``), so only the first run ever pays the
+    conversion (~8 s); later runs load in well under a second."""
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_reference() -> HFReference:
+    """transformers' GGUF load of the default model (~25 s on 2 cores, hence session scope)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return HFReference(model=model.eval(), tokenizer=tokenizer)
