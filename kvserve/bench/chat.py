@@ -1,0 +1,73 @@
+"""Multi-turn chat: time to first token per turn with the prefix cache on and off.
+
+One conversation whose history grows past ``target_tokens``: each user turn asks
+about a passage of the evaluation text; the assistant answers greedily. The run
+with the cache on records the conversation; the run with it off replays exactly
+the same messages, so both prefill the same prompts turn by turn.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvserve.bench.common import table
+from kvserve.llm import LLM
+from kvserve.sampling_params import SamplingParams
+
+SYSTEM = "You are a careful reader. Answer questions about the passages the user shares, briefly."
+
+
+def passages(text: str, words: int) -> list[str]:
+    tokens = re.sub(r"\s+", " ", text).split(" ")
+    return [" ".join(tokens[i:i + words]) for i in range(0, len(tokens) - words, words)]
+
+
+def user_turns(text: str, count: int, words: int) -> list[str]:
+    return [f"Here is passage {i + 1}:\n{p}\nWho is speaking in this passage, and what happens?"
+            for i, p in enumerate(passages(text, words)[:count])]
+
+
+def converse(llm: LLM, turns: list[str], replies: list[str] | None, max_tokens: int) -> list[dict]:
+    """Play the conversation; with ``replies`` given, use them instead of the model's."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    history = [{"role": "system", "content": SYSTEM}]
+    log = []
+    for i, turn in enumerate(turns):
+        history.append({"role": "user", "content": turn})
+        out = llm.chat(history, params)[0]
+        reply = replies[i] if replies is not None else out.text
+        history.append({"role": "assistant", "content": reply})
+        log.append({"prompt_tokens": out.num_prompt_tokens, "cached": out.num_cached_tokens,
+                    "ttft": out.ttft, "reply": reply})
+    return log
+
+
+def run(on: LLM, off: LLM, text: str, target_tokens: int, words_per_turn: int,
+        max_tokens: int) -> tuple[list[dict], str]:
+    turns = user_turns(text, 200, words_per_turn)
+    # find how many turns reach the target by playing with the cache on
+    with_cache = []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    history = [{"role": "system", "content": SYSTEM}]
+    for turn in turns:
+        history.append({"role": "user", "content": turn})
+        out = on.chat(history, params)[0]
+        history.append({"role": "assistant", "content": out.text})
+        with_cache.append({"prompt_tokens": out.num_prompt_tokens, "cached": out.num_cached_tokens,
+                           "ttft": out.ttft, "reply": out.text})
+        if out.num_prompt_tokens >= target_tokens:
+            break
+    used = turns[:len(with_cache)]
+    without = converse(off, used, [t["reply"] for t in with_cache], max_tokens)
+    rows = []
+    results = []
+    for i, (a, b) in enumerate(zip(with_cache, without)):
+        assert a["prompt_tokens"] == b["prompt_tokens"], "the two runs diverged"
+        speedup = b["ttft"] / a["ttft"]
+        results.append({"turn": i + 1, "prompt_tokens": a["prompt_tokens"], "cached_tokens": a["cached"],
+                        "ttft_on_s": a["ttft"], "ttft_off_s": b["ttft"], "speedup": speedup})
+        rows.append([i + 1, a["prompt_tokens"], a["cached"], f"{a['ttft'] * 1000:.0f}",
+                     f"{b['ttft'] * 1000:.0f}", f"{speedup:.1f}x"])
+    text_table = table(["turn", "prompt tokens", "from cache", "TTFT cache on (ms)", "TTFT cache off (ms)",
+                        "speedup"], rows)
+    return results, text_table

@@ -1,0 +1,76 @@
+"""``kvserve bench chat|decode``: benchmarks with their baselines in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return {"device": args.device, "dtype": args.dtype}
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from kvserve.bench import chat
+    from kvserve.bench.common import find_text
+    from kvserve.llm import LLM
+    from kvserve.model.loader import load_model
+
+    loaded = load_model(args.model)
+    text = find_text(args.text)
+    on = LLM(loaded=loaded, enable_prefix_caching=True, **_engine_kwargs(args))
+    off = LLM(loaded=loaded, enable_prefix_caching=False, **_engine_kwargs(args))
+    results, tbl = chat.run(on, off, text, args.target_tokens, args.words_per_turn, args.max_tokens)
+    later = [r["speedup"] for r in results if r["prompt_tokens"] >= args.target_tokens // 2]
+    print(f"multi-turn chat, {loaded.source}, device {on.engine.device}, dtype {on.engine.dtype}")
+    print(tbl)
+    if later:
+        print(f"\nturns with >= {args.target_tokens // 2} prompt tokens: TTFT speedup "
+              f"min {min(later):.1f}x, mean {sum(later) / len(later):.1f}x")
+    _save(args, {"benchmark": "chat", "results": results})
+    return 0
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    from kvserve.bench import decode
+    from kvserve.llm import LLM
+    from kvserve.model.loader import load_model
+
+    loaded = load_model(args.model)
+    llm = LLM(loaded=loaded, **_engine_kwargs(args))
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    rows, tbl = decode.run(loaded, llm, sizes, args.new_tokens, args.repeats)
+    print(f"decode throughput, {loaded.source}, device {llm.engine.device}, dtype {llm.engine.dtype}, "
+          f"{args.new_tokens} new tokens per request, median of {args.repeats}")
+    print(tbl)
+    _save(args, {"benchmark": "decode", "rows": rows})
+    return 0
+
+
+def _save(args: argparse.Namespace, payload: dict) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="benchmarks, each with its baseline in the same run")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default=None)
+    common.add_argument("--device", default="auto")
+    common.add_argument("--dtype", default="auto")
+    common.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+    c = bsub.add_parser("chat", parents=[common], help="multi-turn chat TTFT, prefix cache on vs off")
+    c.add_argument("--text", default=None, help="text for the user turns (default ../shared/data/botchan.txt)")
+    c.add_argument("--target-tokens", type=int, default=2000, help="grow the history to this many tokens")
+    c.add_argument("--words-per-turn", type=int, default=60)
+    c.add_argument("--max-tokens", type=int, default=48, help="reply length per turn")
+    c.set_defaults(run=run_chat)
+
+    d = bsub.add_parser("decode", parents=[common], help="decode throughput vs transformers generate")
+    d.add_argument("--batch-sizes", default="1,8,16")
+    d.add_argument("--new-tokens", type=int, default=128)
+    d.add_argument("--repeats", type=int, default=3)
+    d.set_defaults(run=run_decode)

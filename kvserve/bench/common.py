@@ -1,0 +1,58 @@
+"""Shared pieces of the benchmarks: text, tables, the transformers baseline."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from kvserve.model.loader import LoadedModel
+
+TEXT_CANDIDATES = ("../shared/data/botchan.txt", "shared/data/botchan.txt")
+
+
+def find_text(path: str | None = None) -> str:
+    """Evaluation text: ``path``, else botchan.txt from ../shared/data."""
+    candidates = [path] if path else list(TEXT_CANDIDATES)
+    for c in candidates:
+        p = Path(c)
+        if p.is_file():
+            return p.read_text(encoding="utf-8")
+    raise ValueError(f"no text file found (tried {', '.join(candidates)}); pass --text PATH")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table, so the output pastes into the docs as is."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    fmt = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([fmt(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                     + [fmt(r) for r in cells[1:]])
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def hf_model_from(loaded: LoadedModel, dtype: torch.dtype, device: torch.device):
+    """transformers' LlamaForCausalLM holding exactly our weights (the baseline)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    c = loaded.config
+    cfg_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if c.attention_bias else (LlamaConfig, LlamaForCausalLM)
+    hcfg = cfg_cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                   num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                   num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
+                   rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
+                   tie_word_embeddings=c.tie_word_embeddings)
+    model = model_cls(hcfg)
+    model.load_state_dict(loaded.weights, strict=False)
+    return model.to(device=device, dtype=dtype).eval()

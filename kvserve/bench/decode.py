@@ -1,0 +1,49 @@
+"""Decode throughput at several batch sizes, kvserve vs transformers ``generate``.
+
+Both run the same weights in the same dtype on the same device, in one process,
+alternating, each timed as the median of ``repeats`` runs after a warm-up. Each
+request has the same short prompt and generates exactly ``new_tokens`` tokens
+(eos ignored); throughput = batch * new_tokens / wall time (prefill included).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.bench.common import hf_model_from, median_time, table
+from kvserve.llm import LLM
+from kvserve.model.loader import LoadedModel
+from kvserve.sampling_params import SamplingParams
+
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+
+
+def run(loaded: LoadedModel, llm: LLM, batch_sizes: list[int], new_tokens: int,
+        repeats: int) -> tuple[list[list[object]], str]:
+    engine = llm.engine
+    hf = hf_model_from(loaded, engine.dtype, engine.device)
+    prompt = engine.encode_prompt(PROMPT)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for bs in batch_sizes:
+        ids = torch.tensor([prompt] * bs, device=engine.device)
+        mask = torch.ones_like(ids)
+
+        def ours() -> None:
+            llm.reset_prefix_cache()   # every run prefills, as transformers does
+            llm.generate([prompt] * bs, params)
+
+        def theirs() -> None:
+            with torch.inference_mode():
+                hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            do_sample=False, pad_token_id=0)
+
+        ours()
+        theirs()
+        t_ours = median_time(ours, repeats)
+        t_hf = median_time(theirs, repeats)
+        tps_ours = bs * new_tokens / t_ours
+        tps_hf = bs * new_tokens / t_hf
+        rows.append([bs, f"{tps_ours:.1f}", f"{tps_hf:.1f}", f"{tps_ours / tps_hf:.2f}x"])
+    text = table(["batch", "kvserve tok/s", "transformers tok/s", "kvserve / transformers"], rows)
+    return rows, text

