@@ -106,6 +106,8 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
         while wanted - done.keys():
+            if not self.engine.has_unfinished:
+                raise RuntimeError(f"requests {sorted(wanted - done.keys())} left the engine unfinished")
             for out in self.engine.step():
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out

@@ -1,0 +1,90 @@
+"""End-to-end on the real default model (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.cli import main
+
+SYSTEM = ("You are a helpful assistant for a small bookshop. You answer questions about opening "
+          "hours, orders and recommendations. Be polite, concise and accurate.")
+QUESTIONS = ["When do you open on Sundays?", "Can I order a book that is out of stock?",
+             "Recommend a novel about the sea.", "Do you sell gift cards?",
+             "How long does delivery take?", "Can I return a damaged book?"]
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    return LLM(loaded=default_model, max_num_batched_tokens=64, kv_cache_memory_gb=0.25)
+
+
+def conversations() -> list[list[dict[str, str]]]:
+    convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+    convs.append([{"role": "user", "content": "Say hello."}])   # no shared prefix
+    return convs
+
+
+def test_greedy_ids_identical_cache_on_and_off_mixed_batch_chunked(default_model, llm):
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    cold = LLM(loaded=default_model, enable_prefix_caching=False, max_num_batched_tokens=64,
+               kv_cache_memory_gb=0.25)
+    ref = cold.chat(conversations(), params)
+    llm.reset_prefix_cache()
+    llm.chat(conversations()[:2], params)          # the system prompt and two questions become hits
+    got = llm.chat(conversations(), params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    system_tokens = len(default_model.tokenizer.encode(
+        default_model.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}],
+                                                    add_generation_prompt=False)))
+    assert all(o.num_cached_tokens >= system_tokens // 16 * 16 for o in got[:6])
+    assert got[-1].num_cached_tokens == 0
+    assert "Sunday" in ref[0].text or "open" in ref[0].text.lower()
+    llm.engine.check_integrity()
+
+
+def test_stop_string_cuts_the_text(llm):
+    msg = [{"role": "user", "content": "Write a short story about a cat who finds a key."}]
+    full = llm.chat(msg, SamplingParams(max_tokens=40, temperature=0.0))[0]
+    word = full.text.split()[6]
+    at = full.text.find(word)
+    stop = llm.chat(msg, SamplingParams(max_tokens=40, temperature=0.0, stop=[word]))[0]
+    assert stop.finish_reason == "stop" and stop.stop_reason == word
+    assert stop.text == full.text[:at]
+    assert len(stop.token_ids) < len(full.token_ids)
+    with_stop = llm.chat(msg, SamplingParams(max_tokens=40, temperature=0.0, stop=[word],
+                                             include_stop_str_in_output=True))[0]
+    assert with_stop.text == full.text[:at + len(word)]
+
+
+def test_chat_eos_finishes_with_stop(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=30, temperature=0.0))[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 2   # <|im_end|>
+    assert "<|im_end|>" not in out.text
+
+
+def test_unknown_model_path_is_a_clear_error():
+    with pytest.raises(ValueError, match="/no/such/model"):
+        LLM(model="/no/such/model")
+
+
+def test_cli_chat_reports_cache_hits_on_the_second_turn(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi, who are you?\nWhat can you do?\n"))
+    assert main(["chat", "--max-tokens", "12", "--kv-cache-gb", "0.1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[time to first token")]
+    assert len(lines) == 2
+    assert " 0/" in lines[0]
+    cached = int(lines[1].split(", ")[1].split("/")[0])
+    assert cached >= 32
+
+
+def test_cli_generate_and_bad_input(capsys):
+    assert main(["generate", "The capital of France is", "--max-tokens", "4", "--kv-cache-gb", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt tokens from cache" in out and "finish: length" in out
+    assert main(["generate", "hi", "--temperature", "-1", "--kv-cache-gb", "0.1"]) == 2
+    assert "temperature must be in [0, 100]" in capsys.readouterr().err
