@@ -63,11 +63,12 @@ class ModelRunner:
             elif start_pos == 0:
                 prefills.append(PrefillChunk(flat_start, flat_start + n, 0, None, None))
             else:
-                slots = torch.tensor(self._slots(block_ids, 0, end_pos), device=self.device)
+                num_blocks = -(-end_pos // self.block_size)
+                table = torch.tensor([block_ids[:num_blocks]], dtype=torch.long, device=self.device)
                 key_pos = torch.arange(end_pos, device=self.device)
                 query_pos = torch.arange(start_pos, end_pos, device=self.device)
                 mask = key_pos[None, :] <= query_pos[:, None]
-                prefills.append(PrefillChunk(flat_start, flat_start + n, start_pos, slots, mask))
+                prefills.append(PrefillChunk(flat_start, flat_start + n, start_pos, table, mask))
         decode = None
         if decode_idx:
             decode = self._decode_group(decode_idx, decode_tables, decode_lens,
@@ -86,13 +87,11 @@ class ModelRunner:
         max_blocks = -(-max_len // bs)
         padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
         table = torch.tensor(padded, dtype=torch.long, device=self.device)
-        offsets = torch.arange(bs, device=self.device)
-        slots = (table[:, :, None] * bs + offsets).view(len(tables), -1)[:, :max_len]
         lengths = torch.tensor(lens, device=self.device)
-        mask = (torch.arange(max_len, device=self.device)[None, :] < lengths[:, None])
+        mask = torch.arange(max_blocks * bs, device=self.device)[None, :] < lengths[:, None]
         return DecodeGroup(
             token_idx=torch.tensor(token_idx, dtype=torch.long, device=self.device),
-            slots=slots, mask=mask[:, None, None, :], is_whole_batch=is_whole_batch)
+            block_table=table, mask=mask[:, None, None, :], is_whole_batch=is_whole_batch)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         ids, pos, meta = self.build_metadata(out)

@@ -6,7 +6,7 @@ one padded call; each prefill chunk gets its own call, causal within the chunk
 and open to the request's earlier tokens already in the cache.
 
     flat tokens  | p0 p0 p0 p0 | d1 | p2 p2 | d3 |
-    decode group: token_idx = [4, 7], slots [2, max_len], mask [2, 1, 1, max_len]
+    decode group: token_idx = [4, 7], block_table [2, max_blocks], mask [2, 1, 1, max_blocks * block_size]
     prefills    : (start 0, end 4), (start 5, end 7)
 """
 
@@ -23,8 +23,8 @@ from kvserve.kv.paged_cache import PagedKVCache
 @dataclass(frozen=True)
 class DecodeGroup:
     token_idx: torch.Tensor   # [num_decodes] positions in the flat batch
-    slots: torch.Tensor       # [num_decodes, max_len] cache slots, padded with slot 0
-    mask: torch.Tensor        # [num_decodes, 1, 1, max_len] True where a key is real
+    block_table: torch.Tensor  # [num_decodes, max_blocks] block ids, padded with block 0
+    mask: torch.Tensor        # [num_decodes, 1, 1, max_blocks * block_size] True where a key is real
     is_whole_batch: bool      # every token of the step is a decode (skip the scatter)
 
 
@@ -33,7 +33,7 @@ class PrefillChunk:
     start: int                # first position in the flat batch
     end: int                  # one past the last
     num_context_tokens: int   # tokens of this request before the chunk (in the cache)
-    slots: torch.Tensor | None  # [num_context + num_new] slots; None without context
+    block_table: torch.Tensor | None  # [1, num_blocks] the request's blocks; None without context
     mask: torch.Tensor | None   # [num_new, num_context + num_new]; None without context
 
 
@@ -56,11 +56,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     out = torch.empty_like(q)
     for p in meta.prefills:
         qs = q[p.start:p.end].transpose(0, 1).unsqueeze(0)            # [1, H, n, D]
-        if p.slots is None:
+        if p.block_table is None:
             ks, vs = k[p.start:p.end], v[p.start:p.end]
             causal, mask = True, None
         else:
-            ks, vs = cache.gather(layer, p.slots)
+            num_keys = p.num_context_tokens + p.end - p.start
+            ks, vs = cache.gather(layer, p.block_table)
+            ks, vs = ks[0, :num_keys], vs[0, :num_keys]
             causal, mask = False, p.mask
         ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)               # [1, Hkv, L, D]
         vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
@@ -78,7 +80,7 @@ def _decode(q: torch.Tensor, d: DecodeGroup, layer: int, cache: PagedKVCache,
     # head, so GQA needs no copy of K and V: [B, Hkv, group, D] x [B, Hkv, L, D].
     num = q.shape[0]
     qd = q.view(num, num_kv_heads, group, q.shape[2])
-    kd, vd = cache.gather(layer, d.slots)                               # [B, L, Hkv, D]
+    kd, vd = cache.gather(layer, d.block_table)                         # [B, L, Hkv, D]
     kd = kd.to(q.dtype).transpose(1, 2)
     vd = vd.to(q.dtype).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
