@@ -9,6 +9,7 @@ the same messages, so both prefill the same prompts turn by turn.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from kvserve.bench.common import table
 from kvserve.llm import LLM
@@ -27,47 +28,48 @@ def user_turns(text: str, count: int, words: int) -> list[str]:
             for i, p in enumerate(passages(text, words)[:count])]
 
 
-def converse(llm: LLM, turns: list[str], replies: list[str] | None, max_tokens: int) -> list[dict]:
-    """Play the conversation; with ``replies`` given, use them instead of the model's."""
+@dataclass(frozen=True)
+class Turn:
+    prompt_tokens: int
+    cached_tokens: int
+    ttft: float
+    reply: str
+
+
+def converse(llm: LLM, turns: list[str], max_tokens: int, replies: list[str] | None = None,
+             stop_at_tokens: int | None = None) -> list[Turn]:
+    """Play the conversation turn by turn; with ``replies`` given, the history holds
+    them instead of the model's answers. Stops after the first turn whose prompt
+    reaches ``stop_at_tokens``."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     history = [{"role": "system", "content": SYSTEM}]
-    log = []
+    log: list[Turn] = []
     for i, turn in enumerate(turns):
         history.append({"role": "user", "content": turn})
         out = llm.chat(history, params)[0]
         reply = replies[i] if replies is not None else out.text
         history.append({"role": "assistant", "content": reply})
-        log.append({"prompt_tokens": out.num_prompt_tokens, "cached": out.num_cached_tokens,
-                    "ttft": out.ttft, "reply": reply})
+        log.append(Turn(out.num_prompt_tokens, out.num_cached_tokens, out.ttft or 0.0, reply))
+        if stop_at_tokens is not None and out.num_prompt_tokens >= stop_at_tokens:
+            break
     return log
 
 
 def run(on: LLM, off: LLM, text: str, target_tokens: int, words_per_turn: int,
         max_tokens: int) -> tuple[list[dict], str]:
     turns = user_turns(text, 200, words_per_turn)
-    # find how many turns reach the target by playing with the cache on
-    with_cache = []
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    history = [{"role": "system", "content": SYSTEM}]
-    for turn in turns:
-        history.append({"role": "user", "content": turn})
-        out = on.chat(history, params)[0]
-        history.append({"role": "assistant", "content": out.text})
-        with_cache.append({"prompt_tokens": out.num_prompt_tokens, "cached": out.num_cached_tokens,
-                           "ttft": out.ttft, "reply": out.text})
-        if out.num_prompt_tokens >= target_tokens:
-            break
-    used = turns[:len(with_cache)]
-    without = converse(off, used, [t["reply"] for t in with_cache], max_tokens)
+    with_cache = converse(on, turns, max_tokens, stop_at_tokens=target_tokens)
+    without = converse(off, turns[:len(with_cache)], max_tokens, replies=[t.reply for t in with_cache])
     rows = []
     results = []
     for i, (a, b) in enumerate(zip(with_cache, without)):
-        assert a["prompt_tokens"] == b["prompt_tokens"], "the two runs diverged"
-        speedup = b["ttft"] / a["ttft"]
-        results.append({"turn": i + 1, "prompt_tokens": a["prompt_tokens"], "cached_tokens": a["cached"],
-                        "ttft_on_s": a["ttft"], "ttft_off_s": b["ttft"], "speedup": speedup})
-        rows.append([i + 1, a["prompt_tokens"], a["cached"], f"{a['ttft'] * 1000:.0f}",
-                     f"{b['ttft'] * 1000:.0f}", f"{speedup:.1f}x"])
+        if a.prompt_tokens != b.prompt_tokens:
+            raise RuntimeError(f"turn {i + 1}: the two runs prefilled different prompts")
+        speedup = b.ttft / a.ttft
+        results.append({"turn": i + 1, "prompt_tokens": a.prompt_tokens, "cached_tokens": a.cached_tokens,
+                        "ttft_on_s": a.ttft, "ttft_off_s": b.ttft, "speedup": speedup})
+        rows.append([i + 1, a.prompt_tokens, a.cached_tokens, f"{a.ttft * 1000:.0f}",
+                     f"{b.ttft * 1000:.0f}", f"{speedup:.1f}x"])
     text_table = table(["turn", "prompt tokens", "from cache", "TTFT cache on (ms)", "TTFT cache off (ms)",
                         "speedup"], rows)
     return results, text_table

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A Markdown table, so the output pastes into the docs as is."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    fmt = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
     return "\n".join([fmt(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
                      + [fmt(r) for r in cells[1:]])
 
@@ -47,6 +48,8 @@ def hf_model_from(loaded: LoadedModel, dtype: torch.dtype, device: torch.device)
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     c = loaded.config
+    cfg_cls: Any
+    model_cls: Any
     cfg_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if c.attention_bias else (LlamaConfig, LlamaForCausalLM)
     hcfg = cfg_cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                    num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,

@@ -29,11 +29,11 @@ def run(loaded: LoadedModel, llm: LLM, batch_sizes: list[int], new_tokens: int,
         ids = torch.tensor([prompt] * bs, device=engine.device)
         mask = torch.ones_like(ids)
 
-        def ours() -> None:
+        def ours(bs: int = bs) -> None:
             llm.reset_prefix_cache()   # every run prefills, as transformers does
             llm.generate([prompt] * bs, params)
 
-        def theirs() -> None:
+        def theirs(ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> None:
             with torch.inference_mode():
                 hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                             do_sample=False, pad_token_id=0)

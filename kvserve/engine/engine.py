@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ from kvserve.kv.paged_cache import PagedKVCache
 from kvserve.kv.prefix import make_extra_key
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
-from kvserve.request import FinishReason, Request, RequestStatus
+from kvserve.request import FinishReason, Request
 from kvserve.sampling.sampler import Sampler, top_logprobs
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
@@ -47,7 +47,8 @@ def resolve_dtype(name: str, device: torch.device, model_dtype: str) -> torch.dt
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        config = config if config is not None else EngineConfig()
         self.config = config
         loaded = loaded if loaded is not None else load_model(config.model)
         self.model_config = loaded.config
@@ -105,7 +106,7 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError, changing nothing, on bad input."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self.encode_prompt(prompt)
         seq = next(self._seq)
         rid = request_id if request_id is not None else str(seq)

@@ -12,8 +12,8 @@ A block is in exactly one of three states:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 class NoFreeBlocksError(RuntimeError):

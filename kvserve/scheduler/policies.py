@@ -6,7 +6,7 @@ requests, so the request admitted last under a policy is preempted first.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from kvserve.config import SCHEDULING_POLICIES
 from kvserve.request import Request

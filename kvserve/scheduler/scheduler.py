@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
-from kvserve.kv.manager import EMPTY_MATCH, KVCacheManager
+from kvserve.kv.manager import KVCacheManager
 from kvserve.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.policies import POLICIES, uses_cache_lookup, victim_key
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import TINY, random_weights, tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ModelConfig
-from tiny import TINY, random_weights, tiny_model
 
 TOL = 2e-4   # fp32, absolute, on logprobs
 
@@ -46,7 +46,7 @@ def check_against(llm: LLM, model, prompt: list[int], max_tokens: int) -> list[i
     for i, lp in enumerate(out.prompt_logprobs[1:], start=1):
         assert lp.token_id == prompt[i]
         assert lp.logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=TOL)
-        top_vals, top_ids = ref[i - 1].topk(20)
+        top_vals, _ = ref[i - 1].topk(20)
         assert torch.allclose(torch.tensor([v for _, v in lp.top]), top_vals, atol=TOL)
     # generated token j is predicted at position len(prompt) - 1 + j
     for j, lp in enumerate(out.logprobs):
