@@ -12,6 +12,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.stats import EngineStats
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.paged_cache import PagedKVCache
@@ -211,6 +212,15 @@ class LLMEngine:
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
             ttft=ttft, e2e_latency=e2e, num_preemptions=req.num_preemptions)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_steps=self.num_steps, num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running), num_preemptions=self.scheduler.num_preemptions,
+            kv_num_blocks=self.pool.num_blocks, kv_num_free_blocks=self.pool.num_free_blocks,
+            kv_num_cached_blocks=self.pool.num_cached_blocks, kv_usage=self.pool.usage,
+            prefix_query_tokens=self.kv.num_query_tokens, prefix_hit_tokens=self.kv.num_hit_tokens,
+            num_evicted_blocks=self.pool.num_evicted_blocks)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -214,3 +214,14 @@ def test_random_workloads_keep_pool_invariants(loaded, reqs, num_blocks, budget,
             finished.add(ids[-1])
     assert finished == set(ids)
     assert e.pool.num_free_blocks == num_blocks
+
+
+def test_stats_count_prefix_hits_and_blocks(loaded):
+    llm = LLM(loaded=loaded, num_kv_blocks=20, block_size=16)
+    llm.generate(list(range(40)), SamplingParams(max_tokens=2))
+    llm.generate(list(range(40)), SamplingParams(max_tokens=2))
+    s = llm.engine.stats()
+    assert (s.prefix_query_tokens, s.prefix_hit_tokens) == (80, 32)
+    assert s.prefix_hit_rate == 0.4
+    assert (s.num_waiting, s.num_running, s.kv_num_blocks, s.kv_num_free_blocks) == (0, 0, 20, 20)
+    assert s.kv_num_cached_blocks == 2 and s.kv_usage == 0.0

@@ -1,0 +1,24 @@
+"""A snapshot of the engine's state and counters, taken once per step by observers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_steps: int
+    num_waiting: int
+    num_running: int
+    num_preemptions: int
+    kv_num_blocks: int
+    kv_num_free_blocks: int        # free plus evictable cached
+    kv_num_cached_blocks: int      # blocks holding a content key (used or not)
+    kv_usage: float                # fraction of blocks referenced by running requests
+    prefix_query_tokens: int       # prompt tokens looked up at admission, cumulative
+    prefix_hit_tokens: int         # of which served from the device prefix cache
+    num_evicted_blocks: int        # cached blocks whose key was dropped to reuse them
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
