@@ -34,13 +34,18 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
                      + [fmt(r) for r in cells[1:]])
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+def median_times(fns: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    """Median wall time of each function; one warm-up call each, then the
+    functions take turns, so drift in machine load falls on all of them."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
 
 
 def hf_model_from(loaded: LoadedModel, dtype: torch.dtype, device: torch.device):

@@ -1,7 +1,8 @@
 """Decode throughput at several batch sizes, kvserve vs transformers ``generate``.
 
 Both run the same weights in the same dtype on the same device, in one process,
-alternating, each timed as the median of ``repeats`` runs after a warm-up. Each
+alternating run by run (so a noisy neighbour slows both alike), each timed as the
+median of ``repeats`` runs after a warm-up. Each
 request has the same short prompt and generates exactly ``new_tokens`` tokens
 (eos ignored); throughput = batch * new_tokens / wall time (prefill included).
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.bench.common import hf_model_from, median_time, table
+from kvserve.bench.common import hf_model_from, median_times, table
 from kvserve.llm import LLM
 from kvserve.model.loader import LoadedModel
 from kvserve.sampling_params import SamplingParams
@@ -38,10 +39,7 @@ def run(loaded: LoadedModel, llm: LLM, batch_sizes: list[int], new_tokens: int,
                 hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                             do_sample=False, pad_token_id=0)
 
-        ours()
-        theirs()
-        t_ours = median_time(ours, repeats)
-        t_hf = median_time(theirs, repeats)
+        t_ours, t_hf = median_times([ours, theirs], repeats)
         tps_ours = bs * new_tokens / t_ours
         tps_hf = bs * new_tokens / t_hf
         rows.append([bs, f"{tps_ours:.1f}", f"{tps_hf:.1f}", f"{tps_ours / tps_hf:.2f}x"])
