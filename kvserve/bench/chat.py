@@ -9,6 +9,7 @@ the same messages, so both prefill the same prompts turn by turn.
 from __future__ import annotations
 
 import re
+import statistics
 from dataclasses import dataclass
 
 from kvserve.bench.common import table
@@ -56,20 +57,32 @@ def converse(llm: LLM, turns: list[str], max_tokens: int, replies: list[str] | N
 
 
 def run(on: LLM, off: LLM, text: str, target_tokens: int, words_per_turn: int,
-        max_tokens: int) -> tuple[list[dict], str]:
+        max_tokens: int, repeats: int = 1) -> tuple[list[dict], str]:
+    """Each turn's TTFT is the median over ``repeats`` plays of the whole
+    conversation (the prefix cache is emptied before each play)."""
     turns = user_turns(text, 200, words_per_turn)
     with_cache = converse(on, turns, max_tokens, stop_at_tokens=target_tokens)
-    without = converse(off, turns[:len(with_cache)], max_tokens, replies=[t.reply for t in with_cache])
+    replies = [t.reply for t in with_cache]
+    used = turns[:len(with_cache)]
+    plays_on = [with_cache]
+    plays_off = []
+    for r in range(repeats):
+        if r > 0:
+            on.reset_prefix_cache()
+            plays_on.append(converse(on, used, max_tokens, replies=replies))
+        plays_off.append(converse(off, used, max_tokens, replies=replies))
     rows = []
     results = []
-    for i, (a, b) in enumerate(zip(with_cache, without)):
-        if a.prompt_tokens != b.prompt_tokens:
-            raise RuntimeError(f"turn {i + 1}: the two runs prefilled different prompts")
-        speedup = b.ttft / a.ttft
+    for i, a in enumerate(with_cache):
+        if any(p[i].prompt_tokens != a.prompt_tokens for p in plays_on + plays_off):
+            raise RuntimeError(f"turn {i + 1}: the runs prefilled different prompts")
+        ttft_on = statistics.median(p[i].ttft for p in plays_on)
+        ttft_off = statistics.median(p[i].ttft for p in plays_off)
+        speedup = ttft_off / ttft_on
         results.append({"turn": i + 1, "prompt_tokens": a.prompt_tokens, "cached_tokens": a.cached_tokens,
-                        "ttft_on_s": a.ttft, "ttft_off_s": b.ttft, "speedup": speedup})
-        rows.append([i + 1, a.prompt_tokens, a.cached_tokens, f"{a.ttft * 1000:.0f}",
-                     f"{b.ttft * 1000:.0f}", f"{speedup:.1f}x"])
+                        "ttft_on_s": ttft_on, "ttft_off_s": ttft_off, "speedup": speedup})
+        rows.append([i + 1, a.prompt_tokens, a.cached_tokens, f"{ttft_on * 1000:.0f}",
+                     f"{ttft_off * 1000:.0f}", f"{speedup:.1f}x"])
     text_table = table(["turn", "prompt tokens", "from cache", "TTFT cache on (ms)", "TTFT cache off (ms)",
                         "speedup"], rows)
     return results, text_table
