@@ -1,8 +1,8 @@
 """Turns a scheduled step into tensors, runs the model, returns logits.
 
 It owns the device: the model, the paged KV cache, and the per-step batch
-(input ids, positions, slot mapping, attention metadata), which is built fresh
-each step and travels with the call, never through global state.
+(input ids, positions, where new K/V go, attention metadata), which is built
+fresh each step and travels with the call, never through global state.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.paged_cache import PagedKVCache
-from kvserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from kvserve.kv.quantized_cache import Overlay, ResidualWrite
+from kvserve.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from kvserve.model.llama import LlamaModel
 from kvserve.request import Request, TokenLogprob
 from kvserve.sampling.sampler import top_logprobs
@@ -27,75 +27,110 @@ class StepResult:
     prompt_logprobs: dict[str, list[TokenLogprob]]  # request id -> logprobs of prompt tokens this step
 
 
+class _StepBuilder:
+    """Accumulates one step's batch, chunk by chunk (CPU lists, then tensors)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.r = runner
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []           # cache slots (native) or residual slots (quantized)
+        self.encode_rows: list[int] = []
+        self.encode_blocks: list[int] = []
+        self.decode_idx: list[int] = []
+        self.decode_tables: list[list[int]] = []
+        self.decode_lens: list[int] = []
+        self.decode_open: list[int | None] = []   # residual row of each decode's open block
+        self.prefills: list[PrefillChunk] = []
+
+    def add(self, req: Request, n: int) -> None:
+        r, bs = self.r, self.r.block_size
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        block_ids = r.kv.block_ids(req.request_id)
+        flat_start = len(self.input_ids)
+        self.input_ids.extend(req.all_token_ids[start:end])
+        self.positions.extend(range(start, end))
+        open_row = None
+        if r.cache.is_lossless:
+            self.slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+        else:
+            rows = {i: r.kv.residual.assign(block_ids[i]) for i in range(start // bs, (end - 1) // bs + 1)}
+            self.slots.extend(rows[p // bs] * bs + p % bs for p in range(start, end))
+            for i, row in rows.items():
+                if (i + 1) * bs <= end:
+                    self.encode_rows.append(row)
+                    self.encode_blocks.append(block_ids[i])
+            open_row = rows.get(end // bs) if end % bs else None
+        num_blocks = -(-end // bs)
+        if n == 1:
+            self.decode_idx.append(flat_start)
+            self.decode_tables.append(block_ids[:num_blocks])
+            self.decode_lens.append(end)
+            self.decode_open.append(open_row)
+        elif start == 0 and r.cache.is_lossless:
+            self.prefills.append(PrefillChunk(flat_start, flat_start + n, 0, None, None))
+        else:
+            dev = r.device
+            table = torch.tensor([block_ids[:num_blocks]], dtype=torch.long, device=dev)
+            key_pos = torch.arange(num_blocks * bs, device=dev)
+            query_pos = torch.arange(start, end, device=dev)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            overlay = None if open_row is None else _overlay([num_blocks - 1], [open_row], dev)
+            self.prefills.append(PrefillChunk(flat_start, flat_start + n, start, table, mask, overlay))
+
+    def build(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        dev = self.r.device
+        slots = torch.tensor(self.slots, dtype=torch.long, device=dev)
+        write: torch.Tensor | ResidualWrite = slots
+        if not self.r.cache.is_lossless:
+            write = ResidualWrite(slots, torch.tensor(self.encode_rows, dtype=torch.long, device=dev),
+                                  torch.tensor(self.encode_blocks, dtype=torch.long, device=dev))
+        decode = self._decode_group() if self.decode_idx else None
+        meta = AttentionMetadata(write=write, decode=decode, prefills=tuple(self.prefills))
+        ids = torch.tensor(self.input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(self.positions, dtype=torch.long, device=dev)
+        return ids, pos, meta
+
+    def _decode_group(self) -> DecodeGroup:
+        bs, dev = self.r.block_size, self.r.device
+        max_blocks = max(len(t) for t in self.decode_tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in self.decode_tables]
+        lengths = torch.tensor(self.decode_lens, device=dev)
+        mask = torch.arange(max_blocks * bs, device=dev)[None, :] < lengths[:, None]
+        opens = [(i * max_blocks + len(t) - 1, row)
+                 for i, (t, row) in enumerate(zip(self.decode_tables, self.decode_open)) if row is not None]
+        overlay = _overlay([p for p, _ in opens], [row for _, row in opens], dev) if opens else None
+        return DecodeGroup(
+            token_idx=torch.tensor(self.decode_idx, dtype=torch.long, device=dev),
+            block_table=torch.tensor(padded, dtype=torch.long, device=dev), mask=mask[:, None, None, :],
+            is_whole_batch=len(self.decode_idx) == len(self.input_ids), overlay=overlay)
+
+
+def _overlay(positions: list[int], rows: list[int], device: torch.device) -> Overlay:
+    return Overlay(torch.tensor(positions, dtype=torch.long, device=device),
+                   torch.tensor(rows, dtype=torch.long, device=device))
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, kv: KVCacheManager) -> None:
         self.model = model
         self.cache = cache
         self.kv = kv
         self.device = model.device
         self.block_size = cache.block_size
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-
     def build_metadata(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        decode_idx: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
+        builder = _StepBuilder(self)
         for chunk in out.chunks:
-            req, n = chunk.request, chunk.num_new_tokens
-            start_pos = req.num_computed_tokens
-            end_pos = start_pos + n
-            block_ids = self.kv.block_ids(req.request_id)
-            flat_start = len(input_ids)
-            input_ids.extend(req.all_token_ids[start_pos:end_pos])
-            positions.extend(range(start_pos, end_pos))
-            slot_mapping.extend(self._slots(block_ids, start_pos, end_pos))
-            if n == 1:
-                decode_idx.append(flat_start)
-                decode_tables.append(block_ids)
-                decode_lens.append(end_pos)
-            elif start_pos == 0:
-                prefills.append(PrefillChunk(flat_start, flat_start + n, 0, None, None))
-            else:
-                num_blocks = -(-end_pos // self.block_size)
-                table = torch.tensor([block_ids[:num_blocks]], dtype=torch.long, device=self.device)
-                key_pos = torch.arange(end_pos, device=self.device)
-                query_pos = torch.arange(start_pos, end_pos, device=self.device)
-                mask = key_pos[None, :] <= query_pos[:, None]
-                prefills.append(PrefillChunk(flat_start, flat_start + n, start_pos, table, mask))
-        decode = None
-        if decode_idx:
-            decode = self._decode_group(decode_idx, decode_tables, decode_lens,
-                                        is_whole_batch=len(decode_idx) == len(input_ids))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            decode=decode, prefills=tuple(prefills))
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos, meta
-
-    def _decode_group(self, token_idx: list[int], tables: list[list[int]], lens: list[int],
-                      is_whole_batch: bool) -> DecodeGroup:
-        bs = self.block_size
-        max_len = max(lens)
-        max_blocks = -(-max_len // bs)
-        padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
-        table = torch.tensor(padded, dtype=torch.long, device=self.device)
-        lengths = torch.tensor(lens, device=self.device)
-        mask = torch.arange(max_blocks * bs, device=self.device)[None, :] < lengths[:, None]
-        return DecodeGroup(
-            token_idx=torch.tensor(token_idx, dtype=torch.long, device=self.device),
-            block_table=table, mask=mask[:, None, None, :], is_whole_batch=is_whole_batch)
+            builder.add(chunk.request, chunk.num_new_tokens)
+        return builder.build()
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         ids, pos, meta = self.build_metadata(out)
         hidden = self.model.forward(ids, pos, self.cache, meta)
+        if isinstance(meta.write, ResidualWrite):
+            # the blocks filled this step are encoded now: their rows are free again
+            self.kv.residual.release(meta.write.encode_block_ids.tolist())
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         prompt_logprobs: dict[str, list[TokenLogprob]] = {}

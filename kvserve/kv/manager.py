@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.prefix import extend_block_keys
+from kvserve.kv.residual import NoResidual, ResidualRows
 from kvserve.request import Request
 
 
@@ -33,8 +34,11 @@ EMPTY_MATCH = PrefixMatch([])
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, extra_key: bytes, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, pool: BlockPool, extra_key: bytes, enable_prefix_caching: bool = True,
+                 residual: ResidualRows | None = None) -> None:
         self.pool = pool
+        # full-precision rows of open blocks under a quantized format (see kv/residual.py)
+        self.residual = residual if residual is not None else NoResidual()
         self.block_size = pool.block_size
         self.extra_key = extra_key
         self.enable_prefix_caching = enable_prefix_caching
@@ -128,6 +132,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first (see BlockPool.free)."""
         rid = request.request_id
         table = self._blocks.pop(rid, [])
+        self.residual.release(b.block_id for b in table)
         self.pool.free(reversed(table))
         self._num_cached_blocks.pop(rid, None)
 
@@ -141,6 +146,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        self.residual.check_integrity()
         counted: dict[int, int] = {}
         for table in self._blocks.values():
             for block in table:

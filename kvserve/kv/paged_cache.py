@@ -13,6 +13,10 @@ from kvserve.config import ModelConfig
 
 
 class PagedKVCache:
+    """Lossless storage in the compute dtype (the ``native`` format)."""
+
+    is_lossless = True
+
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
@@ -30,14 +34,15 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store ``key``/``value`` ([num_tokens, num_kv_heads, head_dim]) at their slots."""
         k_flat = self.key_caches[layer].view(-1, *key.shape[1:])
         v_flat = self.value_caches[layer].view(-1, *value.shape[1:])
         k_flat.index_copy_(0, slot_mapping, key.to(k_flat.dtype))
         v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
 
-    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, block_table: torch.Tensor,
+               overlay: object = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the blocks in ``block_table`` ([B, num_blocks] block ids),
         as [B, num_blocks * block_size, heads, dim], tokens in order.
 

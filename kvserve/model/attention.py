@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kv.paged_cache import PagedKVCache
+from kvserve.kv.quantized_cache import Overlay, QuantizedKVCache, ResidualWrite
+
+KVCache = PagedKVCache | QuantizedKVCache
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class DecodeGroup:
     block_table: torch.Tensor  # [num_decodes, max_blocks] block ids, padded with block 0
     mask: torch.Tensor        # [num_decodes, 1, 1, max_blocks * block_size] True where a key is real
     is_whole_batch: bool      # every token of the step is a decode (skip the scatter)
+    overlay: Overlay | None = None   # open blocks read from residual rows (quantized formats)
 
 
 @dataclass(frozen=True)
@@ -33,21 +37,22 @@ class PrefillChunk:
     start: int                # first position in the flat batch
     end: int                  # one past the last
     num_context_tokens: int   # tokens of this request before the chunk (in the cache)
-    block_table: torch.Tensor | None  # [1, num_blocks] the request's blocks; None without context
-    mask: torch.Tensor | None   # [num_new, num_context + num_new]; None without context
+    block_table: torch.Tensor | None  # [1, num_blocks] the request's blocks; None: attend to the new k, v
+    mask: torch.Tensor | None   # [num_new, num_blocks * block_size]; None: plain causal
+    overlay: Overlay | None = None
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor   # [num_tokens] where each new token's K/V is written
+    write: torch.Tensor | ResidualWrite   # slot mapping (native) or residual plan (quantized)
     decode: DecodeGroup | None
     prefills: tuple[PrefillChunk, ...]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, Hkv, D] for the step's new tokens. Returns [T, H, D]."""
-    cache.write(layer, meta.slot_mapping, k, v)
+    cache.write(layer, k, v, meta.write)  # type: ignore[arg-type]
     num_kv_heads = k.shape[1]
     group = q.shape[1] // num_kv_heads
     d = meta.decode
@@ -60,9 +65,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             ks, vs = k[p.start:p.end], v[p.start:p.end]
             causal, mask = True, None
         else:
-            num_keys = p.num_context_tokens + p.end - p.start
-            ks, vs = cache.gather(layer, p.block_table)
-            ks, vs = ks[0, :num_keys], vs[0, :num_keys]
+            ks, vs = cache.gather(layer, p.block_table, p.overlay)  # type: ignore[arg-type]
+            ks, vs = ks[0], vs[0]
             causal, mask = False, p.mask
         ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)               # [1, Hkv, L, D]
         vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
@@ -74,13 +78,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     return out
 
 
-def _decode(q: torch.Tensor, d: DecodeGroup, layer: int, cache: PagedKVCache,
+def _decode(q: torch.Tensor, d: DecodeGroup, layer: int, cache: KVCache,
             num_kv_heads: int, group: int, scale: float) -> torch.Tensor:
     # The `group` query heads sharing a KV head act as `group` query rows of one
     # head, so GQA needs no copy of K and V: [B, Hkv, group, D] x [B, Hkv, L, D].
     num = q.shape[0]
     qd = q.view(num, num_kv_heads, group, q.shape[2])
-    kd, vd = cache.gather(layer, d.block_table)                         # [B, L, Hkv, D]
+    kd, vd = cache.gather(layer, d.block_table, d.overlay)  # type: ignore[arg-type]  # [B, L, Hkv, D]
     kd = kd.to(q.dtype).transpose(1, 2)
     vd = vd.to(q.dtype).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
