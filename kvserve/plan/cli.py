@@ -1,0 +1,88 @@
+"""``kvserve plan``: KV memory for a model, a context length, a batch and a format."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvserve.plan.formats import BLOCK_SIZE, COMPUTE_FORMATS, FORMATS
+from kvserve.plan.models import load_model_shape, resolve_model
+from kvserve.plan.planner import GIB, KVLayout, PlanRequest, make_plan
+from kvserve.plan.report import plan_to_dict, render_formats, render_models, render_plan
+
+_EXAMPLES = """examples:
+  kvserve plan --model llama-3-70b --context 2048 --batch 100 --kv-format fp16 --memory-gb 80
+  kvserve plan --model llama-3-8b --context 1000 --shared-prefix-tokens 1000 --users 1000
+  kvserve plan --model qwen2-7b --kv-format kivi4 --host-gb 64 --disk-gb 500
+  kvserve plan --config path/to/config.json --key-format int8 --value-format int4
+  kvserve plan --list-models"""
+
+_TIERS = ("host", "disk", "redis")
+_DEFAULT_MODEL = "SmolLM2-135M"
+
+
+def _gib_to_bytes(gib: float | None) -> int | None:
+    return None if gib is None else round(gib * GIB)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    if args.list_models:
+        sys.stdout.write(render_models())
+        return 0
+    model = load_model_shape(args.config) if args.config else resolve_model(args.model or _DEFAULT_MODEL)
+    if args.list_formats:
+        sys.stdout.write(render_formats(model.head_dim))
+        return 0
+    context = args.context if args.context is not None else model.max_context
+    if context is None:
+        raise ValueError(f"{model.name} does not state its context length; pass --context")
+    layout = KVLayout.build(model, args.kv_format, key_format=args.key_format, value_format=args.value_format,
+                            block_size=args.block_size, compute_format=args.compute_dtype)
+    tiers = tuple((name, nbytes) for name in _TIERS
+                  if (nbytes := _gib_to_bytes(getattr(args, f"{name}_gb"))) is not None)
+    request = PlanRequest(context_tokens=context, batch_size=args.batch, memory_bytes=_gib_to_bytes(args.memory_gb),
+                          prefix_tokens=args.shared_prefix_tokens, num_users=args.users, tier_nbytes=tiers)
+    plan = make_plan(layout, request)
+    if args.json is None:
+        sys.stdout.write(render_plan(plan))
+        return 0
+    text = json.dumps(plan_to_dict(plan), indent=2) + "\n"
+    if args.json == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.json).write_text(text)
+        sys.stdout.write(render_plan(plan))
+    return 0
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="KV memory planner: bytes per token/sequence/batch, what fits, "
+                                    "prefix sharing, offload tiers",
+                       description=__doc__, epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None,
+                     help=f"a built-in model name (see --list-models) or a path (default {_DEFAULT_MODEL})")
+    src.add_argument("--config", default=None,
+                     help="a Hugging Face config.json, a model directory, or a .gguf file")
+    src.add_argument("--list-models", action="store_true", help="print the built-in models and exit")
+    p.add_argument("--list-formats", action="store_true",
+                   help="print the bytes of every KV format at the model's head dim and exit")
+    p.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's max context)")
+    p.add_argument("--batch", type=int, default=1, help="concurrent sequences of --context tokens (default 1)")
+    p.add_argument("--kv-format", default="fp16", choices=list(FORMATS), help="KV storage format (default fp16)")
+    p.add_argument("--key-format", default=None, choices=list(FORMATS), help="override the K half's format")
+    p.add_argument("--value-format", default=None, choices=list(FORMATS), help="override the V half's format")
+    p.add_argument("--compute-dtype", default="fp16", choices=list(COMPUTE_FORMATS),
+                   help="dtype of KIVI's residual, the open block of each sequence (default fp16)")
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"tokens per block (default {BLOCK_SIZE})")
+    p.add_argument("--memory-gb", type=float, default=None, help="device KV budget in GiB")
+    p.add_argument("--shared-prefix-tokens", type=int, default=None,
+                   help="tokens every user's sequence starts with (a system prompt); needs --users")
+    p.add_argument("--users", type=int, default=None, help="sequences sharing the prefix")
+    for tier in _TIERS:
+        p.add_argument(f"--{tier}-gb", type=float, default=None, help=f"{tier} tier size in GiB")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the plan as JSON to PATH ('-': print JSON instead of the table)")
+    p.set_defaults(run=run_plan)

@@ -1,0 +1,154 @@
+"""Model shapes for planning: a built-in table of common models, or read from a config.
+
+Only the attention shape matters for KV memory: layers, KV heads and head dim. The table holds
+the published config.json values of each model (base and instruct variants share them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from kvserve.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention shape of a decoder; ``max_context`` is None when the source does not say."""
+
+    name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_context: int | None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{self.name}: {field} must be positive, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.max_context is not None and self.max_context <= 0:
+            raise ValueError(f"{self.name}: max_context must be positive, got {self.max_context}")
+
+    @property
+    def attention(self) -> str:
+        """``MHA``, ``MQA`` or ``GQA 8:1`` (query heads per KV head)."""
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        if self.num_kv_heads == 1:
+            return "MQA"
+        return f"GQA {self.num_heads // self.num_kv_heads}:1"
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, name: str | None = None) -> ModelShape:
+        return cls(name or config.architecture, config.num_layers, config.num_heads, config.num_kv_heads,
+                   config.head_dim, config.hidden_size, config.max_position_embeddings)
+
+
+# name, layers, heads, KV heads, head dim, hidden, max context (the model card's context length), note
+_TABLE: tuple[tuple[str, int, int, int, int, int, int, str], ...] = (
+    ("Llama-2-7B", 32, 32, 32, 128, 4096, 4096, ""),
+    ("Llama-2-13B", 40, 40, 40, 128, 5120, 4096, ""),
+    ("Llama-2-70B", 80, 64, 8, 128, 8192, 4096, ""),
+    ("Llama-3-8B", 32, 32, 8, 128, 4096, 8192, ""),
+    ("Llama-3-70B", 80, 64, 8, 128, 8192, 8192, ""),
+    ("Mistral-7B", 32, 32, 8, 128, 4096, 32768,
+     "v0.1 attends over a 4,096-token sliding window; planned here as full attention"),
+    ("Qwen2-0.5B", 24, 14, 2, 64, 896, 32768, "the base config.json says 131,072; the card 32,768"),
+    ("Qwen2-1.5B", 28, 12, 2, 128, 1536, 32768, "the base config.json says 131,072; the card 32,768"),
+    ("Qwen2-7B", 28, 28, 4, 128, 3584, 131072, "contexts over 32,768 need YaRN rope scaling"),
+    ("Qwen2-72B", 80, 64, 8, 128, 8192, 131072, "contexts over 32,768 need YaRN rope scaling"),
+    ("SmolLM2-135M", 30, 9, 3, 64, 576, 8192, "the engine's default model"),
+    ("SmolLM2-360M", 32, 15, 5, 64, 960, 8192, ""),
+    ("SmolLM2-1.7B", 24, 32, 32, 64, 2048, 8192, ""),
+)
+
+BUILTIN_MODELS: MappingProxyType[str, ModelShape] = MappingProxyType({
+    row[0]: ModelShape(*row) for row in _TABLE})
+
+# Suffixes of published repository names that do not change the shape.
+_VARIANT_SUFFIXES = ("-hf", "-instruct", "-chat", "-it", "-base", "-v0.1", "-v0.2", "-v0.3")
+
+
+def normalize_model_name(name: str) -> str:
+    """``meta-llama/Meta-Llama-3-70B-Instruct`` -> ``llama-3-70b``; ``Llama2-7b-chat-hf`` ->
+    ``llama-2-7b``; ``Qwen/Qwen2-7B-Instruct`` -> ``qwen2-7b``."""
+    n = name.strip().lower().rsplit("/", 1)[-1].replace("_", "-").replace(":", "-")
+    n = re.sub(r"^meta-", "", n)
+    n = re.sub(r"^llama(\d)", r"llama-\1", n)
+    stripped = True
+    while stripped:
+        stripped = False
+        for suffix in _VARIANT_SUFFIXES:
+            if n.endswith(suffix):
+                n, stripped = n[: -len(suffix)], True
+    return n
+
+
+_BY_NORMALIZED: MappingProxyType[str, ModelShape] = MappingProxyType(
+    {normalize_model_name(name): shape for name, shape in BUILTIN_MODELS.items()})
+
+
+def lookup_model(name: str) -> ModelShape | None:
+    """The built-in model ``name`` names (case-insensitive, org prefix and -Instruct/-chat/-hf
+    suffixes ignored), or None."""
+    return _BY_NORMALIZED.get(normalize_model_name(name))
+
+
+def shape_from_hf_config(raw: dict[str, Any], name: str) -> ModelShape:
+    """A shape from a Hugging Face config.json: num_hidden_layers, num_attention_heads,
+    num_key_value_heads (default: the heads), head_dim (default: hidden_size / heads)."""
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in raw]
+    if missing:
+        raise ValueError(f"{name} lacks {missing}; is it a decoder's config.json?")
+    heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
+    head_dim = raw.get("head_dim") or hidden // heads
+    max_context = raw.get("max_position_embeddings")
+    return ModelShape(name=name, num_layers=int(raw["num_hidden_layers"]), num_heads=heads,
+                      num_kv_heads=int(raw.get("num_key_value_heads") or heads), head_dim=int(head_dim),
+                      hidden_size=hidden, max_context=int(max_context) if max_context else None)
+
+
+def load_model_shape(path: str | Path) -> ModelShape:
+    """A shape from a config.json, a Hugging Face model directory, or a .gguf file (whose config
+    comes from ``kvserve.model.loader.load_model``)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ValueError(f"{str(p)!r} is not a file; expected a config.json, a model directory or a .gguf file")
+    if p.suffix == ".gguf":
+        from kvserve.model.loader import load_model  # torch and the GGUF loader only when needed
+
+        return ModelShape.from_model_config(load_model(str(p)).config, name=p.stem)
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {str(p)!r} as a JSON config: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(p)!r} holds no JSON object")  # noqa: TRY004 -- bad input, not a bad call
+    return shape_from_hf_config(raw, raw.get("_name_or_path") or p.parent.name or str(p))
+
+
+def resolve_model(model: str | ModelShape | ModelConfig) -> ModelShape:
+    """A built-in name or alias, a path (see ``load_model_shape``), a ``ModelConfig`` or a shape."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, ModelConfig):
+        return ModelShape.from_model_config(model)
+    shape = lookup_model(model)
+    if shape is not None:
+        return shape
+    if Path(model).expanduser().exists():
+        return load_model_shape(model)
+    raise ValueError(f"unknown model {model!r}: not a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                     "and not a path to a config.json, a model directory or a .gguf file")

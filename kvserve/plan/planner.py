@@ -1,0 +1,251 @@
+"""KV memory arithmetic: bytes per token, per sequence, per batch; what fits in a budget; what
+prefix sharing saves; what the offload tiers hold. Everything is counted in whole blocks.
+
+A running sequence of n tokens holds ceil(n / B) blocks, the last one partly filled:
+
+    tokens   |0 ........ 15|16 ....... 31|32 .. 39 ...... 47|
+    blocks   |   block 0   |   block 1   |  block 2 (open)   |   n = 40: 3 blocks
+
+Under a format whose half keeps a residual (KIVI keys), that half has floor(n / B) quantized
+blocks plus one open block of B tokens in the compute dtype, reserved for every running sequence
+even when n is a multiple of B (the next token opens it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvserve.config import ModelConfig
+from kvserve.plan.formats import BLOCK_SIZE, COMPUTE_FORMATS, GROUP_SIZE, HalfLayout, KVFormat, get_format
+from kvserve.plan.models import ModelShape, resolve_model
+
+GIB = 1 << 30
+# Planned size of the header a host / disk / Redis tier stores with each block (key, format,
+# length, checksum). The offload serializer must match it.
+TIER_BLOCK_HEADER_NBYTES = 64
+
+LayerSpec = str | tuple[str, str]          # a format name, or (key format, value format)
+FormatSpec = str | Sequence[LayerSpec]     # one for all layers, or one per layer
+
+
+@dataclass(frozen=True)
+class LayerFormat:
+    key: KVFormat
+    value: KVFormat
+
+
+def layer_formats(num_layers: int, kv_format: FormatSpec, key_format: str | None = None,
+                  value_format: str | None = None) -> tuple[LayerFormat, ...]:
+    """One ``LayerFormat`` per layer. ``key_format`` / ``value_format`` override the K or V half of
+    every layer (AsymKV-style: K takes the key half of its format, V the value half of its own)."""
+    specs: Sequence[LayerSpec] = [kv_format] * num_layers if isinstance(kv_format, str) else kv_format
+    if len(specs) != num_layers:
+        raise ValueError(f"{len(specs)} per-layer KV formats given for a model of {num_layers} layers")
+    layers = []
+    for spec in specs:
+        key_name, value_name = (spec, spec) if isinstance(spec, str) else spec
+        layers.append(LayerFormat(get_format(key_format or key_name), get_format(value_format or value_name)))
+    return tuple(layers)
+
+
+class Capacity(NamedTuple):
+    """What ``nbytes`` of memory holds. ``num_sequences`` counts sequences of the plan's context
+    length; None where a sequence has nothing to store there (shorter than a block, in a tier)."""
+
+    nbytes: int
+    num_blocks: int
+    num_tokens: int
+    num_sequences: int | None
+
+
+class Sharing(NamedTuple):
+    """``num_users`` sequences of ``context_tokens`` that start with the same ``prefix_tokens``.
+    Only the prefix's full blocks are shared; its partial block is each user's own."""
+
+    prefix_tokens: int
+    num_users: int
+    context_tokens: int
+    shared_blocks: int
+    shared_tokens: int
+    without_sharing_nbytes: int
+    with_sharing_nbytes: int
+
+    @property
+    def saved_nbytes(self) -> int:
+        return self.without_sharing_nbytes - self.with_sharing_nbytes
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """A model's KV cache in given per-layer formats, in blocks of ``block_size`` tokens.
+    ``compute_format`` is the dtype of KIVI's residual (the open block)."""
+
+    model: ModelShape
+    layers: tuple[LayerFormat, ...]
+    block_size: int = BLOCK_SIZE
+    compute_format: str = "fp16"
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != self.model.num_layers:
+            raise ValueError(f"{len(self.layers)} layer formats for {self.model.num_layers} layers")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block size must be a power of two, got {self.block_size}")
+        if self.compute_format not in COMPUTE_FORMATS:
+            raise ValueError(f"compute dtype must be one of {COMPUTE_FORMATS}, got {self.compute_format!r}")
+        _ = self.block_nbytes  # raises now, not at first use, if a format cannot store this head_dim
+
+    @classmethod
+    def build(cls, model: str | ModelShape | ModelConfig, kv_format: FormatSpec = "fp16", *,
+              key_format: str | None = None, value_format: str | None = None,
+              block_size: int = BLOCK_SIZE, compute_format: str = "fp16") -> KVLayout:
+        shape = resolve_model(model)
+        return cls(shape, layer_formats(shape.num_layers, kv_format, key_format, value_format),
+                   block_size, compute_format)
+
+    def _halves(self) -> Iterator[HalfLayout]:
+        for layer in self.layers:
+            yield layer.key.key
+            yield layer.value.value
+
+    def _block_nbytes(self, residual: bool) -> int:
+        """Bytes of one block over all layers and KV heads, of the halves that keep a residual
+        (``residual``) or of the others."""
+        d, b = self.model.head_dim, self.block_size
+        per_head = sum(h.block_nbytes(d, b, GROUP_SIZE) for h in self._halves() if h.needs_residual == residual)
+        return self.model.num_kv_heads * per_head
+
+    @property
+    def block_nbytes(self) -> int:
+        """One full block: K and V, all layers and KV heads."""
+        return self._block_nbytes(residual=False) + self._block_nbytes(residual=True)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """``block_nbytes / block_size``: a whole number for every built-in model and format at B=16."""
+        return self.block_nbytes / self.block_size
+
+    @property
+    def residual_nbytes(self) -> int:
+        """The open block every running sequence keeps in the compute dtype (0 without KIVI)."""
+        full = get_format(self.compute_format).key
+        num_halves = sum(h.needs_residual for h in self._halves())
+        return self.model.num_kv_heads * num_halves * full.block_nbytes(self.model.head_dim, self.block_size)
+
+    @property
+    def format_name(self) -> str:
+        names = {(layer.key.name, layer.value.name) for layer in self.layers}
+        if len(names) > 1:
+            return "per-layer"
+        key, value = names.pop()
+        return key if key == value else f"k:{key},v:{value}"
+
+    def num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def sequence_nbytes(self, num_tokens: int) -> int:
+        """Bytes one running sequence of ``num_tokens`` holds (see the module docstring)."""
+        if num_tokens < 1:
+            raise ValueError(f"a sequence has at least one token, got {num_tokens}")
+        plain = self.num_blocks(num_tokens) * self._block_nbytes(residual=False)
+        quantized = num_tokens // self.block_size * self._block_nbytes(residual=True)
+        return plain + quantized + self.residual_nbytes
+
+    def device_capacity(self, nbytes: int, context_tokens: int) -> Capacity:
+        """Blocks and tokens of a pool of ``nbytes``, and how many running sequences of
+        ``context_tokens`` fit (with their residuals)."""
+        num_blocks = nbytes // self.block_nbytes
+        return Capacity(nbytes, num_blocks, num_blocks * self.block_size,
+                        nbytes // self.sequence_nbytes(context_tokens))
+
+    def tier_capacity(self, nbytes: int, context_tokens: int) -> Capacity:
+        """What an offload tier of ``nbytes`` holds: blocks of the same payload plus
+        ``TIER_BLOCK_HEADER_NBYTES`` each. Tiers hold full blocks only (only they have content
+        keys), so a sequence puts ``context_tokens // block_size`` blocks there."""
+        num_blocks = nbytes // (self.block_nbytes + TIER_BLOCK_HEADER_NBYTES)
+        per_sequence = context_tokens // self.block_size
+        return Capacity(nbytes, num_blocks, num_blocks * self.block_size,
+                        num_blocks // per_sequence if per_sequence else None)
+
+    def prefix_sharing(self, prefix_tokens: int, num_users: int, context_tokens: int) -> Sharing:
+        """Memory of ``num_users`` running sequences of ``context_tokens`` without and with their
+        common first ``prefix_tokens`` stored once."""
+        if not 1 <= prefix_tokens <= context_tokens:
+            raise ValueError(f"the shared prefix ({prefix_tokens} tokens) must be 1 to the context "
+                             f"length ({context_tokens} tokens)")
+        if num_users < 1:
+            raise ValueError(f"the number of users must be >= 1, got {num_users}")
+        shared_blocks = prefix_tokens // self.block_size
+        unshared = num_users * self.sequence_nbytes(context_tokens)
+        return Sharing(prefix_tokens, num_users, context_tokens, shared_blocks, shared_blocks * self.block_size,
+                       unshared, unshared - (num_users - 1) * shared_blocks * self.block_nbytes)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for. ``memory_bytes``: the device KV budget; ``prefix_tokens`` and
+    ``num_users`` go together; ``tier_nbytes``: (tier name, bytes) of offload tiers."""
+
+    context_tokens: int
+    batch_size: int = 1
+    memory_bytes: int | None = None
+    prefix_tokens: int | None = None
+    num_users: int | None = None
+    tier_nbytes: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.context_tokens < 1:
+            raise ValueError(f"the context length must be >= 1 token, got {self.context_tokens}")
+        if self.batch_size < 1:
+            raise ValueError(f"the batch size must be >= 1, got {self.batch_size}")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise ValueError(f"the KV memory budget must be positive, got {self.memory_bytes} bytes")
+        if (self.prefix_tokens is None) != (self.num_users is None):
+            raise ValueError("give both the shared prefix length and the number of users, or neither")
+        for name, nbytes in self.tier_nbytes:
+            if nbytes <= 0:
+                raise ValueError(f"the {name} tier's size must be positive, got {nbytes} bytes")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The answers for one ``PlanRequest`` on one ``KVLayout``; built by ``make_plan``."""
+
+    layout: KVLayout
+    request: PlanRequest
+    sequence_nbytes: int
+    batch_nbytes: int
+    fp16: KVLayout          # the same model and block size in fp16 and fp32, for comparison
+    fp32: KVLayout
+    device: Capacity | None
+    sharing: Sharing | None
+    tiers: tuple[tuple[str, Capacity], ...]
+
+    @property
+    def batch_fits(self) -> bool | None:
+        return None if self.request.memory_bytes is None else self.batch_nbytes <= self.request.memory_bytes
+
+    def compression(self, reference: KVLayout) -> float:
+        """How many times fewer bytes per full block than ``reference``."""
+        return reference.block_nbytes / self.layout.block_nbytes
+
+    def sequence_compression(self, reference: KVLayout) -> float:
+        """The same for a running sequence of the context length, residual included."""
+        context = self.request.context_tokens
+        return reference.sequence_nbytes(context) / self.sequence_nbytes
+
+
+def make_plan(layout: KVLayout, request: PlanRequest) -> Plan:
+    context = request.context_tokens
+    sequence = layout.sequence_nbytes(context)
+    reference = {name: KVLayout.build(layout.model, name, block_size=layout.block_size) for name in ("fp16", "fp32")}
+    sharing = None
+    if request.prefix_tokens is not None and request.num_users is not None:
+        sharing = layout.prefix_sharing(request.prefix_tokens, request.num_users, context)
+    return Plan(
+        layout=layout, request=request, sequence_nbytes=sequence, batch_nbytes=request.batch_size * sequence,
+        fp16=reference["fp16"], fp32=reference["fp32"],
+        device=None if request.memory_bytes is None else layout.device_capacity(request.memory_bytes, context),
+        sharing=sharing,
+        tiers=tuple((name, layout.tier_capacity(nbytes, context)) for name, nbytes in request.tier_nbytes))
