@@ -83,6 +83,7 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     cache_salt: str = ""
+    kv_format: str = "native"     # a spec such as "int8", "kivi2", "0-1=fp16;2-=kivi2" (docs/kv_formats.md)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -92,13 +93,15 @@ class CacheConfig:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
-    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+    def resolve_num_blocks(self, bytes_per_block: int, reserved_bytes: int = 0) -> int:
+        """Blocks that fit in ``memory_bytes`` after ``reserved_bytes`` (e.g. residual rows)."""
         if self.num_blocks is not None:
             return self.num_blocks
-        num = self.memory_bytes // bytes_per_block
+        num = (self.memory_bytes - reserved_bytes) // bytes_per_block
         if num < 1:
             raise ValueError(
-                f"KV cache memory of {self.memory_bytes} bytes holds no block of {bytes_per_block} bytes")
+                f"KV cache memory of {self.memory_bytes} bytes holds no block of {bytes_per_block} bytes "
+                f"(after {reserved_bytes} bytes reserved for full-precision residual rows)")
         return num
 
 

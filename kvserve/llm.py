@@ -15,7 +15,8 @@ Prompt = str | Sequence[int]
 Message = dict[str, str]
 
 _CACHE_OPTIONS = {"block_size": "block_size", "num_kv_blocks": "num_blocks",
-                  "enable_prefix_caching": "enable_prefix_caching", "cache_salt": "cache_salt"}
+                  "enable_prefix_caching": "enable_prefix_caching", "cache_salt": "cache_salt",
+                  "kv_format": "kv_format"}
 _SCHEDULER_OPTIONS = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
                       "enable_chunked_prefill": "enable_chunked_prefill",
                       "scheduling_policy": "policy", "max_wait_steps": "max_wait_steps"}

@@ -14,9 +14,13 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.codecs import parse_kv_format
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.paged_cache import PagedKVCache
 from kvserve.kv.prefix import make_extra_key
+from kvserve.kv.quantized_cache import QuantizedKVCache
+from kvserve.kv.residual import ResidualRows
+from kvserve.model.attention import KVCache
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.request import FinishReason, Request
@@ -25,8 +29,6 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("kvserve")
-
-KV_FORMAT = "native"   # the storage format's name, part of every block key
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,11 +64,13 @@ class LLMEngine:
         self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype)
 
         cc = config.cache
-        num_blocks = cc.resolve_num_blocks(PagedKVCache.bytes_per_block(mc, cc.block_size, self.dtype))
-        self.kv_cache = PagedKVCache(mc, num_blocks, cc.block_size, self.dtype, self.device)
+        self.kv_format = parse_kv_format("native" if cc.kv_format == "auto" else cc.kv_format,
+                                         mc.num_layers, self.dtype, head_dim=mc.head_dim)
+        self.kv_cache, residual = self._make_cache(config)
+        num_blocks = self.kv_cache.num_blocks
         self.pool = BlockPool(num_blocks, cc.block_size)
-        extra_key = make_extra_key(loaded.fingerprint, f"{KV_FORMAT}:{self.dtype}", cc.cache_salt)
-        self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching)
+        extra_key = make_extra_key(loaded.fingerprint, f"{self.kv_format.spec}:{self.dtype}", cc.cache_salt)
+        self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, residual)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
         self.sampler = Sampler(config.seed)
@@ -74,8 +78,30 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_steps = 0
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB)",
-                 loaded.source, self.device, self.dtype, num_blocks, cc.block_size, self.kv_cache.nbytes / 2**20)
+        log.info("engine ready: %s on %s/%s, KV format %s, %d blocks of %d tokens (%.1f MiB)",
+                 loaded.source, self.device, self.dtype, self.kv_format.spec, num_blocks, cc.block_size,
+                 self.kv_cache.nbytes / 2**20)
+
+    def _make_cache(self, config: EngineConfig) -> tuple[KVCache, ResidualRows | None]:
+        cc, sc, mc = config.cache, config.scheduler, self.model_config
+        fmt = self.kv_format
+        if fmt.is_lossless:
+            num_blocks = cc.resolve_num_blocks(PagedKVCache.bytes_per_block(mc, cc.block_size, self.dtype))
+            return PagedKVCache(mc, num_blocks, cc.block_size, self.dtype, self.device), None
+        # Rows for every block a step can leave open or fill: each scheduled chunk
+        # touches at most n / block_size + 2 blocks; unscheduled requests hold one each.
+        num_rows = sc.max_num_batched_tokens // cc.block_size + 2 * sc.max_num_seqs + 1
+        reserved = num_rows * QuantizedKVCache.residual_row_nbytes(mc, cc.block_size, self.dtype)
+        per_block = fmt.nbytes_per_block(cc.block_size, mc.num_kv_heads, mc.head_dim)
+        if cc.num_blocks is None and reserved + per_block > cc.memory_bytes:
+            raise ValueError(
+                f"KV format {fmt.spec} keeps {num_rows} full-precision residual rows ({reserved} bytes: one open "
+                f"block per running request plus the blocks a step fills), more than the KV cache memory "
+                f"({cc.memory_bytes} bytes); lower max_num_seqs ({sc.max_num_seqs}) or max_num_batched_tokens "
+                f"({sc.max_num_batched_tokens}), or give the KV cache more memory")
+        num_blocks = cc.resolve_num_blocks(per_block, reserved)
+        cache = QuantizedKVCache(mc, num_blocks, cc.block_size, fmt, num_rows, self.dtype, self.device)
+        return cache, ResidualRows(num_rows)
 
     # -- requests ----------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:

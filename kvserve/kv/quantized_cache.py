@@ -62,10 +62,8 @@ class QuantizedKVCache:
         self.value_residual = [torch.zeros(shape, dtype=dtype, device=device) for _ in fmt.layers]
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, fmt: KVFormat) -> int:
-        h, d = config.num_kv_heads, config.head_dim
-        return sum(lf.key.nbytes_per_block(block_size, h, d) + lf.value.nbytes_per_block(block_size, h, d)
-                   for lf in fmt.layers)
+    def residual_row_nbytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
 
     @property
     def nbytes(self) -> int:

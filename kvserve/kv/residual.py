@@ -9,7 +9,7 @@ when the block is encoded (full) or freed while still open.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class ResidualRows:

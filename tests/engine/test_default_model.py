@@ -88,3 +88,18 @@ def test_cli_generate_and_bad_input(capsys):
     assert "prompt tokens from cache" in out and "finish: length" in out
     assert main(["generate", "hi", "--temperature", "-1", "--kv-cache-gb", "0.1"]) == 2
     assert "temperature must be in [0, 100]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["int8", "kivi2"])
+def test_quantized_hits_match_cold_runs_on_the_real_model(default_model, fmt):
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    convs = conversations()[:4]
+    opts = {"kv_format": fmt, "kv_cache_memory_gb": 0.1, "max_num_seqs": 8}
+    cold = LLM(loaded=default_model, enable_prefix_caching=False, **opts)
+    warm = LLM(loaded=default_model, **opts)
+    ref = cold.chat(convs, params)
+    warm.chat(convs[:1], params)
+    got = warm.chat(convs, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert all(o.num_cached_tokens >= 32 for o in got)
+    warm.engine.check_integrity()

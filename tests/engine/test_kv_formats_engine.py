@@ -1,0 +1,95 @@
+"""The engine under quantized KV formats (tiny model: head_dim 16, so groups of 8)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv.quantized_cache import QuantizedKVCache
+
+FORMATS = ["fp16", "bf16", "fp8", "int8", "int4g8", "kivi4g8", "kivi2g8", "int8+had", "int4g8+out2",
+           "0=fp16;1-=kivi2g8", "k=int8,v=int4g8"]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_model()
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(128) for _ in range(35)]
+    return [shared + [rng.randrange(128) for _ in range(n)] for n in (1, 9, 20, 31)] + [[3, 4, 5]]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefix_hit_gives_the_tokens_of_a_cold_run_in_the_same_format(loaded, fmt):
+    cold = LLM(loaded=loaded, kv_format=fmt, enable_prefix_caching=False, num_kv_blocks=64)
+    warm = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=64)
+    ref = cold.generate(prompts(), GREEDY)
+    warm.generate(prompts()[:2], GREEDY)
+    got = warm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.num_cached_tokens for o in got] == [32, 32, 32, 32, 0]   # the shared 35 tokens: 2 blocks
+    warm.engine.check_integrity()
+    assert warm.engine.kv.residual.num_free_rows == warm.engine.kv.residual.num_rows
+
+
+def test_preemption_under_a_quantized_format_keeps_the_tokens(loaded):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    big = LLM(loaded=loaded, kv_format="kivi2g8", enable_prefix_caching=False)
+    small = LLM(loaded=loaded, kv_format="kivi2g8", num_kv_blocks=12, enable_prefix_caching=False,
+                max_num_batched_tokens=64)
+    assert ([o.token_ids for o in small.generate(prompts(1), params)]
+            == [o.token_ids for o in big.generate(prompts(1), params)])
+    assert small.engine.scheduler.num_preemptions > 0
+    small.engine.check_integrity()
+
+
+def test_formats_never_share_block_keys(loaded):
+    keys = {}
+    for fmt in ["native", "fp16", "int8", "kivi2g8", "kivi4g8"]:
+        llm = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=8)
+        keys[llm.engine.kv_format.spec] = llm.engine.kv.extra_key
+    assert len(set(keys.values())) == len(keys) == 5
+
+
+def test_cache_bytes_follow_the_format(loaded):
+    # tiny: 2 layers, 2 KV heads, head_dim 16, block 16: int8 = 2 * 2 * 2 * 16 * (16 + 2) bytes a block
+    llm = LLM(loaded=loaded, kv_format="int8", num_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=32)
+    cache = llm.engine.kv_cache
+    assert isinstance(cache, QuantizedKVCache)
+    rows = 32 // 16 + 2 * 4 + 1
+    assert cache.nbytes == 10 * 2 * 2 * 2 * 16 * (16 + 2) + rows * 16 * 2 * 2 * 2 * 16 * 4
+    # sized from memory: the residual rows are reserved first
+    per_block = 2 * 2 * 2 * 16 * (16 + 2)
+    reserved = rows * 16 * 2 * 2 * 2 * 16 * 4
+    llm = LLM(loaded=loaded, kv_format="int8", kv_cache_memory_gb=(reserved + 100 * per_block) / 2**30,
+              max_num_seqs=4, max_num_batched_tokens=32)
+    assert llm.engine.pool.num_blocks == 100
+
+
+def test_quantized_storage_is_really_used(loaded):
+    llm = LLM(loaded=loaded, kv_format="int8", num_kv_blocks=8)
+    llm.generate(list(range(40)), SamplingParams(max_tokens=1))
+    parts = llm.engine.kv_cache.key_parts[0]
+    codes = next(t for t in parts.values() if t.dtype == torch.int8)
+    assert codes[:2].abs().sum() > 0          # the two full blocks were encoded
+    assert codes[2:].abs().sum() == 0         # the open third block lives in a residual row
+
+
+def test_residual_rows_that_do_not_fit_are_a_clear_error(loaded):
+    with pytest.raises(ValueError, match="lower max_num_seqs"):
+        LLM(loaded=loaded, kv_format="kivi2g8", kv_cache_memory_gb=1e-4)
+
+
+def test_bad_format_is_a_clear_error(loaded):
+    with pytest.raises(ValueError, match="unknown KV format 'int3'"):
+        LLM(loaded=loaded, kv_format="int3")
+    with pytest.raises(ValueError, match="does not divide head_dim 16"):
+        LLM(loaded=loaded, kv_format="int4g32")
