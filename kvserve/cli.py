@@ -22,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache memory in GiB (default 1)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gb)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    g.add_argument("--kv-format", default=None,
+                   help="KV storage: native (default), fp16, bf16, fp8, int8, int4, kivi2, kivi4, with +outN/+had "
+                        "and per-layer or per-half specs, e.g. '0-1=fp16;2-=kivi2' (docs/kv_formats.md)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 512)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once (default 64)")
@@ -35,7 +38,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
         "kv_cache_memory_gb": args.kv_cache_gb, "num_kv_blocks": args.num_kv_blocks,
-        "block_size": args.block_size, "enable_prefix_caching": not args.no_prefix_caching,
+        "block_size": args.block_size, "kv_format": args.kv_format,
+        "enable_prefix_caching": not args.no_prefix_caching,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "enable_chunked_prefill": not args.no_chunked_prefill, "scheduling_policy": args.scheduling_policy,
         "seed": args.engine_seed,
@@ -129,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
+    from kvserve.plan.cli import add_plan_parser
+    add_plan_parser(sub)
     return parser
 
 
