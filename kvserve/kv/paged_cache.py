@@ -30,6 +30,10 @@ class PagedKVCache:
         element_size = torch.empty((), dtype=dtype).element_size()
         return config.kv_bytes_per_token(element_size) * block_size
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Per-block tensors in payload order (see kv/block_io.py)."""
+        return [t for pair in zip(self.key_caches, self.value_caches) for t in pair]
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)

@@ -65,6 +65,15 @@ class QuantizedKVCache:
     def residual_row_nbytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Per-block tensors in payload order (see kv/block_io.py): per layer, the
+        key parts then the value parts, each in the codec's part order."""
+        out = []
+        for kp, vp in zip(self.key_parts, self.value_parts):
+            out.extend(kp.values())
+            out.extend(vp.values())
+        return out
+
     @property
     def nbytes(self) -> int:
         parts = [t for store in self.key_parts + self.value_parts for t in store.values()]

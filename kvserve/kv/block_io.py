@@ -1,0 +1,40 @@
+"""Whole blocks as bytes: the payload a block carries between tiers.
+
+A cache lists its per-block tensors (each ``[num_blocks, ...]``) in a fixed order;
+a block's payload is the concatenation of its row of each tensor, as raw bytes.
+The order and dtypes depend only on the model shape and the KV format, which are
+part of every block key, so a payload read back under the same key fits exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def block_nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
+def read_blocks(tensors: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """Payloads of ``block_ids`` as a CPU uint8 tensor [len(block_ids), block_nbytes]."""
+    if not tensors:
+        raise ValueError("a cache with no tensors has no payload")
+    ids = torch.tensor(block_ids, dtype=torch.long, device=tensors[0].device)
+    rows = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in tensors]
+    return torch.cat(rows, dim=1).cpu()
+
+
+def write_blocks(tensors: list[torch.Tensor], block_ids: list[int], payloads: torch.Tensor) -> None:
+    """Store payloads ([n, block_nbytes] uint8, any device) into ``block_ids``."""
+    expected = block_nbytes(tensors)
+    if payloads.dim() != 2 or payloads.shape[1] != expected or payloads.dtype != torch.uint8:
+        raise ValueError(f"payloads must be uint8 [n, {expected}], got {payloads.dtype} {tuple(payloads.shape)}")
+    if payloads.shape[0] != len(block_ids):
+        raise ValueError(f"{payloads.shape[0]} payloads for {len(block_ids)} blocks")
+    ids = torch.tensor(block_ids, dtype=torch.long, device=tensors[0].device)
+    offset = 0
+    for t in tensors:
+        n = t[0].numel() * t.element_size()
+        chunk = payloads[:, offset:offset + n].to(t.device).contiguous()
+        t.index_copy_(0, ids, chunk.view(t.dtype).view(len(block_ids), *t.shape[1:]))
+        offset += n
