@@ -1,9 +1,9 @@
 import pytest
 import torch
+from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.block_io import block_nbytes, read_blocks, write_blocks
-from tiny import tiny_model
 
 
 @pytest.mark.parametrize("fmt", ["native", "int8", "kivi2g8"])
