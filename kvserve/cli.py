@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
+    from kvserve.server.cli import add_serve_parser
+    add_serve_parser(sub)
     from kvserve.plan.cli import add_plan_parser
     add_plan_parser(sub)
     return parser

@@ -77,3 +77,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--new-tokens", type=int, default=128)
     d.add_argument("--repeats", type=int, default=3)
     d.set_defaults(run=run_decode)
+
+    from kvserve.bench.serve import add_serve_bench_parser
+    add_serve_bench_parser(bsub, common)

@@ -68,7 +68,7 @@ class QuantizedKVCache:
     def block_tensors(self) -> list[torch.Tensor]:
         """Per-block tensors in payload order (see kv/block_io.py): per layer, the
         key parts then the value parts, each in the codec's part order."""
-        out = []
+        out: list[torch.Tensor] = []
         for kp, vp in zip(self.key_parts, self.value_parts):
             out.extend(kp.values())
             out.extend(vp.values())
@@ -94,7 +94,7 @@ class QuantizedKVCache:
         """Decoded keys and values of ``block_table`` ([B, nb]) as [B, nb * block_size, H, D]."""
         lf = self.format.layers[layer]
         flat = block_table.reshape(-1)
-        out = []
+        out: list[torch.Tensor] = []
         for codec, store, residual in ((lf.key, self.key_parts[layer], self.key_residual[layer]),
                                        (lf.value, self.value_parts[layer], self.value_residual[layer])):
             blocks = codec.decode({name: t.index_select(0, flat) for name, t in store.items()}, self.dtype)

@@ -1,0 +1,141 @@
+"""The HTTP application: routes, authentication, and errors in the OpenAI shape.
+
+Every failure leaves as ``{"error": {"message", "type", "param", "code"}}``: bad input as
+a 4xx naming the problem, an engine failure as 503, anything unexpected as 500 (and
+logged). ``/health`` and ``/metrics`` stay open; everything under ``/v1`` (the cache
+reset included) needs the API key when one is set.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvserve.engine.engine import LLMEngine
+from kvserve.server.async_engine import AsyncEngine, EngineError
+from kvserve.server.chat import create_chat_completion
+from kvserve.server.completions import create_completion
+from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.server.protocol import APIError
+from kvserve.server.serving import ClientGone, ServerSettings, ServingContext, now_s
+
+log = logging.getLogger("kvserve.server")
+CLIENT_CLOSED_REQUEST = 499   # nginx's status for a client that left; never seen by that client
+
+
+def create_app(llm_engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+    """The app serving ``llm_engine``; its lifespan starts the engine thread and stops it at
+    shutdown. ``app.state.ctx`` is the ``ServingContext`` (tests reach the engine through it)."""
+    metrics = ServerMetrics()
+    engine = AsyncEngine(llm_engine, metrics)
+    ctx = ServingContext(engine, settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    _add_error_handlers(app, metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            raise APIError(503, "the engine is not running", type="server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(_v1_router(ctx))
+    return app
+
+
+def _v1_router(ctx: ServingContext) -> APIRouter:
+    async def check_api_key(request: Request) -> None:
+        key = ctx.settings.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+
+    router = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    name = ctx.settings.model_name
+
+    def model_card() -> dict[str, object]:
+        return {"id": name, "object": "model", "created": now_s(), "owned_by": "kvserve",
+                "max_model_len": ctx.max_model_len}
+
+    @router.get("/models")
+    async def list_models() -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @router.get("/models/{model:path}")
+    async def get_model(model: str) -> Response:
+        ctx.check_model(model)
+        return JSONResponse(model_card())
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, request)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(ctx, request)
+
+    @router.post("/cache/reset")
+    async def reset_cache() -> Response:
+        num_blocks = await ctx.engine.call(lambda engine: engine.reset_prefix_cache())
+        return JSONResponse({"reset": True, "num_dropped_blocks": num_blocks})
+
+    return router
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def reply(error: APIError) -> Response:
+        metrics.on_error(error.status)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return reply(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return reply(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind))
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        return reply(APIError(400, f"invalid request: {exc}"))
+
+    async def engine_error(request: Request, exc: Exception) -> Response:
+        return reply(APIError(503, str(exc), type="server_error"))
+
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        return reply(APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection"))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return reply(APIError(500, f"internal server error: {type(exc).__name__}", type="internal_error"))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(EngineError, engine_error)
+    app.add_exception_handler(ClientGone, client_gone)
+    app.add_exception_handler(Exception, internal_error)

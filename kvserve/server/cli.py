@@ -1,0 +1,55 @@
+"""``kvserve serve``: the OpenAI-compatible server, with every engine option as a flag."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from kvserve.cli import add_engine_args, engine_options
+
+API_KEY_ENV = "KVSERVE_API_KEY"
+
+
+def default_model_name(model: str | None) -> str:
+    """What ``/v1/models`` lists: the bundled model's name, a GGUF file's stem, a directory's name."""
+    if model is None:
+        from kvserve.model.loader import DEFAULT_MODEL
+        return DEFAULT_MODEL
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name or model
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    g = s.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}; unset = open)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model's name)")
+    g.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted; larger ones get 413 (default 1 MiB)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs each request)")
+    add_engine_args(s)
+    s.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.llm import engine_config
+    from kvserve.server.app import create_app
+    from kvserve.server.serving import ServerSettings
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    settings = ServerSettings(model_name=args.served_model_name or default_model_name(args.model),
+                              api_key=api_key, max_body_bytes=args.max_request_bytes)
+    engine = LLMEngine(engine_config(args.model, **engine_options(args)))
+    app = create_app(engine, settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,116 @@
+"""Prometheus metrics: an engine observer fed once per step, rendered by ``GET /metrics``.
+
+Request-level series (tokens, time to first token, per-token latency) are updated from
+the step's outputs; engine-level series (queues, KV usage, prefix hits) are read from
+the last ``EngineStats`` snapshot when scraped. Each server has its own registry: no
+process-global state, so several servers (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.stats import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _Progress(NamedTuple):
+    num_tokens: int
+    last_token_time: float
+
+
+class _StatsCollector(Collector):
+    """Engine-level series from the latest snapshot (set by the engine thread)."""
+
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        yield GaugeMetricFamily("kvserve_num_requests_waiting", "Requests waiting to be admitted", s.num_waiting)
+        yield GaugeMetricFamily("kvserve_num_requests_running", "Requests in the running batch", s.num_running)
+        yield GaugeMetricFamily("kvserve_kv_cache_usage_ratio",
+                                "Fraction of KV blocks referenced by running requests", s.kv_usage)
+        yield GaugeMetricFamily("kvserve_kv_blocks", "KV blocks in the device pool", s.kv_num_blocks)
+        yield GaugeMetricFamily("kvserve_kv_free_blocks", "KV blocks free or evictable", s.kv_num_free_blocks)
+        yield GaugeMetricFamily("kvserve_kv_cached_blocks", "KV blocks holding a prefix-cache key",
+                                s.kv_num_cached_blocks)
+        yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", s.num_steps)
+        yield CounterMetricFamily("kvserve_preemptions", "Requests preempted", s.num_preemptions)
+        yield CounterMetricFamily("kvserve_kv_evicted_blocks", "Cached blocks evicted for reuse",
+                                  s.num_evicted_blocks)
+        yield CounterMetricFamily("kvserve_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
+                                  s.prefix_query_tokens)
+        hits = CounterMetricFamily("kvserve_prefix_cache_hit_tokens", "Prompt tokens served from a cache tier",
+                                   labels=["tier"])
+        hits.add_metric(["device"], s.prefix_hit_tokens)
+        yield hits
+
+
+class ServerMetrics:
+    """The server's metrics; an ``EngineObserver`` (its ``on_*`` run on the engine thread)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvserve_requests", "Engine requests ended, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of requests that started", registry=r)
+        self.cached_prompt_tokens = Counter("kvserve_cached_prompt_tokens",
+                                            "Prompt tokens served from a cache tier", registry=r)
+        self.generation_tokens = Counter("kvserve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("kvserve_time_to_first_token_seconds", "Time from engine arrival to first token",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.token_latency = Histogram("kvserve_time_per_output_token_seconds",
+                                       "Time between consecutive tokens of a request",
+                                       buckets=TOKEN_BUCKETS_S, registry=r)
+        self.e2e = Histogram("kvserve_e2e_request_latency_seconds", "Time from engine arrival to finish",
+                             buckets=E2E_BUCKETS_S, registry=r)
+        self.api_errors = Counter("kvserve_api_errors", "Error responses, by status", ["status"], registry=r)
+        self._stats = _StatsCollector()
+        r.register(self._stats)
+        self._progress: dict[str, _Progress] = {}   # engine thread only
+
+    def on_step(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None:
+        self._stats.stats = stats
+        for out in outputs:
+            seen = self._progress.get(out.request_id)
+            new_tokens = len(out.token_ids) - (seen.num_tokens if seen else 0)
+            self.generation_tokens.inc(new_tokens)
+            if seen is None:
+                self.prompt_tokens.inc(out.num_prompt_tokens)
+                self.cached_prompt_tokens.inc(out.num_cached_tokens)
+                if out.ttft is not None:
+                    self.ttft.observe(out.ttft)
+            elif new_tokens > 0:
+                gap = (now - seen.last_token_time) / new_tokens
+                for _ in range(new_tokens):
+                    self.token_latency.observe(gap)
+            if out.finished:
+                self._progress.pop(out.request_id, None)
+                self.requests.labels(out.finish_reason or "unknown").inc()
+                if out.e2e_latency is not None:
+                    self.e2e.observe(out.e2e_latency)
+            else:
+                self._progress[out.request_id] = _Progress(len(out.token_ids), now)
+
+    def on_abort(self, request_id: str) -> None:
+        self._progress.pop(request_id, None)
+        self.requests.labels("abort").inc()
+
+    def on_error(self, status: int) -> None:
+        self.api_errors.labels(str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

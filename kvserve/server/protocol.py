@@ -1,0 +1,211 @@
+"""Request bodies of the OpenAI API (pydantic) and the error every failure turns into.
+
+Request models are strict (no "5" for 5, no true for 1) and forbid unknown fields, as the
+OpenAI API does ("Unrecognized request argument"): a typo such as ``max_token`` is an error,
+not a silently ignored option. Fields that clients commonly send but this server cannot
+honour are accepted only at their neutral value (``presence_penalty=0``, no ``tools``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvserve.sampling_params import MAX_LOGPROBS
+
+MAX_CHOICES = 16          # n: each choice is one engine request
+MAX_STOP_STRINGS = 4      # as the OpenAI API
+MAX_BATCH_REQUESTS = 256  # prompts x n in one completions call
+
+
+class APIError(Exception):
+    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's extension; accepted, usage comes at the end only
+
+
+class _SamplingFields(_Body):
+    """What completions and chat share."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)          # vLLM's extension; 0 disables it
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_CHOICES)   # choice j uses seed + j
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False                        # vLLM's extension, for benchmarks
+    # accepted at their neutral value only
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
+        if any(not s for s in stop):
+            raise bad_request("stop: stop strings must be non-empty", "stop")
+        return tuple(stop)
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise bad_request(f"{name} is not supported by this server; leave it at 0", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of is not supported by this server (it may only equal n)", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", "max_tokens")
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt is empty", "prompt")
+        if isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return p  # type: ignore[return-value]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # "developer" is OpenAI's newer name for the system role
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if not self.messages:
+            raise bad_request("messages must hold at least one message", "messages")
+        if self.tools:
+            raise bad_request("tools are not supported by this server", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported by this server", "tool_choice")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+_HINTS = {
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "must be a string or a list of strings",
+    "messages": "must be a list of {'role', 'content'} objects",
+    "content": "must be a string or a list of {'type': 'text', 'text': ...} parts",
+}
+
+
+def parse_body(model: type[_Body], body: bytes) -> Any:
+    """Validate a JSON body; APIError(400) whose message names the first problem."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise _api_error(e) from None
+
+
+def _api_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    kind = err["type"]
+    # a union's errors name the member tried ("str", "list[int]", "TextPart"): drop those
+    loc = [str(x) for x in err["loc"] if not _is_union_member(str(x))]
+    if kind == "json_invalid":
+        return bad_request(f"malformed JSON body: {err['msg']}")
+    if not loc:
+        return bad_request("the request body must be a JSON object")
+    field, where = loc[0], ".".join(loc)
+    if kind == "extra_forbidden":
+        return bad_request(f"unknown field {where!r}", where)
+    if kind == "missing":
+        return bad_request(f"{where} is required", field)
+    if loc[-1] in _HINTS and (len(err["loc"]) > len(loc) or kind == "list_type"):
+        return bad_request(f"{where} {_HINTS[loc[-1]]}", field)
+    got = repr(err.get("input"))[:80]
+    return bad_request(f"{where}: {err['msg'].lower()} (got {got})", field)
+
+
+def _is_union_member(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper()

@@ -1,0 +1,229 @@
+"""What both generation endpoints share: settings, input checks, running requests, text deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from kvserve.engine.outputs import RequestOutput
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.server.async_engine import AsyncEngine, EngineError, RequestSpec, RequestStream, StreamItem
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import APIError, bad_request
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("the served model name must be non-empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("the API key must be non-empty when set")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"the request body limit must be at least 1024 bytes, got {self.max_body_bytes}")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class ServingContext:
+    """The state every handler reads. The engine's tokenizer, config and pool size never
+    change after construction, so handlers read them directly; everything that mutates
+    goes through ``engine`` (the engine thread)."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        core = engine.engine
+        if core.tokenizer is None:
+            raise ValueError("the server needs a model with a tokenizer")
+        self.tokenizer: Tokenizer = core.tokenizer
+        self.max_model_len = core.max_model_len
+        self._encode_prompt = core.encode_prompt   # reads only the tokenizer and config
+        self._token_text: dict[int, str] = {}
+        self._byte_of_char = _byte_level_decoder()
+
+    # -- input -------------------------------------------------------------
+    async def read_body(self, request: Request) -> bytes:
+        """The body, or 413 past the limit (checked on the header and while reading)."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{self.settings.model_name!r}", param="model", code="model_not_found")
+
+    async def encode(self, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids (off the event loop: a 1 MiB prompt takes a while); 400 on bad prompts."""
+        try:
+            return await asyncio.to_thread(self._encode_prompt, prompt)
+        except ValueError as e:
+            code = CONTEXT_LENGTH_EXCEEDED if "context window" in str(e) else None
+            raise APIError(400, str(e), param=param, code=code) from None
+
+    def check_room(self, num_prompt_tokens: int, max_tokens: int | None, param: str = "max_tokens") -> None:
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise APIError(400, f"this model's context window is {self.max_model_len} tokens, but "
+                                f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
+                                f"prompt, {param} {max_tokens}); shorten the prompt or lower {param}",
+                           param=param, code=CONTEXT_LENGTH_EXCEEDED)
+
+    # -- running -----------------------------------------------------------
+    async def submit(self, specs: list[RequestSpec], prefix: str) -> RequestStream:
+        try:
+            return await self.engine.submit(specs, prefix)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    async def collect(self, stream: RequestStream, request: Request) -> list[RequestOutput]:
+        """Every request's final output; aborts them all if the client goes away first."""
+        finals: list[RequestOutput | None] = [None] * len(stream.request_ids)
+
+        async def consume() -> None:
+            async for item in stream:
+                if item.output.finished:
+                    finals[item.choice] = item.output
+
+        work = asyncio.ensure_future(consume())
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                raise ClientGone()
+            work.result()   # re-raise an engine failure
+        finally:
+            work.cancel()
+            gone.cancel()
+            stream.close()
+        return [f for f in finals if f is not None]
+
+    # -- output ------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's exact bytes under a byte-level BPE vocabulary (a token may hold part of
+        a character); otherwise the UTF-8 of its text."""
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        if piece and all(c in self._byte_of_char for c in piece):
+            return [self._byte_of_char[c] for c in piece]
+        return list(self.token_text(token_id).encode("utf-8"))
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # the body is fully read, so the next ASGI message is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + shifted)
+            shifted += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                    code="request_too_large")
+
+
+class DeltaText:
+    """Turns the full text so far into the new part to stream.
+
+    While a request runs, the last ``holdback`` characters (longest stop string - 1) are
+    held back, so a stop string the engine will cut is never streamed, and so is a
+    trailing U+FFFD (a multi-byte character whose remaining bytes are in the next token).
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.num_sent_chars = 0
+
+    def next(self, text: str, finished: bool) -> str:
+        end = len(text) if finished else len(text.rstrip("\ufffd")) - self.holdback
+        if end <= self.num_sent_chars:
+            return ""
+        delta = text[self.num_sent_chars:end]
+        self.num_sent_chars = end
+        return delta
+
+
+async def sse_stream(stream: RequestStream, head: list[dict[str, Any]],
+                     chunk: Callable[[StreamItem], dict[str, Any] | None],
+                     tail: Callable[[], list[dict[str, Any]]]) -> AsyncIterator[str]:
+    """Server-sent events: ``head``, a chunk per output (None skips it), ``tail``, [DONE].
+
+    An engine failure mid-stream ends it with an error event. The ``finally`` runs when
+    the client disconnects too (the response task is cancelled), aborting what is left.
+    """
+    try:
+        for c in head:
+            yield sse(c)
+        async for item in stream:
+            event = chunk(item)
+            if event is not None:
+                yield sse(event)
+        for c in tail():
+            yield sse(c)
+        yield SSE_DONE
+    except EngineError as e:
+        yield sse(APIError(503, str(e), type="server_error").body())
+    finally:
+        stream.close()
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
