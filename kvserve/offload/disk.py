@@ -1,0 +1,233 @@
+"""Local-disk tier: one content-addressed file per block, persistent and crash-safe.
+
+    <dir>/.lock                       held (flock) by the one process using the directory
+    <dir>/ab/ab12...ef.blk            a block whose key hex starts with "ab"
+    <dir>/ab/ab12...ef.<rand>.tmp     a write in progress (removed at the next start)
+
+A write goes to a temp file in the block's own folder, is fsynced, then renamed over the
+final name (``os.replace`` is atomic): a process killed mid-write leaves only a temp
+file, never a torn block under a final name. Damage the rename cannot prevent (a file
+altered or truncated later, a power loss without fsync) is caught by the checksum that
+``BlockStore`` verifies on every read.
+
+The index (key -> file size, in LRU order) lives in memory. It is rebuilt at start by
+scanning the directory and ordering files by mtime; a hit sets the file's mtime to now,
+so the LRU order survives a restart.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvserve.kv.prefix import KEY_NBYTES
+from kvserve.offload.base import Transport
+from kvserve.offload.config import DiskConfig
+
+logger = logging.getLogger(__name__)
+
+_BLOCK_SUFFIX = ".blk"
+_TEMP_SUFFIX = ".tmp"
+
+
+class DiskTransport(Transport):
+    """Invariant: ``nbytes_used == sum(index sizes) <= capacity_bytes``, counting final
+    files only (a write's temp file exists briefly on top, for one value per writer)."""
+
+    name = "disk"
+
+    def __init__(self, config: DiskConfig) -> None:
+        self._root = Path(config.path)
+        self._capacity = config.capacity_bytes
+        self._fsync = config.fsync
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._nbytes = 0
+        self._closed = False
+        self.num_write_errors = 0
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self._root / ".lock", "a+b")  # noqa: SIM115 - held until close()
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise RuntimeError(f"disk tier {self._root} is in use by another store (its .lock is held); "
+                               f"give each engine its own directory or close the other store first") from None
+        self.num_temp_files_removed = self._scan()
+        with self._lock:
+            self._evict_to_fit(0)
+
+    def _path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self._root / name[:2] / (name + _BLOCK_SUFFIX)
+
+    def _scan(self) -> int:
+        """Index the blocks already on disk, oldest access first; delete leftover temp files."""
+        found: list[tuple[int, str, bytes, int]] = []
+        num_temp = 0
+        for folder in self._root.iterdir():
+            if not (folder.is_dir() and len(folder.name) == 2):
+                continue
+            for entry in os.scandir(folder):
+                if entry.name.endswith(_TEMP_SUFFIX):
+                    os.unlink(entry.path)
+                    num_temp += 1
+                    continue
+                stem = entry.name[:-len(_BLOCK_SUFFIX)]
+                if not entry.name.endswith(_BLOCK_SUFFIX) or len(stem) != 2 * KEY_NBYTES:
+                    continue
+                try:
+                    key = bytes.fromhex(stem)
+                except ValueError:
+                    continue
+                st = entry.stat()
+                found.append((st.st_mtime_ns, stem, key, st.st_size))
+        found.sort()
+        for _, _, key, size in found:
+            self._index[key] = size
+            self._nbytes += size
+        if num_temp:
+            logger.info("disk tier %s: removed %d temp files left by an interrupted write", self._root, num_temp)
+        return num_temp
+
+    def _evict_to_fit(self, nbytes: int) -> None:
+        """Drop least recently used files until ``nbytes`` more fit. Caller holds the lock."""
+        while self._index and self._nbytes + nbytes > self._capacity:
+            key, size = self._index.popitem(last=False)
+            self._nbytes -= size
+            self._path(key).unlink(missing_ok=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"disk tier {self._root} is closed")
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        self._check_open()
+        with self._lock:
+            return [key in self._index for key in keys]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        self._check_open()
+        with self._lock:
+            present = [key in self._index for key in keys]
+            for key, hit in zip(keys, present):
+                if hit:
+                    self._index.move_to_end(key)
+        out: list[bytes | None] = []
+        now_ns = time.time_ns()
+        for key, hit in zip(keys, present):
+            out.append(self._read(key, now_ns) if hit else None)
+        return out
+
+    def _read(self, key: bytes, now_ns: int) -> bytes | None:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+                os.utime(f.fileno(), ns=(now_ns, now_ns))
+            return data
+        except FileNotFoundError:
+            # evicted by a concurrent put, or deleted behind our back
+            with self._lock:
+                if key in self._index and not path.exists():
+                    self._nbytes -= self._index.pop(key)
+            return None
+        except OSError as e:
+            logger.warning("disk tier %s: cannot read %s: %s; treating it as a miss", self._root, path.name, e)
+            return None
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        self._check_open()
+        stored = 0
+        for key, value in items:
+            if len(key) != KEY_NBYTES:
+                raise ValueError(f"a block key is {KEY_NBYTES} bytes, got {len(key)}")
+            if len(value) > self._capacity:
+                continue
+            stored += self._put(key, value)
+        return stored
+
+    def _put(self, key: bytes, value: bytes) -> int:
+        final = self._path(key)
+        tmp: str | None = None
+        try:
+            final.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=final.stem + ".", suffix=_TEMP_SUFFIX)
+            with open(fd, "wb") as f:
+                f.write(value)
+                f.flush()
+                if self._fsync:
+                    os.fsync(f.fileno())
+            now_ns = time.time_ns()  # explicit: the kernel's file clock is too coarse to order puts
+            os.utime(tmp, ns=(now_ns, now_ns))
+            with self._lock:
+                self._check_open()
+                old = self._index.pop(key, None)
+                if old is not None:
+                    self._nbytes -= old
+                self._evict_to_fit(len(value))
+                os.replace(tmp, final)
+                tmp = None
+                self._index[key] = len(value)
+                self._nbytes += len(value)
+            return 1
+        except OSError as e:  # ENOSPC, EIO, permissions: drop the block; only the first is logged loudly
+            with self._lock:
+                self.num_write_errors += 1
+                first = self.num_write_errors == 1
+            (logger.warning if first else logger.debug)(
+                "disk tier %s: cannot write block %s: %s; dropped (later failures are logged at debug level)",
+                self._root, key.hex()[:16], e)
+            return 0
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        self._check_open()
+        with self._lock:
+            for key in keys:
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._nbytes -= size
+                    self._path(key).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._lock_file.close()  # releases the flock
+
+    @property
+    def nbytes_used(self) -> int:
+        return self._nbytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def keys_lru_first(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
+
+    def check_integrity(self) -> None:
+        """Accounting, and every indexed file present with its size (one stat per block)."""
+        with self._lock:
+            total = sum(self._index.values())
+            assert self._nbytes == total, f"disk tier counts {self._nbytes} bytes, index holds {total}"
+            assert total <= self._capacity, f"disk tier holds {total} bytes over its capacity {self._capacity}"
+            for key, size in self._index.items():
+                path = self._path(key)
+                assert path.is_file(), f"disk tier indexes {path.name}, which is missing"
+                assert path.stat().st_size == size, f"disk tier indexes {path.name} at {size} bytes"
