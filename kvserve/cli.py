@@ -32,6 +32,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "lpm"], default=None,
                    help="admission order (default lpm: longest cached prefix first, no starvation)")
     g.add_argument("--engine-seed", type=int, default=None, help="seed of unseeded sampling")
+    t = p.add_argument_group("offload tiers (docs/offload.md): evicted KV blocks go to every tier given; "
+                             "prefix hits are looked up in host, then disk, then Redis")
+    t.add_argument("--host-cache-gb", type=float, default=None, help="host-memory tier size in GiB (default: off)")
+    t.add_argument("--disk-cache", default=None, metavar="DIR",
+                   help="disk tier directory; persists across restarts, one engine per directory (default: off)")
+    t.add_argument("--disk-cache-gb", type=float, default=None, help="disk tier size in GiB (default 16)")
+    t.add_argument("--redis-url", default=None,
+                   help="Redis tier shared by engines, e.g. redis://host:6379/0 (default: off)")
+    t.add_argument("--redis-ttl-s", type=float, default=None, help="expire Redis blocks after this many seconds")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -43,6 +52,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "enable_chunked_prefill": not args.no_chunked_prefill, "scheduling_policy": args.scheduling_policy,
         "seed": args.engine_seed,
+        "host_cache_gb": args.host_cache_gb, "disk_cache_dir": args.disk_cache, "disk_cache_gb": args.disk_cache_gb,
+        "redis_url": args.redis_url, "redis_ttl_s": args.redis_ttl_s,
     }
 
 
@@ -137,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     from kvserve.plan.cli import add_plan_parser
     add_plan_parser(sub)
+    from kvserve.eval.cli import add_eval_parser
+    add_eval_parser(sub)
     return parser
 
 

@@ -135,6 +135,46 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """Tiers below the device pool, in lookup order host -> disk -> redis (docs/offload.md).
+
+    A tier is on when it is given: ``host_cache_bytes > 0``, ``disk_cache_dir``,
+    ``redis_url``. Evicted blocks are written to every configured tier (write-through),
+    so a block that falls out of host memory is still on disk or in Redis.
+    """
+
+    host_cache_bytes: int = 0
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 16 << 30
+    redis_url: str | None = None
+    redis_ttl_s: float | None = None
+    redis_timeout_s: float = 0.5
+    redis_backoff_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"host cache size must be >= 0 bytes, got {self.host_cache_bytes}")
+        if self.disk_cache_bytes <= 0:
+            raise ValueError(f"disk cache size must be positive, got {self.disk_cache_bytes} bytes")
+        if self.disk_cache_dir is not None and not self.disk_cache_dir:
+            raise ValueError("disk cache directory is empty; leave it unset to turn the disk tier off")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        for name in ("redis_timeout_s", "redis_backoff_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.redis_ttl_s is not None and not self.redis_ttl_s > 0:
+            raise ValueError(f"redis_ttl_s must be positive, got {self.redis_ttl_s}")
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """The configured tiers, in lookup order."""
+        on = (("host", self.host_cache_bytes > 0), ("disk", self.disk_cache_dir is not None),
+              ("redis", self.redis_url is not None))
+        return tuple(name for name, is_on in on if is_on)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None
     device: str = "auto"            # "auto", "cpu", "cuda", "cuda:1"
@@ -143,6 +183,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    offload: OffloadConfig = OffloadConfig()
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

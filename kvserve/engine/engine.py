@@ -23,6 +23,7 @@ from kvserve.kv.residual import ResidualRows
 from kvserve.model.attention import KVCache
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
+from kvserve.offload.connector import BlockMover, make_offload
 from kvserve.request import FinishReason, Request
 from kvserve.sampling.sampler import Sampler, top_logprobs
 from kvserve.sampling_params import SamplingParams
@@ -70,7 +71,10 @@ class LLMEngine:
         num_blocks = self.kv_cache.num_blocks
         self.pool = BlockPool(num_blocks, cc.block_size)
         extra_key = make_extra_key(loaded.fingerprint, f"{self.kv_format.spec}:{self.dtype}", cc.cache_salt)
-        self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, residual)
+        # the engine owns the mover; the offload tiers copy blocks through it
+        self.block_mover = BlockMover(self.kv_cache.block_tensors())
+        self.offload = make_offload(config.offload, self.block_mover, extra_key, cc.block_size)
+        self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, residual, self.offload)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
         self.sampler = Sampler(config.seed)
@@ -78,9 +82,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_steps = 0
-        log.info("engine ready: %s on %s/%s, KV format %s, %d blocks of %d tokens (%.1f MiB)",
+        log.info("engine ready: %s on %s/%s, KV format %s, %d blocks of %d tokens (%.1f MiB), offload tiers: %s",
                  loaded.source, self.device, self.dtype, self.kv_format.spec, num_blocks, cc.block_size,
-                 self.kv_cache.nbytes / 2**20)
+                 self.kv_cache.nbytes / 2**20, ", ".join(self.offload.tier_names) or "none")
 
     def _make_cache(self, config: EngineConfig) -> tuple[KVCache, ResidualRows | None]:
         cc, sc, mc = config.cache, config.scheduler, self.model_config
@@ -161,7 +165,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def reset_prefix_cache(self) -> int:
+        """Forget the device prefix cache (the offload tiers keep their blocks)."""
         return self.kv.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Finish pending demotions and release the offload tiers (the disk directory's
+        lock, Redis connections). Blocks still on the device are not written out."""
+        self.offload.close()
 
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -246,7 +256,7 @@ class LLMEngine:
             kv_num_blocks=self.pool.num_blocks, kv_num_free_blocks=self.pool.num_free_blocks,
             kv_num_cached_blocks=self.pool.num_cached_blocks, kv_usage=self.pool.usage,
             prefix_query_tokens=self.kv.num_query_tokens, prefix_hit_tokens=self.kv.num_hit_tokens,
-            num_evicted_blocks=self.pool.num_evicted_blocks)
+            num_evicted_blocks=self.pool.num_evicted_blocks, tiers=self.offload.metrics())
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

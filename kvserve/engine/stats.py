@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.offload.connector import TierMetrics
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -18,7 +20,18 @@ class EngineStats:
     prefix_query_tokens: int       # prompt tokens looked up at admission, cumulative
     prefix_hit_tokens: int         # of which served from the device prefix cache
     num_evicted_blocks: int        # cached blocks whose key was dropped to reuse them
+    tiers: tuple[TierMetrics, ...] = ()   # offload tiers in lookup order (empty: none configured)
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def tier_hit_tokens(self) -> int:
+        """Prompt tokens served from the offload tiers at first admission."""
+        return sum(t.hit_tokens for t in self.tiers)
+
+    @property
+    def recompute_tokens_avoided(self) -> int:
+        """Tokens loaded from the offload tiers instead of computed, re-admissions included."""
+        return sum(t.loaded_tokens for t in self.tiers)

@@ -140,6 +140,20 @@ class BlockPool:
             return None
         return block
 
+    def peek_evictions(self, num_blocks: int) -> list[Block]:
+        """The cached blocks that ``allocate(num_blocks)`` would evict, in eviction order.
+
+        Lets a caller copy them out (demote them to a slower tier) before they are
+        overwritten. Walks at most ``num_blocks`` entries of the free queue; changes nothing.
+        """
+        out = []
+        for i, block in enumerate(self.free_queue):
+            if i >= num_blocks:
+                break
+            if block.key is not None:
+                out.append(block)
+        return out
+
     # -- verbs -------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[Block]:
         """Take ``num_blocks`` blocks (ref_count 1 each), evicting LRU cached ones."""

@@ -8,6 +8,14 @@ step:
     tokens       |0123|4567|89ab|cd  |
                   ^^^^^^^^^ cached hit  (num_cached_tokens = 8)
                             ^^^^^^^ computed this step, b2 becomes cacheable
+
+With offload tiers (kvserve/offload/connector.py) a match continues below the device:
+
+    keys         | k0 | k1 | k2 | k3 | k4 |
+    match        |device   |tiers    |        blocks for k2, k3 are allocated, loaded
+                                              from the tiers, then cached like any other
+
+and blocks about to be evicted by an allocation are demoted to the tiers first.
 """
 
 from __future__ import annotations
@@ -17,17 +25,26 @@ from typing import NamedTuple
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.prefix import extend_block_keys
 from kvserve.kv.residual import NoResidual, ResidualRows
+from kvserve.offload.connector import NO_PROMOTION, NoOffload, Offload, Promotion
+from kvserve.offload.tiered import EMPTY_RUN, TierRun
 from kvserve.request import Request
 
 
 class PrefixMatch(NamedTuple):
-    """Cached blocks that hold a request's leading tokens (no references taken)."""
+    """A request's leading blocks: cached on the device (no references taken), then
+    found in the offload tiers (not loaded yet)."""
 
     blocks: list[Block]
+    tier_run: TierRun = EMPTY_RUN
+
+    @property
+    def num_device_blocks(self) -> int:
+        return len(self.blocks)
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        """Device plus tier blocks: the prompt blocks that need no compute if all load."""
+        return len(self.blocks) + self.tier_run.num_blocks
 
 
 EMPTY_MATCH = PrefixMatch([])
@@ -35,8 +52,10 @@ EMPTY_MATCH = PrefixMatch([])
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, extra_key: bytes, enable_prefix_caching: bool = True,
-                 residual: ResidualRows | None = None) -> None:
+                 residual: ResidualRows | None = None, offload: Offload | None = None) -> None:
         self.pool = pool
+        # the tiers below the device (null object when none is configured)
+        self.offload = offload if offload is not None else NoOffload()
         # full-precision rows of open blocks under a quantized format (see kv/residual.py)
         self.residual = residual if residual is not None else NoResidual()
         self.block_size = pool.block_size
@@ -81,18 +100,34 @@ class KVCacheManager:
             blocks.append(block)
         return PrefixMatch(blocks)
 
+    def match_tiers(self, request: Request, match: PrefixMatch) -> PrefixMatch:
+        """``match`` extended by the run of following blocks the offload tiers hold.
+
+        One lookup per tier (a round trip for Redis), so it is called only for a
+        request about to be admitted, not to sort the waiting queue.
+        """
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+            return match
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if match.num_device_blocks >= max_blocks:
+            return match
+        keys = self.block_keys(request)
+        return PrefixMatch(match.blocks, self.offload.lookup(keys[match.num_device_blocks:max_blocks]))
+
     # -- verbs -------------------------------------------------------------
     def try_allocate(self, request: Request, num_new_tokens: int,
                      match: PrefixMatch = EMPTY_MATCH) -> bool:
         """Give the request blocks for ``num_new_tokens`` more tokens.
 
         ``match`` (from ``match_prefix``, for a request being admitted) is taken
-        first. Returns False, changing nothing, when the pool cannot supply the
-        blocks; the caller must then preempt or wait.
+        first; its tier blocks get fresh blocks, the first ones allocated, which
+        ``promote`` fills. Returns False, changing nothing, when the pool cannot
+        supply the blocks; the caller must then preempt or wait. Cached blocks the
+        allocation evicts are demoted to the offload tiers first.
         """
         table = self._blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + match.num_blocks * self.block_size
-        num_needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(table) - match.num_blocks
+        num_needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(table) - match.num_device_blocks
         # hits sitting in the free queue are counted as free but are about to be taken
         num_evictable_hits = sum(1 for b in match.blocks if b.ref_count == 0)
         if num_needed > self.pool.num_free_blocks - num_evictable_hits:
@@ -104,12 +139,33 @@ class KVCacheManager:
             table.extend(match.blocks)
             self._num_cached_blocks[request.request_id] = len(table)
         if num_needed > 0:
+            self.offload.demote(self.pool.peek_evictions(num_needed))
             table.extend(self.pool.allocate(num_needed))
         return True
 
-    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+    def promote(self, request: Request, match: PrefixMatch) -> Promotion:
+        """Load ``match``'s tier blocks into the blocks ``try_allocate`` gave them and
+        cache them. A miss or a corrupt block ends the run: the blocks after it stay
+        allocated and are computed like any others.
+        """
+        d, t = match.num_device_blocks, match.tier_run.num_blocks
+        table = self._blocks[request.request_id]
+        promotion = self.offload.load(match.tier_run, [b.block_id for b in table[d:d + t]])
+        keys = self.block_keys(request)
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i in range(d, d + promotion.num_blocks):
+            self.pool.cache(table[i], keys[i], tuple(tokens[i * bs:(i + 1) * bs]))
+        if promotion.num_blocks:
+            self._num_cached_blocks[request.request_id] = d + promotion.num_blocks
+        return promotion
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int,
+                      promotion: Promotion = NO_PROMOTION) -> None:
+        """Count a first admission: prompt tokens, device hits, tier hits (``promotion``)."""
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
+        self.offload.record_hits(promotion)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register every full block whose tokens are all computed."""
@@ -147,6 +203,7 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         self.residual.check_integrity()
+        self.offload.check_integrity()
         counted: dict[int, int] = {}
         for table in self._blocks.values():
             for block in table:

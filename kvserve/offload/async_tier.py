@@ -141,6 +141,20 @@ class AsyncTier:
             future = self._submit(get, misses)
         return future if future is not None else _done(list(misses))
 
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is held or its put is in flight (so a get would find it).
+
+        Runs on the calling thread: one ``exists`` call on the tier for the keys not
+        in flight (a dict lookup for host and disk, one round trip for Redis).
+        """
+        with self._lock:
+            held = [key in self._inflight for key in keys]
+        todo = [i for i, h in enumerate(held) if not h]
+        if todo:
+            for i, h in zip(todo, self.store.contains([keys[i] for i in todo])):
+                held[i] = h
+        return held
+
     def flush(self) -> None:
         """Wait until every call submitted so far has finished."""
         while True:

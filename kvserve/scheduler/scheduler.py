@@ -105,16 +105,20 @@ class Scheduler:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             match = matches.get(req.request_id) or self.kv.match_prefix(req)
-            num_hit = match.num_blocks * self.kv.block_size
-            num_left = req.num_tokens - num_hit
+            match = self.kv.match_tiers(req, match)
+            # tier hits cost no compute budget: they are loaded, not computed
+            num_left = req.num_tokens - match.num_blocks * self.kv.block_size
             if not self.config.enable_chunked_prefill and num_left > budget:
                 break
             num_new = self._chunk(num_left, budget)
             if not self.kv.try_allocate(req, num_new, match):
                 break
+            # a load that stops early leaves its blocks to compute, from num_hit on
+            promotion = self.kv.promote(req, match)
+            num_hit = (match.num_device_blocks + promotion.num_blocks) * self.kv.block_size
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_hit
-                self.kv.record_lookup(req.num_tokens, num_hit)
+                self.kv.record_lookup(req.num_tokens, match.num_device_blocks * self.kv.block_size, promotion)
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)

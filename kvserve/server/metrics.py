@@ -56,7 +56,34 @@ class _StatsCollector(Collector):
         hits = CounterMetricFamily("kvserve_prefix_cache_hit_tokens", "Prompt tokens served from a cache tier",
                                    labels=["tier"])
         hits.add_metric(["device"], s.prefix_hit_tokens)
+        for t in s.tiers:
+            hits.add_metric([t.tier], t.hit_tokens)
         yield hits
+        yield from _tier_metrics(s)
+
+
+def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Offload tiers (host, disk, redis), one label value each; nothing when none is configured."""
+    if not s.tiers:
+        return
+    loaded = CounterMetricFamily("kvserve_offload_loaded_tokens",
+                                 "Tokens loaded from an offload tier instead of recomputed", labels=["tier"])
+    moved = CounterMetricFamily("kvserve_offload_bytes", "Payload bytes moved between the device and a tier",
+                                labels=["tier", "direction"])
+    seconds = CounterMetricFamily("kvserve_offload_load_seconds",
+                                  "Engine time spent waiting for and writing tier loads", labels=["tier"])
+    corrupt = CounterMetricFamily("kvserve_offload_corrupt_blocks",
+                                  "Blocks that failed verification (removed, recomputed)", labels=["tier"])
+    dropped = CounterMetricFamily("kvserve_offload_dropped_writes",
+                                  "Blocks a tier did not store (full queue, tier down, too large)", labels=["tier"])
+    for t in s.tiers:
+        loaded.add_metric([t.tier], t.loaded_tokens)
+        moved.add_metric([t.tier, "load"], t.bytes_loaded)
+        moved.add_metric([t.tier, "store"], t.store.bytes_written)
+        seconds.add_metric([t.tier], t.load_seconds)
+        corrupt.add_metric([t.tier], t.store.corrupt)
+        dropped.add_metric([t.tier], t.store.puts_dropped)
+    yield from (loaded, moved, seconds, corrupt, dropped)
 
 
 class ServerMetrics:

@@ -59,8 +59,10 @@ def test_a_put_of_a_key_in_flight_is_coalesced_and_gets_read_it_from_flight():
     only_dupes = tier.submit_put([(K[0], b"x" * 64)])
     assert only_dupes.done() and only_dupes.result() == 0
     assert tier.submit_get([K[0], K[2]]).result(timeout=5) == [b"x" * 64, None]  # before any put finished
+    assert tier.contains([K[0], K[2]]) == [True, False]   # in flight counts as held
     transport.gate.set()
     tier.flush()
+    assert tier.contains([K[1], K[2]]) == [True, False]   # now held by the store
     assert (first.result(), second.result()) == (1, 1)
     assert sorted(transport.put_calls) == [[K[0]], [K[1]]]
     assert tier.store.get([K[0], K[1]]) == [b"x" * 64, b"z" * 64]

@@ -16,11 +16,8 @@ def payload(i: int) -> bytes:
 
 
 @pytest.fixture
-def server(tmp_path):
-    srv = RedisServer(tmp_path)
-    srv.start()
-    yield srv
-    srv.stop()
+def server(redis_server: RedisServer) -> RedisServer:
+    return redis_server
 
 
 def open_store(url: str, namespace: str = "m1", **options) -> BlockStore:

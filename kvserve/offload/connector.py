@@ -1,0 +1,210 @@
+"""Between the KV manager and the tiers: demote evicted blocks, find and load tier hits.
+
+    KV manager --demote(blocks)-->  BlockMover.read (device -> bytes, synchronous: the
+                                    blocks are about to be reused) -> TieredStore.demote
+               --lookup(keys)-->    TieredStore.lookup: the run of keys some tier holds
+               --start_load-->      TieredStore.submit_fetch (tier reads on worker threads)
+               --finish_load-->     wait, BlockMover.write (bytes -> device blocks)
+
+``NoOffload`` is the null object the manager holds when no tier is configured.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvserve.config import OffloadConfig
+from kvserve.kv.block_io import block_nbytes, read_blocks, write_blocks
+from kvserve.kv.block_pool import Block
+from kvserve.offload.store import TierStats
+from kvserve.offload.tiered import EMPTY_RUN, PendingFetch, TieredStore, TierRun, make_tiered_store
+
+
+class BlockMover:
+    """Copies whole blocks of the device cache to bytes and back (kv/block_io.py payloads).
+
+    Holds the cache's per-block tensors (views of the live storage), not the cache.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.nbytes_per_block = block_nbytes(tensors)
+
+    def read(self, block_ids: list[int]) -> list[bytes]:
+        rows = read_blocks(self.tensors, block_ids).numpy()
+        return [row.tobytes() for row in rows]
+
+    def write(self, block_ids: list[int], payloads: Sequence[bytes]) -> None:
+        staged = np.empty((len(payloads), self.nbytes_per_block), dtype=np.uint8)
+        for i, payload in enumerate(payloads):
+            staged[i] = np.frombuffer(payload, dtype=np.uint8)
+        write_blocks(self.tensors, block_ids, torch.from_numpy(staged))
+
+
+class Promotion(NamedTuple):
+    """What a load brought in: the leading ``num_blocks`` of its run, counted per tier."""
+
+    num_blocks: int
+    num_blocks_by_tier: tuple[int, ...]
+
+
+NO_PROMOTION = Promotion(0, ())
+
+
+class PendingLoad(NamedTuple):
+    fetch: PendingFetch
+    block_ids: list[int]        # destination of each block of the run, in order
+
+
+@dataclass(frozen=True)
+class TierMetrics:
+    """One tier as seen by the engine. Tokens are prompt tokens; bytes are payload bytes."""
+
+    tier: str
+    hit_tokens: int          # served at first admission (comparable with prefix_query_tokens)
+    loaded_tokens: int       # every load, re-admissions included: recompute avoided
+    bytes_loaded: int
+    load_seconds: float      # engine-thread time waiting for and writing loads, split by blocks
+    store: TierStats         # the tier's own counters: writes (demotions), misses, corrupt, bandwidth
+    dropped_calls: int       # submits refused because the tier's queue was full
+
+
+class Offload(ABC):
+    """Contract: called from the engine thread only. ``demote`` must be called before the
+    blocks are reused; a run's keys stay valid however long a load takes (content keys)."""
+
+    tier_names: tuple[str, ...] = ()
+
+    @abstractmethod
+    def demote(self, blocks: Sequence[Block]) -> None:
+        """Copy cached blocks off the device and submit them to the tiers."""
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[bytes]) -> TierRun:
+        """The leading run of ``keys`` the tiers hold (a hint: a load may still miss)."""
+
+    @abstractmethod
+    def start_load(self, run: TierRun, block_ids: list[int]) -> PendingLoad:
+        """Submit the reads of ``run``; its payloads will go into ``block_ids``."""
+
+    @abstractmethod
+    def finish_load(self, pending: PendingLoad) -> Promotion:
+        """Wait for the reads and write the leading run of payloads into their blocks."""
+
+    def load(self, run: TierRun, block_ids: list[int]) -> Promotion:
+        return self.finish_load(self.start_load(run, block_ids))
+
+    def record_hits(self, promotion: Promotion) -> None:
+        """Count a first admission's loaded blocks as tier hits."""
+
+    def metrics(self) -> tuple[TierMetrics, ...]:
+        return ()
+
+    def flush(self) -> None:
+        """Wait for submitted demotions."""
+
+    def close(self) -> None:
+        """Finish pending demotions and release the tiers."""
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if a tier's accounting is inconsistent."""
+
+
+class NoOffload(Offload):
+    """No tier configured: nothing is demoted, nothing is found."""
+
+    def demote(self, blocks: Sequence[Block]) -> None:
+        pass
+
+    def lookup(self, keys: Sequence[bytes]) -> TierRun:
+        return EMPTY_RUN
+
+    def start_load(self, run: TierRun, block_ids: list[int]) -> PendingLoad:
+        return PendingLoad(PendingFetch(EMPTY_RUN, {}), [])
+
+    def finish_load(self, pending: PendingLoad) -> Promotion:
+        return NO_PROMOTION
+
+
+class TierOffload(Offload):
+    def __init__(self, store: TieredStore, mover: BlockMover, block_size: int) -> None:
+        self.store = store
+        self.mover = mover
+        self.block_size = block_size
+        self.tier_names = store.names
+        n = store.num_tiers
+        self._hit_blocks = [0] * n
+        self._loaded_blocks = [0] * n
+        self._load_seconds = [0.0] * n
+        self.num_demoted_blocks = 0
+
+    def demote(self, blocks: Sequence[Block]) -> None:
+        if not blocks:
+            return
+        payloads = self.mover.read([b.block_id for b in blocks])
+        self.store.demote([(b.key, p) for b, p in zip(blocks, payloads) if b.key is not None])
+        self.num_demoted_blocks += len(blocks)
+
+    def lookup(self, keys: Sequence[bytes]) -> TierRun:
+        return self.store.lookup(keys)
+
+    def start_load(self, run: TierRun, block_ids: list[int]) -> PendingLoad:
+        if len(block_ids) != run.num_blocks:
+            raise ValueError(f"{len(block_ids)} blocks for a run of {run.num_blocks}")
+        return PendingLoad(self.store.submit_fetch(run), block_ids)
+
+    def finish_load(self, pending: PendingLoad) -> Promotion:
+        start = time.perf_counter()
+        payloads = pending.fetch.result()
+        # a payload of the wrong size cannot come from a block with this key and format
+        n = next((i for i, p in enumerate(payloads) if len(p) != self.mover.nbytes_per_block), len(payloads))
+        if n:
+            self.mover.write(pending.block_ids[:n], payloads[:n])
+        by_tier = pending.fetch.run.blocks_by_tier(self.store.num_tiers, n)
+        seconds = time.perf_counter() - start
+        for t, count in enumerate(by_tier):
+            self._loaded_blocks[t] += count
+            if n:
+                self._load_seconds[t] += seconds * count / n
+        return Promotion(n, by_tier)
+
+    def record_hits(self, promotion: Promotion) -> None:
+        for t, count in enumerate(promotion.num_blocks_by_tier):
+            self._hit_blocks[t] += count
+
+    def metrics(self) -> tuple[TierMetrics, ...]:
+        bs, nb = self.block_size, self.mover.nbytes_per_block
+        return tuple(
+            TierMetrics(tier=name, hit_tokens=self._hit_blocks[t] * bs, loaded_tokens=self._loaded_blocks[t] * bs,
+                        bytes_loaded=self._loaded_blocks[t] * nb, load_seconds=self._load_seconds[t],
+                        store=stats, dropped_calls=astats.dropped)
+            for t, (name, stats, astats) in enumerate(zip(self.tier_names, self.store.stats(),
+                                                          self.store.async_stats())))
+
+    def flush(self) -> None:
+        self.store.flush()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def check_integrity(self) -> None:
+        self.store.check_integrity()
+
+
+def make_offload(config: OffloadConfig, mover: BlockMover, extra_key: bytes, block_size: int) -> Offload:
+    """The tiers of ``config`` (NoOffload when none is configured).
+
+    Blocks are tagged with the extra key (model, format, dtype, salt), so engines that
+    cannot use each other's blocks never read them; Redis keys are namespaced by it too.
+    """
+    if not config.tier_names:
+        return NoOffload()
+    store = make_tiered_store(config, fmt_tag=extra_key.hex(), namespace=extra_key.hex()[:32])
+    return TierOffload(store, mover, block_size)

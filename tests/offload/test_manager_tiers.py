@@ -1,0 +1,118 @@
+"""The KV manager with offload tiers, on a fake tier: exact block ids, no model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvserve.kv.block_pool import Block, BlockPool
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.prefix import make_extra_key
+from kvserve.offload.connector import Offload, PendingLoad, Promotion
+from kvserve.offload.tiered import PendingFetch, TierRun
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+
+
+class FakeTier(Offload):
+    """One tier holding keys; records demotions (block id, key) as the manager makes them."""
+
+    tier_names = ("fake",)
+
+    def __init__(self, pool: BlockPool, corrupt: frozenset[bytes] = frozenset()) -> None:
+        self.pool = pool
+        self.held: set[bytes] = set()
+        self.corrupt = corrupt
+        self.demoted: list[tuple[int, bytes]] = []
+        self.loaded: list[tuple[int, bytes]] = []
+
+    def demote(self, blocks: Sequence[Block]) -> None:
+        for b in blocks:
+            assert b.key is not None and b.ref_count == 0    # still intact: not reused yet
+            self.demoted.append((b.block_id, b.key))
+            self.held.add(b.key)
+
+    def lookup(self, keys: Sequence[bytes]) -> TierRun:
+        n = next((i for i, k in enumerate(keys) if k not in self.held), len(keys))
+        return TierRun(tuple(keys[:n]), (0,) * n)
+
+    def start_load(self, run: TierRun, block_ids: list[int]) -> PendingLoad:
+        return PendingLoad(PendingFetch(run, {}), block_ids)
+
+    def finish_load(self, pending: PendingLoad) -> Promotion:
+        keys = pending.fetch.run.keys
+        n = next((i for i, k in enumerate(keys) if k in self.corrupt), len(keys))
+        self.loaded += list(zip(pending.block_ids[:n], keys[:n]))
+        return Promotion(n, (n,))
+
+
+def make(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(), arrival_seq=0)
+
+
+def setup(num_blocks: int = 6, corrupt: frozenset[bytes] = frozenset()) -> tuple[KVCacheManager, FakeTier]:
+    pool = BlockPool(num_blocks, 4)
+    tier = FakeTier(pool, corrupt)
+    return KVCacheManager(pool, make_extra_key("m", "native"), offload=tier), tier
+
+
+def admit(kv: KVCacheManager, req: Request) -> int:
+    """What the scheduler does; returns the tokens served from cache (device + tier)."""
+    match = kv.match_tiers(req, kv.match_prefix(req))
+    assert kv.try_allocate(req, req.num_tokens - match.num_blocks * kv.block_size, match)
+    hit = (match.num_device_blocks + kv.promote(req, match).num_blocks) * kv.block_size
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_computed_blocks(req)
+    return hit
+
+
+def test_peek_evictions_lists_the_cached_blocks_allocate_would_take():
+    pool = BlockPool(5, 4)
+    a, b, c = pool.allocate(3)
+    pool.cache(a, b"a" * 32, (0, 1, 2, 3))
+    pool.cache(c, b"c" * 32, (4, 5, 6, 7))
+    pool.free([c, b, a])                            # queue: 3, 4, c, b, a
+    assert pool.peek_evictions(2) == []
+    assert pool.peek_evictions(3) == [c]
+    assert pool.peek_evictions(9) == [c, a]
+    assert pool.free_queue.block_ids() == [3, 4, 2, 1, 0]   # unchanged
+    pool.check_integrity()
+
+
+def test_evicted_blocks_are_demoted_before_reuse_and_come_back_from_the_tier():
+    kv, tier = setup()
+    a = make("a", list(range(12)) + [99])           # 3 full blocks + 1 token
+    admit(kv, a)
+    kv.free(a)                                      # queue: 4, 5, 3, 2, 1, 0
+    keys_a = list(kv.block_keys(a))
+    b = make("b", [100 + i for i in range(20)])     # 5 blocks: takes 4, 5, 3, 2, 1
+    admit(kv, b)
+    assert tier.demoted == [(2, keys_a[2]), (1, keys_a[1])]
+    kv.free(b)
+    kv.forget(b)
+    a2 = make("a2", list(range(12)) + [7])
+    # block 0 is still on the device; blocks 1 and 2 come from the tier into fresh blocks
+    assert admit(kv, a2) == 12
+    loaded_ids = [bid for bid, _ in tier.loaded]
+    assert [k for _, k in tier.loaded] == keys_a[1:3]
+    assert kv.block_ids("a2")[:3] == [0, *loaded_ids]
+    assert all(kv.pool.lookup(k, tuple(range(4 * i, 4 * i + 4))) is not None for i, k in enumerate(keys_a))
+    kv.check_integrity()
+
+
+def test_a_corrupt_block_ends_the_run_and_the_rest_is_computed():
+    kv, tier = setup()
+    a = make("a", list(range(12)) + [99])
+    admit(kv, a)
+    keys_a = list(kv.block_keys(a))
+    kv.free(a)
+    kv.forget(a)
+    b = make("b", [100 + i for i in range(23)])
+    admit(kv, b)                                           # 6 blocks: every cached block evicted
+    assert [k for _, k in tier.demoted] == keys_a[::-1]
+    kv.forget(b)
+    tier.corrupt = frozenset({keys_a[1]})
+    a2 = make("a2", list(range(12)) + [7])
+    assert admit(kv, a2) == 4                              # block 0 loaded, block 1 corrupt: stop
+    assert [k for _, k in tier.loaded] == keys_a[:1]
+    assert kv.pool.lookup(keys_a[1], (4, 5, 6, 7)) is not None   # recomputed, then cached
+    kv.check_integrity()
