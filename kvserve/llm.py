@@ -9,6 +9,7 @@ from kvserve.config import CacheConfig, EngineConfig, OffloadConfig, SchedulerCo
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.model.loader import LoadedModel
+from kvserve.offload.base import Transport
 from kvserve.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -68,8 +69,9 @@ class LLM:
     >>> out[0].text, out[0].num_cached_tokens
     """
 
-    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None, **options: Any) -> None:
-        self.engine = LLMEngine(engine_config(model, **options), loaded)
+    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None,
+                 tiers: Sequence[Transport] | None = None, **options: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **options), loaded, tiers)
 
     @property
     def tokenizer(self):

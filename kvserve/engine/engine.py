@@ -23,11 +23,12 @@ from kvserve.kv.residual import ResidualRows
 from kvserve.model.attention import KVCache
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
+from kvserve.offload.base import Transport
 from kvserve.offload.connector import BlockMover, make_offload
 from kvserve.request import FinishReason, Request
 from kvserve.sampling.sampler import Sampler, top_logprobs
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("kvserve")
 
@@ -51,7 +52,10 @@ def resolve_dtype(name: str, device: torch.device, model_dtype: str) -> torch.dt
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 tiers: Sequence[Transport] | None = None) -> None:
+        """``tiers``: transports to use as the offload tiers, in lookup order, instead of
+        those ``config.offload`` names (tests, embedders with their own storage)."""
         config = config if config is not None else EngineConfig()
         self.config = config
         loaded = loaded if loaded is not None else load_model(config.model)
@@ -73,7 +77,7 @@ class LLMEngine:
         extra_key = make_extra_key(loaded.fingerprint, f"{self.kv_format.spec}:{self.dtype}", cc.cache_salt)
         # the engine owns the mover; the offload tiers copy blocks through it
         self.block_mover = BlockMover(self.kv_cache.block_tensors())
-        self.offload = make_offload(config.offload, self.block_mover, extra_key, cc.block_size)
+        self.offload = make_offload(config.offload, self.block_mover, extra_key, cc.block_size, tiers)
         self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, residual, self.offload)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
@@ -178,9 +182,13 @@ class LLMEngine:
         """Run one batch; return an output for each request that got a token."""
         out = self.scheduler.schedule()
         if out.is_empty:
+            # nothing to run: the only work left may be loads from slow tiers
+            self.scheduler.wait_for_loads(timeout=0.05)
             return []
         self.num_steps += 1
+        start = time.perf_counter()
         result = self.runner.execute(out)
+        self._observe_step(out, time.perf_counter() - start)
         self.scheduler.update(out)
         for rid, lps in result.prompt_logprobs.items():
             req = self._requests[rid]
@@ -207,6 +215,12 @@ class LLMEngine:
                 del self._requests[req.request_id]
             outputs.append(self.make_output(req))
         return outputs
+
+    def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Feed the load-or-recompute cost model with steps that are mostly prefill."""
+        num_prefill = sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1)
+        if 2 * num_prefill >= out.num_batched_tokens:
+            self.offload.observe_prefill(out.num_batched_tokens, seconds)
 
     def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
         p = req.params
@@ -251,12 +265,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_steps=self.num_steps, num_waiting=len(self.scheduler.waiting),
+            num_steps=self.num_steps, num_waiting=len(self.scheduler.waiting), num_loading=len(self.scheduler.loading),
             num_running=len(self.scheduler.running), num_preemptions=self.scheduler.num_preemptions,
             kv_num_blocks=self.pool.num_blocks, kv_num_free_blocks=self.pool.num_free_blocks,
             kv_num_cached_blocks=self.pool.num_cached_blocks, kv_usage=self.pool.usage,
             prefix_query_tokens=self.kv.num_query_tokens, prefix_hit_tokens=self.kv.num_hit_tokens,
-            num_evicted_blocks=self.pool.num_evicted_blocks, tiers=self.offload.metrics())
+            num_evicted_blocks=self.pool.num_evicted_blocks, tiers=self.offload.metrics(),
+            cost=self.offload.cost_snapshot(), num_swapped_blocks=self.scheduler.num_swapped_blocks)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

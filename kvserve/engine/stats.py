@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.offload.connector import TierMetrics
+from kvserve.offload.cost import CostSnapshot
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,9 @@ class EngineStats:
     prefix_hit_tokens: int         # of which served from the device prefix cache
     num_evicted_blocks: int        # cached blocks whose key was dropped to reuse them
     tiers: tuple[TierMetrics, ...] = ()   # offload tiers in lookup order (empty: none configured)
+    cost: CostSnapshot | None = None      # load-or-recompute figures and decisions (None: no tiers)
+    num_loading: int = 0                  # admitted requests waiting for their tier reads
+    num_swapped_blocks: int = 0           # blocks of preempted requests demoted at once (swap)
 
     @property
     def prefix_hit_rate(self) -> float:

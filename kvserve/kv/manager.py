@@ -25,7 +25,7 @@ from typing import NamedTuple
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.prefix import extend_block_keys
 from kvserve.kv.residual import NoResidual, ResidualRows
-from kvserve.offload.connector import NO_PROMOTION, NoOffload, Offload, Promotion
+from kvserve.offload.connector import NoOffload, Offload, PendingLoad, Promotion
 from kvserve.offload.tiered import EMPTY_RUN, TierRun
 from kvserve.request import Request
 
@@ -50,6 +50,17 @@ class PrefixMatch(NamedTuple):
 EMPTY_MATCH = PrefixMatch([])
 
 
+class Promoted(NamedTuple):
+    """A request's cached prefix once its tier blocks are in: device hits, then loaded blocks."""
+
+    num_device_blocks: int
+    promotion: Promotion
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_device_blocks + self.promotion.num_blocks
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool, extra_key: bytes, enable_prefix_caching: bool = True,
                  residual: ResidualRows | None = None, offload: Offload | None = None) -> None:
@@ -64,6 +75,8 @@ class KVCacheManager:
         self._blocks: dict[str, list[Block]] = {}
         self._keys: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        # tier loads in flight: request id -> (device hit blocks, pending load)
+        self._promotions: dict[str, tuple[int, PendingLoad]] = {}
         # counters read by the metrics observer
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -143,29 +156,61 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_needed))
         return True
 
-    def promote(self, request: Request, match: PrefixMatch) -> Promotion:
-        """Load ``match``'s tier blocks into the blocks ``try_allocate`` gave them and
-        cache them. A miss or a corrupt block ends the run: the blocks after it stay
-        allocated and are computed like any others.
-        """
+    def is_prefetch(self, match: PrefixMatch) -> bool:
+        """Whether ``match``'s tier blocks come from a slow tier, so the request should wait
+        for them while others run, rather than have them loaded at once."""
+        return match.tier_run.num_blocks > 0 and not self.offload.is_synchronous(match.tier_run)
+
+    def start_promotion(self, request: Request, match: PrefixMatch) -> None:
+        """Submit the reads of ``match``'s tier blocks into the blocks ``try_allocate`` gave them."""
         d, t = match.num_device_blocks, match.tier_run.num_blocks
         table = self._blocks[request.request_id]
-        promotion = self.offload.load(match.tier_run, [b.block_id for b in table[d:d + t]])
+        self._promotions[request.request_id] = (d, self.offload.start_load(
+            match.tier_run, [b.block_id for b in table[d:d + t]]))
+
+    def is_promotion_ready(self, request: Request) -> bool:
+        pending = self._promotions.get(request.request_id)
+        return pending is None or pending[1].fetch.done()
+
+    def wait_for_promotion(self, request: Request, timeout: float) -> None:
+        pending = self._promotions.get(request.request_id)
+        if pending is not None:
+            pending[1].fetch.wait(timeout)
+
+    def finish_promotion(self, request: Request) -> Promoted:
+        """Write the loaded blocks (waiting for their reads) and cache them. A miss or a
+        corrupt block ends the run: the blocks after it stay allocated and are computed.
+        """
+        rid = request.request_id
+        d, pending = self._promotions.pop(rid)
+        promotion = self.offload.finish_load(pending)
+        table = self._blocks[rid]
         keys = self.block_keys(request)
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(d, d + promotion.num_blocks):
             self.pool.cache(table[i], keys[i], tuple(tokens[i * bs:(i + 1) * bs]))
         if promotion.num_blocks:
-            self._num_cached_blocks[request.request_id] = d + promotion.num_blocks
-        return promotion
+            self._num_cached_blocks[rid] = d + promotion.num_blocks
+        return Promoted(d, promotion)
 
-    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int,
-                      promotion: Promotion = NO_PROMOTION) -> None:
-        """Count a first admission: prompt tokens, device hits, tier hits (``promotion``)."""
+    def promote(self, request: Request, match: PrefixMatch) -> Promoted:
+        """Load ``match``'s tier blocks now (start and finish)."""
+        self.start_promotion(request, match)
+        return self.finish_promotion(request)
+
+    def record_lookup(self, num_query_tokens: int, promoted: Promoted) -> None:
+        """Count a first admission: prompt tokens, device hits, tier hits."""
         self.num_query_tokens += num_query_tokens
-        self.num_hit_tokens += num_hit_tokens
-        self.offload.record_hits(promotion)
+        self.num_hit_tokens += promoted.num_device_blocks * self.block_size
+        self.offload.record_hits(promoted.promotion)
+
+    def swap_out(self, request: Request) -> int:
+        """Before a preemption frees the request: demote its computed blocks that no other
+        request holds, if the cost model says loading them back beats recomputing."""
+        table = self._blocks.get(request.request_id, [])
+        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        return self.offload.swap_out([b for b in table[:num_cached] if b.ref_count == 1 and b.is_cached])
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register every full block whose tokens are all computed."""
@@ -191,6 +236,7 @@ class KVCacheManager:
         self.residual.release(b.block_id for b in table)
         self.pool.free(reversed(table))
         self._num_cached_blocks.pop(rid, None)
+        self._promotions.pop(rid, None)   # a load in flight is dropped: its blocks are gone
 
     def forget(self, request: Request) -> None:
         """Drop per-request state of a finished request."""
@@ -204,6 +250,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         self.residual.check_integrity()
         self.offload.check_integrity()
+        assert self._promotions.keys() <= self._blocks.keys(), "a load in flight for a request with no blocks"
         counted: dict[int, int] = {}
         for table in self._blocks.values():
             for block in table:

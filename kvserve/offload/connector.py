@@ -2,15 +2,18 @@
 
     KV manager --demote(blocks)-->  BlockMover.read (device -> bytes, synchronous: the
                                     blocks are about to be reused) -> TieredStore.demote
-               --lookup(keys)-->    TieredStore.lookup: the run of keys some tier holds
+               --lookup(keys)-->    TieredStore.lookup: the run of keys some tier holds,
+                                    cut by the cost model where recomputing is faster
                --start_load-->      TieredStore.submit_fetch (tier reads on worker threads)
                --finish_load-->     wait, BlockMover.write (bytes -> device blocks)
+    engine     --observe_prefill--> CostModel (prefill speed)
 
 ``NoOffload`` is the null object the manager holds when no tier is configured.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -23,8 +26,12 @@ import torch
 from kvserve.config import OffloadConfig
 from kvserve.kv.block_io import block_nbytes, read_blocks, write_blocks
 from kvserve.kv.block_pool import Block
+from kvserve.offload.base import Transport
+from kvserve.offload.cost import CostModel, CostSnapshot
 from kvserve.offload.store import TierStats
-from kvserve.offload.tiered import EMPTY_RUN, PendingFetch, TieredStore, TierRun, make_tiered_store
+from kvserve.offload.tiered import EMPTY_RUN, PendingFetch, TieredStore, TierRun, make_tiered_store, open_transports
+
+log = logging.getLogger(__name__)
 
 
 class BlockMover:
@@ -88,7 +95,23 @@ class Offload(ABC):
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> TierRun:
-        """The leading run of ``keys`` the tiers hold (a hint: a load may still miss)."""
+        """The leading run of ``keys`` that the tiers hold and that is worth loading rather
+        than recomputing (a hint: a load may still miss)."""
+
+    def is_synchronous(self, run: TierRun) -> bool:
+        """Whether to load ``run`` at once (host memory: a copy) rather than prefetch it."""
+        return True
+
+    def swap_out(self, blocks: Sequence[Block]) -> int:
+        """Demote a preempted request's blocks now, if loading them back beats recomputing;
+        returns how many were submitted."""
+        return 0
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """An engine step that computed ``num_tokens``, mostly prefill, in ``seconds``."""
+
+    def cost_snapshot(self) -> CostSnapshot | None:
+        return None
 
     @abstractmethod
     def start_load(self, run: TierRun, block_ids: list[int]) -> PendingLoad:
@@ -139,21 +162,58 @@ class TierOffload(Offload):
         self.mover = mover
         self.block_size = block_size
         self.tier_names = store.names
+        self.cost = CostModel(store.names, block_size, mover.nbytes_per_block)
         n = store.num_tiers
         self._hit_blocks = [0] * n
         self._loaded_blocks = [0] * n
         self._load_seconds = [0.0] * n
         self.num_demoted_blocks = 0
+        self.num_swapped_blocks = 0
+        # a block a local first tier holds was demoted before (or loaded from there): skip
+        # its copy. Asking Redis would cost a round trip on the engine thread.
+        self._first_is_local = store.names[0] in ("host", "disk")
 
     def demote(self, blocks: Sequence[Block]) -> None:
-        if not blocks:
+        todo = list(blocks)
+        if self._first_is_local and todo:
+            held = self.store.tiers[0].contains([b.key for b in todo if b.key is not None])
+            todo = [b for b, h in zip(todo, held) if not h]
+        if not todo:
             return
-        payloads = self.mover.read([b.block_id for b in blocks])
-        self.store.demote([(b.key, p) for b, p in zip(blocks, payloads) if b.key is not None])
-        self.num_demoted_blocks += len(blocks)
+        payloads = self.mover.read([b.block_id for b in todo])
+        self.store.demote([(b.key, p) for b, p in zip(todo, payloads) if b.key is not None])
+        self.num_demoted_blocks += len(todo)
+
+    def swap_out(self, blocks: Sequence[Block]) -> int:
+        if not blocks or self.tier_names[0] != "host":
+            return 0
+        if not self.cost.should_swap(len(blocks)):
+            log.debug("preemption: %d blocks left to recompute (cheaper than a host round trip)", len(blocks))
+            return 0
+        before = self.num_demoted_blocks
+        self.demote(blocks)
+        swapped = self.num_demoted_blocks - before
+        self.num_swapped_blocks += swapped
+        log.debug("preemption: %d of %d blocks swapped to host", swapped, len(blocks))
+        return swapped
 
     def lookup(self, keys: Sequence[bytes]) -> TierRun:
-        return self.store.lookup(keys)
+        run = self.store.lookup(keys)
+        if not run.num_blocks:
+            return run
+        self.cost.observe_tiers(self.store.stats())
+        n = self.cost.choose(run.tiers).num_load_blocks
+        return TierRun(run.keys[:n], run.tiers[:n])
+
+    def is_synchronous(self, run: TierRun) -> bool:
+        return all(self.tier_names[t] == "host" for t in run.tiers)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        self.cost.observe_prefill(num_tokens, seconds)
+
+    def cost_snapshot(self) -> CostSnapshot:
+        self.cost.observe_tiers(self.store.stats())
+        return self.cost.snapshot()
 
     def start_load(self, run: TierRun, block_ids: list[int]) -> PendingLoad:
         if len(block_ids) != run.num_blocks:
@@ -198,13 +258,14 @@ class TierOffload(Offload):
         self.store.check_integrity()
 
 
-def make_offload(config: OffloadConfig, mover: BlockMover, extra_key: bytes, block_size: int) -> Offload:
-    """The tiers of ``config`` (NoOffload when none is configured).
+def make_offload(config: OffloadConfig, mover: BlockMover, extra_key: bytes, block_size: int,
+                 transports: Sequence[Transport] | None = None) -> Offload:
+    """The tiers of ``config``, or ``transports`` when given (NoOffload when there are none).
 
     Blocks are tagged with the extra key (model, format, dtype, salt), so engines that
     cannot use each other's blocks never read them; Redis keys are namespaced by it too.
     """
-    if not config.tier_names:
+    opened = list(transports) if transports is not None else open_transports(config, extra_key.hex()[:32])
+    if not opened:
         return NoOffload()
-    store = make_tiered_store(config, fmt_tag=extra_key.hex(), namespace=extra_key.hex()[:32])
-    return TierOffload(store, mover, block_size)
+    return TierOffload(make_tiered_store(opened, extra_key.hex()), mover, block_size)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from kvserve.config import OffloadConfig
 from kvserve.offload.async_tier import AsyncStats, AsyncTier
+from kvserve.offload.base import Transport
 from kvserve.offload.registry import make_transport
 from kvserve.offload.serialization import Payload
 from kvserve.offload.store import BlockStore, TierStats
@@ -58,6 +59,10 @@ class PendingFetch:
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures.values())
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every get; whether all are done."""
+        return not cf.wait(list(self._futures.values()), timeout).not_done
 
     def result(self, timeout: float | None = None) -> list[bytes]:
         """Payloads of the run's leading blocks, up to the first miss (evicted, corrupt, tier down).
@@ -157,15 +162,20 @@ def tier_options(config: OffloadConfig, namespace: str) -> list[tuple[str, dict[
     return out
 
 
-def make_tiered_store(config: OffloadConfig, fmt_tag: str, namespace: str) -> TieredStore:
-    """The tiers of ``config``; blocks tagged ``fmt_tag`` (the extra key), Redis keys under ``namespace``."""
-    tiers: list[AsyncTier] = []
+def open_transports(config: OffloadConfig, namespace: str) -> list[Transport]:
+    """The transports of the tiers ``config`` names, in lookup order; Redis keys under ``namespace``."""
+    opened: list[Transport] = []
     try:
         for name, options in tier_options(config, namespace):
-            store_class = _WriteOnceStore if name == "disk" else BlockStore
-            tiers.append(AsyncTier(store_class(make_transport(name, **options), fmt_tag)))
+            opened.append(make_transport(name, **options))
     except BaseException:
-        for tier in tiers:   # a later tier failed to open: release the earlier ones (the disk lock)
-            tier.close()
+        for transport in opened:   # a later tier failed to open: release the earlier ones (the disk lock)
+            transport.close()
         raise
-    return TieredStore(tiers)
+    return opened
+
+
+def make_tiered_store(transports: Sequence[Transport], fmt_tag: str) -> TieredStore:
+    """Tiers over ``transports`` (in lookup order) for blocks tagged ``fmt_tag``."""
+    return TieredStore([AsyncTier((_WriteOnceStore if t.name == "disk" else BlockStore)(t, fmt_tag))
+                        for t in transports])

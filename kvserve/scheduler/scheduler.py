@@ -6,6 +6,14 @@ slots and blocks last. A running request that cannot get a block preempts the
 lowest-ranked running request, whose blocks are freed and whose tokens (prompt
 plus output so far) are recomputed when it is admitted again (its freed blocks
 usually stay cached, so the recompute is mostly prefix hits).
+
+A request whose cached prefix continues in a slow offload tier (disk, Redis) is
+admitted into ``loading``: it holds its blocks while their reads run in the
+background and is skipped until they are done; at the start of a later step its
+blocks are written and it joins ``running``. Others keep running meanwhile.
+
+    waiting --admit--> running                        (device and host hits: at once)
+    waiting --admit--> loading --reads done--> running  (disk, Redis hits: prefetch)
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.manager import KVCacheManager, Promoted
 from kvserve.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.policies import POLICIES, uses_cache_lookup, victim_key
 
@@ -49,12 +57,19 @@ class Scheduler:
         self.kv = kv
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.loading: list[Request] = []     # admitted, waiting for their tier reads
         self._sort_key = POLICIES[config.policy]
         self.num_preemptions = 0
+        self.num_swapped_blocks = 0
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for the oldest load (a step found nothing to run)."""
+        if self.loading:
+            self.kv.wait_for_promotion(self.loading[0], timeout)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -63,6 +78,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
+        self._finish_loads()
 
         for req in list(self.running):
             if budget == 0:
@@ -102,10 +118,19 @@ class Scheduler:
             self.waiting.sort(key=lambda r: self._sort_key(r, 0, self.config.max_wait_steps))
         admitted = 0
         for req in self.waiting:
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
             match = matches.get(req.request_id) or self.kv.match_prefix(req)
             match = self.kv.match_tiers(req, match)
+            if self.kv.is_prefetch(match):
+                # blocks for the hits only; the rest is allocated when it is scheduled
+                if not self.kv.try_allocate(req, 0, match):
+                    break
+                self.kv.start_promotion(req, match)
+                req.status = RequestStatus.RUNNING
+                self.loading.append(req)
+                admitted += 1
+                continue
             # tier hits cost no compute budget: they are loaded, not computed
             num_left = req.num_tokens - match.num_blocks * self.kv.block_size
             if not self.config.enable_chunked_prefill and num_left > budget:
@@ -113,21 +138,32 @@ class Scheduler:
             num_new = self._chunk(num_left, budget)
             if not self.kv.try_allocate(req, num_new, match):
                 break
-            # a load that stops early leaves its blocks to compute, from num_hit on
-            promotion = self.kv.promote(req, match)
-            num_hit = (match.num_device_blocks + promotion.num_blocks) * self.kv.block_size
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = num_hit
-                self.kv.record_lookup(req.num_tokens, match.num_device_blocks * self.kv.block_size, promotion)
-            req.num_computed_tokens = num_hit
-            req.status = RequestStatus.RUNNING
+            # a load that stops early leaves its blocks to compute: the chunk starts earlier
+            self._start(req, self.kv.promote(req, match))
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, num_new))
             budget -= num_new
             admitted += 1
         del self.waiting[:admitted]
 
+    def _start(self, req: Request, promoted: Promoted) -> None:
+        """The request's cached prefix is in place: it runs from the first block after it."""
+        num_hit = promoted.num_blocks * self.kv.block_size
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = num_hit
+            self.kv.record_lookup(req.num_tokens, promoted)
+        req.num_computed_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+
+    def _finish_loads(self) -> None:
+        """Loading requests whose reads are done join the running batch (in admission order)."""
+        for req in [r for r in self.loading if self.kv.is_promotion_ready(r)]:
+            self._start(req, self.kv.finish_promotion(req))
+            self.loading.remove(req)
+            self.running.append(req)
+
     def _preempt(self, req: Request) -> None:
+        self.num_swapped_blocks += self.kv.swap_out(req)
         self.kv.free(req)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
@@ -148,7 +184,7 @@ class Scheduler:
         if req.status is RequestStatus.FINISHED:
             return
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+            (self.loading if req in self.loading else self.running).remove(req)
         else:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
+from kvserve.offload.cost import CostSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -76,6 +77,12 @@ def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
                                   "Blocks that failed verification (removed, recomputed)", labels=["tier"])
     dropped = CounterMetricFamily("kvserve_offload_dropped_writes",
                                   "Blocks a tier did not store (full queue, tier down, too large)", labels=["tier"])
+    yield GaugeMetricFamily("kvserve_num_requests_loading", "Admitted requests waiting for their tier reads",
+                            s.num_loading)
+    yield CounterMetricFamily("kvserve_offload_swapped_blocks", "Blocks of preempted requests demoted at once",
+                              s.num_swapped_blocks)
+    if s.cost is not None:
+        yield from _cost_metrics(s.cost)
     for t in s.tiers:
         loaded.add_metric([t.tier], t.loaded_tokens)
         moved.add_metric([t.tier, "load"], t.bytes_loaded)
@@ -141,3 +148,24 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _cost_metrics(c: CostSnapshot) -> Iterator[Metric]:
+    """The load-or-recompute model: its estimates and its decisions."""
+    if c.prefill_tokens_per_s is not None:
+        yield GaugeMetricFamily("kvserve_offload_prefill_tokens_per_second",
+                                "Measured prefill speed (moving average over prefill steps)", c.prefill_tokens_per_s)
+    latency = GaugeMetricFamily("kvserve_offload_tier_latency_seconds", "Estimated read latency per call",
+                                labels=["tier", "measured"])
+    bandwidth = GaugeMetricFamily("kvserve_offload_tier_bandwidth_bytes_per_second", "Estimated read bandwidth",
+                                  labels=["tier", "measured"])
+    for t in c.tiers:
+        measured = "true" if t.is_measured else "false"
+        latency.add_metric([t.tier, measured], t.latency_s)
+        bandwidth.add_metric([t.tier, measured], t.bytes_per_s)
+    runs = CounterMetricFamily("kvserve_offload_runs", "Runs of tier hits, by decision", labels=["decision"])
+    runs.add_metric(["load"], c.runs_loaded)
+    runs.add_metric(["cut"], c.runs_cut)
+    yield from (latency, bandwidth, runs)
+    yield CounterMetricFamily("kvserve_offload_recomputed_blocks",
+                              "Tier hits recomputed because loading them was estimated slower", c.blocks_recomputed)

@@ -1,7 +1,6 @@
 """The offload tiers inside the engine: demote on eviction, promote on a prefix hit.
 
-A tiny random model with an 8-block device pool: a "filler" prompt of 127 tokens
-takes every block, so whatever was cached before is evicted (and demoted).
+A tiny random model with an 8-block device pool (see tiers_util.py).
 """
 
 from __future__ import annotations
@@ -14,57 +13,31 @@ import time
 from pathlib import Path
 
 import pytest
+from tiers_util import (
+    FILL,
+    GREEDY,
+    MIB,
+    POOL,
+    PROMPT,
+    PROMPT_HIT,
+    cold_batch,
+    cold_tokens,
+    evict_everything,
+    filler,
+    offload,
+)
 from tiny import tiny_model
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.kv.prefix import extend_block_keys
 from kvserve.offload.connector import TierOffload
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-FILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-POOL = 8            # device blocks of 16 tokens
-PROMPT = [random.Random(1).randrange(128) for _ in range(70)]   # 4 full blocks + 6 tokens
-PROMPT_HIT = 64     # a hit covers the 4 full blocks (the last token is always computed)
-MIB = 1 / 1024      # in GiB
 
 
 @pytest.fixture(scope="module")
 def loaded():
     return tiny_model()
-
-
-_cold: dict[tuple, list[int]] = {}
-
-
-def cold_tokens(loaded, kv_format: str = "native", prompt: list[int] = PROMPT) -> list[int]:
-    return cold_batch(loaded, [prompt], kv_format)[0]
-
-
-def cold_batch(loaded, prompts: list[list[int]], kv_format: str = "native") -> list[list[int]]:
-    """Greedy tokens of a run without any cache, memoized."""
-    todo = [p for p in prompts if (kv_format, *p) not in _cold]
-    if todo:
-        llm = LLM(loaded=loaded, kv_format=kv_format, enable_prefix_caching=False)
-        for p, out in zip(todo, llm.generate(todo, GREEDY)):
-            _cold[(kv_format, *p)] = out.token_ids
-    return [_cold[(kv_format, *p)] for p in prompts]
-
-
-def filler(seed: int) -> list[int]:
-    """8 blocks (less one token) of tokens no test prompt shares."""
-    rng = random.Random(1000 + seed)
-    return [rng.randrange(128) for _ in range(POOL * 16 - 1)]
-
-
-def evict_everything(llm: LLM, seed: int = 0) -> None:
-    llm.generate(filler(seed), FILL)
-    offload(llm).flush()
-
-
-def offload(llm: LLM) -> TierOffload:
-    assert isinstance(llm.engine.offload, TierOffload)
-    return llm.engine.offload
 
 
 def tier_options(tier: str, tmp_path: Path, redis_url: str | None = None) -> dict:

@@ -59,7 +59,7 @@ def admit(kv: KVCacheManager, req: Request) -> int:
     """What the scheduler does; returns the tokens served from cache (device + tier)."""
     match = kv.match_tiers(req, kv.match_prefix(req))
     assert kv.try_allocate(req, req.num_tokens - match.num_blocks * kv.block_size, match)
-    hit = (match.num_device_blocks + kv.promote(req, match).num_blocks) * kv.block_size
+    hit = kv.promote(req, match).num_blocks * kv.block_size
     req.num_computed_tokens = req.num_tokens
     kv.cache_computed_blocks(req)
     return hit
