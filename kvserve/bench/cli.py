@@ -80,3 +80,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     from kvserve.bench.serve import add_serve_bench_parser
     add_serve_bench_parser(bsub, common)
+    from kvserve.bench.capacity import add_capacity_parser
+    add_capacity_parser(bsub, common)
+    from kvserve.bench.tiers import add_tiers_parser
+    add_tiers_parser(bsub, common)

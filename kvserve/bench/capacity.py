@@ -1,0 +1,211 @@
+"""``kvserve bench capacity``: how many long requests one KV pool holds at once, per format.
+
+The pool is fixed in bytes (``--kv-cache-gb``). For each format the engine is given
+``max_num_seqs`` just large enough not to be the limit (under a quantized format every
+seat reserves full-precision residual rows out of the same pool, so "very large" would
+shrink the pool; the smallest S with S >= requests-that-fit(S) is found by search).
+Then ``num_requests`` distinct prompts of ``prompt_tokens`` tokens (slices of the text
+at distinct offsets: no shared prefix) are submitted at once, each generating exactly
+``max_tokens`` tokens (eos ignored), and the engine is stepped to the end.
+
+Per step we record the requests that got a token (their whole sequence is in the
+cache) and the engine's running count. *Peak concurrent* is the most requests that
+got a token in one step. *Decode tok/s* is measured over pure decode steps (every
+running request got exactly one token, nobody was admitted or preempted) at the peak
+batch: tokens / wall time of those steps.
+
+``max_tokens`` must outlast the prefill of the whole first wave, or requests finish
+before the pool fills (with 512 tokens per step, ~70 steps for 36 prompts of 1,000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvserve.bench.common import table
+from kvserve.llm import LLM
+from kvserve.sampling_params import SamplingParams
+
+MakeLLM = Callable[[int], LLM]   # max_num_seqs -> an engine with that many seats
+
+
+@dataclass(frozen=True)
+class CapacityResult:
+    kv_format: str
+    spec: str
+    bytes_per_token: float
+    num_blocks: int
+    max_num_seqs: int
+    blocks_per_request: int
+    num_requests: int
+    peak_concurrent: int        # most requests that got a token in one step
+    peak_running: int           # most requests the engine held as running (some mid-prefill)
+    decode_batch: int           # batch of the pure decode steps measured
+    decode_steps: int
+    decode_tok_s: float
+    num_preemptions: int
+    wall_s: float
+
+    @property
+    def fit(self) -> int:
+        """Requests whose whole sequence fits in the pool at once (by block count)."""
+        return self.num_blocks // self.blocks_per_request
+
+
+def blocks_per_request(llm: LLM, prompt_tokens: int, max_tokens: int) -> int:
+    return -(-(prompt_tokens + max_tokens) // llm.engine.pool.block_size)
+
+
+def fitting_max_num_seqs(make: MakeLLM, request_blocks: int, log: Callable[[str], None]) -> tuple[int, LLM]:
+    """The smallest S with S >= pool blocks(S) // request_blocks, and its engine.
+
+    blocks(S) does not grow with S, so the predicate is monotone: binary search. An S
+    whose residual rows leave no room for a block (the engine refuses it) fits 0."""
+    def fit(max_num_seqs: int) -> int:
+        try:
+            return make(max_num_seqs).engine.pool.num_blocks // request_blocks
+        except ValueError:
+            return 0
+
+    lo, hi = 1, max(1, fit(1))       # S = fit(1) always satisfies S >= fit(S)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mid >= fit(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    llm = make(lo)
+    log(f"{llm.engine.kv_format.spec}: max_num_seqs {lo}, {llm.engine.pool.num_blocks} blocks, "
+        f"{llm.engine.pool.num_blocks // request_blocks} requests fit")
+    return lo, llm
+
+
+def distinct_prompts(token_ids: list[int], count: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+    """``count`` slices of ``prompt_tokens`` tokens at distinct offsets (no two share a first block)."""
+    room = len(token_ids) - prompt_tokens
+    if room < count:
+        raise ValueError(f"the text has {len(token_ids)} tokens: too few for {count} prompts of {prompt_tokens}")
+    offsets = random.Random(seed).sample(range(room), count)
+    return [token_ids[o:o + prompt_tokens] for o in offsets]
+
+
+def run_format(llm: LLM, kv_format: str, max_num_seqs: int, prompts: list[list[int]], max_tokens: int,
+               request_blocks: int) -> CapacityResult:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, params)
+    peak_concurrent = peak_running = 0
+    decode_steps: dict[int, list[float]] = {}     # batch -> step times of pure decode steps
+    while engine.has_unfinished:
+        before = engine.stats()
+        t = time.perf_counter()
+        outputs = engine.step()
+        dt = time.perf_counter() - t
+        after = engine.stats()
+        peak_concurrent = max(peak_concurrent, len(outputs))
+        peak_running = max(peak_running, after.num_running, before.num_running)
+        is_pure_decode = (len(outputs) == before.num_running and after.num_waiting == before.num_waiting
+                          and after.num_preemptions == before.num_preemptions)
+        if is_pure_decode and outputs:
+            decode_steps.setdefault(len(outputs), []).append(dt)
+    wall = time.perf_counter() - t0
+    engine.check_integrity()
+    batch = peak_concurrent if peak_concurrent in decode_steps else max(decode_steps, default=0)
+    times = decode_steps.get(batch, [])
+    mc = engine.model_config
+    bs = engine.pool.block_size
+    return CapacityResult(
+        kv_format=kv_format, spec=engine.kv_format.spec,
+        bytes_per_token=engine.kv_format.nbytes_per_block(bs, mc.num_kv_heads, mc.head_dim) / bs,
+        num_blocks=engine.pool.num_blocks, max_num_seqs=max_num_seqs, blocks_per_request=request_blocks,
+        num_requests=len(prompts), peak_concurrent=peak_concurrent, peak_running=peak_running,
+        decode_batch=batch, decode_steps=len(times),
+        decode_tok_s=batch * len(times) / sum(times) if times else 0.0,
+        num_preemptions=engine.stats().num_preemptions, wall_s=wall)
+
+
+def render(results: list[CapacityResult]) -> str:
+    headers = ["format", "bytes/token", "max_num_seqs", "blocks in pool", "fit (blocks / request)",
+               "peak concurrent", "peak running", "decode batch", "decode tok/s", "preemptions", "wall (s)"]
+    rows = [[r.kv_format, f"{r.bytes_per_token:,.0f}", r.max_num_seqs, f"{r.num_blocks:,}",
+             r.fit, r.peak_concurrent, r.peak_running, r.decode_batch,
+             f"{r.decode_tok_s:.1f}" if r.decode_steps else "—", r.num_preemptions, f"{r.wall_s:.0f}"]
+            for r in results]
+    return table(headers, rows)
+
+
+DEFAULT_FORMATS = ("native", "fp16", "int8", "int4", "kivi4", "kivi2")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from kvserve.bench.common import find_text
+    from kvserve.model.loader import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def log(message: str) -> None:
+        print(f"[capacity {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    loaded = load_model(args.model)
+    if loaded.tokenizer is None:
+        raise ValueError("bench capacity needs a model with a tokenizer (the prompts are text)")
+    text_ids = loaded.tokenizer.encode(find_text(args.text))
+    results = []
+    for fmt in args.format or list(DEFAULT_FORMATS):
+        def make(max_num_seqs: int, fmt: str = fmt) -> LLM:
+            return LLM(loaded=loaded, kv_format=fmt, kv_cache_memory_gb=args.kv_cache_gb,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                       device=args.device, dtype=args.dtype)
+
+        request_blocks = blocks_per_request(make(1), args.prompt_tokens, args.max_tokens)
+        seqs, llm = fitting_max_num_seqs(make, request_blocks, log)
+        fit = llm.engine.pool.num_blocks // request_blocks
+        if fit < 1:
+            raise ValueError(f"{fmt}: a request of {args.prompt_tokens} + {args.max_tokens} tokens needs "
+                             f"{request_blocks} blocks; the pool has {llm.engine.pool.num_blocks}")
+        count = args.num_requests or fit + max(2, fit // 4)
+        prompts = distinct_prompts(text_ids, count, args.prompt_tokens, args.seed)
+        log(f"{fmt}: {count} requests of {args.prompt_tokens} tokens + {args.max_tokens} new")
+        result = run_format(llm, fmt, seqs, prompts, args.max_tokens, request_blocks)
+        log(f"{fmt}: peak {result.peak_concurrent} concurrent, decode {result.decode_tok_s:.1f} tok/s "
+            f"at batch {result.decode_batch}, {result.wall_s:.0f} s")
+        results.append(result)
+        del llm
+    engine_desc = f"device {args.device}, dtype {args.dtype}"
+    print(f"KV capacity: pool {args.kv_cache_gb} GiB, requests of {args.prompt_tokens} prompt + {args.max_tokens} "
+          f"generated tokens, {args.max_num_batched_tokens} tokens per step, {loaded.source}, {engine_desc}")
+    print(render(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.__dict__ for r in results], indent=2))
+    return 0
+
+
+def add_capacity_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    c = bsub.add_parser("capacity", parents=[common],
+                        help="requests of 1,000 tokens held at once per KV format, and decode tok/s at that batch")
+    c.add_argument("--format", action="append", default=None,
+                   help=f"KV format spec (repeatable; default: {', '.join(DEFAULT_FORMATS)})")
+    c.add_argument("--kv-cache-gb", type=float, default=0.25, help="the fixed KV pool, GiB")
+    c.add_argument("--prompt-tokens", type=int, default=1000)
+    c.add_argument("--max-tokens", type=int, default=128,
+                   help="tokens generated per request (must outlast the first wave's prefill)")
+    c.add_argument("--max-num-batched-tokens", type=int, default=512)
+    c.add_argument("--num-requests", type=int, default=None,
+                   help="requests submitted (default: those that fit plus a quarter)")
+    c.add_argument("--text", default=None, help="prompt text (default ../shared/data/botchan.txt)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    c.set_defaults(run=run_bench)

@@ -1,0 +1,114 @@
+"""``kvserve eval``: perplexity, greedy agreement and passkey retrieval per KV format,
+with transformers' quantized KV cache as the baseline, in one table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_FORMATS = ("native", "fp16", "bf16", "fp8", "int8", "int4", "kivi4", "kivi2", "kivi2+had",
+                   "kivi4+out4", "0-1=fp16;2-=kivi2", "k=kivi4,v=kivi2")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def settings_from(args: argparse.Namespace) -> Any:
+    from kvserve.eval.harness import EvalSettings
+    return EvalSettings(
+        ppl_tokens=args.ppl_tokens, window=args.window, stride=args.stride, chunk=args.chunk,
+        num_prompts=args.num_prompts, agree_tokens=args.agree_tokens,
+        passkey_lengths=_ints(args.passkey_lengths), passkey_depths=_floats(args.passkey_depths),
+        passkey_trials=args.passkey_trials, passkey_filler=args.passkey_filler,
+        passkey_reuse=not args.no_passkey_reuse,
+        answer_tokens=args.answer_tokens, context_tokens=args.context_tokens, seed=args.seed,
+        tasks=tuple(t for t in args.tasks.split(",") if t))
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from kvserve.bench.common import find_text
+    from kvserve.engine.engine import resolve_device, resolve_dtype
+    from kvserve.eval.report import goal_lines, render_table, to_json
+    from kvserve.eval.runner import RunContext, run_all, units_for
+    from kvserve.model.loader import load_model
+
+    t_start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = settings_from(args)
+    ctx = RunContext(model=args.model, text=find_text(args.text), settings=settings,
+                     engine_options={"device": args.device, "dtype": args.dtype,
+                                     "kv_cache_memory_gb": args.kv_cache_gb, "max_num_seqs": 4},
+                     threads=args.threads, dense_passkey=args.hf_dense_passkey)
+    units = units_for(args.format or list(DEFAULT_FORMATS), _ints(args.hf_bits))
+    results = run_all(ctx, units, args.jobs)
+    wall = time.perf_counter() - t_start
+
+    loaded = load_model(args.model)
+    mc = loaded.config
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, mc.torch_dtype)
+    print(f"kvserve eval: {loaded.source}, device {device}, compute dtype {dtype}, prompts fed in chunks "
+          f"of {settings.chunk} tokens")
+    print(f"perplexity: first {settings.ppl_tokens} tokens of the text, window {settings.window}, "
+          f"stride {settings.stride}; agreement: {settings.num_prompts} chat prompts x {settings.agree_tokens} "
+          f"greedy tokens vs the same engine's uncompressed cache; passkey: {settings.passkey_filler} filler, "
+          f"depths {', '.join(f'{d:g}' for d in settings.passkey_depths)}, {settings.passkey_trials} key(s) "
+          f"each, answer in {settings.answer_tokens} greedy tokens")
+    print(render_table(results, mc.kv_bytes_per_token(4), mc.kv_bytes_per_token(2), settings.passkey_lengths))
+    for line in goal_lines(results):
+        print(f"goal: {line}")
+    print(f"wall time {wall:.0f} s ({wall / 60:.1f} min), {args.jobs} job(s), "
+          f"{args.threads or torch.get_num_threads()} thread(s) each")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": settings.__dict__, "wall_s": wall,
+                                               "results": to_json(results)}, indent=2, default=str))
+    return 0
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("eval", help="KV format quality: perplexity, greedy agreement, passkey retrieval")
+    e.add_argument("--model", default=None)
+    e.add_argument("--device", default="auto")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--format", action="append", default=None,
+                   help=f"a KV format spec to evaluate (repeatable; default: {' | '.join(DEFAULT_FORMATS)})")
+    e.add_argument("--hf-bits", default="4,2", help="transformers QuantizedCache (quanto) bit widths; '' for none")
+    e.add_argument("--hf-dense-passkey", action="store_true",
+                   help="also run passkey on transformers' uncompressed cache (same weights as native)")
+    e.add_argument("--tasks", default="ppl,agree,passkey", help="comma-separated subset of ppl,agree,passkey")
+    e.add_argument("--text", default=None, help="perplexity text (default ../shared/data/botchan.txt)")
+    e.add_argument("--ppl-tokens", type=int, default=2048, help="score the first N tokens of the text")
+    e.add_argument("--window", type=int, default=1024)
+    e.add_argument("--stride", type=int, default=512)
+    e.add_argument("--chunk", type=int, default=64, help="prompt tokens per forward (both engines)")
+    e.add_argument("--num-prompts", type=int, default=8, help="chat prompts for greedy agreement")
+    e.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens per chat prompt")
+    e.add_argument("--passkey-lengths", default="1024,2048,4096", help="filler tokens")
+    e.add_argument("--passkey-depths", default="0,0.25,0.5,0.75,1")
+    e.add_argument("--passkey-trials", type=int, default=1, help="keys per length and depth")
+    e.add_argument("--passkey-filler", default="repeat", choices=["repeat", "text"])
+    e.add_argument("--no-passkey-reuse", action="store_true",
+                   help="compute every passkey prompt cold (default: shared prefixes come from the prefix "
+                        "cache; needles sit on chunk boundaries, so the result is the same)")
+    e.add_argument("--answer-tokens", type=int, default=12)
+    e.add_argument("--context-tokens", type=int, default=1024, help="sequence length for bytes/token @context")
+    e.add_argument("--kv-cache-gb", type=float, default=1.0,
+                   help="KV pool of each engine (large enough to keep the passkey prefixes cached)")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--jobs", type=int, default=1,
+                   help="worker processes, one configuration each at a time (use with --threads 1)")
+    e.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is far faster on a busy shared machine)")
+    e.add_argument("--json", default=None, help="also write the results to this JSON file")
+    e.set_defaults(run=run_eval)
