@@ -25,6 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-format", default=None,
                    help="KV storage: native (default), fp16, bf16, fp8, int8, int4, kivi2, kivi4, with +outN/+had "
                         "and per-layer or per-half specs, e.g. '0-1=fp16;2-=kivi2' (docs/kv_formats.md)")
+    g.add_argument("--kv-budget", type=int, default=None,
+                   help="tokens of KV cache kept per layer for each request (default: no budget; docs/budgets.md)")
+    g.add_argument("--kv-policy", default=None,
+                   help="what a budgeted request keeps: streaming (default), h2o, snapkv, pyramid, merge, arkvale")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 512)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once (default 64)")
@@ -48,6 +52,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
         "kv_cache_memory_gb": args.kv_cache_gb, "num_kv_blocks": args.num_kv_blocks,
         "block_size": args.block_size, "kv_format": args.kv_format,
+        "kv_budget": args.kv_budget, "kv_policy": args.kv_policy,
         "enable_prefix_caching": not args.no_prefix_caching,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "enable_chunked_prefill": not args.no_chunked_prefill, "scheduling_policy": args.scheduling_policy,

@@ -84,6 +84,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     cache_salt: str = ""
     kv_format: str = "native"     # a spec such as "int8", "kivi2", "0-1=fp16;2-=kivi2" (docs/kv_formats.md)
+    kv_budget: int | None = None  # tokens kept per layer by every request without its own (docs/budgets.md)
+    kv_policy: str = "streaming"  # the budget policy of requests that name none
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -92,6 +94,10 @@ class CacheConfig:
             raise ValueError(f"KV cache memory must be positive, got {self.memory_bytes} bytes")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        from kvserve.kv.budget.policies import check_budget, get_policy
+        policy = get_policy(self.kv_policy)
+        if self.kv_budget is not None:
+            check_budget(self.kv_budget, policy, self.block_size)
 
     def resolve_num_blocks(self, bytes_per_block: int, reserved_bytes: int = 0) -> int:
         """Blocks that fit in ``memory_bytes`` after ``reserved_bytes`` (e.g. residual rows)."""

@@ -17,7 +17,7 @@ Message = dict[str, str]
 
 _CACHE_OPTIONS = {"block_size": "block_size", "num_kv_blocks": "num_blocks",
                   "enable_prefix_caching": "enable_prefix_caching", "cache_salt": "cache_salt",
-                  "kv_format": "kv_format"}
+                  "kv_format": "kv_format", "kv_budget": "kv_budget", "kv_policy": "kv_policy"}
 _SCHEDULER_OPTIONS = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
                       "enable_chunked_prefill": "enable_chunked_prefill",
                       "scheduling_policy": "policy", "max_wait_steps": "max_wait_steps"}
@@ -101,6 +101,8 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(prompt_list)
         for prompt in prompt_list:
             self.engine.encode_prompt(prompt)
+        for sp in param_list:
+            self.engine.check_params(sp)
         ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompt_list, param_list, prios)]
         return self._run(ids)
 

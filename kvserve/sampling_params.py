@@ -16,6 +16,9 @@ class SamplingParams:
     ``logprobs=k`` returns each generated token's logprob and the top ``k``
     alternatives; ``prompt_logprobs=k`` does the same for prompt tokens (and
     computes the whole prompt: such requests take no prefix-cache hits).
+    ``kv_budget`` (tokens kept per layer) and ``kv_policy`` (a name from
+    ``kvserve.kv.budget.POLICIES``) run the request under a KV budget; None takes
+    the engine's (docs/budgets.md).
     """
 
     max_tokens: int | None = 16
@@ -30,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    kv_budget: int | None = None
+    kv_policy: str | None = None
 
     def __post_init__(self) -> None:
         # accept lists and a single stop string, store tuples (the object is frozen)
@@ -56,6 +61,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.kv_budget is not None and (not isinstance(self.kv_budget, int) or isinstance(self.kv_budget, bool)
+                                           or self.kv_budget < 1):
+            raise ValueError(f"kv_budget must be a positive number of tokens, got {self.kv_budget!r}")
+        if self.kv_policy is not None:
+            from kvserve.kv.budget.policies import get_policy
+            get_policy(self.kv_policy)
 
     @property
     def is_greedy(self) -> bool:

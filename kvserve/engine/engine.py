@@ -14,6 +14,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.budget.budgets import KVBudgets, NoBudgets
 from kvserve.kv.codecs import parse_kv_format
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.paged_cache import PagedKVCache
@@ -78,7 +79,9 @@ class LLMEngine:
         # the engine owns the mover; the offload tiers copy blocks through it
         self.block_mover = BlockMover(self.kv_cache.block_tensors())
         self.offload = make_offload(config.offload, self.block_mover, extra_key, cc.block_size, tiers)
-        self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, residual, self.offload)
+        self.budgets = self._make_budgets(config)
+        self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, residual, self.offload,
+                                 self.budgets)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
         self.sampler = Sampler(config.seed)
@@ -111,6 +114,15 @@ class LLMEngine:
         cache = QuantizedKVCache(mc, num_blocks, cc.block_size, fmt, num_rows, self.dtype, self.device)
         return cache, ResidualRows(num_rows)
 
+    def _make_budgets(self, config: EngineConfig) -> NoBudgets:
+        cc = config.cache
+        if not isinstance(self.kv_cache, PagedKVCache):
+            if cc.kv_budget is not None:
+                raise ValueError(f"a KV budget needs the native KV format (compaction rewrites full-precision "
+                                 f"entries); got --kv-format {self.kv_format.spec}")
+            return NoBudgets(f"KV format {self.kv_format.spec} is quantized; budgets need the native format")
+        return KVBudgets(self.kv_cache, self.model_config.num_kv_heads, cc.kv_budget, cc.kv_policy)
+
     # -- requests ----------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt, with a clear error for anything unusable."""
@@ -136,6 +148,10 @@ class LLMEngine:
                 "and at least one must be left to generate")
         return ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for parameters this engine cannot run (a KV budget it cannot apply)."""
+        self.budgets.check(params)
+
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> str:
         """Validate and queue a request; raises ValueError, changing nothing, on bad input."""
@@ -143,6 +159,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self.encode_prompt(prompt)
+        self.check_params(params)
         seq = next(self._seq)
         rid = request_id if request_id is not None else str(seq)
         if rid in self._requests:
@@ -150,6 +167,8 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         num_blocks = self.kv.num_blocks_needed(len(ids) + max_tokens)
+        budgeted = self.budgets.max_blocks(params, len(ids))
+        num_blocks = num_blocks if budgeted is None else min(num_blocks, budgeted)
         if num_blocks > self.pool.num_blocks:
             raise ValueError(
                 f"request needs up to {num_blocks} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) "

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.kv.budget.state import BudgetState
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.quantized_cache import Overlay, ResidualWrite
-from kvserve.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
+from kvserve.model.attention import AttentionMetadata, BudgetedChunk, DecodeGroup, KVCache, PrefillChunk
 from kvserve.model.llama import LlamaModel
 from kvserve.request import Request, TokenLogprob
 from kvserve.sampling.sampler import top_logprobs
@@ -42,6 +43,7 @@ class _StepBuilder:
         self.decode_lens: list[int] = []
         self.decode_open: list[int | None] = []   # residual row of each decode's open block
         self.prefills: list[PrefillChunk] = []
+        self.budgeted: list[BudgetedChunk] = []
 
     def add(self, req: Request, n: int) -> None:
         r, bs = self.r, self.r.block_size
@@ -50,10 +52,16 @@ class _StepBuilder:
         flat_start = len(self.input_ids)
         self.input_ids.extend(req.all_token_ids[start:end])
         self.positions.extend(range(start, end))
+        state = r.kv.budgets.get(req.request_id)
+        shift = 0 if state is None else state.num_evicted      # slot = position - shift
         open_row = None
         if r.cache.is_lossless:
-            self.slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-        else:
+            self.slots.extend(block_ids[s // bs] * bs + s % bs for s in range(start - shift, end - shift))
+        if state is not None:
+            self._add_budgeted(req, state, flat_start, start - shift, n, block_ids)
+            if state.is_compacted:
+                return      # attended on its own (model/attention.py)
+        if not r.cache.is_lossless:
             rows = {i: r.kv.residual.assign(block_ids[i]) for i in range(start // bs, (end - 1) // bs + 1)}
             self.slots.extend(rows[p // bs] * bs + p % bs for p in range(start, end))
             for i, row in rows.items():
@@ -78,6 +86,18 @@ class _StepBuilder:
             overlay = None if open_row is None else _overlay([num_blocks - 1], [open_row], dev)
             self.prefills.append(PrefillChunk(flat_start, flat_start + n, start, table, mask, overlay))
 
+    def _add_budgeted(self, req: Request, state: BudgetState, flat_start: int, slot_start: int, n: int,
+                      block_ids: list[int]) -> None:
+        start = req.num_computed_tokens
+        state.prepare(slot_start, start, n)
+        observe_from = state.observe_from(req.num_tokens)
+        if not (state.is_compacted or observe_from < start + n or state.policy.is_paged):
+            return
+        ids = block_ids[:-(-(slot_start + n) // self.r.block_size)]
+        self.budgeted.append(BudgetedChunk(
+            flat_start, flat_start + n, slot_start, start, ids,
+            torch.tensor([ids], dtype=torch.long, device=self.r.device), state, state.is_compacted, observe_from))
+
     def build(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.r.device
         slots = torch.tensor(self.slots, dtype=torch.long, device=dev)
@@ -86,7 +106,8 @@ class _StepBuilder:
             write = ResidualWrite(slots, torch.tensor(self.encode_rows, dtype=torch.long, device=dev),
                                   torch.tensor(self.encode_blocks, dtype=torch.long, device=dev))
         decode = self._decode_group() if self.decode_idx else None
-        meta = AttentionMetadata(write=write, decode=decode, prefills=tuple(self.prefills))
+        meta = AttentionMetadata(write=write, decode=decode, prefills=tuple(self.prefills),
+                                 budgeted=tuple(self.budgeted))
         ids = torch.tensor(self.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(self.positions, dtype=torch.long, device=dev)
         return ids, pos, meta
@@ -103,7 +124,8 @@ class _StepBuilder:
         return DecodeGroup(
             token_idx=torch.tensor(self.decode_idx, dtype=torch.long, device=dev),
             block_table=torch.tensor(padded, dtype=torch.long, device=dev), mask=mask[:, None, None, :],
-            is_whole_batch=len(self.decode_idx) == len(self.input_ids), overlay=overlay)
+            is_whole_batch=len(self.decode_idx) == len(self.input_ids) and not self.budgeted,
+            overlay=overlay)
 
 
 def _overlay(positions: list[int], rows: list[int], device: torch.device) -> Overlay:

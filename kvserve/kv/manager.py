@@ -16,6 +16,11 @@ With offload tiers (kvserve/offload/connector.py) a match continues below the de
                                               from the tiers, then cached like any other
 
 and blocks about to be evicted by an allocation are demoted to the tiers first.
+
+A request under a KV budget (kv/budget/) holds *slots*: after a compaction its table
+covers ``num_computed_tokens - num_evicted`` slots; the compaction rewrites the head of
+the table (copy-on-write for blocks shared with others, content keys dropped for its
+own) and frees the tail, and from then on its blocks are never cached.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvserve.kv.block_pool import Block, BlockPool
+from kvserve.kv.budget.budgets import NoBudgets
 from kvserve.kv.prefix import extend_block_keys
 from kvserve.kv.residual import NoResidual, ResidualRows
 from kvserve.offload.connector import NoOffload, Offload, PendingLoad, Promotion
@@ -63,8 +69,11 @@ class Promoted(NamedTuple):
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, extra_key: bytes, enable_prefix_caching: bool = True,
-                 residual: ResidualRows | None = None, offload: Offload | None = None) -> None:
+                 residual: ResidualRows | None = None, offload: Offload | None = None,
+                 budgets: NoBudgets | None = None) -> None:
         self.pool = pool
+        # per-request KV budgets (null object when the engine cannot run them)
+        self.budgets = budgets if budgets is not None else NoBudgets("no KV budgets configured")
         # the tiers below the device (null object when none is configured)
         self.offload = offload if offload is not None else NoOffload()
         # full-precision rows of open blocks under a quantized format (see kv/residual.py)
@@ -84,6 +93,11 @@ class KVCacheManager:
     # -- queries -----------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def num_slots(self, request: Request) -> int:
+        """Cache slots the request's computed tokens occupy (fewer than its tokens once
+        a KV budget has evicted some)."""
+        return request.num_computed_tokens - self.budgets.num_evicted(request.request_id)
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -139,7 +153,7 @@ class KVCacheManager:
         allocation evicts are demoted to the offload tiers first.
         """
         table = self._blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + match.num_blocks * self.block_size
+        num_computed = self.num_slots(request) + match.num_blocks * self.block_size
         num_needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(table) - match.num_device_blocks
         # hits sitting in the free queue are counted as free but are about to be taken
         num_evictable_hits = sum(1 for b in match.blocks if b.ref_count == 0)
@@ -154,6 +168,7 @@ class KVCacheManager:
         if num_needed > 0:
             self.offload.demote(self.pool.peek_evictions(num_needed))
             table.extend(self.pool.allocate(num_needed))
+        self.budgets.start(request)
         return True
 
     def is_prefetch(self, match: PrefixMatch) -> bool:
@@ -214,9 +229,10 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register every full block whose tokens are all computed."""
-        if not self.enable_prefix_caching:
-            return
         rid = request.request_id
+        state = self.budgets.get(rid)
+        if not self.enable_prefix_caching or (state is not None and state.is_compacted):
+            return
         num_full = request.num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(rid, 0)
         if num_full <= start:
@@ -229,9 +245,43 @@ class KVCacheManager:
             self.pool.cache(table[i], keys[i], tuple(tokens[i * bs:(i + 1) * bs]))
         self._num_cached_blocks[rid] = num_full
 
+    def apply_budget(self, request: Request) -> bool:
+        """Compact a budgeted request whose context outgrew its budget (kv/budget/budgets.py).
+
+        Its table keeps the blocks that hold the kept slots: blocks it shares with other
+        requests are replaced by fresh copies (never altered), its own lose their content
+        keys (they no longer hold what the key names); the blocks after them are freed.
+        Returns False, changing nothing, when no compaction is due or the pool lacks the
+        blocks for the copies (it is tried again after the next step).
+        """
+        rid = request.request_id
+        target = self.budgets.target_slots(request)
+        if target is None:
+            return False
+        table = self._blocks[rid]
+        num_kept = self.num_blocks_needed(target)
+        head, tail = table[:num_kept], table[num_kept:]
+        num_copies = sum(1 for b in head if b.ref_count > 1)
+        if num_copies > self.pool.num_free_blocks + sum(1 for b in tail if b.ref_count == 1):
+            return False
+        plan = self.budgets.plan(request, [b.block_id for b in table])
+        self.pool.free(reversed(tail))
+        del table[num_kept:]
+        for i, block in enumerate(head):
+            if block.ref_count > 1:
+                self.offload.demote(self.pool.peek_evictions(1))
+                table[i] = self.pool.allocate(1)[0]
+                self.pool.free([block])
+            else:
+                self.pool.uncache(block)
+        self._num_cached_blocks.pop(rid, None)
+        self.budgets.apply(request, plan, [b.block_id for b in table])
+        return True
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (see BlockPool.free)."""
         rid = request.request_id
+        self.budgets.drop(rid)
         table = self._blocks.pop(rid, [])
         self.residual.release(b.block_id for b in table)
         self.pool.free(reversed(table))

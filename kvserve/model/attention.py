@@ -8,6 +8,12 @@ and open to the request's earlier tokens already in the cache.
     flat tokens  | p0 p0 p0 p0 | d1 | p2 p2 | d3 |
     decode group: token_idx = [4, 7], block_table [2, max_blocks], mask [2, 1, 1, max_blocks * block_size]
     prefills    : (start 0, end 4), (start 5, end 7)
+
+A request under a KV budget (kv/budget/) that has compacted its cache is attended
+on its own (``BudgetedChunk``): its slots are no longer its positions, and each
+layer masks the slots it does not hold. Before its first compaction it takes the
+common path (so a budget larger than the context changes nothing), and its
+budgeted chunk only *observes*: it adds the attention weights its policy scores by.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.kv.budget.arkvale import ArkValeState
+from kvserve.kv.budget.state import BudgetState
 from kvserve.kv.paged_cache import PagedKVCache
 from kvserve.kv.quantized_cache import Overlay, QuantizedKVCache, ResidualWrite
 
@@ -43,10 +51,24 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class BudgetedChunk:
+    start: int                # flat batch range of the request's new tokens
+    end: int
+    slot_start: int           # cache slot of the first new token
+    first_pos: int            # its sequence position
+    block_ids: list[int]      # the request's blocks holding slots [0, slot_start + n)
+    block_table: torch.Tensor  # the same, [1, num_blocks]
+    state: BudgetState
+    computes_output: bool     # attended here (compacted); else only observed
+    observe_from: int         # first query position whose attention weights the policy scores
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     write: torch.Tensor | ResidualWrite   # slot mapping (native) or residual plan (quantized)
     decode: DecodeGroup | None
     prefills: tuple[PrefillChunk, ...]
+    budgeted: tuple[BudgetedChunk, ...] = ()
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -75,6 +97,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         out[p.start:p.end] = o[0].transpose(0, 1)
     if d is not None:
         out[d.token_idx] = _decode(q[d.token_idx], d, layer, cache, num_kv_heads, group, scale)
+    for b in meta.budgeted:
+        budgeted = _budgeted(q[b.start:b.end], b, layer, cache, num_kv_heads, group, scale)  # type: ignore[arg-type]
+        if budgeted is not None:
+            out[b.start:b.end] = budgeted
     return out
 
 
@@ -89,3 +115,35 @@ def _decode(q: torch.Tensor, d: DecodeGroup, layer: int, cache: KVCache,
     vd = vd.to(q.dtype).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
     return o.reshape(num, -1, q.shape[2])
+
+
+def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: PagedKVCache,
+              num_kv_heads: int, group: int, scale: float) -> torch.Tensor | None:
+    """Observe (and, once compacted, attend) one budgeted request's chunk: q [n, H, D]."""
+    st = b.state
+    n, _, dim = q.shape
+    if isinstance(st, ArkValeState):
+        st.capture_query(layer, q[-1])
+        if b.computes_output and n == 1:
+            st.select(layer, q[0], cache.key_caches[layer], cache.value_caches[layer], b.block_ids)
+    ks, vs = cache.gather(layer, b.block_table)
+    num_keys = ks.shape[1]
+    num_slots = b.slot_start + n
+    valid = torch.zeros(num_keys, dtype=torch.bool, device=q.device)
+    valid[:num_slots] = st.key_mask(layer, num_slots)
+    q_slots = torch.arange(b.slot_start, num_slots, device=q.device)
+    mask = valid[None, :] & (torch.arange(num_keys, device=q.device)[None, :] <= q_slots[:, None])  # [n, L]
+    kh = ks[0].to(q.dtype).transpose(0, 1)           # [Hkv, L, D]
+    qh = q.transpose(0, 1)                           # [H, n, D]
+    first_row = max(0, b.observe_from - b.first_pos)
+    if st.score is not None and first_row < n:
+        qo = qh[:, first_row:].reshape(num_kv_heads, group, n - first_row, dim).float()
+        logits = torch.einsum("hgnd,hld->hgnl", qo, kh.float()) * scale
+        logits = logits.masked_fill(~mask[first_row:], float("-inf"))
+        st.add_scores(layer, logits.softmax(dim=-1).sum(dim=(1, 2)))
+    if not b.computes_output:
+        return None
+    vh = vs[0].to(q.dtype).transpose(0, 1)
+    o = F.scaled_dot_product_attention(qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=mask,
+                                       scale=scale, enable_gqa=group > 1)
+    return o[0].transpose(0, 1)

@@ -173,10 +173,12 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     def update(self, out: SchedulerOutput) -> None:
-        """Advance progress after the model ran ``out``; cache newly full blocks."""
+        """Advance progress after the model ran ``out``; compact requests over their KV
+        budget, cache newly full blocks."""
         for chunk in out.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_new_tokens
+            self.kv.apply_budget(req)
             self.kv.cache_computed_blocks(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:

@@ -1,0 +1,178 @@
+"""ArkVale-style recallable pages: the request keeps ``R = budget / block_size`` full
+blocks per layer on the device; the others wait in host memory and come back when
+they matter again.
+
+Every full block gets, per layer, a *digest* of its keys: the per-channel minimum
+and maximum over its tokens, per KV head. For a query q, no key k of the block can
+score more than
+
+    ub(q, block) = sum_c max(q_c * min_c, q_c * max_c)      >= q . k for every k in it
+
+At each decode step and layer, all full blocks (device and host) are ranked by that
+bound and the top R are made resident: a host block entering the top set swaps
+places with a device block leaving it (device -> host, host -> device), then
+attention runs over the resident blocks plus the open tail. Blocks are ranked per
+query head relative to that head's best block, then by their best head, so a block
+that one head needs is kept even if the other heads ignore it.
+
+Layout of a request's slots (per layer, all heads alike):
+
+    slot-block   0 .. R-1                       R ...
+                 | resident full blocks (any order) | tail: tokens after the last full block |
+
+Compaction (when the tail fills a block, and once at the end of the prefill) keeps the
+top R blocks for the last query seen, moves the rest to the host, and puts the tail
+right after them; so positions ``>= num_evicted + R * block_size`` map to slots linearly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kv.budget.policies import BudgetPolicy
+from kvserve.kv.budget.state import BudgetState, TokenPlan
+
+HostBlock = tuple[torch.Tensor, torch.Tensor]   # keys, values of one block and layer: [block_size, heads, dim]
+
+
+def block_scores(q: torch.Tensor, dmin: torch.Tensor, dmax: torch.Tensor) -> torch.Tensor:
+    """Rank key for each block: q [heads, dim], dmin/dmax [blocks, kv_heads, dim] -> [blocks]."""
+    num_blocks, kv_heads, dim = dmin.shape
+    qg = q.float().view(kv_heads, -1, dim)[None]                    # [1, kv, group, dim]
+    ub = torch.maximum(qg * dmin.float()[:, :, None, :], qg * dmax.float()[:, :, None, :]).sum(-1)
+    ub = ub.reshape(num_blocks, -1)                                  # [blocks, heads]
+    return (ub - ub.max(dim=0).values).max(dim=1).values
+
+
+class PagePlan(TokenPlan):
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.resident: list[list[int]] = []
+        self.to_host: list[dict[int, HostBlock]] = []
+        self.from_host: list[list[int]] = []
+        self.digests: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+class ArkValeState(BudgetState):
+    def __init__(self, policy: BudgetPolicy, budget: int, layer_budgets: list[int], num_kv_heads: int,
+                 block_size: int, device: torch.device) -> None:
+        super().__init__(policy, budget, layer_budgets, num_kv_heads, block_size, device)
+        num_layers = len(layer_budgets)
+        self.num_resident = budget // block_size
+        self.resident: list[list[int]] = [[] for _ in range(num_layers)]
+        self.host: list[dict[int, HostBlock]] = [{} for _ in range(num_layers)]
+        self.dmin: list[torch.Tensor | None] = [None] * num_layers
+        self.dmax: list[torch.Tensor | None] = [None] * num_layers
+        self.last_q: list[torch.Tensor | None] = [None] * num_layers
+        self.recalls: list[tuple[int, int]] = []       # (layer, block) each time a host block came back
+        self.host_device = torch.device("cpu")
+
+    @property
+    def host_nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for layer in self.host for k, v in layer.values())
+
+    def num_digested(self, layer: int) -> int:
+        d = self.dmin[layer]
+        return 0 if d is None else d.shape[0]
+
+    def capture_query(self, layer: int, q: torch.Tensor) -> None:
+        """Keep the layer's latest query ([heads, dim]): the next compaction ranks blocks by it."""
+        self.last_q[layer] = q.detach().clone()
+
+    # -- decode: make the top blocks resident --------------------------------
+    def select(self, layer: int, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               block_ids: list[int]) -> None:
+        """Rank every full block by its bound for ``q`` and swap host blocks of the top
+        set with resident blocks outside it. key_cache/value_cache: the layer's tensors."""
+        resident = self.resident[layer]
+        dmin, dmax = self.dmin[layer], self.dmax[layer]
+        if dmin is None or dmax is None or dmin.shape[0] <= len(resident):
+            return
+        top = block_scores(q, dmin, dmax).topk(len(resident)).indices.tolist()
+        wanted = set(top)
+        missing = [j for j in top if j in self.host[layer]]
+        if not missing:
+            return
+        spare = [i for i, j in enumerate(resident) if j not in wanted]
+        host = self.host[layer]
+        for j_new, i in zip(missing, spare):
+            block = block_ids[i]
+            host[resident[i]] = (key_cache[block].to(self.host_device, copy=True),
+                                 value_cache[block].to(self.host_device, copy=True))
+            k, v = host.pop(j_new)
+            key_cache[block].copy_(k)
+            value_cache[block].copy_(v)
+            resident[i] = j_new
+            self.recalls.append((layer, j_new))
+
+    # -- compaction ----------------------------------------------------------
+    def plan(self, keys: list[torch.Tensor], values: list[torch.Tensor], num_slots: int) -> PagePlan:
+        bs = self.block_size
+        num_tokens = self.num_evicted + num_slots
+        num_full = num_tokens // bs
+        tail_slot = num_full * bs - self.num_evicted
+        plan = PagePlan(self.num_resident * bs + num_slots - tail_slot)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            resident = self.resident[layer]
+            first_recent = self.num_digested(layer)
+
+            slot_of = {j: i for i, j in enumerate(resident)}
+
+            def block(j: int, layer: int = layer, k: torch.Tensor = k, v: torch.Tensor = v,
+                      slot_of: dict[int, int] = slot_of, first_recent: int = first_recent) -> HostBlock:
+                if j in slot_of:        # resident
+                    s = slot_of[j] * bs
+                elif j >= first_recent:  # filled since the last compaction
+                    s = j * bs - self.num_evicted
+                else:                   # in host memory
+                    hk, hv = self.host[layer][j]
+                    return hk.to(k.device), hv.to(v.device)
+                return k[s:s + bs], v[s:s + bs]
+
+            new_blocks = [block(j) for j in range(first_recent, num_full)]
+            dmin = torch.stack([b[0].amin(dim=0) for b in new_blocks])
+            dmax = torch.stack([b[0].amax(dim=0) for b in new_blocks])
+            old_min, old_max = self.dmin[layer], self.dmax[layer]
+            all_min = dmin if old_min is None else torch.cat([old_min, dmin])
+            all_max = dmax if old_max is None else torch.cat([old_max, dmax])
+            q = self.last_q[layer]
+            if q is None:   # no query seen: keep the most recent blocks
+                rank = torch.arange(num_full, dtype=torch.float32)
+            else:
+                rank = block_scores(q, all_min, all_max)
+            keep = sorted(rank.topk(self.num_resident).indices.tolist())
+            kept = set(keep)
+            on_device = set(resident) | set(range(first_recent, num_full))
+            to_host = {j: (block(j)[0].to(self.host_device, copy=True), block(j)[1].to(self.host_device, copy=True))
+                       for j in sorted(on_device - kept)}
+            parts = [block(j) for j in keep]
+            plan.keys.append(torch.cat([p[0] for p in parts] + [k[tail_slot:num_slots]]))
+            plan.values.append(torch.cat([p[1] for p in parts] + [v[tail_slot:num_slots]]))
+            plan.resident.append(keep)
+            plan.to_host.append(to_host)
+            plan.from_host.append([j for j in keep if j not in on_device])
+            plan.digests.append((dmin, dmax))
+        return plan
+
+    def apply(self, plan: TokenPlan, num_computed: int) -> None:
+        assert isinstance(plan, PagePlan)
+        bs = self.block_size
+        for layer in range(len(self.layer_budgets)):
+            dmin, dmax = plan.digests[layer]
+            old_min, old_max = self.dmin[layer], self.dmax[layer]
+            self.dmin[layer] = dmin if old_min is None else torch.cat([old_min, dmin])
+            self.dmax[layer] = dmax if old_max is None else torch.cat([old_max, dmax])
+            for j in plan.from_host[layer]:
+                del self.host[layer][j]
+            self.host[layer].update(plan.to_host[layer])
+            self.resident[layer] = list(plan.resident[layer])
+            positions = [j * bs + o for j in plan.resident[layer] for o in range(bs)]
+            tail_start = num_computed - (plan.num_slots - len(positions))
+            positions += list(range(tail_start, num_computed))
+            self._grow(plan.num_slots)
+            self.pos[layer][:, :plan.num_slots] = torch.tensor(positions, device=self.device)
+            self.valid[layer][:] = False
+            self.valid[layer][:plan.num_slots] = True
+        self.num_evicted = num_computed - plan.num_slots
+        self.num_compactions += 1

@@ -1,0 +1,156 @@
+"""KV budget policies: which cached entries a request keeps when its context outgrows its budget.
+
+A policy is looked up by the name the user types (``--kv-policy``). Token policies
+choose, per layer and per KV head, which ``budget`` slots of the request's cache to
+keep; ``arkvale`` works on whole blocks (see ``arkvale.py``).
+
+    policy      keeps                                               scores from
+    streaming   4 sink tokens + the most recent tokens              positions
+    h2o         heavy hitters + a recent window of budget/2          attention of every query
+    snapkv      top pooled tokens + the observation window           attention of the window's queries
+    pyramid     snapkv, with budgets from 1.5x (first layer) to 0.5x (last)   (same total)
+    merge       h2o's choice; evicted entries merged into their most similar kept entry
+    arkvale     the top budget/block_size blocks by a key-digest bound, the rest in host memory
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SINK_TOKENS = 4          # StreamingLLM's attention sinks
+SNAPKV_WINDOW = 32       # observation window (capped at half the smallest layer budget)
+SNAPKV_POOL = 7          # max-pooling kernel over neighbouring slots
+PYRAMID_RATIO = 3.0      # first layer's budget / last layer's budget
+
+
+@dataclass(frozen=True)
+class BudgetPolicy:
+    """A selection rule. ``weights``: whose attention weights the state accumulates
+    ("none", "all" queries, or the observation "window"); ``evicts_in_prefill``: may
+    compact between prefill chunks (else only once every known token is computed)."""
+
+    name: str
+    weights: str = "none"
+    evicts_in_prefill: bool = False
+    is_paged: bool = False
+    merges: bool = False
+
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        return [budget] * num_layers
+
+    def window(self, layer_budgets: list[int]) -> int:
+        """Recent tokens always kept (and, for snapkv, the observation window)."""
+        return min(layer_budgets) // 2
+
+    def keep(self, valid_idx: torch.Tensor, score: torch.Tensor | None, budget: int,
+             window: int, num_kv_heads: int) -> torch.Tensor:
+        """Slot indices to keep, ascending, one row per KV head: [num_kv_heads, budget].
+
+        ``valid_idx``: the layer's valid slots in position order ([n] > budget);
+        ``score``: accumulated attention of those slots ([num_kv_heads, n]) or None.
+        """
+        raise NotImplementedError
+
+
+def _top_with_forced(valid_idx: torch.Tensor, score: torch.Tensor, forced: torch.Tensor,
+                     budget: int) -> torch.Tensor:
+    """``forced`` columns ([n] bool) always kept, the rest filled by highest ``score`` per head."""
+    s = score.masked_fill(forced[None, :], float("inf"))
+    cols = s.topk(budget, dim=-1).indices.sort(dim=-1).values        # [heads, budget]
+    return valid_idx[cols]
+
+
+class Streaming(BudgetPolicy):
+    def keep(self, valid_idx, score, budget, window, num_kv_heads):
+        n = valid_idx.shape[0]
+        cols = torch.cat([torch.arange(SINK_TOKENS), torch.arange(n - (budget - SINK_TOKENS), n)])
+        return valid_idx[cols].expand(num_kv_heads, budget).contiguous()
+
+
+class HeavyHitters(BudgetPolicy):
+    def window(self, layer_budgets):
+        return min(layer_budgets) // 2
+
+    def keep(self, valid_idx, score, budget, window, num_kv_heads):
+        assert score is not None
+        n = valid_idx.shape[0]
+        forced = torch.arange(n) >= n - window
+        return _top_with_forced(valid_idx, score, forced, budget)
+
+
+class SnapKV(BudgetPolicy):
+    def window(self, layer_budgets):
+        return min(SNAPKV_WINDOW, min(layer_budgets) // 2)
+
+    def keep(self, valid_idx, score, budget, window, num_kv_heads):
+        assert score is not None
+        n = valid_idx.shape[0]
+        pooled = F.max_pool1d(score[None], SNAPKV_POOL, stride=1, padding=SNAPKV_POOL // 2)[0]
+        forced = torch.arange(n) >= n - window
+        return _top_with_forced(valid_idx, pooled, forced, budget)
+
+
+class Pyramid(SnapKV):
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        return pyramid_budgets(budget, num_layers)
+
+
+def pyramid_budgets(budget: int, num_layers: int) -> list[int]:
+    """Linear from ``2r/(r+1)`` x budget at layer 0 to ``2/(r+1)`` x budget at the last
+    (r = PYRAMID_RATIO), summing to exactly ``num_layers * budget``."""
+    if num_layers == 1:
+        return [budget]
+    top, bottom = 2 * PYRAMID_RATIO / (PYRAMID_RATIO + 1), 2 / (PYRAMID_RATIO + 1)
+    raw = [budget * (top + (bottom - top) * i / (num_layers - 1)) for i in range(num_layers)]
+    out = [int(x) for x in raw]
+    # hand the rounding remainder to the layers that lost the most
+    order = sorted(range(num_layers), key=lambda i: out[i] - raw[i])
+    for i in order[:num_layers * budget - sum(out)]:
+        out[i] += 1
+    return out
+
+
+class Merge(HeavyHitters):
+    pass
+
+
+class ArkVale(BudgetPolicy):
+    def window(self, layer_budgets):
+        return 0
+
+
+POLICIES: dict[str, BudgetPolicy] = {p.name: p for p in (
+    Streaming("streaming", evicts_in_prefill=True),
+    HeavyHitters("h2o", weights="all", evicts_in_prefill=True),
+    SnapKV("snapkv", weights="window"),
+    Pyramid("pyramid", weights="window"),
+    Merge("merge", weights="all", evicts_in_prefill=True, merges=True),
+    ArkVale("arkvale", is_paged=True),
+)}
+
+
+def get_policy(name: str) -> BudgetPolicy:
+    policy = POLICIES.get(name)
+    if policy is None:
+        raise ValueError(f"unknown KV budget policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return policy
+
+
+def min_budget(block_size: int) -> int:
+    """The smallest budget: two blocks (a kept block plus room for the window)."""
+    return 2 * block_size
+
+
+def check_budget(budget: int, policy: BudgetPolicy, block_size: int) -> None:
+    """Raise ValueError for a budget the policy cannot run under."""
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise ValueError(f"kv_budget must be an integer number of tokens, got {budget!r}")  # noqa: TRY004
+    if budget < min_budget(block_size):
+        raise ValueError(f"kv_budget {budget} is below the minimum of {min_budget(block_size)} tokens "
+                         f"(two blocks of {block_size})")
+    if policy.is_paged and budget % block_size:
+        raise ValueError(f"the {policy.name} policy keeps whole blocks: kv_budget {budget} must be a "
+                         f"multiple of the block size ({block_size})")

@@ -1,0 +1,221 @@
+"""A budgeted request's view of its own cache slots, per layer and per KV head.
+
+A request's block table holds *slots*, not positions. Until its first compaction
+slot s holds position s. A compaction gathers, per layer and KV head, the kept
+entries to the front (in position order), so the layout becomes
+
+    slot      0 ............ b_l ....... base ...................... num_slots
+    layer l   | kept entries |  hole    | tokens since the compaction |
+                (per head)    (masked)    (slot = position - num_evicted)
+
+where ``base`` is the largest layer budget (layers with smaller budgets, as in
+pyramid, mask their hole). Positions of new tokens keep counting the true sequence
+position (RoPE was applied before K was cached, so kept keys need no change).
+
+Per layer the state keeps, for each slot and KV head: the position it holds, the
+accumulated attention it received (policies that score), the number of tokens
+merged into it (``merge``); and per slot whether it holds an entry at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kv.budget.policies import BudgetPolicy
+
+
+class TokenPlan:
+    """A compaction computed from the cache (nothing changed yet): per layer the kept
+    keys and values ([num_kept, heads, dim]) and their slot metadata."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots                 # slots after the compaction (= base)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.pos: list[torch.Tensor] = []          # [heads, num_kept]
+        self.score: list[torch.Tensor | None] = []
+        self.weight: list[torch.Tensor | None] = []
+
+
+class BudgetState:
+    """Owned by ``KVBudgets``; the attention path reads it and adds scores."""
+
+    def __init__(self, policy: BudgetPolicy, budget: int, layer_budgets: list[int], num_kv_heads: int,
+                 block_size: int, device: torch.device) -> None:
+        self.policy = policy
+        self.budget = budget
+        self.layer_budgets = layer_budgets
+        self.window = policy.window(layer_budgets)
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.device = device
+        self.num_evicted = 0          # positions no longer on the device: slot = position - num_evicted
+        self.num_compactions = 0
+        num_layers = len(layer_budgets)
+        self._capacity = 0
+        self.pos = [torch.empty(num_kv_heads, 0, dtype=torch.long, device=device) for _ in range(num_layers)]
+        self.valid = [torch.empty(0, dtype=torch.bool, device=device) for _ in range(num_layers)]
+        has_score = policy.weights != "none"
+        self.score: list[torch.Tensor] | None = (
+            [torch.empty(num_kv_heads, 0, device=device) for _ in range(num_layers)] if has_score else None)
+        self.weight: list[torch.Tensor] | None = (
+            [torch.empty(num_kv_heads, 0, device=device) for _ in range(num_layers)] if policy.merges else None)
+
+    @property
+    def is_compacted(self) -> bool:
+        return self.num_compactions > 0
+
+    @property
+    def max_layer_budget(self) -> int:
+        return max(self.layer_budgets)
+
+    def num_kept(self, layer: int, num_slots: int) -> int:
+        return int(self.valid[layer][:num_slots].sum())
+
+    # -- per step ----------------------------------------------------------
+    def prepare(self, slot_start: int, first_pos: int, num_new: int) -> None:
+        """Record the slots a step is about to fill with positions first_pos ..."""
+        end = slot_start + num_new
+        self._grow(-(-end // self.block_size) * self.block_size)
+        positions = torch.arange(first_pos, first_pos + num_new, device=self.device)
+        for layer in range(len(self.layer_budgets)):
+            self.pos[layer][:, slot_start:end] = positions
+            self.valid[layer][slot_start:end] = True
+            if self.score is not None:
+                self.score[layer][:, slot_start:end] = 0
+            if self.weight is not None:
+                self.weight[layer][:, slot_start:end] = 1
+
+    def observe_from(self, num_known_tokens: int) -> int:
+        """First query position whose attention weights this policy accumulates.
+
+        ``window`` policies score with the queries just before the next compaction:
+        the end of the prefill, or the point where the cache exceeds its budget by a block.
+        """
+        if self.policy.weights == "all":
+            return 0
+        if self.policy.weights == "window":
+            next_compaction = max(num_known_tokens, self.num_evicted + self.max_layer_budget + self.block_size)
+            return next_compaction - self.window
+        return 1 << 62
+
+    def key_mask(self, layer: int, num_slots: int) -> torch.Tensor:
+        """[num_slots] True where the layer's slot holds an entry."""
+        self._grow(num_slots)
+        return self.valid[layer][:num_slots]
+
+    def add_scores(self, layer: int, scores: torch.Tensor) -> None:
+        """Accumulate attention received by each slot: scores [heads, num_slots]."""
+        assert self.score is not None
+        self.score[layer][:, :scores.shape[1]] += scores
+
+    # -- compaction ----------------------------------------------------------
+    def plan(self, keys: list[torch.Tensor], values: list[torch.Tensor], num_slots: int) -> TokenPlan:
+        """Choose the kept entries of every layer. keys/values: per layer [num_slots, heads, dim]."""
+        plan = TokenPlan(self.max_layer_budget)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            valid_idx = self.valid[layer][:num_slots].nonzero().squeeze(1)
+            b = self.layer_budgets[layer]
+            if valid_idx.shape[0] <= b:
+                keep = valid_idx.expand(self.num_kv_heads, -1)
+            else:
+                score = None if self.score is None else self.score[layer][:, valid_idx]
+                keep = self.policy.keep(valid_idx, score, b, self.window, self.num_kv_heads)
+            kh, vh = k.transpose(0, 1), v.transpose(0, 1)            # [heads, slots, dim]
+            idx = keep[..., None].expand(-1, -1, k.shape[-1])
+            new_k, new_v = kh.gather(1, idx), vh.gather(1, idx)
+            score_kept = None if self.score is None else self.score[layer].gather(1, keep)
+            weight_kept = None
+            if self.weight is not None:
+                weight_kept = self.weight[layer].gather(1, keep)
+                evicted = _evicted(valid_idx, keep, num_slots)
+                if evicted is not None:
+                    new_k, new_v, weight_kept = merge_into_kept(
+                        kh, vh, self.weight[layer], evicted, new_k, new_v, weight_kept)
+                    if self.score is not None and score_kept is not None:
+                        score_kept = score_kept + _scatter_to_targets(
+                            self.score[layer].gather(1, evicted), kh, evicted, new_k)
+            plan.keys.append(new_k.transpose(0, 1))
+            plan.values.append(new_v.transpose(0, 1))
+            plan.pos.append(self.pos[layer].gather(1, keep))
+            plan.score.append(score_kept)
+            plan.weight.append(weight_kept)
+        return plan
+
+    def apply(self, plan: TokenPlan, num_computed: int) -> None:
+        """The plan's entries now sit in slots [0, kept) of every layer."""
+        for layer in range(len(self.layer_budgets)):
+            n = plan.pos[layer].shape[1]
+            self.valid[layer][:] = False
+            self.valid[layer][:n] = True
+            self.pos[layer][:, :n] = plan.pos[layer]
+            if self.score is not None:
+                kept = plan.score[layer]
+                # window policies score afresh with the next window; h2o keeps accumulating
+                self.score[layer][:] = 0
+                if self.policy.weights == "all" and kept is not None:
+                    self.score[layer][:, :n] = kept
+            weight = plan.weight[layer]
+            if self.weight is not None and weight is not None:
+                self.weight[layer][:, :n] = weight
+        self.num_evicted = num_computed - plan.num_slots
+        self.num_compactions += 1
+
+    def _grow(self, capacity: int) -> None:
+        if capacity <= self._capacity:
+            return
+        new = max(capacity, 2 * self._capacity)
+
+        def pad(t: torch.Tensor, fill: float | bool) -> torch.Tensor:
+            extra = torch.full((*t.shape[:-1], new - t.shape[-1]), fill, dtype=t.dtype, device=t.device)
+            return torch.cat([t, extra], dim=-1)
+
+        self.pos = [pad(t, 0) for t in self.pos]
+        self.valid = [pad(t, False) for t in self.valid]
+        if self.score is not None:
+            self.score = [pad(t, 0.0) for t in self.score]
+        if self.weight is not None:
+            self.weight = [pad(t, 1.0) for t in self.weight]
+        self._capacity = new
+
+
+def _evicted(valid_idx: torch.Tensor, keep: torch.Tensor, num_slots: int) -> torch.Tensor | None:
+    """Per head, the valid slots not kept: [heads, n_valid - budget], or None when none are."""
+    heads = keep.shape[0]
+    is_evicted = torch.zeros(heads, num_slots, dtype=torch.bool, device=keep.device)
+    is_evicted[:, valid_idx] = True
+    is_evicted.scatter_(1, keep, False)
+    count = int(is_evicted[0].sum())
+    if count == 0:
+        return None
+    return is_evicted.nonzero()[:, 1].view(heads, count)
+
+
+def _targets(kh: torch.Tensor, evicted: torch.Tensor, new_k: torch.Tensor) -> torch.Tensor:
+    """For each evicted entry, the kept entry whose key is most similar (cosine): [heads, n_evicted]."""
+    ek = kh.gather(1, evicted[..., None].expand(-1, -1, kh.shape[-1]))
+    sim = F.normalize(ek, dim=-1) @ F.normalize(new_k, dim=-1).transpose(1, 2)
+    return sim.argmax(-1)
+
+
+def _scatter_to_targets(values: torch.Tensor, kh: torch.Tensor, evicted: torch.Tensor,
+                        new_k: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(new_k.shape[:2], dtype=values.dtype, device=values.device)
+    return out.scatter_add_(1, _targets(kh, evicted, new_k), values)
+
+
+def merge_into_kept(kh: torch.Tensor, vh: torch.Tensor, weight: torch.Tensor, evicted: torch.Tensor,
+                    new_k: torch.Tensor, new_v: torch.Tensor, new_w: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold each evicted entry into its most similar kept entry, as weighted means:
+    k' = (w_kept k_kept + sum w_e k_e) / (w_kept + sum w_e), the same for v; the weights add."""
+    dim = kh.shape[-1]
+    target = _targets(kh, evicted, new_k)                     # [heads, n_evicted]
+    w_e = weight.gather(1, evicted)                            # [heads, n_evicted]
+    idx = evicted[..., None].expand(-1, -1, dim)
+    tgt = target[..., None].expand(-1, -1, dim)
+    sum_k = (new_k * new_w[..., None]).scatter_add(1, tgt, kh.gather(1, idx) * w_e[..., None])
+    sum_v = (new_v * new_w[..., None]).scatter_add(1, tgt, vh.gather(1, idx) * w_e[..., None])
+    total = new_w.scatter_add(1, target, w_e)
+    return sum_k / total[..., None], sum_v / total[..., None], total

@@ -1,0 +1,200 @@
+"""KV budgets in the engine, on the tiny random model: exact kept counts, released
+blocks, untouched shared prefixes, no change when the budget covers the context."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny import tiny_model
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv.budget.arkvale import ArkValeState
+from kvserve.kv.budget.policies import POLICIES
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_model()
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(128) for _ in range(n)]
+
+
+def greedy(max_tokens: int, **budget) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **budget)
+
+
+def used_blocks(llm: LLM) -> int:
+    return sum(1 for b in llm.engine.pool.blocks if b.ref_count > 0)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_budget_covering_the_context_gives_the_unbudgeted_tokens(loaded, policy):
+    prompt = tokens(150)
+    ref = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64).generate(prompt, greedy(40))[0].token_ids
+    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64)
+    out = llm.generate(prompt, greedy(40, kv_budget=192, kv_policy=policy))[0]
+    assert out.token_ids == ref
+    assert llm.engine.budgets.num_compactions == 0
+
+
+def run_prefill(llm: LLM, prompt: list[int], params: SamplingParams) -> str:
+    """Step until the prompt is computed (and compacted); return the request id."""
+    rid = llm.engine.add_request(prompt, params)
+    req = llm.engine._requests[rid]
+    while req.num_computed_tokens < len(prompt):
+        llm.engine.step()
+    return rid
+
+
+EXPECTED_KEPT = {"streaming": [64, 64], "h2o": [64, 64], "snapkv": [64, 64], "pyramid": [96, 32],
+                 "merge": [64, 64], "arkvale": [64 + 150 % BLOCK] * 2}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_each_policy_keeps_exactly_its_budget_per_layer_and_frees_blocks(loaded, policy):
+    prompt = tokens(150)
+    full = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False)
+    run_prefill(full, prompt, greedy(20))
+    assert used_blocks(full) == 10           # 150 tokens
+    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False)
+    rid = run_prefill(llm, prompt, greedy(20, kv_budget=64, kv_policy=policy))
+    state = llm.engine.budgets.get(rid)
+    assert state is not None and state.is_compacted
+    num_slots = llm.engine.kv.num_slots(llm.engine._requests[rid])
+    kept = [state.num_kept(layer, num_slots) for layer in range(2)]
+    assert kept == EXPECTED_KEPT[policy]
+    assert num_slots == max(kept)
+    assert used_blocks(llm) == len(llm.engine.kv.block_ids(rid)) == -(-max(kept) // BLOCK)
+    assert state.num_evicted == 150 - num_slots
+    if policy == "streaming":
+        assert state.pos[0][:, :64].tolist() == [[0, 1, 2, 3, *range(90, 150)]] * 2
+    if policy == "arkvale":
+        assert isinstance(state, ArkValeState)
+        assert [len(r) for r in state.resident] == [4, 4] and [len(h) for h in state.host] == [5, 5]
+        assert llm.engine.budgets.host_nbytes == 2 * 5 * 2 * BLOCK * 2 * 16 * 4
+    # decode: the budget holds, compacting whenever a whole block can be freed
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+        req = llm.engine._requests.get(rid)
+        if req is not None:
+            assert llm.engine.kv.num_slots(req) < max(EXPECTED_KEPT[policy]) + BLOCK
+        llm.engine.check_integrity()
+    assert used_blocks(llm) == 0
+
+
+def test_decode_compacts_a_block_at_a_time_and_kv_usage_follows(loaded):
+    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False)
+    rid = llm.engine.add_request(tokens(40), greedy(60, kv_budget=32, kv_policy="h2o"))
+    req = llm.engine._requests[rid]
+    seen = []
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+        if rid in llm.engine._requests:
+            seen.append((req.num_computed_tokens, llm.engine.kv.num_slots(req), used_blocks(llm)))
+    # prefill: 40 tokens > 32 + 16? no: 40 - 32 < 16, so nothing is evicted yet
+    assert seen[0] == (40, 40, 3)
+    # the first compaction when the slots reach budget + a block (48), then every 16 tokens
+    assert (48, 32, 2) in seen and (64, 32, 2) in seen and (47, 47, 3) in seen
+    assert max(s for _, s, _ in seen) == 47
+    assert llm.engine.budgets.num_compactions == 4      # at 48, 64, 80, 96 (99 tokens computed)
+
+
+def test_shared_prefix_blocks_are_never_altered_for_other_requests(loaded):
+    system = tokens(64, seed=1)
+    a = system + tokens(100, seed=2)
+    b = system + tokens(20, seed=3)
+    c = system + tokens(30, seed=4)
+    ref = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64)
+    ref_b = ref.generate(b, greedy(30))[0].token_ids
+    ref_c = ref.generate(c, greedy(30))[0].token_ids
+
+    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64)
+    e = llm.engine
+    rid_a = e.add_request(a, greedy(30, kv_budget=32, kv_policy="snapkv"))
+    e.step()                                     # a: the system prompt (4 blocks, now cached)
+    shared = e.kv.block_ids(rid_a)[:4]
+    rid_b = e.add_request(b, greedy(30))
+    outs: dict[str, list[int]] = {}
+    while e.has_unfinished:
+        for o in e.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+                assert o.request_id != rid_b or o.num_cached_tokens == 64
+        if rid_a in e._requests and e.budgets.get(rid_a).is_compacted:
+            # a copied the shared blocks before compacting; b still holds the originals
+            assert not set(e.kv.block_ids(rid_a)) & set(shared)
+            if rid_b in e._requests:
+                assert e.kv.block_ids(rid_b)[:4] == shared
+        e.check_integrity()
+    assert outs[rid_b] == ref_b
+    assert all(e.pool.blocks[i].is_cached for i in shared)
+    out_c = llm.generate(c, greedy(30))[0]
+    assert out_c.num_cached_tokens == 64 and out_c.token_ids == ref_c
+
+
+def test_compacted_blocks_lose_their_keys(loaded):
+    prompt = tokens(100)
+    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64)
+    e = llm.engine
+    rid = e.add_request(prompt, greedy(4, kv_budget=32, kv_policy="snapkv"))
+    e.step()                                         # 64 tokens: 4 full blocks, cached
+    table = e.kv.block_ids(rid)
+    assert all(e.pool.blocks[i].is_cached for i in table[:4])
+    e.step()                                         # the rest of the prompt, then the compaction
+    assert e.kv.block_ids(rid) == table[:2]
+    assert not any(e.pool.blocks[i].is_cached for i in table[:2])    # rewritten: keys dropped
+    assert all(e.pool.blocks[i].is_cached for i in table[2:4])      # freed unchanged: still valid
+    while e.has_unfinished:
+        e.step()
+    again = llm.generate(prompt, greedy(4))[0]
+    assert again.num_cached_tokens == 0             # the chain starts at a rewritten block
+    e.check_integrity()
+
+
+def test_preemption_under_budgets_keeps_the_pool_consistent(loaded):
+    prompts = [tokens(90, seed=s) for s in range(4)]
+    small = LLM(loaded=loaded, num_kv_blocks=14, max_num_batched_tokens=64, kv_budget=32, kv_policy="h2o")
+    outs = small.generate(prompts, greedy(30))
+    assert [len(o.token_ids) for o in outs] == [30] * 4
+    small.engine.check_integrity()
+    assert used_blocks(small) == 0
+
+
+def test_engine_default_budget_and_per_request_override(loaded):
+    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, kv_budget=32, kv_policy="streaming",
+              enable_prefix_caching=False)
+    rid = run_prefill(llm, tokens(100), greedy(5))
+    assert llm.engine.budgets.get(rid).policy.name == "streaming"
+    rid2 = run_prefill(llm, tokens(100), greedy(5, kv_budget=48, kv_policy="h2o"))
+    state = llm.engine.budgets.get(rid2)
+    assert state.policy.name == "h2o" and state.budget == 48
+
+
+def test_bad_budget_input_raises_and_leaves_the_engine_untouched(loaded):
+    with pytest.raises(ValueError, match="unknown KV budget policy 'lru'"):
+        SamplingParams(kv_budget=64, kv_policy="lru")
+    with pytest.raises(ValueError, match="kv_budget must be a positive"):
+        SamplingParams(kv_budget=0)
+    with pytest.raises(ValueError, match="unknown KV budget policy"):
+        LLM(loaded=loaded, num_kv_blocks=64, kv_budget=64, kv_policy="lru")
+    with pytest.raises(ValueError, match="below the minimum of 32 tokens"):
+        LLM(loaded=loaded, num_kv_blocks=64, kv_budget=16)
+    with pytest.raises(ValueError, match="needs the native KV format"):
+        LLM(loaded=loaded, num_kv_blocks=64, kv_budget=64, kv_format="int8")
+    llm = LLM(loaded=loaded, num_kv_blocks=64)
+    for params, message in [(greedy(4, kv_budget=31), "below the minimum"),
+                            (greedy(4, kv_budget=40, kv_policy="arkvale"), "multiple of the block size"),
+                            (greedy(4, kv_policy="h2o"), "needs a kv_budget")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([tokens(20), tokens(30)], [greedy(4), params])
+        assert not llm.engine.has_unfinished and not llm.engine._requests
+    quantized = LLM(loaded=loaded, num_kv_blocks=64, kv_format="int8")
+    with pytest.raises(ValueError, match="budgets need the native format"):
+        quantized.generate(tokens(20), greedy(4, kv_budget=64))
+    assert not quantized.engine.has_unfinished

@@ -1,0 +1,159 @@
+"""KV budget policies and states, without the engine: selection, merging, ArkVale recall."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from tiny import TINY
+
+from kvserve.kv.budget.arkvale import ArkValeState, block_scores
+from kvserve.kv.budget.policies import POLICIES, check_budget, get_policy, pyramid_budgets
+from kvserve.kv.budget.state import BudgetState
+from kvserve.kv.paged_cache import PagedKVCache
+
+CPU = torch.device("cpu")
+
+
+def test_registry_names_and_bad_names():
+    assert list(POLICIES) == ["streaming", "h2o", "snapkv", "pyramid", "merge", "arkvale"]
+    with pytest.raises(ValueError, match="unknown KV budget policy 'lru'; choose one of streaming, h2o"):
+        get_policy("lru")
+    with pytest.raises(ValueError, match="below the minimum of 32 tokens"):
+        check_budget(31, get_policy("h2o"), 16)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        check_budget(40, get_policy("arkvale"), 16)
+    check_budget(40, get_policy("h2o"), 16)
+
+
+def test_pyramid_budgets_shrink_with_the_same_total():
+    assert pyramid_budgets(64, 2) == [96, 32]
+    b = pyramid_budgets(256, 30)
+    assert sum(b) == 30 * 256 and b[0] == 384 and b[-1] == 128
+    assert all(x >= y for x, y in itertools.pairwise(b))
+    assert pyramid_budgets(100, 1) == [100]
+
+
+def test_streaming_keeps_sinks_and_recent_window():
+    valid = torch.arange(10, 30)
+    keep = get_policy("streaming").keep(valid, None, 8, 4, 2)
+    assert keep.tolist() == [[10, 11, 12, 13, 26, 27, 28, 29]] * 2
+
+
+def test_h2o_keeps_heavy_hitters_per_head_plus_the_window():
+    valid = torch.arange(12)
+    score = torch.zeros(2, 12)
+    score[0, 2], score[0, 5] = 9, 8
+    score[1, 0], score[1, 7] = 9, 8
+    keep = get_policy("h2o").keep(valid, score, 6, 4, 2)
+    assert keep.tolist() == [[2, 5, 8, 9, 10, 11], [0, 7, 8, 9, 10, 11]]
+
+
+def test_snapkv_pools_scores_over_neighbours():
+    valid = torch.arange(40)
+    score = torch.zeros(1, 40)
+    score[0, 10] = 5.0            # pooling (kernel 7) spreads it to slots 7 .. 13
+    keep = get_policy("snapkv").keep(valid, score, 8, 2, 1)
+    kept = keep[0].tolist()
+    assert kept[-2:] == [38, 39] and set(kept[:6]) <= set(range(7, 14))
+
+
+def _state(policy: str, budget: int = 8, block_size: int = 4) -> BudgetState:
+    p = get_policy(policy)
+    cls = ArkValeState if p.is_paged else BudgetState
+    return cls(p, budget, p.layer_budgets(budget, 2), 2, block_size, CPU)
+
+
+def test_merge_folds_evicted_entries_into_the_most_similar_kept_one():
+    st = _state("merge", budget=2, block_size=2)
+    st.prepare(0, 0, 3)
+    # slot 0 scores high, slot 2 is the window; slot 1 (evicted) is most like slot 0
+    k = torch.zeros(3, 2, 4)
+    k[0, :, 0], k[1, :, 0], k[2, :, 1] = 1.0, 3.0, 1.0
+    v = torch.arange(3, dtype=torch.float32)[:, None, None].expand(3, 2, 4).clone()
+    for layer in range(2):
+        st.add_scores(layer, torch.tensor([[5.0, 0.0, 1.0]] * 2))
+    st.window = 1
+    plan = st.plan([k, k], [v, v], 3)
+    assert plan.pos[0].tolist() == [[0, 2], [0, 2]]
+    assert plan.keys[0][0, 0].tolist() == [2.0, 0, 0, 0]          # mean of keys 1 and 3
+    assert plan.values[0][:, 0, 0].tolist() == [0.5, 2.0]          # mean of values 0 and 1; 2 alone
+    assert plan.weight[0].tolist() == [[2.0, 1.0], [2.0, 1.0]]
+    assert plan.score[0].tolist() == [[5.0, 1.0], [5.0, 1.0]]
+
+
+def test_block_scores_rank_by_the_digest_bound():
+    dmin = torch.tensor([[[-1.0, 0.0]], [[0.0, 0.0]], [[2.0, -3.0]]])   # [3 blocks, 1 kv head, 2 dims]
+    dmax = torch.tensor([[[1.0, 0.5]], [[0.1, 0.1]], [[2.0, 0.0]]])
+    q = torch.tensor([[1.0, -1.0]])
+    # bounds: block 0: 1 + 0 = 1; block 1: 0.1 + 0 = 0.1; block 2: 2 + 3 = 5
+    assert block_scores(q, dmin, dmax).tolist() == pytest.approx([-4.0, -4.9, 0.0])
+
+
+def _arkvale_setup():
+    """6 full blocks of 4 tokens; block j's keys point along channel j (both layers)."""
+    cache = PagedKVCache(TINY, num_blocks=16, block_size=4, dtype=torch.float32, device=CPU)
+    table = [10, 11, 12, 13, 14, 15]
+    g = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        for j, block in enumerate(table):
+            k = 0.01 * torch.rand(4, 2, 16, generator=g)
+            k[:, :, j] += 5.0
+            cache.key_caches[layer][block] = k
+            cache.value_caches[layer][block] = float(j)
+    st = _state("arkvale", budget=8)
+    st.prepare(0, 0, 24)
+    return cache, table, st
+
+
+def _query(*channels: int) -> torch.Tensor:
+    q = torch.zeros(4, 16)   # 4 query heads
+    q[:, list(channels)] = 1.0
+    return q
+
+
+def test_arkvale_compaction_keeps_top_blocks_and_moves_the_rest_to_host():
+    cache, table, st = _arkvale_setup()
+    for layer in range(2):
+        st.capture_query(layer, _query(4, 5))
+    keys = [cache.gather(layer, torch.tensor([table]))[0][0] for layer in range(2)]
+    values = [cache.gather(layer, torch.tensor([table]))[1][0] for layer in range(2)]
+    plan = st.plan(keys, values, 24)
+    assert plan.num_slots == 8 and plan.resident == [[4, 5], [4, 5]]
+    for layer in range(2):
+        cache.write(layer, plan.keys[layer], plan.values[layer], torch.arange(10 * 4, 12 * 4))
+    st.apply(plan, 24)
+    assert st.resident == [[4, 5], [4, 5]]
+    assert [sorted(h) for h in st.host] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert st.num_evicted == 16
+    # 4 blocks x 2 layers x (K, V) x 4 tokens x 2 heads x 16 dims x 4 bytes
+    assert st.host_nbytes == 4 * 2 * 2 * 4 * 2 * 16 * 4
+    assert cache.value_caches[0][10].unique().tolist() == [4.0]
+
+
+def test_arkvale_recalls_an_evicted_block_that_scores_high():
+    cache, table, st = _arkvale_setup()
+    original = cache.key_caches[0][11].clone()       # block 1's keys, layer 0
+    for layer in range(2):
+        st.capture_query(layer, _query(4, 5))
+    keys = [cache.gather(layer, torch.tensor([table]))[0][0] for layer in range(2)]
+    values = [cache.gather(layer, torch.tensor([table]))[1][0] for layer in range(2)]
+    plan = st.plan(keys, values, 24)
+    for layer in range(2):
+        cache.write(layer, plan.keys[layer], plan.values[layer], torch.arange(10 * 4, 12 * 4))
+    st.apply(plan, 24)
+    assert 1 in st.host[0]
+    # the next query wants blocks 1 and 5: block 1 comes back in place of block 4
+    st.select(0, _query(1, 5), cache.key_caches[0], cache.value_caches[0], [10, 11, 12])
+    assert st.recalls == [(0, 1)]
+    assert st.resident[0] == [1, 5] and st.resident[1] == [4, 5]
+    assert sorted(st.host[0]) == [0, 2, 3, 4]
+    assert torch.equal(cache.key_caches[0][10], original)
+    assert cache.value_caches[0][10].unique().tolist() == [1.0]
+    assert cache.value_caches[0][11].unique().tolist() == [5.0]
+    assert cache.value_caches[0][10].unique().tolist() == [1.0]
+    assert st.host[0][4][1].unique().tolist() == [4.0]
+    # asked again, nothing moves
+    st.select(0, _query(1, 5), cache.key_caches[0], cache.value_caches[0], [10, 11, 12])
+    assert st.recalls == [(0, 1)]
