@@ -209,16 +209,6 @@ class BlockPool:
         self._cached[key] = block
         return True
 
-    def uncache(self, block: Block) -> None:
-        """Drop the content key of a block its only holder is about to rewrite (a KV
-        budget compaction), so the prefix cache can never serve the new contents."""
-        if block.ref_count != 1:
-            raise ValueError(f"only a block with one holder may be rewritten, got {block}")
-        if block.key is not None:
-            del self._cached[block.key]
-            block.key = None
-            block.token_ids = ()
-
     def evict_all_cached(self) -> int:
         """Forget every cached key of unreferenced blocks (a cache reset)."""
         dropped = 0

@@ -18,9 +18,9 @@ With offload tiers (kvserve/offload/connector.py) a match continues below the de
 and blocks about to be evicted by an allocation are demoted to the tiers first.
 
 A request under a KV budget (kv/budget/) holds *slots*: after a compaction its table
-covers ``num_computed_tokens - num_evicted`` slots; the compaction rewrites the head of
-the table (copy-on-write for blocks shared with others, content keys dropped for its
-own) and frees the tail, and from then on its blocks are never cached.
+covers ``num_computed_tokens - num_evicted`` slots; the compaction writes the kept
+entries to the head of the table (fresh blocks in place of shared or cached ones, which
+are never altered) and frees the tail; from then on its blocks are never cached.
 """
 
 from __future__ import annotations
@@ -248,11 +248,13 @@ class KVCacheManager:
     def apply_budget(self, request: Request) -> bool:
         """Compact a budgeted request whose context outgrew its budget (kv/budget/budgets.py).
 
-        Its table keeps the blocks that hold the kept slots: blocks it shares with other
-        requests are replaced by fresh copies (never altered), its own lose their content
-        keys (they no longer hold what the key names); the blocks after them are freed.
-        Returns False, changing nothing, when no compaction is due or the pool lacks the
-        blocks for the copies (it is tried again after the next step).
+        Its table keeps as many blocks as the kept slots need; a block there that another
+        request holds or that has a content key is replaced by a fresh one (the kept
+        entries were gathered first), so shared and cached blocks are never altered and
+        stay prefix-cache hits; the blocks after them are freed, tail first. A rewritten
+        block never gets a key (the request caches nothing once compacted). Returns
+        False, changing nothing, when no compaction is due or the pool lacks the fresh
+        blocks (it is tried again after the next step).
         """
         rid = request.request_id
         target = self.budgets.target_slots(request)
@@ -261,19 +263,17 @@ class KVCacheManager:
         table = self._blocks[rid]
         num_kept = self.num_blocks_needed(target)
         head, tail = table[:num_kept], table[num_kept:]
-        num_copies = sum(1 for b in head if b.ref_count > 1)
-        if num_copies > self.pool.num_free_blocks + sum(1 for b in tail if b.ref_count == 1):
+        num_fresh = sum(1 for b in head if b.ref_count > 1 or b.is_cached)
+        if num_fresh > self.pool.num_free_blocks + sum(1 for b in tail if b.ref_count == 1):
             return False
         plan = self.budgets.plan(request, [b.block_id for b in table])
         self.pool.free(reversed(tail))
         del table[num_kept:]
         for i, block in enumerate(head):
-            if block.ref_count > 1:
+            if block.ref_count > 1 or block.is_cached:
                 self.offload.demote(self.pool.peek_evictions(1))
                 table[i] = self.pool.allocate(1)[0]
                 self.pool.free([block])
-            else:
-                self.pool.uncache(block)
         self._num_cached_blocks.pop(rid, None)
         self.budgets.apply(request, plan, [b.block_id for b in table])
         return True

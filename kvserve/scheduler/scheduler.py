@@ -173,13 +173,13 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     def update(self, out: SchedulerOutput) -> None:
-        """Advance progress after the model ran ``out``; compact requests over their KV
-        budget, cache newly full blocks."""
+        """Advance progress after the model ran ``out``; cache newly full blocks (a
+        request over its KV budget compacts after, into fresh blocks)."""
         for chunk in out.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_new_tokens
-            self.kv.apply_budget(req)
             self.kv.cache_computed_blocks(req)
+            self.kv.apply_budget(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Retire a request (stopped, out of length, or aborted) and free its blocks."""
