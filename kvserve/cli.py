@@ -153,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     from kvserve.plan.cli import add_plan_parser
     add_plan_parser(sub)
-    from kvserve.eval.cli import add_eval_parser
+    from kvserve.eval.cli import add_eval_budget_parser, add_eval_parser
     add_eval_parser(sub)
+    add_eval_budget_parser(sub)
     return parser
 
 

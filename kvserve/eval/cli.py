@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -112,3 +113,56 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch CPU threads (default: torch's choice; 1 is far faster on a busy shared machine)")
     e.add_argument("--json", default=None, help="also write the results to this JSON file")
     e.set_defaults(run=run_eval)
+
+
+def run_eval_budget(args: argparse.Namespace) -> int:
+    from kvserve.bench.common import find_text
+    from kvserve.engine.engine import resolve_device, resolve_dtype
+    from kvserve.eval.budget import BudgetEvalSettings, evaluate, goal_lines, render
+    from kvserve.kv.paged_cache import PagedKVCache
+    from kvserve.model.loader import load_model
+
+    t_start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = BudgetEvalSettings(
+        contexts=_ints(args.contexts), fractions=_floats(args.fractions),
+        policies=tuple(p for p in args.policies.split(",") if p), depths=_floats(args.depths),
+        filler=args.filler, answer_tokens=args.answer_tokens, ppl_tokens=args.ppl_tokens, chunk=args.chunk,
+        seed=args.seed)
+    loaded = load_model(args.model)
+    text = find_text(args.text)
+    rows = evaluate(loaded, text, settings, args.kv_cache_gb,
+                    log=lambda m: print(f"[eval-budget {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
+    device = resolve_device("auto")
+    dtype = resolve_dtype("auto", device, loaded.config.torch_dtype)
+    block_nbytes = PagedKVCache.bytes_per_block(loaded.config, 16, dtype)
+    wall = time.perf_counter() - t_start
+    print(f"kvserve eval-budget: {loaded.source}, {device}/{dtype}, prefill chunks of {settings.chunk}; passkey: "
+          f"{settings.filler} filler, depths {', '.join(f'{d:g}' for d in settings.depths)}, answer in "
+          f"{settings.answer_tokens} greedy tokens; perplexity: {settings.ppl_tokens} tokens after the first "
+          f"<context> tokens of the text, fed one per decode step; budgets {', '.join(f'{f:g}' for f in settings.fractions)}"
+          f" x context")
+    print(render(rows, block_nbytes))
+    for line in goal_lines(rows, settings):
+        print(f"goal: {line}")
+    print(f"wall time {wall:.0f} s, {args.threads or torch.get_num_threads()} thread(s)")
+    return 0
+
+
+def add_eval_budget_parser(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("eval-budget", help="KV budget policies vs the full cache: passkey, perplexity, memory, speed")
+    e.add_argument("--model", default=None)
+    e.add_argument("--text", default=None, help="evaluation text (default ../shared/data/botchan.txt)")
+    e.add_argument("--contexts", default="2048,4096", help="context lengths in tokens")
+    e.add_argument("--fractions", default="0.125,0.25", help="budgets as fractions of the context")
+    e.add_argument("--policies", default="streaming,h2o,snapkv,pyramid,merge,arkvale")
+    e.add_argument("--depths", default="0.1,0.5,0.9", help="passkey depths")
+    e.add_argument("--filler", default="text", choices=["text", "repeat"], help="passkey haystack")
+    e.add_argument("--answer-tokens", type=int, default=8)
+    e.add_argument("--ppl-tokens", type=int, default=64, help="tokens scored by forced decoding")
+    e.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
+    e.add_argument("--kv-cache-gb", type=float, default=0.5)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
+    e.set_defaults(run=run_eval_budget)

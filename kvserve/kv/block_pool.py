@@ -114,6 +114,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cached: dict[bytes, Block] = {}
         self.num_evicted_blocks = 0
+        self.peak_num_used = 0          # high-water mark of referenced blocks (see reset_peak)
 
     # -- queries -----------------------------------------------------------
     @property
@@ -166,6 +167,7 @@ class BlockPool:
             self._evict(block)
             block.ref_count = 1
             out.append(block)
+        self._note_usage()
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -174,6 +176,7 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
             block.ref_count += 1
+        self._note_usage()
 
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop one reference on each block, in the order given.
@@ -217,6 +220,14 @@ class BlockPool:
                 self._evict(block)
                 dropped += 1
         return dropped
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from the blocks in use now."""
+        self.peak_num_used = 0
+        self._note_usage()
+
+    def _note_usage(self) -> None:
+        self.peak_num_used = max(self.peak_num_used, self.num_blocks - self.free_queue.num_blocks)
 
     def _evict(self, block: Block) -> None:
         if block.key is None:

@@ -92,7 +92,8 @@ def test_block_scores_rank_by_the_digest_bound():
 
 
 def _arkvale_setup():
-    """6 full blocks of 4 tokens; block j's keys point along channel j (both layers)."""
+    """6 full blocks of 4 tokens; block j's keys point along channel j (both layers);
+    3 resident blocks (budget 12), of which block 0 (sinks) and the latest (5) always."""
     cache = PagedKVCache(TINY, num_blocks=16, block_size=4, dtype=torch.float32, device=CPU)
     table = [10, 11, 12, 13, 14, 15]
     g = torch.Generator().manual_seed(0)
@@ -102,7 +103,7 @@ def _arkvale_setup():
             k[:, :, j] += 5.0
             cache.key_caches[layer][block] = k
             cache.value_caches[layer][block] = float(j)
-    st = _state("arkvale", budget=8)
+    st = _state("arkvale", budget=12)
     st.prepare(0, 0, 24)
     return cache, table, st
 
@@ -113,47 +114,43 @@ def _query(*channels: int) -> torch.Tensor:
     return q
 
 
-def test_arkvale_compaction_keeps_top_blocks_and_moves_the_rest_to_host():
-    cache, table, st = _arkvale_setup()
+def _compact(cache, table, st):
     for layer in range(2):
-        st.capture_query(layer, _query(4, 5))
+        st.capture_query(layer, _query(4))
     keys = [cache.gather(layer, torch.tensor([table]))[0][0] for layer in range(2)]
     values = [cache.gather(layer, torch.tensor([table]))[1][0] for layer in range(2)]
     plan = st.plan(keys, values, 24)
-    assert plan.num_slots == 8 and plan.resident == [[4, 5], [4, 5]]
     for layer in range(2):
-        cache.write(layer, plan.keys[layer], plan.values[layer], torch.arange(10 * 4, 12 * 4))
+        cache.write(layer, plan.keys[layer], plan.values[layer], torch.arange(10 * 4, 13 * 4))
     st.apply(plan, 24)
-    assert st.resident == [[4, 5], [4, 5]]
-    assert [sorted(h) for h in st.host] == [[0, 1, 2, 3], [0, 1, 2, 3]]
-    assert st.num_evicted == 16
-    # 4 blocks x 2 layers x (K, V) x 4 tokens x 2 heads x 16 dims x 4 bytes
-    assert st.host_nbytes == 4 * 2 * 2 * 4 * 2 * 16 * 4
-    assert cache.value_caches[0][10].unique().tolist() == [4.0]
+    return plan
+
+
+def test_arkvale_compaction_keeps_top_blocks_and_moves_the_rest_to_host():
+    cache, table, st = _arkvale_setup()
+    plan = _compact(cache, table, st)
+    assert plan.num_slots == 12
+    assert st.resident == [[0, 4, 5], [0, 4, 5]]
+    assert [sorted(h) for h in st.host] == [[1, 2, 3], [1, 2, 3]]
+    assert st.num_evicted == 12
+    # 3 blocks x 2 layers x (K, V) x 4 tokens x 2 heads x 16 dims x 4 bytes
+    assert st.host_nbytes == 3 * 2 * 2 * 4 * 2 * 16 * 4
+    assert [cache.value_caches[0][b].unique().item() for b in (10, 11, 12)] == [0.0, 4.0, 5.0]
 
 
 def test_arkvale_recalls_an_evicted_block_that_scores_high():
     cache, table, st = _arkvale_setup()
     original = cache.key_caches[0][11].clone()       # block 1's keys, layer 0
-    for layer in range(2):
-        st.capture_query(layer, _query(4, 5))
-    keys = [cache.gather(layer, torch.tensor([table]))[0][0] for layer in range(2)]
-    values = [cache.gather(layer, torch.tensor([table]))[1][0] for layer in range(2)]
-    plan = st.plan(keys, values, 24)
-    for layer in range(2):
-        cache.write(layer, plan.keys[layer], plan.values[layer], torch.arange(10 * 4, 12 * 4))
-    st.apply(plan, 24)
+    _compact(cache, table, st)
     assert 1 in st.host[0]
-    # the next query wants blocks 1 and 5: block 1 comes back in place of block 4
-    st.select(0, _query(1, 5), cache.key_caches[0], cache.value_caches[0], [10, 11, 12])
+    # the next query wants block 1: it comes back in place of block 4
+    st.select(0, _query(1), cache.key_caches[0], cache.value_caches[0], [10, 11, 12])
     assert st.recalls == [(0, 1)]
-    assert st.resident[0] == [1, 5] and st.resident[1] == [4, 5]
-    assert sorted(st.host[0]) == [0, 2, 3, 4]
-    assert torch.equal(cache.key_caches[0][10], original)
-    assert cache.value_caches[0][10].unique().tolist() == [1.0]
-    assert cache.value_caches[0][11].unique().tolist() == [5.0]
-    assert cache.value_caches[0][10].unique().tolist() == [1.0]
+    assert st.resident[0] == [0, 1, 5] and st.resident[1] == [0, 4, 5]
+    assert sorted(st.host[0]) == [2, 3, 4]
+    assert torch.equal(cache.key_caches[0][11], original)
+    assert [cache.value_caches[0][b].unique().item() for b in (10, 11, 12)] == [0.0, 1.0, 5.0]
     assert st.host[0][4][1].unique().tolist() == [4.0]
     # asked again, nothing moves
-    st.select(0, _query(1, 5), cache.key_caches[0], cache.value_caches[0], [10, 11, 12])
+    st.select(0, _query(1), cache.key_caches[0], cache.value_caches[0], [10, 11, 12])
     assert st.recalls == [(0, 1)]

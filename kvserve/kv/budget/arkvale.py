@@ -11,7 +11,8 @@ score more than
 At each decode step and layer, all full blocks (device and host) are ranked by that
 bound and the top R are made resident: a host block entering the top set swaps
 places with a device block leaving it (device -> host, host -> device), then
-attention runs over the resident blocks plus the open tail. Blocks are ranked per
+attention runs over the resident blocks plus the open tail. The first block (the
+attention sinks) and the most recent full block are always resident. Blocks are ranked per
 query head relative to that head's best block, then by their best head, so a block
 that one head needs is kept even if the other heads ignore it.
 
@@ -33,6 +34,15 @@ from kvserve.kv.budget.policies import BudgetPolicy
 from kvserve.kv.budget.state import BudgetState, TokenPlan
 
 HostBlock = tuple[torch.Tensor, torch.Tensor]   # keys, values of one block and layer: [block_size, heads, dim]
+
+
+def rank_blocks(q: torch.Tensor | None, dmin: torch.Tensor, dmax: torch.Tensor) -> torch.Tensor:
+    """Rank key of every full block: its bound for ``q`` (recency without a query), with the
+    first block (the attention sinks) and the most recent full block always on top."""
+    num_blocks = dmin.shape[0]
+    rank = torch.arange(num_blocks, dtype=torch.float32) if q is None else block_scores(q, dmin, dmax)
+    rank[0] = rank[num_blocks - 1] = float("inf")
+    return rank
 
 
 def block_scores(q: torch.Tensor, dmin: torch.Tensor, dmax: torch.Tensor) -> torch.Tensor:
@@ -89,7 +99,7 @@ class ArkValeState(BudgetState):
         dmin, dmax = self.dmin[layer], self.dmax[layer]
         if dmin is None or dmax is None or dmin.shape[0] <= len(resident):
             return
-        top = block_scores(q, dmin, dmax).topk(len(resident)).indices.tolist()
+        top = rank_blocks(q, dmin, dmax).topk(len(resident)).indices.tolist()
         wanted = set(top)
         missing = [j for j in top if j in self.host[layer]]
         if not missing:
@@ -136,11 +146,7 @@ class ArkValeState(BudgetState):
             old_min, old_max = self.dmin[layer], self.dmax[layer]
             all_min = dmin if old_min is None else torch.cat([old_min, dmin])
             all_max = dmax if old_max is None else torch.cat([old_max, dmax])
-            q = self.last_q[layer]
-            if q is None:   # no query seen: keep the most recent blocks
-                rank = torch.arange(num_full, dtype=torch.float32)
-            else:
-                rank = block_scores(q, all_min, all_max)
+            rank = rank_blocks(self.last_q[layer], all_min, all_max)
             keep = sorted(rank.topk(self.num_resident).indices.tolist())
             kept = set(keep)
             on_device = set(resident) | set(range(first_recent, num_full))
