@@ -160,6 +160,21 @@ def test_compaction_writes_fresh_blocks_and_cached_ones_stay_hits(loaded):
     e.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_a_budgeted_request_with_prefix_hits_selects_over_its_whole_context(loaded, policy):
+    prompt = tokens(150)
+    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64)
+    llm.generate(prompt[:120], greedy(1))                 # 7 full blocks cached
+    rid = run_prefill(llm, prompt, greedy(20, kv_budget=64, kv_policy=policy))
+    req = llm.engine._requests[rid]
+    assert req.num_cached_tokens == 112
+    state = llm.engine.budgets.get(rid)
+    # the hits count as context: 64 kept of 150, positions from the whole prompt
+    assert [state.num_kept(layer, 64) for layer in range(2)] == [64, 64]
+    assert int(state.pos[0][:, :32].min()) < 112
+    assert state.pos[0][:, 32:64].tolist() == [list(range(118, 150))] * 2
+
+
 def test_preemption_under_budgets_keeps_the_pool_consistent(loaded):
     prompts = [tokens(90, seed=s) for s in range(4)]
     small = LLM(loaded=loaded, num_kv_blocks=14, max_num_batched_tokens=64, kv_budget=32, kv_policy="h2o")

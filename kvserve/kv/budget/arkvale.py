@@ -181,4 +181,5 @@ class ArkValeState(BudgetState):
             self.valid[layer][:] = False
             self.valid[layer][:plan.num_slots] = True
         self.num_evicted = num_computed - plan.num_slots
+        self.num_recorded = plan.num_slots
         self.num_compactions += 1

@@ -52,6 +52,7 @@ class BudgetState:
         self.device = device
         self.num_evicted = 0          # positions no longer on the device: slot = position - num_evicted
         self.num_compactions = 0
+        self.num_recorded = 0         # slots whose position this state knows
         num_layers = len(layer_budgets)
         self._capacity = 0
         self.pos = [torch.empty(num_kv_heads, 0, dtype=torch.long, device=device) for _ in range(num_layers)]
@@ -75,17 +76,20 @@ class BudgetState:
 
     # -- per step ----------------------------------------------------------
     def prepare(self, slot_start: int, first_pos: int, num_new: int) -> None:
-        """Record the slots a step is about to fill with positions first_pos ..."""
+        """Record the slots a step is about to fill with positions first_pos ..., and
+        any slots before them filled without a step (prefix-cache hits)."""
         end = slot_start + num_new
+        begin = min(self.num_recorded, slot_start)
         self._grow(-(-end // self.block_size) * self.block_size)
-        positions = torch.arange(first_pos, first_pos + num_new, device=self.device)
+        positions = torch.arange(first_pos - (slot_start - begin), first_pos + num_new, device=self.device)
         for layer in range(len(self.layer_budgets)):
-            self.pos[layer][:, slot_start:end] = positions
-            self.valid[layer][slot_start:end] = True
+            self.pos[layer][:, begin:end] = positions
+            self.valid[layer][begin:end] = True
             if self.score is not None:
-                self.score[layer][:, slot_start:end] = 0
+                self.score[layer][:, begin:end] = 0
             if self.weight is not None:
-                self.weight[layer][:, slot_start:end] = 1
+                self.weight[layer][:, begin:end] = 1
+        self.num_recorded = end
 
     def observe_from(self, num_known_tokens: int) -> int:
         """First query position whose attention weights this policy accumulates.
@@ -160,6 +164,7 @@ class BudgetState:
             if self.weight is not None and weight is not None:
                 self.weight[layer][:, :n] = weight
         self.num_evicted = num_computed - plan.num_slots
+        self.num_recorded = plan.num_slots
         self.num_compactions += 1
 
     def _grow(self, capacity: int) -> None:
