@@ -19,9 +19,17 @@ def read_blocks(tensors: list[torch.Tensor], block_ids: list[int]) -> torch.Tens
     """Payloads of ``block_ids`` as a CPU uint8 tensor [len(block_ids), block_nbytes]."""
     if not tensors:
         raise ValueError("a cache with no tensors has no payload")
-    ids = torch.tensor(block_ids, dtype=torch.long, device=tensors[0].device)
+    device = tensors[0].device
+    ids = torch.tensor(block_ids, dtype=torch.long, device=device)
     rows = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in tensors]
-    return torch.cat(rows, dim=1).cpu()
+    gathered = torch.cat(rows, dim=1)
+    if device.type != "cuda":
+        return gathered.cpu()
+    # through page-locked memory: a DMA copy, about twice the bandwidth of pageable memory
+    host = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(gathered, non_blocking=True)
+    torch.cuda.current_stream(device).synchronize()
+    return host
 
 
 def write_blocks(tensors: list[torch.Tensor], block_ids: list[int], payloads: torch.Tensor) -> None:
@@ -32,9 +40,11 @@ def write_blocks(tensors: list[torch.Tensor], block_ids: list[int], payloads: to
     if payloads.shape[0] != len(block_ids):
         raise ValueError(f"{payloads.shape[0]} payloads for {len(block_ids)} blocks")
     ids = torch.tensor(block_ids, dtype=torch.long, device=tensors[0].device)
+    # one copy of the whole batch; from pinned memory it is queued on the stream that reads it
+    payloads = payloads.to(tensors[0].device, non_blocking=True)
     offset = 0
     for t in tensors:
         n = t[0].numel() * t.element_size()
-        chunk = payloads[:, offset:offset + n].to(t.device).contiguous()
+        chunk = payloads[:, offset:offset + n].contiguous()
         t.index_copy_(0, ids, chunk.view(t.dtype).view(len(block_ids), *t.shape[1:]))
         offset += n

@@ -49,10 +49,14 @@ class BlockMover:
         return [row.tobytes() for row in rows]
 
     def write(self, block_ids: list[int], payloads: Sequence[bytes]) -> None:
-        staged = np.empty((len(payloads), self.nbytes_per_block), dtype=np.uint8)
+        shape = (len(payloads), self.nbytes_per_block)
+        on_cuda = self.tensors[0].device.type == "cuda"
+        # page-locked staging on CUDA, so the host-to-device copies are DMA and asynchronous
+        staged = torch.empty(shape, dtype=torch.uint8, pin_memory=on_cuda)
+        rows = staged.numpy()
         for i, payload in enumerate(payloads):
-            staged[i] = np.frombuffer(payload, dtype=np.uint8)
-        write_blocks(self.tensors, block_ids, torch.from_numpy(staged))
+            rows[i] = np.frombuffer(payload, dtype=np.uint8)
+        write_blocks(self.tensors, block_ids, staged)
 
 
 class Promotion(NamedTuple):
