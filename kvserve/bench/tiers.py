@@ -17,8 +17,10 @@ fewest blocks for which loading beats recomputing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import shutil
 import statistics
 import tempfile
 import time
@@ -31,6 +33,7 @@ from kvserve.bench.common import table
 from kvserve.engine.stats import EngineStats
 from kvserve.llm import LLM
 from kvserve.offload.cost import CostSnapshot, TierCost
+from kvserve.offload.measure import throwaway_redis
 from kvserve.sampling_params import SamplingParams
 
 SYSTEM = ("You are a careful reader in a long reading group. Members share passages of a novel, one at a "
@@ -155,21 +158,32 @@ def run_bench(args: argparse.Namespace) -> int:
     from kvserve.bench.common import find_text
     from kvserve.model.loader import load_model
 
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     turns = user_turns(find_text(args.text), args.conversations, args.turns, args.words_per_turn)
     base = {"device": args.device, "dtype": args.dtype, "kv_cache_memory_gb": args.kv_cache_gb,
             "kv_format": args.kv_format}
     configs: list[tuple[str, dict[str, Any]]] = [("recompute only", {})]
-    with tempfile.TemporaryDirectory(prefix="kvserve-bench-disk-") as scratch:
-        for tier in [t for t in args.tiers.split(",") if t]:
+    if args.tiers is None:
+        tiers = ["host", "disk"] + (["redis"] if args.redis_url or shutil.which("redis-server") else [])
+    else:
+        tiers = [t for t in args.tiers.split(",") if t]
+    with contextlib.ExitStack() as stack:
+        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvserve-bench-disk-"))
+        redis_url = args.redis_url
+        if "redis" in tiers and not redis_url:
+            redis_url = stack.enter_context(throwaway_redis())
+            if redis_url is None:
+                raise ValueError("--tiers redis needs --redis-url, or redis-server on PATH to start one")
+        for tier in tiers:
             if tier == "host":
                 configs.append(("host", {"host_cache_gb": args.host_cache_gb}))
             elif tier == "disk":
                 configs.append(("disk", {"disk_cache_dir": args.disk_cache or f"{scratch}/blocks"}))
             elif tier == "redis":
-                if not args.redis_url:
-                    raise ValueError("--tiers redis needs --redis-url")
-                configs.append(("redis", {"redis_url": args.redis_url}))
+                configs.append(("redis", {"redis_url": redis_url}))
             else:
                 raise ValueError(f"unknown tier {tier!r} in --tiers; use host, disk, redis")
         plays: list[Play] = []
@@ -204,16 +218,21 @@ def run_bench(args: argparse.Namespace) -> int:
 def add_tiers_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     t = bsub.add_parser("tiers", parents=[common],
                         help="multi-conversation TTFT with offload tiers vs recompute only (small device pool)")
-    t.add_argument("--conversations", type=int, default=6)
-    t.add_argument("--turns", type=int, default=6, help="turns per conversation (interleaved)")
-    t.add_argument("--words-per-turn", type=int, default=40)
-    t.add_argument("--max-tokens", type=int, default=16, help="reply length per turn")
+    t.add_argument("--conversations", type=int, default=4)
+    t.add_argument("--turns", type=int, default=12, help="turns per conversation (interleaved)")
+    t.add_argument("--words-per-turn", type=int, default=20)
+    t.add_argument("--max-tokens", type=int, default=32, help="reply length per turn")
     t.add_argument("--kv-cache-gb", type=float, default=0.05,
                    help="device KV cache (small, so that the histories outgrow it)")
     t.add_argument("--kv-format", default=None, help="KV format (default native)")
-    t.add_argument("--tiers", default="host,disk", help="tier configurations to run, each alone: host,disk,redis")
+    t.add_argument("--tiers", default=None,
+                   help="tier configurations to run, each alone: host,disk,redis (default: all three; redis "
+                        "only when --redis-url is given or redis-server is installed)")
     t.add_argument("--host-cache-gb", type=float, default=4.0)
+    t.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 when other jobs share the cores)")
     t.add_argument("--disk-cache", default=None, help="disk tier directory (default: a temporary one)")
-    t.add_argument("--redis-url", default=None)
+    t.add_argument("--redis-url", default=None,
+                   help="Redis for --tiers redis (default: a throwaway redis-server on a free loopback port)")
     t.add_argument("--text", default=None, help="text for the user turns (default ../shared/data/botchan.txt)")
     t.set_defaults(run=run_bench)
