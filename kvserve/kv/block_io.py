@@ -45,6 +45,6 @@ def write_blocks(tensors: list[torch.Tensor], block_ids: list[int], payloads: to
     offset = 0
     for t in tensors:
         n = t[0].numel() * t.element_size()
-        chunk = payloads[:, offset:offset + n].contiguous()
+        chunk = payloads[:, offset:offset + n]   # index_copy_ takes the strided slice as it is
         t.index_copy_(0, ids, chunk.view(t.dtype).view(len(block_ids), *t.shape[1:]))
         offset += n
