@@ -158,18 +158,21 @@ def run_bench(args: argparse.Namespace) -> int:
     from kvserve.bench.common import find_text
     from kvserve.model.loader import load_model
 
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
-    turns = user_turns(find_text(args.text), args.conversations, args.turns, args.words_per_turn)
-    base = {"device": args.device, "dtype": args.dtype, "kv_cache_memory_gb": args.kv_cache_gb,
-            "kv_format": args.kv_format}
-    configs: list[tuple[str, dict[str, Any]]] = [("recompute only", {})]
     if args.tiers is None:
         tiers = ["host", "disk"] + (["redis"] if args.redis_url or shutil.which("redis-server") else [])
     else:
         tiers = [t for t in args.tiers.split(",") if t]
+    unknown = [t for t in tiers if t not in ("host", "disk", "redis")]
+    if unknown:
+        raise ValueError(f"unknown tier {unknown[0]!r} in --tiers; use host, disk, redis")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    turns = user_turns(find_text(args.text), args.conversations, args.turns, args.words_per_turn)
+    loaded = load_model(args.model)
+    base = {"device": args.device, "dtype": args.dtype, "kv_cache_memory_gb": args.kv_cache_gb,
+            "kv_format": args.kv_format}
+    configs: list[tuple[str, dict[str, Any]]] = [("recompute only", {})]
     with contextlib.ExitStack() as stack:
         scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvserve-bench-disk-"))
         redis_url = args.redis_url
@@ -182,10 +185,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 configs.append(("host", {"host_cache_gb": args.host_cache_gb}))
             elif tier == "disk":
                 configs.append(("disk", {"disk_cache_dir": args.disk_cache or f"{scratch}/blocks"}))
-            elif tier == "redis":
-                configs.append(("redis", {"redis_url": redis_url}))
             else:
-                raise ValueError(f"unknown tier {tier!r} in --tiers; use host, disk, redis")
+                configs.append(("redis", {"redis_url": redis_url}))
         plays: list[Play] = []
         replies: dict[tuple[int, int], str] | None = None
         for name, options in configs:

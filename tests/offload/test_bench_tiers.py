@@ -13,11 +13,24 @@ from kvserve.cli import main
 from kvserve.offload.cost import CostSnapshot, TierCost
 
 
+ANIMALS = ["fox", "owl", "cat", "hen", "elk", "bee", "yak", "ram", "cod", "emu"]
+PLACES = ["river", "hill", "barn", "field", "wood", "lake", "road", "town", "shore", "mill"]
+
+
+def story() -> str:
+    """Distinct sentences of 12 words (no reliance on ../shared/data): 9 passages and a spare."""
+    return " ".join(f"The {a} walked to the {p} and saw {n} small stones there."
+                    for n, (a, p) in enumerate(zip(ANIMALS, PLACES), start=2))
+
+
 def test_bench_tiers_serves_evicted_histories_from_host(tmp_path, capsys):
     out = tmp_path / "tiers.json"
+    text = tmp_path / "story.txt"
+    text.write_text(story())
     # 0.01 GiB of fp32 KV = 14 blocks of 16 tokens: three conversations do not fit
     assert main(["bench", "tiers", "--conversations", "3", "--turns", "3", "--words-per-turn", "12",
-                 "--max-tokens", "4", "--kv-cache-gb", "0.01", "--tiers", "host", "--json", str(out)]) == 0
+                 "--max-tokens", "4", "--kv-cache-gb", "0.01", "--tiers", "host", "--text", str(text),
+                 "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "recompute only" in text and "break-even blocks" in text
     results = json.loads(out.read_text())["results"]
