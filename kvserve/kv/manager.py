@@ -31,7 +31,7 @@ from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.budget.budgets import NoBudgets
 from kvserve.kv.prefix import extend_block_keys
 from kvserve.kv.residual import NoResidual, ResidualRows
-from kvserve.offload.connector import NoOffload, Offload, PendingLoad, Promotion
+from kvserve.offload.connector import NO_PROMOTION, NoOffload, Offload, PendingLoad, Promotion
 from kvserve.offload.tiered import EMPTY_RUN, TierRun
 from kvserve.request import Request
 
@@ -166,8 +166,7 @@ class KVCacheManager:
             table.extend(match.blocks)
             self._num_cached_blocks[request.request_id] = len(table)
         if num_needed > 0:
-            self.offload.demote(self.pool.peek_evictions(num_needed))
-            table.extend(self.pool.allocate(num_needed))
+            table.extend(self._allocate(num_needed))
         self.budgets.start(request)
         return True
 
@@ -199,18 +198,14 @@ class KVCacheManager:
         rid = request.request_id
         d, pending = self._promotions.pop(rid)
         promotion = self.offload.finish_load(pending)
-        table = self._blocks[rid]
-        keys = self.block_keys(request)
-        tokens = request.all_token_ids
-        bs = self.block_size
-        for i in range(d, d + promotion.num_blocks):
-            self.pool.cache(table[i], keys[i], tuple(tokens[i * bs:(i + 1) * bs]))
         if promotion.num_blocks:
-            self._num_cached_blocks[rid] = d + promotion.num_blocks
+            self._cache_blocks(request, d, d + promotion.num_blocks)
         return Promoted(d, promotion)
 
     def promote(self, request: Request, match: PrefixMatch) -> Promoted:
         """Load ``match``'s tier blocks now (start and finish)."""
+        if not match.tier_run.num_blocks:
+            return Promoted(match.num_device_blocks, NO_PROMOTION)
         self.start_promotion(request, match)
         return self.finish_promotion(request)
 
@@ -235,15 +230,23 @@ class KVCacheManager:
             return
         num_full = request.num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(rid, 0)
-        if num_full <= start:
-            return
+        if num_full > start:
+            self._cache_blocks(request, start, num_full)
+
+    def _cache_blocks(self, request: Request, start: int, end: int) -> None:
+        """Register the request's full blocks [start, end) under their content keys."""
         keys = self.block_keys(request)
-        table = self._blocks[rid]
+        table = self._blocks[request.request_id]
         tokens = request.all_token_ids
         bs = self.block_size
-        for i in range(start, num_full):
+        for i in range(start, end):
             self.pool.cache(table[i], keys[i], tuple(tokens[i * bs:(i + 1) * bs]))
-        self._num_cached_blocks[rid] = num_full
+        self._num_cached_blocks[request.request_id] = end
+
+    def _allocate(self, num_blocks: int) -> list[Block]:
+        """Take free blocks, demoting to the tiers the cached ones this evicts first."""
+        self.offload.demote(self.pool.peek_evictions(num_blocks))
+        return self.pool.allocate(num_blocks)
 
     def apply_budget(self, request: Request) -> bool:
         """Compact a budgeted request whose context outgrew its budget (kv/budget/budgets.py).
@@ -271,8 +274,7 @@ class KVCacheManager:
         del table[num_kept:]
         for i, block in enumerate(head):
             if block.ref_count > 1 or block.is_cached:
-                self.offload.demote(self.pool.peek_evictions(1))
-                table[i] = self.pool.allocate(1)[0]
+                table[i] = self._allocate(1)[0]
                 self.pool.free([block])
         self._num_cached_blocks.pop(rid, None)
         self.budgets.apply(request, plan, [b.block_id for b in table])

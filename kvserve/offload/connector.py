@@ -94,8 +94,9 @@ class Offload(ABC):
     tier_names: tuple[str, ...] = ()
 
     @abstractmethod
-    def demote(self, blocks: Sequence[Block]) -> None:
-        """Copy cached blocks off the device and submit them to the tiers."""
+    def demote(self, blocks: Sequence[Block]) -> int:
+        """Copy cached blocks off the device and submit them to the tiers; returns how many
+        were copied (blocks without a key, or that a local first tier holds, are skipped)."""
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> TierRun:
@@ -125,9 +126,6 @@ class Offload(ABC):
     def finish_load(self, pending: PendingLoad) -> Promotion:
         """Wait for the reads and write the leading run of payloads into their blocks."""
 
-    def load(self, run: TierRun, block_ids: list[int]) -> Promotion:
-        return self.finish_load(self.start_load(run, block_ids))
-
     def record_hits(self, promotion: Promotion) -> None:
         """Count a first admission's loaded blocks as tier hits."""
 
@@ -147,8 +145,8 @@ class Offload(ABC):
 class NoOffload(Offload):
     """No tier configured: nothing is demoted, nothing is found."""
 
-    def demote(self, blocks: Sequence[Block]) -> None:
-        pass
+    def demote(self, blocks: Sequence[Block]) -> int:
+        return 0
 
     def lookup(self, keys: Sequence[bytes]) -> TierRun:
         return EMPTY_RUN
@@ -171,22 +169,20 @@ class TierOffload(Offload):
         self._hit_blocks = [0] * n
         self._loaded_blocks = [0] * n
         self._load_seconds = [0.0] * n
-        self.num_demoted_blocks = 0
-        self.num_swapped_blocks = 0
         # a block a local first tier holds was demoted before (or loaded from there): skip
         # its copy. Asking Redis would cost a round trip on the engine thread.
         self._first_is_local = store.names[0] in ("host", "disk")
 
-    def demote(self, blocks: Sequence[Block]) -> None:
-        todo = list(blocks)
+    def demote(self, blocks: Sequence[Block]) -> int:
+        todo = [b for b in blocks if b.key is not None]
         if self._first_is_local and todo:
-            held = self.store.tiers[0].contains([b.key for b in todo if b.key is not None])
+            held = self.store.tiers[0].contains([b.key for b in todo])
             todo = [b for b, h in zip(todo, held) if not h]
         if not todo:
-            return
+            return 0
         payloads = self.mover.read([b.block_id for b in todo])
-        self.store.demote([(b.key, p) for b, p in zip(todo, payloads) if b.key is not None])
-        self.num_demoted_blocks += len(todo)
+        self.store.demote([(b.key, p) for b, p in zip(todo, payloads)])
+        return len(todo)
 
     def swap_out(self, blocks: Sequence[Block]) -> int:
         if not blocks or self.tier_names[0] != "host":
@@ -194,10 +190,7 @@ class TierOffload(Offload):
         if not self.cost.should_swap(len(blocks)):
             log.debug("preemption: %d blocks left to recompute (cheaper than a host round trip)", len(blocks))
             return 0
-        before = self.num_demoted_blocks
-        self.demote(blocks)
-        swapped = self.num_demoted_blocks - before
-        self.num_swapped_blocks += swapped
+        swapped = self.demote(blocks)
         log.debug("preemption: %d of %d blocks swapped to host", swapped, len(blocks))
         return swapped
 
