@@ -126,6 +126,8 @@ def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: PagedKVCache
         st.capture_query(layer, q[-1])
         if b.computes_output and n == 1:
             st.select(layer, q[0], cache.key_caches[layer], cache.value_caches[layer], b.block_ids)
+    if not b.computes_output and st.score is None:
+        return None         # observing for a policy that scores no attention weights: the query was all
     ks, vs = cache.gather(layer, b.block_table)
     num_keys = ks.shape[1]
     num_slots = b.slot_start + n

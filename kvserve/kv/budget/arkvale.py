@@ -60,7 +60,7 @@ class PagePlan(TokenPlan):
         self.resident: list[list[int]] = []
         self.to_host: list[dict[int, HostBlock]] = []
         self.from_host: list[list[int]] = []
-        self.digests: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.digests: list[tuple[torch.Tensor, torch.Tensor]] = []   # per layer: min, max of every full block
 
 
 class ArkValeState(BudgetState):
@@ -150,25 +150,24 @@ class ArkValeState(BudgetState):
             keep = sorted(rank.topk(self.num_resident).indices.tolist())
             kept = set(keep)
             on_device = set(resident) | set(range(first_recent, num_full))
-            to_host = {j: (block(j)[0].to(self.host_device, copy=True), block(j)[1].to(self.host_device, copy=True))
-                       for j in sorted(on_device - kept)}
+            to_host: dict[int, HostBlock] = {}
+            for j in sorted(on_device - kept):
+                hk, hv = block(j)
+                to_host[j] = (hk.to(self.host_device, copy=True), hv.to(self.host_device, copy=True))
             parts = [block(j) for j in keep]
             plan.keys.append(torch.cat([p[0] for p in parts] + [k[tail_slot:num_slots]]))
             plan.values.append(torch.cat([p[1] for p in parts] + [v[tail_slot:num_slots]]))
             plan.resident.append(keep)
             plan.to_host.append(to_host)
             plan.from_host.append([j for j in keep if j not in on_device])
-            plan.digests.append((dmin, dmax))
+            plan.digests.append((all_min, all_max))
         return plan
 
     def apply(self, plan: TokenPlan, num_computed: int) -> None:
         assert isinstance(plan, PagePlan)
         bs = self.block_size
         for layer in range(len(self.layer_budgets)):
-            dmin, dmax = plan.digests[layer]
-            old_min, old_max = self.dmin[layer], self.dmax[layer]
-            self.dmin[layer] = dmin if old_min is None else torch.cat([old_min, dmin])
-            self.dmax[layer] = dmax if old_max is None else torch.cat([old_max, dmax])
+            self.dmin[layer], self.dmax[layer] = plan.digests[layer]
             for j in plan.from_host[layer]:
                 del self.host[layer][j]
             self.host[layer].update(plan.to_host[layer])

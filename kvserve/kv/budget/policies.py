@@ -71,9 +71,6 @@ class Streaming(BudgetPolicy):
 
 
 class HeavyHitters(BudgetPolicy):
-    def window(self, layer_budgets):
-        return min(layer_budgets) // 2
-
     def keep(self, valid_idx, score, budget, window, num_kv_heads):
         assert score is not None
         n = valid_idx.shape[0]
