@@ -12,7 +12,6 @@ from kvserve.bench.tiers import break_even_blocks
 from kvserve.cli import main
 from kvserve.offload.cost import CostSnapshot, TierCost
 
-
 ANIMALS = ["fox", "owl", "cat", "hen", "elk", "bee", "yak", "ram", "cod", "emu"]
 PLACES = ["river", "hill", "barn", "field", "wood", "lake", "road", "town", "shore", "mill"]
 
