@@ -17,7 +17,8 @@ CPU = torch.device("cpu")
 
 
 def test_registry_names_and_bad_names():
-    assert list(POLICIES) == ["streaming", "h2o", "snapkv", "pyramid", "merge", "arkvale"]
+    assert list(POLICIES) == ["streaming", "h2o", "snapkv", "pyramid", "merge", "arkvale",
+                             "arkvale-bound"]
     with pytest.raises(ValueError, match="unknown KV budget policy 'lru'; choose one of streaming, h2o"):
         get_policy("lru")
     with pytest.raises(ValueError, match="below the minimum of 32 tokens"):
@@ -89,6 +90,24 @@ def test_block_scores_rank_by_the_digest_bound():
     q = torch.tensor([[1.0, -1.0]])
     # bounds: block 0: 1 + 0 = 1; block 1: 0.1 + 0 = 0.1; block 2: 2 + 3 = 5
     assert block_scores(q, dmin, dmax).tolist() == pytest.approx([-4.0, -4.9, 0.0])
+    # centres: block 0: 0 - 0.25 = -0.25; block 1: 0.05 - 0.05 = 0; block 2: 2 + 1.5 = 3.5
+    assert block_scores(q, dmin, dmax, 0.0).tolist() == pytest.approx([-3.75, -3.5, 0.0])
+    # half-widths weighted by |q|: 1.25, 0.1, 1.5; at weight 0.5: -0.25 + 0.625 = 0.375, 0.05, 4.25
+    assert block_scores(q, dmin, dmax, 0.5).tolist() == pytest.approx([-3.875, -4.2, 0.0])
+
+
+def test_arkvale_ranks_a_sharp_block_above_wide_ones_only_below_the_full_bound():
+    """A block whose keys all lie near q's direction (narrow box) against blocks whose keys
+    spread widely around zero: the bound prefers the wide ones though no key in them scores as
+    high; the default weight ranks the sharp block first. One KV head, one query head."""
+    q = torch.tensor([[1.0, 1.0]])
+    sharp = torch.tensor([[2.0, 2.0], [2.2, 1.8]])                 # q.k = 4.0 for both keys
+    wide = torch.tensor([[3.0, -3.0], [-3.0, 3.0]])                # q.k = 0 for both; box [-3, 3]^2
+    keys = torch.stack([wide, sharp, wide])[:, :, None, :]          # [blocks, tokens, kv heads, dim]
+    dmin, dmax = keys.amin(dim=1), keys.amax(dim=1)
+    assert block_scores(q, dmin, dmax).tolist() == pytest.approx([0.0, -1.8, 0.0])      # bound 6 vs 4.2
+    assert get_policy("arkvale").bound_weight == 0.5
+    assert block_scores(q, dmin, dmax, 0.5).tolist() == pytest.approx([-1.1, 0.0, -1.1])  # 3 vs 4.1
 
 
 def _arkvale_setup():

@@ -7,9 +7,17 @@ and maximum over its tokens, per KV head. For a query q, no key k of the block c
 score more than
 
     ub(q, block) = sum_c max(q_c * min_c, q_c * max_c)      >= q . k for every k in it
+                 = q . centre + |q| . half_width             (centre, half_width per channel)
 
-At each decode step and layer, all full blocks (device and host) are ranked by that
-bound and the top R are made resident: a host block entering the top set swaps
+Blocks are ranked by ``q . centre + w * |q| . half_width``: ``w = 1`` is that bound
+(policy ``arkvale-bound``), ``w = 0`` the centre of the box. The bound is loose where a
+block's keys spread widely (prose and filler blocks hold a few tokens with extreme
+channels, so their box is wide even where no single key scores high), and then it can
+rank a block that one head attends to sharply below dozens of wide ones; the default
+``arkvale`` takes ``w = ARKVALE_BOUND_WEIGHT`` (docs/budgets.md has the measurement).
+
+At each decode step and layer, all full blocks (device and host) are ranked that way
+and the top R are made resident: a host block entering the top set swaps
 places with a device block leaving it (device -> host, host -> device), then
 attention runs over the resident blocks plus the open tail. The first block (the
 attention sinks) and the most recent full block are always resident. Blocks are ranked per
@@ -30,28 +38,38 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.kv.budget.policies import BudgetPolicy
+from kvserve.kv.budget.policies import ArkVale, BudgetPolicy
 from kvserve.kv.budget.state import BudgetState, TokenPlan
 
 HostBlock = tuple[torch.Tensor, torch.Tensor]   # keys, values of one block and layer: [block_size, heads, dim]
 
 
-def rank_blocks(q: torch.Tensor | None, dmin: torch.Tensor, dmax: torch.Tensor) -> torch.Tensor:
-    """Rank key of every full block: its bound for ``q`` (recency without a query), with the
+def rank_blocks(q: torch.Tensor | None, dmin: torch.Tensor, dmax: torch.Tensor,
+                bound_weight: float = 1.0) -> torch.Tensor:
+    """Rank key of every full block: its score for ``q`` (recency without a query), with the
     first block (the attention sinks) and the most recent full block always on top."""
     num_blocks = dmin.shape[0]
-    rank = torch.arange(num_blocks, dtype=torch.float32) if q is None else block_scores(q, dmin, dmax)
+    if q is None:
+        rank = torch.arange(num_blocks, dtype=torch.float32)
+    else:
+        rank = block_scores(q, dmin, dmax, bound_weight)
     rank[0] = rank[num_blocks - 1] = float("inf")
     return rank
 
 
-def block_scores(q: torch.Tensor, dmin: torch.Tensor, dmax: torch.Tensor) -> torch.Tensor:
-    """Rank key for each block: q [heads, dim], dmin/dmax [blocks, kv_heads, dim] -> [blocks]."""
+def block_scores(q: torch.Tensor, dmin: torch.Tensor, dmax: torch.Tensor,
+                 bound_weight: float = 1.0) -> torch.Tensor:
+    """Rank key for each block: q [heads, dim], dmin/dmax [blocks, kv_heads, dim] -> [blocks].
+    Per query head ``q . centre + bound_weight * |q| . half_width`` (1: the bound on q . k),
+    relative to that head's best block; then each block's best head."""
     num_blocks, kv_heads, dim = dmin.shape
     qg = q.float().view(kv_heads, -1, dim)[None]                    # [1, kv, group, dim]
-    ub = torch.maximum(qg * dmin.float()[:, :, None, :], qg * dmax.float()[:, :, None, :]).sum(-1)
-    ub = ub.reshape(num_blocks, -1)                                  # [blocks, heads]
-    return (ub - ub.max(dim=0).values).max(dim=1).values
+    lo, hi = dmin.float()[:, :, None, :], dmax.float()[:, :, None, :]
+    s = (qg * (hi + lo)).sum(-1) / 2
+    if bound_weight:
+        s = s + bound_weight * (qg.abs() * (hi - lo)).sum(-1) / 2
+    s = s.reshape(num_blocks, -1)                                    # [blocks, heads]
+    return (s - s.max(dim=0).values).max(dim=1).values
 
 
 class PagePlan(TokenPlan):
@@ -67,6 +85,8 @@ class ArkValeState(BudgetState):
     def __init__(self, policy: BudgetPolicy, budget: int, layer_budgets: list[int], num_kv_heads: int,
                  block_size: int, device: torch.device) -> None:
         super().__init__(policy, budget, layer_budgets, num_kv_heads, block_size, device)
+        assert isinstance(policy, ArkVale)
+        self.bound_weight = policy.bound_weight
         num_layers = len(layer_budgets)
         self.num_resident = budget // block_size
         self.resident: list[list[int]] = [[] for _ in range(num_layers)]
@@ -99,7 +119,7 @@ class ArkValeState(BudgetState):
         dmin, dmax = self.dmin[layer], self.dmax[layer]
         if dmin is None or dmax is None or dmin.shape[0] <= len(resident):
             return
-        top = rank_blocks(q, dmin, dmax).topk(len(resident)).indices.tolist()
+        top = rank_blocks(q, dmin, dmax, self.bound_weight).topk(len(resident)).indices.tolist()
         wanted = set(top)
         missing = [j for j in top if j in self.host[layer]]
         if not missing:
@@ -146,7 +166,7 @@ class ArkValeState(BudgetState):
             old_min, old_max = self.dmin[layer], self.dmax[layer]
             all_min = dmin if old_min is None else torch.cat([old_min, dmin])
             all_max = dmax if old_max is None else torch.cat([old_max, dmax])
-            rank = rank_blocks(self.last_q[layer], all_min, all_max)
+            rank = rank_blocks(self.last_q[layer], all_min, all_max, self.bound_weight)
             keep = sorted(rank.topk(self.num_resident).indices.tolist())
             kept = set(keep)
             on_device = set(resident) | set(range(first_recent, num_full))

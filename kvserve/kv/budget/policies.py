@@ -10,7 +10,8 @@ keep; ``arkvale`` works on whole blocks (see ``arkvale.py``).
     snapkv      top pooled tokens + the observation window           attention of the window's queries
     pyramid     snapkv, with budgets from 1.5x (first layer) to 0.5x (last)   (same total)
     merge       h2o's choice; evicted entries merged into their most similar kept entry
-    arkvale     the top budget/block_size blocks by a key-digest bound, the rest in host memory
+    arkvale     the top budget/block_size blocks by their key digests, the rest in host memory
+    arkvale-bound  arkvale, ranking blocks by the digest's upper bound on q.k
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ SINK_TOKENS = 4          # StreamingLLM's attention sinks
 SNAPKV_WINDOW = 32       # observation window (capped at half the smallest layer budget)
 SNAPKV_POOL = 7          # max-pooling kernel over neighbouring slots
 PYRAMID_RATIO = 3.0      # first layer's budget / last layer's budget
+ARKVALE_BOUND_WEIGHT = 0.5   # arkvale's block score: q.centre + this x |q|.half_width of the key box
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,12 @@ class Merge(HeavyHitters):
     pass
 
 
+@dataclass(frozen=True)
 class ArkVale(BudgetPolicy):
+    """``bound_weight``: how much of a block's key spread counts in its score (see arkvale.py)."""
+
+    bound_weight: float = ARKVALE_BOUND_WEIGHT
+
     def window(self, layer_budgets):
         return 0
 
@@ -126,6 +133,7 @@ POLICIES: dict[str, BudgetPolicy] = {p.name: p for p in (
     Pyramid("pyramid", weights="window"),
     Merge("merge", weights="all", evicts_in_prefill=True, merges=True),
     ArkVale("arkvale", is_paged=True),
+    ArkVale("arkvale-bound", is_paged=True, bound_weight=1.0),
 )}
 
 
