@@ -174,14 +174,14 @@ class TierOffload(Offload):
         self._first_is_local = store.names[0] in ("host", "disk")
 
     def demote(self, blocks: Sequence[Block]) -> int:
-        todo = [b for b in blocks if b.key is not None]
+        todo = [(b.key, b.block_id) for b in blocks if b.key is not None]
         if self._first_is_local and todo:
-            held = self.store.tiers[0].contains([b.key for b in todo])
-            todo = [b for b, h in zip(todo, held) if not h]
+            held = self.store.tiers[0].contains([key for key, _ in todo])
+            todo = [t for t, h in zip(todo, held) if not h]
         if not todo:
             return 0
-        payloads = self.mover.read([b.block_id for b in todo])
-        self.store.demote([(b.key, p) for b, p in zip(todo, payloads)])
+        payloads = self.mover.read([block_id for _, block_id in todo])
+        self.store.demote([(key, p) for (key, _), p in zip(todo, payloads)])
         return len(todo)
 
     def swap_out(self, blocks: Sequence[Block]) -> int:
