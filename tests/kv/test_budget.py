@@ -9,7 +9,7 @@ import torch
 from tiny import TINY
 
 from kvserve.kv.budget.arkvale import ArkValeState, block_scores
-from kvserve.kv.budget.policies import POLICIES, check_budget, get_policy, pyramid_budgets
+from kvserve.kv.budget.policies import POLICIES, ArkVale, check_budget, get_policy, pyramid_budgets
 from kvserve.kv.budget.state import BudgetState
 from kvserve.kv.paged_cache import PagedKVCache
 
@@ -26,6 +26,11 @@ def test_registry_names_and_bad_names():
     with pytest.raises(ValueError, match="multiple of the block size"):
         check_budget(40, get_policy("arkvale"), 16)
     check_budget(40, get_policy("h2o"), 16)
+    assert get_policy("arkvale-w0.25") == ArkVale("arkvale-w0.25", is_paged=True, bound_weight=0.25)
+    assert get_policy("arkvale-w1").bound_weight == get_policy("arkvale-bound").bound_weight == 1.0
+    for bad in ("arkvale-w", "arkvale-w1.5", "arkvale-w-0.1", "arkvale-wnan", "arkvale-wx"):
+        with pytest.raises(ValueError, match="or arkvale-w<weight> with a weight from 0 to 1"):
+            get_policy(bad)
 
 
 def test_pyramid_budgets_shrink_with_the_same_total():

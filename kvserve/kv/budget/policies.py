@@ -12,6 +12,7 @@ keep; ``arkvale`` works on whole blocks (see ``arkvale.py``).
     merge       h2o's choice; evicted entries merged into their most similar kept entry
     arkvale     the top budget/block_size blocks by their key digests, the rest in host memory
     arkvale-bound  arkvale, ranking blocks by the digest's upper bound on q.k
+    arkvale-wW  arkvale with bound weight W (0: box centres, 1: the bound; arkvale is W = 0.5)
 """
 
 from __future__ import annotations
@@ -137,11 +138,25 @@ POLICIES: dict[str, BudgetPolicy] = {p.name: p for p in (
 )}
 
 
+WEIGHTED_ARKVALE = "arkvale-w"   # "arkvale-w0.25": arkvale with that bound weight, in [0, 1]
+
+
 def get_policy(name: str) -> BudgetPolicy:
     policy = POLICIES.get(name)
+    if policy is None and name.startswith(WEIGHTED_ARKVALE):
+        policy = _weighted_arkvale(name)
     if policy is None:
-        raise ValueError(f"unknown KV budget policy {name!r}; choose one of {', '.join(POLICIES)}")
+        raise ValueError(f"unknown KV budget policy {name!r}; choose one of {', '.join(POLICIES)}, "
+                         f"or {WEIGHTED_ARKVALE}<weight> with a weight from 0 to 1")
     return policy
+
+
+def _weighted_arkvale(name: str) -> BudgetPolicy | None:
+    try:
+        weight = float(name[len(WEIGHTED_ARKVALE):])
+    except ValueError:
+        return None
+    return ArkVale(name, is_paged=True, bound_weight=weight) if 0.0 <= weight <= 1.0 else None
 
 
 def min_budget(block_size: int) -> int:
