@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-budget", type=int, default=None,
                    help="tokens of KV cache kept per layer for each request (default: no budget; docs/budgets.md)")
     g.add_argument("--kv-policy", default=None,
-                   help="what a budgeted request keeps: streaming (default), h2o, snapkv, pyramid, merge, arkvale")
+                   help="what a budgeted request keeps: streaming (default), h2o, snapkv, pyramid, merge, arkvale, "
+                        "arkvale-bound, arkvale-w<0..1>")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 512)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once (default 64)")

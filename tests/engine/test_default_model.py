@@ -8,6 +8,8 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.cli import main
+from kvserve.eval.budget import PROMPT_OVERHEAD, WARM_GAP
+from kvserve.eval.passkey import build_cases
 
 SYSTEM = ("You are a helpful assistant for a small bookshop. You answer questions about opening "
           "hours, orders and recommendations. Be polite, concise and accurate.")
@@ -103,3 +105,24 @@ def test_quantized_hits_match_cold_runs_on_the_real_model(default_model, fmt):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert all(o.num_cached_tokens >= 32 for o in got)
     warm.engine.check_integrity()
+
+
+def test_arkvale_keeps_the_passkey_digit_the_min_max_bound_loses(default_model):
+    """docs/budgets.md's traced case: 2,048 tokens of repeat filler, key 65125 at token 624,
+    budget 256 (1/8). arkvale answers with the full cache's exact tokens; ranking by the strict
+    bound drops the needle's blocks from layer 18 at the third digit and answers 65225."""
+    llm = LLM(loaded=default_model, max_num_batched_tokens=512, kv_cache_memory_gb=0.25, max_num_seqs=1)
+    case = build_cases(llm.tokenizer.encode, [2048 - PROMPT_OVERHEAD], [0.1, 0.3], seed=0)[1]
+    assert (case.key, case.needle_start, len(case.token_ids)) == (65125, 624, 2048)
+    llm.generate(case.token_ids[:-WARM_GAP], SamplingParams(max_tokens=1))   # as eval-budget does
+
+    def answer(**budget) -> list[int]:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **budget)
+        return llm.generate(case.token_ids, params)[0].token_ids
+
+    full = answer()
+    assert llm.tokenizer.decode(full).startswith(" 65125.")
+    assert answer(kv_budget=256, kv_policy="arkvale") == full
+    bound = answer(kv_budget=256, kv_policy="arkvale-bound")
+    assert llm.tokenizer.decode(bound).startswith(" 65225.")
+    assert bound[:3] == full[:3] and bound[3] != full[3]
