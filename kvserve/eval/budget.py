@@ -46,7 +46,7 @@ PROMPT_OVERHEAD = 64   # passkey head + needle + question, about
 class BudgetEvalSettings:
     contexts: tuple[int, ...] = (2048, 4096)
     fractions: tuple[float, ...] = (0.125, 0.25)     # budget = fraction x context
-    policies: tuple[str, ...] = ("streaming", "h2o", "snapkv", "pyramid", "merge", "arkvale")
+    policies: tuple[str, ...] = ("streaming", "h2o", "snapkv", "pyramid", "merge", "arkvale", "arkvale-bound")
     depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     filler: str = "text"
     answer_tokens: int = 8

@@ -156,7 +156,7 @@ def add_eval_budget_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--text", default=None, help="evaluation text (default ../shared/data/botchan.txt)")
     e.add_argument("--contexts", default="2048,4096", help="context lengths in tokens")
     e.add_argument("--fractions", default="0.125,0.25", help="budgets as fractions of the context")
-    e.add_argument("--policies", default="streaming,h2o,snapkv,pyramid,merge,arkvale")
+    e.add_argument("--policies", default="streaming,h2o,snapkv,pyramid,merge,arkvale,arkvale-bound")
     e.add_argument("--depths", default="0.1,0.5,0.9", help="passkey depths")
     e.add_argument("--filler", default="text", choices=["text", "repeat"], help="passkey haystack")
     e.add_argument("--answer-tokens", type=int, default=8)

@@ -1,0 +1,71 @@
+"""A budgeted request's attention against transformers, masked to exactly what it keeps.
+
+Compaction rewrites a request's blocks, maps positions to slots and masks holes; if any
+of that went wrong, a query would see a key it should not, or miss one it should. Here
+every query of a streaming request (chunked prefill across several compactions, then
+decode with more) is checked against transformers on the same weights, given a 4D mask
+that lets position i see only the positions the request's state kept before i's step,
+plus i's own step up to i.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model.test_llama_vs_hf import TOL, hf_model
+from tiny import TINY, random_weights, tiny_model
+
+from kvserve import LLM, SamplingParams
+
+
+def kept_positions(state, num_computed: int) -> list[int]:
+    """Positions the request's cache holds before a step (the same for every layer and head
+    under streaming; asserted)."""
+    if state is None:
+        return list(range(num_computed))
+    n = state.num_recorded
+    rows = {tuple(state.pos[layer][h, :n][state.valid[layer][:n]].tolist())
+            for layer in range(len(state.pos)) for h in range(state.num_kv_heads)}
+    assert len(rows) == 1
+    return list(rows.pop())
+
+
+def test_streaming_attends_exactly_to_its_kept_positions():
+    weights = random_weights(TINY, seed=3)
+    loaded = tiny_model(TINY, seed=3)
+    model = hf_model(TINY, weights)
+    prompt = [(i * 37) % 128 for i in range(150)]
+    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=32, enable_prefix_caching=False)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=5,
+                            kv_budget=48, kv_policy="streaming")
+    rid = engine.add_request(prompt, params)
+    req = engine._requests[rid]
+    visible: dict[int, list[int]] = {}
+    evicted = []
+    while not req.is_finished:
+        state = engine.budgets.get(rid)
+        start = req.num_computed_tokens
+        kept = kept_positions(state, start)
+        engine.step()
+        for i in range(start, req.num_computed_tokens):
+            visible[i] = kept + list(range(start, i + 1))
+        evicted.append(0 if state is None else state.num_evicted)
+    # the prefill compacted between its chunks and decode compacted again
+    assert max(evicted) > len(prompt) - 48 and len(set(evicted)) > 3
+    seq = prompt + req.output_token_ids
+    n = len(seq) - 1
+    assert sorted(visible) == list(range(n))
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, cols in visible.items():
+        mask[i, cols] = True
+    assert int(mask[-1].sum()) <= 48 + 16                 # the last query saw its budget, at most a block more
+    with torch.inference_mode():
+        logits = model(torch.tensor([seq[:-1]]), attention_mask=mask[None, None]).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    for i, lp in enumerate(req.prompt_logprobs[1:], start=1):
+        assert lp.logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=TOL)
+    for j, lp in enumerate(req.output_logprobs):
+        row = ref[len(prompt) - 1 + j]
+        assert lp.token_id == int(row.argmax())
+        assert lp.logprob == pytest.approx(row.max().item(), abs=TOL)
