@@ -116,6 +116,7 @@ class Offload(ABC):
         """An engine step that computed ``num_tokens``, mostly prefill, in ``seconds``."""
 
     def cost_snapshot(self) -> CostSnapshot | None:
+        """The cost model's figures as of its last decision; reading them changes nothing."""
         return None
 
     @abstractmethod
@@ -209,7 +210,8 @@ class TierOffload(Offload):
         self.cost.observe_prefill(num_tokens, seconds)
 
     def cost_snapshot(self) -> CostSnapshot:
-        self.cost.observe_tiers(self.store.stats())
+        # the fit is fed at lookups and finished loads only: a metrics reader polling this
+        # must not change how the reads are split into samples (and so how fast they decay)
         return self.cost.snapshot()
 
     def start_load(self, run: TierRun, block_ids: list[int]) -> PendingLoad:
@@ -220,6 +222,7 @@ class TierOffload(Offload):
     def finish_load(self, pending: PendingLoad) -> Promotion:
         start = time.perf_counter()
         payloads = pending.fetch.result()
+        self.cost.observe_tiers(self.store.stats())      # the reads just made
         # a payload of the wrong size cannot come from a block with this key and format
         n = next((i for i, p in enumerate(payloads) if len(p) != self.mover.nbytes_per_block), len(payloads))
         if n:
