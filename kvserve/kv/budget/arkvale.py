@@ -113,8 +113,8 @@ class ArkValeState(BudgetState):
     # -- decode: make the top blocks resident --------------------------------
     def select(self, layer: int, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_ids: list[int]) -> None:
-        """Rank every full block by its bound for ``q`` and swap host blocks of the top
-        set with resident blocks outside it. key_cache/value_cache: the layer's tensors."""
+        """Rank every full block by its digest score for ``q`` and swap host blocks of the
+        top set with resident blocks outside it. key_cache/value_cache: the layer's tensors."""
         resident = self.resident[layer]
         dmin, dmax = self.dmin[layer], self.dmax[layer]
         if dmin is None or dmax is None or dmin.shape[0] <= len(resident):
