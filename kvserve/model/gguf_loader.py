@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.config import ModelConfig, RopeScaling
-from kvserve.model.loader import LoadedModel, check_tokenizer
+from kvserve.model.loaded import LoadedModel, check_tokenizer
 from kvserve.model.tokenizer import GGUFTokenizerFields, Tokenizer
 
 # Bump whenever conversion output changes, so stale cache entries are ignored.

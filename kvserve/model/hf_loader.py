@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from kvserve.config import ModelConfig, RopeScaling
-from kvserve.model.loader import LoadedModel, check_tokenizer
+from kvserve.model.loaded import LoadedModel, check_tokenizer
 from kvserve.model.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from kvserve.config import ModelConfig
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model import gguf_loader, hf_loader
+from kvserve.model.loaded import LoadedModel
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = frozenset(
@@ -24,28 +21,6 @@ _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_MAGIC = b"GGUF"
 _ACCEPTED = (f"None or {DEFAULT_MODEL!r} (the bundled GGUF), a path to a .gguf file, "
              "or a Hugging Face model directory containing config.json")
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """A model ready for the engine. ``weights`` use Hugging Face Llama names (see
-    ``expected_weight_shapes``) and hold float32, CPU, contiguous tensors."""
-
-    config: ModelConfig
-    weights: dict[str, torch.Tensor]
-    tokenizer: Tokenizer
-    fingerprint: str  # hex sha256 naming these weights + config; stable across processes
-    source: str  # resolved path that was loaded
-
-    def __post_init__(self) -> None:
-        check_weights(self.weights, self.config, self.source)
-
-
-def check_tokenizer(tokenizer: Tokenizer, config: ModelConfig, source: str) -> None:
-    """Raise ValueError when the tokenizer can emit ids the embedding does not have."""
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"The tokenizer of {source} has {tokenizer.vocab_size} tokens but the "
-                         f"model's embedding only {config.vocab_size}.")
 
 
 def default_model_path() -> Path:
@@ -66,6 +41,14 @@ def default_model_path() -> Path:
         "or pass a path to a .gguf file or a Hugging Face model directory.")
 
 
+def default_model_name(model: str | None) -> str:
+    """The name a model is served under: the bundled model's name, a GGUF file's stem, a directory's name."""
+    if model is None:
+        return DEFAULT_MODEL
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name or model
+
+
 def default_cache_dir() -> Path:
     """``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``."""
     if explicit := os.environ.get("KVSERVE_CACHE_DIR"):
@@ -73,55 +56,6 @@ def default_cache_dir() -> Path:
     if xdg := os.environ.get("XDG_CACHE_HOME"):
         return Path(xdg).expanduser() / "kvserve"
     return Path.home() / ".cache" / "kvserve"
-
-
-def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama-family checkpoint must provide, with its HF shape [out, in]."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": (hidden,),
-            f"{p}.self_attn.q_proj.weight": (config.q_size, hidden),
-            f"{p}.self_attn.k_proj.weight": (config.kv_size, hidden),
-            f"{p}.self_attn.v_proj.weight": (config.kv_size, hidden),
-            f"{p}.self_attn.o_proj.weight": (hidden, config.q_size),
-            f"{p}.post_attention_layernorm.weight": (hidden,),
-            f"{p}.mlp.gate_proj.weight": (inter, hidden),
-            f"{p}.mlp.up_proj.weight": (inter, hidden),
-            f"{p}.mlp.down_proj.weight": (hidden, inter),
-        }
-        if config.attention_bias:
-            shapes |= {
-                f"{p}.self_attn.q_proj.bias": (config.q_size,),
-                f"{p}.self_attn.k_proj.bias": (config.kv_size,),
-                f"{p}.self_attn.v_proj.bias": (config.kv_size,),
-            }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    return shapes
-
-
-def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
-    """Raise ValueError unless ``weights`` holds exactly the expected names and shapes, as
-    contiguous float32 CPU tensors."""
-    expected = expected_weight_shapes(config)
-    missing = sorted(expected.keys() - weights.keys())
-    unexpected = sorted(weights.keys() - expected.keys())
-    wrong = [f"{name}: {tuple(weights[name].shape)} != {shape}"
-             for name, shape in expected.items()
-             if name in weights and tuple(weights[name].shape) != shape]
-    wrong += [f"{name}: {w.dtype} on {w.device}" for name, w in weights.items()
-              if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()]
-    if missing or unexpected or wrong:
-        raise ValueError(
-            f"Weights in {source} do not match the model config: missing {missing[:5]} "
-            f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all), "
-            f"wrong shape, dtype or layout {wrong[:5]}")
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
@@ -156,9 +90,6 @@ def load_model(model: str | None = None, cache_dir: Path | None = None) -> Loade
     ``cache_dir`` holds converted GGUF weights (default: ``default_cache_dir()``); HF directories
     are read directly and never cached.
     """
-    # Imported here because both loaders import LoadedModel and helpers from this module.
-    from kvserve.model import gguf_loader, hf_loader
-
     path = resolve_model_path(model)
     if path.is_dir():
         return hf_loader.load_hf_dir(path)

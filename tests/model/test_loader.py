@@ -12,14 +12,8 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model import gguf_loader
-from kvserve.model.loader import (
-    DEFAULT_MODEL,
-    LoadedModel,
-    default_model_path,
-    expected_weight_shapes,
-    load_model,
-    resolve_model_path,
-)
+from kvserve.model.loaded import LoadedModel, expected_weight_shapes
+from kvserve.model.loader import DEFAULT_MODEL, default_model_path, load_model, resolve_model_path
 
 TEXTS = [
     "Hello, world!",
