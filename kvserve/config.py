@@ -3,11 +3,50 @@
 Every config is validated in ``__post_init__``; derived values are properties.
 Values discovered at run time (number of KV blocks, eos ids) live in the objects
 that discover them and are passed explicitly.
+
+The fields users set (``LLM(...)`` keywords, CLI flags) carry an ``Option`` in their
+metadata; kvserve/options.py builds both from it. Names that need a registry (the
+scheduling policy, the KV budget policy) are checked where the registry is used, when
+the engine builds the part or admits the request.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a config field is offered to users, as an ``LLM(...)`` keyword and a CLI flag.
+
+    ``name``: the keyword, when it is not the field's name. ``flag``: the CLI flag, when it
+    is not ``--`` and the name with dashes; a bool field's flag sets the opposite of its
+    default (``--no-prefix-caching``). ``unit``: ``"GiB"`` for a byte count given in GiB.
+    ``choices``: the accepted values; ``registry``: the registry whose names the option
+    takes (resolved by options.py, the layer that may import registries).
+    ``default_text``: how to show a default of None. ``group``: the CLI help section.
+    """
+
+    help: str
+    name: str | None = None
+    flag: str | None = None
+    unit: str | None = None
+    choices: tuple[str, ...] = ()
+    registry: str | None = None
+    default_text: str | None = None
+    metavar: str | None = None
+    group: str = "engine"
+
+
+def opt(help: str, **kw: Any) -> dict[str, Option]:
+    """Field metadata for an option: ``field(default=..., metadata=opt("...", ...))``."""
+    return {"option": Option(help, **kw)}
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value}")
 
 
 @dataclass(frozen=True)
@@ -61,10 +100,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes of K and V for one token across all layers."""
         return 2 * self.num_layers * self.kv_size * element_size
@@ -78,14 +113,22 @@ class CacheConfig:
     the model's bytes per block are known); ``num_blocks`` wins when both are set.
     """
 
-    block_size: int = 16
-    memory_bytes: int = 1 << 30
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    cache_salt: str = ""
-    kv_format: str = "native"     # a spec such as "int8", "kivi2", "0-1=fp16;2-=kivi2" (docs/kv_formats.md)
-    kv_budget: int | None = None  # tokens kept per layer by every request without its own (docs/budgets.md)
-    kv_policy: str = "streaming"  # the budget policy of requests that name none
+    block_size: int = field(default=16, metadata=opt("tokens per KV block"))
+    memory_bytes: int = field(default=1 << 30, metadata=opt(
+        "KV cache memory in GiB", name="kv_cache_memory_gb", flag="--kv-cache-gb", unit="GiB"))
+    num_blocks: int | None = field(default=None, metadata=opt(
+        "KV cache size in blocks (overrides --kv-cache-gb)", name="num_kv_blocks"))
+    enable_prefix_caching: bool = field(default=True, metadata=opt(
+        "turn automatic prefix caching off", flag="--no-prefix-caching"))
+    cache_salt: str = field(default="", metadata=opt(
+        "mixed into every block's key: engines with different salts share no cached blocks", default_text="none"))
+    kv_format: str = field(default="native", metadata=opt(
+        "KV storage: native, fp16, bf16, fp8, int8, int4, kivi2, kivi4, with +outN/+had and per-layer or "
+        "per-half specs, e.g. '0-1=fp16;2-=kivi2' (docs/kv_formats.md)"))
+    kv_budget: int | None = field(default=None, metadata=opt(
+        "tokens of KV cache kept per layer for each request (docs/budgets.md)", default_text="no budget"))
+    kv_policy: str = field(default="streaming", metadata=opt(
+        "what a budgeted request keeps", registry="kv budget policies"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -94,10 +137,6 @@ class CacheConfig:
             raise ValueError(f"KV cache memory must be positive, got {self.memory_bytes} bytes")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        from kvserve.kv.budget.policies import check_budget, get_policy
-        policy = get_policy(self.kv_policy)
-        if self.kv_budget is not None:
-            check_budget(self.kv_budget, policy, self.block_size)
 
     def resolve_num_blocks(self, bytes_per_block: int, reserved_bytes: int = 0) -> int:
         """Blocks that fit in ``memory_bytes`` after ``reserved_bytes`` (e.g. residual rows)."""
@@ -111,88 +150,131 @@ class CacheConfig:
         return num
 
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits and order.
+    """Batching limits and order. ``policy`` names a scheduling policy
+    (kvserve/scheduler/policies.py: fcfs, priority, lpm)."""
 
-    ``policy``: ``fcfs`` (arrival order), ``priority`` (lower value first, then
-    arrival) or ``lpm`` (longest cached prefix first; a request that has waited
-    ``max_wait_steps`` steps goes first, so none starves).
-    """
-
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    enable_chunked_prefill: bool = True
-    policy: str = "lpm"
-    max_wait_steps: int = 64
+    max_num_batched_tokens: int = field(default=512, metadata=opt("token budget per step"))
+    max_num_seqs: int = field(default=64, metadata=opt("most requests running at once"))
+    enable_chunked_prefill: bool = field(default=True, metadata=opt(
+        "prefill each prompt in one step", flag="--no-chunked-prefill"))
+    policy: str = field(default="lpm", metadata=opt(
+        "admission order (lpm: longest cached prefix first, without starvation)", name="scheduling_policy",
+        registry="scheduling policies"))
+    max_wait_steps: int = field(default=64, metadata=opt(
+        "under lpm, a request that has waited this many steps goes first"))
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"unknown scheduling policy {self.policy!r}; choose one of {SCHEDULING_POLICIES}")
         if self.max_wait_steps < 1:
             raise ValueError(f"max_wait_steps must be >= 1, got {self.max_wait_steps}")
 
 
+# -- offload tiers (docs/offload.md) ------------------------------------------
+# Each tier's first field is the one that turns it on in the flat options; the
+# registry in kvserve/offload/registry.py maps each config class to its transport.
+
 @dataclass(frozen=True)
-class OffloadConfig:
-    """Tiers below the device pool, in lookup order host -> disk -> redis (docs/offload.md).
+class HostConfig:
+    """Host (CPU) memory: an LRU dict bounded in bytes."""
 
-    A tier is on when it is given: ``host_cache_bytes > 0``, ``disk_cache_dir``,
-    ``redis_url``. Evicted blocks are written to every configured tier (write-through),
-    so a block that falls out of host memory is still on disk or in Redis.
-    """
-
-    host_cache_bytes: int = 0
-    disk_cache_dir: str | None = None
-    disk_cache_bytes: int = 16 << 30
-    redis_url: str | None = None
-    redis_ttl_s: float | None = None
-    redis_timeout_s: float = 0.5
-    redis_backoff_s: float = 5.0
+    capacity_bytes: int = field(metadata=opt("host-memory tier size in GiB", name="host_cache_gb", unit="GiB",
+                                             default_text="off", group="offload"))
 
     def __post_init__(self) -> None:
-        if self.host_cache_bytes < 0:
-            raise ValueError(f"host cache size must be >= 0 bytes, got {self.host_cache_bytes}")
-        if self.disk_cache_bytes <= 0:
-            raise ValueError(f"disk cache size must be positive, got {self.disk_cache_bytes} bytes")
-        if self.disk_cache_dir is not None and not self.disk_cache_dir:
-            raise ValueError("disk cache directory is empty; leave it unset to turn the disk tier off")
-        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
-        for name in ("redis_timeout_s", "redis_backoff_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.redis_ttl_s is not None and not self.redis_ttl_s > 0:
-            raise ValueError(f"redis_ttl_s must be positive, got {self.redis_ttl_s}")
+        _positive("host tier capacity_bytes", self.capacity_bytes)
 
-    @property
-    def tier_names(self) -> tuple[str, ...]:
-        """The configured tiers, in lookup order."""
-        on = (("host", self.host_cache_bytes > 0), ("disk", self.disk_cache_dir is not None),
-              ("redis", self.redis_url is not None))
-        return tuple(name for name, is_on in on if is_on)
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """A directory of one file per block; persists across restarts.
+
+    ``fsync`` flushes each file before it is renamed into place, so a power loss leaves
+    either the whole block or none. Without it a kill -9 is still safe (the page cache
+    survives the process); a power loss may leave a damaged file, which the checksum
+    catches on read.
+    """
+
+    path: str = field(metadata=opt(
+        "disk tier directory; persists across restarts, one engine per directory", name="disk_cache_dir",
+        flag="--disk-cache", metavar="DIR", default_text="off", group="offload"))
+    capacity_bytes: int = field(default=16 << 30, metadata=opt(
+        "disk tier size in GiB", name="disk_cache_gb", unit="GiB", group="offload"))
+    fsync: bool = field(default=True, metadata=opt(
+        "do not fsync each block file (a power loss may then damage recent blocks; the checksum catches it)",
+        name="disk_fsync", flag="--no-disk-fsync", group="offload"))
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("disk tier needs a directory path")
+        _positive("disk tier capacity_bytes", self.capacity_bytes)
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    """A Redis server shared by engines. Keys are ``kvserve:{namespace}:{key hex}``.
+
+    ``namespace`` should name the model and KV format so that engines that cannot use
+    each other's blocks do not share a key space; None lets the engine derive it from
+    the blocks' format tag. The password, if any, goes in the URL
+    (``redis://:secret@host:6379/0``). A server that does not answer within
+    ``timeout_s`` is marked down; it is tried again after ``backoff_s``, doubling per
+    failed try up to ``max_backoff_s``.
+    """
+
+    url: str = field(metadata=opt("Redis tier shared by engines, e.g. redis://host:6379/0", name="redis_url",
+                                  default_text="off", group="offload"))
+    namespace: str | None = None
+    ttl_s: float | None = field(default=None, metadata=opt(
+        "expire Redis blocks after this many seconds", name="redis_ttl_s", default_text="never", group="offload"))
+    timeout_s: float = field(default=0.5, metadata=opt(
+        "seconds before an unanswered Redis call marks the server down", name="redis_timeout_s", group="offload"))
+    backoff_s: float = field(default=5.0, metadata=opt(
+        "seconds before a down Redis is tried again", name="redis_backoff_s", group="offload"))
+    max_backoff_s: float = field(default=60.0, metadata=opt(
+        "the backoff doubles per failed try up to this many seconds", name="redis_max_backoff_s",
+        group="offload"))
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {self.url!r}")
+        if self.namespace is not None and (not self.namespace or any(c.isspace() for c in self.namespace)):
+            raise ValueError(f"redis tier namespace must be non-empty without spaces, got {self.namespace!r}")
+        if self.ttl_s is not None:
+            _positive("redis_ttl_s", self.ttl_s)
+        _positive("redis_timeout_s", self.timeout_s)
+        _positive("redis_backoff_s", self.backoff_s)
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"redis_max_backoff_s ({self.max_backoff_s}) is below redis_backoff_s ({self.backoff_s})")
+
+
+TierConfig = HostConfig | DiskConfig | RedisConfig
+TIER_CONFIGS: tuple[type[TierConfig], ...] = (HostConfig, DiskConfig, RedisConfig)   # lookup order
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Everything an engine is built from. ``tiers``: the offload tiers below the device
+    pool, in lookup order; evicted blocks are written to every one (write-through), so a
+    block that falls out of host memory is still on disk or in Redis."""
+
     model: str | None = None
-    device: str = "auto"            # "auto", "cpu", "cuda", "cuda:1"
-    dtype: str = "auto"             # "auto": float32 on CPU, the model's dtype on CUDA
-    max_model_len: int | None = None
-    seed: int = 0
+    device: str = field(default="auto", metadata=opt("auto, cpu, cuda or cuda:N"))
+    dtype: str = field(default="auto", metadata=opt(
+        "compute dtype (auto: float32 on CPU, the model's dtype on CUDA)", choices=DTYPES))
+    max_model_len: int | None = field(default=None, metadata=opt("context window", default_text="the model's"))
+    seed: int = field(default=0, metadata=opt("seed of unseeded sampling", flag="--engine-seed"))
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
-    offload: OffloadConfig = OffloadConfig()
+    tiers: tuple[TierConfig, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -5,64 +5,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Self
 
-from kvserve.config import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.model.loader import LoadedModel
 from kvserve.offload.base import Transport
+from kvserve.options import engine_config
 from kvserve.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
 
-_CACHE_OPTIONS = {"block_size": "block_size", "num_kv_blocks": "num_blocks",
-                  "enable_prefix_caching": "enable_prefix_caching", "cache_salt": "cache_salt",
-                  "kv_format": "kv_format", "kv_budget": "kv_budget", "kv_policy": "kv_policy"}
-_SCHEDULER_OPTIONS = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
-                      "enable_chunked_prefill": "enable_chunked_prefill",
-                      "scheduling_policy": "policy", "max_wait_steps": "max_wait_steps"}
-_OFFLOAD_OPTIONS = {"disk_cache_dir": "disk_cache_dir", "redis_url": "redis_url", "redis_ttl_s": "redis_ttl_s",
-                    "redis_timeout_s": "redis_timeout_s", "redis_backoff_s": "redis_backoff_s"}
-_OFFLOAD_GB_OPTIONS = {"host_cache_gb": "host_cache_bytes", "disk_cache_gb": "disk_cache_bytes"}
-_ENGINE_OPTIONS = ("device", "dtype", "max_model_len", "seed")
-
-
-def engine_config(model: str | None = None, **options: Any) -> EngineConfig:
-    """An EngineConfig from flat keyword options (the names the CLI uses).
-
-    ``kv_cache_memory_gb`` (float) sizes the KV cache; ``num_kv_blocks`` overrides it.
-    Offload tiers: ``host_cache_gb``, ``disk_cache_dir`` with ``disk_cache_gb``,
-    ``redis_url`` with ``redis_ttl_s`` (docs/offload.md).
-    """
-    cache: dict[str, Any] = {}
-    sched: dict[str, Any] = {}
-    offload: dict[str, Any] = {}
-    engine: dict[str, Any] = {}
-    for name, value in options.items():
-        if value is None:
-            continue
-        if name == "kv_cache_memory_gb":
-            cache["memory_bytes"] = int(float(value) * (1 << 30))
-        elif name in _CACHE_OPTIONS:
-            cache[_CACHE_OPTIONS[name]] = value
-        elif name in _SCHEDULER_OPTIONS:
-            sched[_SCHEDULER_OPTIONS[name]] = value
-        elif name in _OFFLOAD_GB_OPTIONS:
-            offload[_OFFLOAD_GB_OPTIONS[name]] = int(float(value) * (1 << 30))
-        elif name in _OFFLOAD_OPTIONS:
-            offload[_OFFLOAD_OPTIONS[name]] = value
-        elif name in _ENGINE_OPTIONS:
-            engine[name] = value
-        else:
-            known = sorted([*_CACHE_OPTIONS, *_SCHEDULER_OPTIONS, *_OFFLOAD_OPTIONS, *_OFFLOAD_GB_OPTIONS,
-                            *_ENGINE_OPTIONS, "kv_cache_memory_gb"])
-            raise ValueError(f"unknown engine option {name!r}; known options: {', '.join(known)}")
-    return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched),
-                        offload=OffloadConfig(**offload), **engine)
-
 
 class LLM:
-    """A model with a paged, prefix-cached KV cache.
+    """A model with a paged, prefix-cached KV cache. ``options``: the engine options
+    (kvserve/options.py; README "Engine options"), e.g. ``num_kv_blocks=64``.
 
     >>> llm = LLM()                                   # SmolLM2-135M-Instruct
     >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))

@@ -17,8 +17,8 @@ class SamplingParams:
     alternatives; ``prompt_logprobs=k`` does the same for prompt tokens (and
     computes the whole prompt: such requests take no prefix-cache hits).
     ``kv_budget`` (tokens kept per layer) and ``kv_policy`` (a name from
-    ``kvserve.kv.budget.POLICIES``) run the request under a KV budget; None takes
-    the engine's (docs/budgets.md).
+    ``kvserve.kv.budget.policies.POLICIES``, checked when the engine admits the request)
+    run the request under a KV budget; None takes the engine's (docs/budgets.md).
     """
 
     max_tokens: int | None = 16
@@ -64,9 +64,6 @@ class SamplingParams:
         if self.kv_budget is not None and (not isinstance(self.kv_budget, int) or isinstance(self.kv_budget, bool)
                                            or self.kv_budget < 1):
             raise ValueError(f"kv_budget must be a positive number of tokens, got {self.kv_budget!r}")
-        if self.kv_policy is not None:
-            from kvserve.kv.budget.policies import get_policy
-            get_policy(self.kv_policy)
 
     @property
     def is_greedy(self) -> bool:

@@ -6,9 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return {"device": args.device, "dtype": args.dtype}
+from kvserve.options import add_engine_args, engine_options
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -19,8 +17,8 @@ def run_chat(args: argparse.Namespace) -> int:
 
     loaded = load_model(args.model)
     text = find_text(args.text)
-    on = LLM(loaded=loaded, enable_prefix_caching=True, **_engine_kwargs(args))
-    off = LLM(loaded=loaded, enable_prefix_caching=False, **_engine_kwargs(args))
+    on = LLM(loaded=loaded, enable_prefix_caching=True, **engine_options(args))
+    off = LLM(loaded=loaded, enable_prefix_caching=False, **engine_options(args))
     results, tbl = chat.run(on, off, text, args.target_tokens, args.words_per_turn, args.max_tokens,
                             args.repeats)
     later = [r["speedup"] for r in results if r["prompt_tokens"] >= args.target_tokens // 2]
@@ -40,7 +38,7 @@ def run_decode(args: argparse.Namespace) -> int:
     from kvserve.model.loader import load_model
 
     loaded = load_model(args.model)
-    llm = LLM(loaded=loaded, **_engine_kwargs(args))
+    llm = LLM(loaded=loaded, **engine_options(args))
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     rows, tbl = decode.run(loaded, llm, sizes, args.new_tokens, args.repeats)
     print(f"decode throughput, {loaded.source}, device {llm.engine.device}, dtype {llm.engine.dtype}, "
@@ -60,8 +58,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bsub = b.add_subparsers(dest="bench", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default=None)
-    common.add_argument("--device", default="auto")
-    common.add_argument("--dtype", default="auto")
+    add_engine_args(common, ("device", "dtype"))
     common.add_argument("--json", default=None, help="also write the results to this JSON file")
 
     c = bsub.add_parser("chat", parents=[common], help="multi-turn chat TTFT, prefix cache on vs off")

@@ -237,8 +237,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import httpx
 
     from kvserve.bench.common import find_text
-    from kvserve.model.loader import load_model
-    from kvserve.server.cli import default_model_name
+    from kvserve.model.loader import default_model_name, load_model
 
     tokenizer = load_model(args.model).tokenizer
     jobs = make_jobs(tokenizer, find_text(args.text), args.num_requests, args.max_tokens,

@@ -15,6 +15,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.budget.budgets import KVBudgets, NoBudgets
+from kvserve.kv.budget.policies import check_budget, get_policy
 from kvserve.kv.codecs import parse_kv_format
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.paged_cache import PagedKVCache
@@ -29,6 +30,7 @@ from kvserve.offload.connector import BlockMover, make_offload
 from kvserve.request import FinishReason, Request
 from kvserve.sampling.sampler import Sampler, top_logprobs
 from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.policies import policy_class
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("kvserve")
@@ -56,8 +58,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  tiers: Sequence[Transport] | None = None) -> None:
         """``tiers``: transports to use as the offload tiers, in lookup order, instead of
-        those ``config.offload`` names (tests, embedders with their own storage)."""
+        those ``config.tiers`` configure (tests, embedders with their own storage)."""
         config = config if config is not None else EngineConfig()
+        self._check_names(config)
         self.config = config
         loaded = loaded if loaded is not None else load_model(config.model)
         self.model_config = loaded.config
@@ -70,15 +73,14 @@ class LLMEngine:
         self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype)
 
         cc = config.cache
-        self.kv_format = parse_kv_format("native" if cc.kv_format == "auto" else cc.kv_format,
-                                         mc.num_layers, self.dtype, head_dim=mc.head_dim)
+        self.kv_format = parse_kv_format(cc.kv_format, mc.num_layers, self.dtype, head_dim=mc.head_dim)
         self.kv_cache, residual = self._make_cache(config)
         num_blocks = self.kv_cache.num_blocks
         self.pool = BlockPool(num_blocks, cc.block_size)
         extra_key = make_extra_key(loaded.fingerprint, f"{self.kv_format.spec}:{self.dtype}", cc.cache_salt)
         # the engine owns the mover; the offload tiers copy blocks through it
         self.block_mover = BlockMover(self.kv_cache.block_tensors())
-        self.offload = make_offload(config.offload, self.block_mover, extra_key, cc.block_size, tiers)
+        self.offload = make_offload(config.tiers, self.block_mover, extra_key, cc.block_size, tiers)
         self.budgets = self._make_budgets(config)
         self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, residual, self.offload,
                                  self.budgets)
@@ -92,6 +94,16 @@ class LLMEngine:
         log.info("engine ready: %s on %s/%s, KV format %s, %d blocks of %d tokens (%.1f MiB), offload tiers: %s",
                  loaded.source, self.device, self.dtype, self.kv_format.spec, num_blocks, cc.block_size,
                  self.kv_cache.nbytes / 2**20, ", ".join(self.offload.tier_names) or "none")
+
+    @staticmethod
+    def _check_names(config: EngineConfig) -> None:
+        """Raise ValueError for a policy name no registry knows (or a default budget its policy
+        cannot run), before a model is loaded or a tier opened."""
+        policy_class(config.scheduler.policy)
+        cc = config.cache
+        budget_policy = get_policy(cc.kv_policy)
+        if cc.kv_budget is not None:
+            check_budget(cc.kv_budget, budget_policy, cc.block_size)
 
     def _make_cache(self, config: EngineConfig) -> tuple[KVCache, ResidualRows | None]:
         cc, sc, mc = config.cache, config.scheduler, self.model_config
@@ -149,7 +161,10 @@ class LLMEngine:
         return ids
 
     def check_params(self, params: SamplingParams) -> None:
-        """Raise ValueError for parameters this engine cannot run (a KV budget it cannot apply)."""
+        """Raise ValueError for parameters this engine cannot run (an unknown KV budget policy, a
+        KV budget it cannot apply)."""
+        if params.kv_policy is not None:
+            get_policy(params.kv_policy)
         self.budgets.check(params)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kvserve.options import add_engine_args, engine_options
+
 DEFAULT_FORMATS = ("native", "fp16", "bf16", "fp8", "int8", "int4", "kivi4", "kivi2", "kivi2+had",
                    "kivi4+out4", "0-1=fp16;2-=kivi2", "k=kivi4,v=kivi2")
 
@@ -48,8 +50,7 @@ def run_eval(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     settings = settings_from(args)
     ctx = RunContext(model=args.model, text=find_text(args.text), settings=settings,
-                     engine_options={"device": args.device, "dtype": args.dtype,
-                                     "kv_cache_memory_gb": args.kv_cache_gb, "max_num_seqs": 4},
+                     engine_options={**engine_options(args), "max_num_seqs": 4},
                      threads=args.threads, dense_passkey=args.hf_dense_passkey)
     units = units_for(args.format or list(DEFAULT_FORMATS), _ints(args.hf_bits))
     results = run_all(ctx, units, args.jobs)
@@ -80,8 +81,7 @@ def run_eval(args: argparse.Namespace) -> int:
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval", help="KV format quality: perplexity, greedy agreement, passkey retrieval")
     e.add_argument("--model", default=None)
-    e.add_argument("--device", default="auto")
-    e.add_argument("--dtype", default="auto")
+    add_engine_args(e, ("device", "dtype", "kv_cache_memory_gb"))   # the KV pool of each engine
     e.add_argument("--format", action="append", default=None,
                    help=f"a KV format spec to evaluate (repeatable; default: {' | '.join(DEFAULT_FORMATS)})")
     e.add_argument("--hf-bits", default="4,2", help="transformers QuantizedCache (quanto) bit widths; '' for none")
@@ -104,8 +104,6 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                         "cache; needles sit on chunk boundaries, so the result is the same)")
     e.add_argument("--answer-tokens", type=int, default=12)
     e.add_argument("--context-tokens", type=int, default=1024, help="sequence length for bytes/token @context")
-    e.add_argument("--kv-cache-gb", type=float, default=1.0,
-                   help="KV pool of each engine (large enough to keep the passkey prefixes cached)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--jobs", type=int, default=1,
                    help="worker processes, one configuration each at a time (use with --threads 1)")

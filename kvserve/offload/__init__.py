@@ -5,12 +5,13 @@
     AsyncTier    puts and prefetch gets of a BlockStore on a thread pool
 
 ``make_store("disk", fmt_tag, path=..., capacity_bytes=...)`` builds one by the name
-users type. See docs/offload.md.
+users type; ``make_transport(DiskConfig(...))`` from a tier config (kvserve/config.py).
+See docs/offload.md.
 """
 
+from kvserve.config import DiskConfig, HostConfig, RedisConfig
 from kvserve.offload.async_tier import AsyncStats, AsyncTier
 from kvserve.offload.base import Transport
-from kvserve.offload.config import DiskConfig, HostConfig, RedisConfig
 from kvserve.offload.registry import TIERS, make_store, make_transport
 from kvserve.offload.serialization import HEADER_NBYTES, CorruptBlockError, decode_block, encode_block
 from kvserve.offload.store import BlockStore, TierStats

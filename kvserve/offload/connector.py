@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvserve.config import OffloadConfig
+from kvserve.config import TierConfig
 from kvserve.kv.block_io import block_nbytes, read_blocks, write_blocks
 from kvserve.kv.block_pool import Block
 from kvserve.offload.base import Transport
@@ -258,14 +258,14 @@ class TierOffload(Offload):
         self.store.check_integrity()
 
 
-def make_offload(config: OffloadConfig, mover: BlockMover, extra_key: bytes, block_size: int,
+def make_offload(tiers: Sequence[TierConfig], mover: BlockMover, extra_key: bytes, block_size: int,
                  transports: Sequence[Transport] | None = None) -> Offload:
-    """The tiers of ``config``, or ``transports`` when given (NoOffload when there are none).
+    """The tiers configured by ``tiers``, or ``transports`` when given (NoOffload when there are none).
 
     Blocks are tagged with the extra key (model, format, dtype, salt), so engines that
     cannot use each other's blocks never read them; Redis keys are namespaced by it too.
     """
-    opened = list(transports) if transports is not None else open_transports(config, extra_key.hex()[:32])
+    opened = list(transports) if transports is not None else open_transports(tiers, extra_key.hex()[:32])
     if not opened:
         return NoOffload()
     return TierOffload(make_tiered_store(opened, extra_key.hex()), mover, block_size)

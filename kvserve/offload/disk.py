@@ -27,9 +27,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvserve.config import DiskConfig
 from kvserve.kv.prefix import KEY_NBYTES
 from kvserve.offload.base import Transport
-from kvserve.offload.config import DiskConfig
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvserve.config import HostConfig
 from kvserve.offload.base import Transport
-from kvserve.offload.config import HostConfig
 
 
 class HostTransport(Transport):

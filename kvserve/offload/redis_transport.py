@@ -24,8 +24,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvserve.config import RedisConfig
 from kvserve.offload.base import Transport
-from kvserve.offload.config import RedisConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,11 @@ holds, since a key names one content and a rewrite costs an fsync.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from kvserve.config import OffloadConfig
+from kvserve.config import RedisConfig, TierConfig
 from kvserve.offload.async_tier import AsyncStats, AsyncTier
 from kvserve.offload.base import Transport
 from kvserve.offload.registry import make_transport
@@ -148,26 +149,19 @@ class TieredStore:
             tier.store.check_integrity()
 
 
-def tier_options(config: OffloadConfig, namespace: str) -> list[tuple[str, dict[str, Any]]]:
-    """(registry name, options) of each configured tier, in lookup order."""
-    out: list[tuple[str, dict[str, Any]]] = []
-    if config.host_cache_bytes > 0:
-        out.append(("host", {"capacity_bytes": config.host_cache_bytes}))
-    if config.disk_cache_dir is not None:
-        out.append(("disk", {"path": config.disk_cache_dir, "capacity_bytes": config.disk_cache_bytes}))
-    if config.redis_url is not None:
-        out.append(("redis", {"url": config.redis_url, "namespace": namespace, "ttl_s": config.redis_ttl_s,
-                              "timeout_s": config.redis_timeout_s, "backoff_s": config.redis_backoff_s,
-                              "max_backoff_s": max(60.0, config.redis_backoff_s)}))
-    return out
+def tier_options(tiers: Sequence[TierConfig], namespace: str) -> list[TierConfig]:
+    """``tiers`` with ``namespace`` given to a Redis tier that names none."""
+    return [dataclasses.replace(t, namespace=namespace) if isinstance(t, RedisConfig) and t.namespace is None else t
+            for t in tiers]
 
 
-def open_transports(config: OffloadConfig, namespace: str) -> list[Transport]:
-    """The transports of the tiers ``config`` names, in lookup order; Redis keys under ``namespace``."""
+def open_transports(tiers: Sequence[TierConfig], namespace: str) -> list[Transport]:
+    """The transports of ``tiers``, in their (lookup) order; Redis keys under ``namespace``
+    unless its config names one."""
     opened: list[Transport] = []
     try:
-        for name, options in tier_options(config, namespace):
-            opened.append(make_transport(name, **options))
+        for config in tier_options(tiers, namespace):
+            opened.append(make_transport(config))
     except BaseException:
         for transport in opened:   # a later tier failed to open: release the earlier ones (the disk lock)
             transport.close()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager, Promoted
 from kvserve.request import FinishReason, Request, RequestStatus
-from kvserve.scheduler.policies import POLICIES, uses_cache_lookup, victim_key
+from kvserve.scheduler.policies import make_policy
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.loading: list[Request] = []     # admitted, waiting for their tier reads
-        self._sort_key = POLICIES[config.policy]
+        self.policy = make_policy(config)
         self.num_preemptions = 0
         self.num_swapped_blocks = 0
 
@@ -88,7 +88,7 @@ class Scheduler:
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.try_allocate(req, num_new):
                 victim = max((r for r in self.running if r.request_id not in scheduled),
-                             key=lambda r: victim_key(self.config.policy, r))
+                             key=self.policy.victim_key)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -108,14 +108,13 @@ class Scheduler:
         return min(num_tokens, budget)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        policy = self.config.policy
-        if uses_cache_lookup(policy):
+        policy = self.policy
+        if policy.uses_cache_lookup:
             matches = {r.request_id: self.kv.match_prefix(r) for r in self.waiting}
-            self.waiting.sort(key=lambda r: self._sort_key(
-                r, matches[r.request_id].num_blocks * self.kv.block_size, self.config.max_wait_steps))
+            self.waiting.sort(key=lambda r: policy.sort_key(r, matches[r.request_id].num_blocks * self.kv.block_size))
         else:
             matches = {}
-            self.waiting.sort(key=lambda r: self._sort_key(r, 0, self.config.max_wait_steps))
+            self.waiting.sort(key=lambda r: policy.sort_key(r, 0))
         admitted = 0
         for req in self.waiting:
             if budget == 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:

@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
-from kvserve.cli import add_engine_args, engine_options
+from kvserve.options import add_engine_args, engine_config, engine_options
 
 API_KEY_ENV = "KVSERVE_API_KEY"
-
-
-def default_model_name(model: str | None) -> str:
-    """What ``/v1/models`` lists: the bundled model's name, a GGUF file's stem, a directory's name."""
-    if model is None:
-        from kvserve.model.loader import DEFAULT_MODEL
-        return DEFAULT_MODEL
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name or model
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +31,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.engine import LLMEngine
-    from kvserve.llm import engine_config
+    from kvserve.model.loader import default_model_name
     from kvserve.server.app import create_app
     from kvserve.server.serving import ServerSettings
 

@@ -227,14 +227,16 @@ def test_random_workload_keeps_host_capacity_and_integrity(loaded, tmp_path):
 
 def test_cli_flags_reach_the_offload_config(tmp_path):
     from kvserve.cli import build_parser, engine_options
+    from kvserve.config import DiskConfig, HostConfig, RedisConfig
     from kvserve.llm import engine_config
 
     args = build_parser().parse_args(["generate", "hi", "--host-cache-gb", "4", "--disk-cache", str(tmp_path),
                                       "--disk-cache-gb", "50", "--redis-url", "redis://h:6379/0",
                                       "--redis-ttl-s", "60"])
-    oc = engine_config(None, **engine_options(args)).offload
-    assert (oc.host_cache_bytes, oc.disk_cache_dir, oc.disk_cache_bytes) == (4 << 30, str(tmp_path), 50 << 30)
-    assert (oc.redis_url, oc.redis_ttl_s, oc.tier_names) == ("redis://h:6379/0", 60.0, ("host", "disk", "redis"))
-    assert engine_config(None).offload.tier_names == ()
+    host, disk, redis = engine_config(None, **engine_options(args)).tiers
+    assert (host.capacity_bytes, disk.path, disk.capacity_bytes) == (4 << 30, str(tmp_path), 50 << 30)
+    assert (redis.url, redis.ttl_s) == ("redis://h:6379/0", 60.0)
+    assert (type(host), type(disk), type(redis)) == (HostConfig, DiskConfig, RedisConfig)
+    assert engine_config(None).tiers == ()
     with pytest.raises(ValueError, match="redis url"):
         engine_config(None, redis_url="http://nope")

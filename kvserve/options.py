@@ -1,0 +1,177 @@
+"""Engine options: the one place that turns config fields into ``LLM(...)`` keywords and CLI flags.
+
+Every option is a field of a config class carrying an ``Option`` in its metadata
+(kvserve/config.py). From those this module builds:
+
+    engine_config(model, **options)   flat keywords -> EngineConfig   (LLM(**options) uses it)
+    add_engine_args(parser)           the flags of every command that builds an engine
+    engine_options(args)              parsed flags -> flat keywords
+
+    keyword               flag                    field
+    kv_cache_memory_gb    --kv-cache-gb           CacheConfig.memory_bytes     (GiB -> bytes)
+    scheduling_policy     --scheduling-policy     SchedulerConfig.policy       (choices: the policy registry)
+    disk_cache_dir        --disk-cache            DiskConfig.path              (turns the disk tier on)
+
+The tier options build ``EngineConfig.tiers`` in lookup order (host, disk, redis); a
+tier is on when its first field's option is given (a size of 0 leaves it off).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, fields
+from types import MappingProxyType
+from typing import Any, get_args, get_type_hints
+
+from kvserve.config import TIER_CONFIGS, CacheConfig, EngineConfig, Option, SchedulerConfig, TierConfig
+from kvserve.kv.budget.policies import POLICIES as BUDGET_POLICIES
+from kvserve.kv.budget.policies import WEIGHTED_ARKVALE
+from kvserve.scheduler.policies import POLICIES as SCHEDULING_POLICIES
+
+_UNITS = {"GiB": 1 << 30}
+_GROUPS = {
+    "engine": "engine",
+    "offload": "offload tiers (docs/offload.md): evicted KV blocks go to every tier given; "
+               "prefix hits are looked up in host, then disk, then Redis",
+}
+# registry -> (its names, whether a flag accepts only those): budget policies also take
+# parametric names (arkvale-w0.25), so their flag lists the names without enforcing them
+_REGISTRIES: Mapping[str, tuple[Callable[[], Sequence[str]], bool]] = MappingProxyType({
+    "scheduling policies": (lambda: tuple(SCHEDULING_POLICIES), True),
+    "kv budget policies": (lambda: (*BUDGET_POLICIES, f"{WEIGHTED_ARKVALE}<0..1>"), False),
+})
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One option: its keyword ``name``, its ``flag``, and the config field it sets."""
+
+    name: str
+    flag: str
+    owner: type          # the config class holding the field
+    field: str
+    type: type           # of the value users give (float for a size in GiB)
+    default: Any         # the field's default (MISSING for a tier's first field), in field units
+    spec: Option
+
+    @property
+    def is_tier(self) -> bool:
+        return self.owner in TIER_CONFIGS
+
+    def to_field(self, value: Any) -> Any:
+        if self.spec.unit is not None:
+            return int(float(value) * _UNITS[self.spec.unit])
+        return value
+
+    def from_field(self, value: Any) -> Any:
+        return value / _UNITS[self.spec.unit] if self.spec.unit is not None else value
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        if self.spec.registry is None:
+            return self.spec.choices
+        names, _ = _REGISTRIES[self.spec.registry]
+        return tuple(names())
+
+    @property
+    def default_text(self) -> str | None:
+        if self.default is MISSING or self.default is None or self.default == "":
+            return self.spec.default_text
+        if self.type is bool:
+            return None     # the flag flips the default; its help says to what
+        return f"{self.from_field(self.default):g}" if self.spec.unit else str(self.default)
+
+    @property
+    def help(self) -> str:
+        text = self.spec.help
+        if self.spec.registry is not None and not _REGISTRIES[self.spec.registry][1]:
+            text += f": {', '.join(self.choices)}"
+        return text if self.default_text is None else f"{text} (default: {self.default_text})"
+
+
+def _options_of(owner: type) -> list[EngineOption]:
+    hints = get_type_hints(owner)
+    out = []
+    for f in fields(owner):
+        spec = f.metadata.get("option")
+        if spec is None:
+            continue
+        name = spec.name or f.name
+        value_type = next(t for t in get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        out.append(EngineOption(name=name, flag=spec.flag or "--" + name.replace("_", "-"), owner=owner,
+                                field=f.name, type=float if spec.unit else value_type, default=f.default,
+                                spec=spec))
+    return out
+
+
+OPTIONS: Mapping[str, EngineOption] = MappingProxyType({
+    o.name: o for owner in (EngineConfig, CacheConfig, SchedulerConfig, *TIER_CONFIGS) for o in _options_of(owner)})
+
+
+def engine_config(model: str | None = None, **options: Any) -> EngineConfig:
+    """An EngineConfig from flat keyword options (``OPTIONS``; README "Engine options").
+
+    None means "not given": the field keeps its default. ValueError for an unknown name,
+    or for a tier's option without the option that turns the tier on.
+    """
+    values: dict[type, dict[str, Any]] = {}
+    for name, value in options.items():
+        option = OPTIONS.get(name)
+        if option is None:
+            raise ValueError(f"unknown engine option {name!r}; known options: {', '.join(sorted(OPTIONS))}")
+        if value is not None:
+            values.setdefault(option.owner, {})[option.field] = option.to_field(value)
+    return EngineConfig(model=model, cache=CacheConfig(**values.get(CacheConfig, {})),
+                        scheduler=SchedulerConfig(**values.get(SchedulerConfig, {})),
+                        tiers=_tiers(values), **values.get(EngineConfig, {}))
+
+
+def _tiers(values: dict[type, dict[str, Any]]) -> tuple[TierConfig, ...]:
+    tiers = []
+    for cls in TIER_CONFIGS:
+        given = values.get(cls, {})
+        switch = fields(cls)[0].name
+        if given.get(switch, 0) != 0:
+            tiers.append(cls(**given))
+        elif set(given) - {switch}:
+            names = ", ".join(o.name for o in OPTIONS.values() if o.owner is cls and o.field in given)
+            on = next(o.name for o in OPTIONS.values() if o.owner is cls and o.field == switch)
+            raise ValueError(f"{names} given without {on}, which turns that tier on")
+    return tuple(tiers)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
+    """The flags of ``names`` (every option by default, with ``--model``), in their help groups.
+
+    A flag not given parses to its field's default, or to None for a tier's option (not
+    given: the tier stays off)."""
+    chosen = list(OPTIONS) if names is None else list(names)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+
+    def group(key: str) -> argparse._ArgumentGroup:
+        if key not in groups:
+            groups[key] = parser.add_argument_group(_GROUPS[key])
+        return groups[key]
+
+    if names is None:
+        group("engine").add_argument(
+            "--model", default=None,
+            help="a .gguf file, a Hugging Face model directory, or the default SmolLM2-135M-Instruct")
+    for name in chosen:
+        o = OPTIONS[name]
+        default = None if o.is_tier or o.default is MISSING else o.from_field(o.default)
+        kw: dict[str, Any] = {"dest": o.name, "help": o.help}
+        if o.type is bool:
+            kw |= {"action": "store_const", "const": not o.default, "default": default}
+        else:
+            metavar = o.spec.metavar or o.flag.removeprefix("--").replace("-", "_").upper()
+            kw |= {"type": o.type, "default": default, "metavar": metavar}
+            if o.choices and (o.spec.registry is None or _REGISTRIES[o.spec.registry][1]):
+                kw["choices"] = o.choices
+        group(o.spec.group).add_argument(o.flag, **kw)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword options of the engine flags in ``args`` (each flag's dest is its keyword)."""
+    return {o.name: getattr(args, o.name) for o in OPTIONS.values() if getattr(args, o.name, None) is not None}
