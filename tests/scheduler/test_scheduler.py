@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import pytest
+
 from kvserve.config import SchedulerConfig
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix import make_extra_key
 from kvserve.request import FinishReason, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.policies import POLICIES, LongestPrefixMatch, Priority
 from kvserve.scheduler.scheduler import Scheduler
 
 
@@ -98,3 +101,13 @@ def test_max_num_seqs_limits_running():
         s.add(make(str(i), [i] * 3, i))
     assert [rid for rid, _ in step(s)] == ["0", "1"]
     assert [r.request_id for r in s.waiting] == ["2"]
+
+
+def test_policies_by_name_and_their_traits():
+    assert list(POLICIES) == ["fcfs", "priority", "lpm"]
+    assert isinstance(scheduler(policy="lpm").policy, LongestPrefixMatch)
+    assert [p.uses_cache_lookup for p in POLICIES.values()] == [False, False, True]
+    prio = Priority(SchedulerConfig(policy="priority"))
+    assert prio.victim_key(make("a", [1], 3, priority=2)) > prio.victim_key(make("b", [1], 9, priority=1))
+    with pytest.raises(ValueError, match="unknown scheduling policy 'random'; choose one of"):
+        scheduler(policy="random")
