@@ -11,7 +11,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.request import TokenLogprob
-from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import RequestSpec, RequestStream, StreamItem
 from kvserve.server.protocol import ChatCompletionRequest, bad_request, parse_body
 from kvserve.server.serving import DeltaText, ServingContext, now_s, response_id, sse_stream, usage
@@ -28,7 +27,7 @@ async def plan_chat(ctx: ServingContext, request: Request) -> _Plan:
     req = parse_body(ChatCompletionRequest, await ctx.read_body(request))
     ctx.check_model(req.model)
     req.check_unsupported()
-    stop = req.stop_strings()
+    req.stop_strings()   # a bad stop list is reported before the prompt is looked at
     try:
         prompt = ctx.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages],
                                                    add_generation_prompt=True)
@@ -37,17 +36,8 @@ async def plan_chat(ctx: ServingContext, request: Request) -> _Plan:
     ids = await ctx.encode(prompt, "messages")
     ctx.check_room(len(ids), req.max_new_tokens,
                    "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    specs = []
-    for j in range(req.n):
-        try:
-            params = SamplingParams(
-                max_tokens=req.max_new_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                seed=None if req.seed is None else req.seed + j, stop=stop, ignore_eos=req.ignore_eos,
-                logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-        except ValueError as e:
-            raise bad_request(str(e)) from None
-        specs.append(RequestSpec(ids, params))
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    specs = [RequestSpec(ids, req.sampling_params(j, req.max_new_tokens, logprobs)) for j in range(req.n)]
     return _Plan(req, ids, specs)
 
 

@@ -17,7 +17,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.request import TokenLogprob
-from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import RequestSpec, RequestStream, StreamItem
 from kvserve.server.protocol import MAX_BATCH_REQUESTS, CompletionRequest, bad_request, parse_body
 from kvserve.server.serving import DeltaText, ServingContext, now_s, response_id, sse_stream, usage
@@ -43,7 +42,7 @@ async def plan_completion(ctx: ServingContext, request: Request) -> _Plan:
     req = parse_body(CompletionRequest, await ctx.read_body(request))
     ctx.check_model(req.model)
     req.check_unsupported()
-    stop = req.stop_strings()
+    req.stop_strings()   # a bad stop list is reported before the prompt is looked at
     prompts = req.prompts()
     if len(prompts) * req.n > MAX_BATCH_REQUESTS:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} is more than {MAX_BATCH_REQUESTS} completions "
@@ -53,20 +52,10 @@ async def plan_completion(ctx: ServingContext, request: Request) -> _Plan:
         ctx.check_room(len(ids), req.max_tokens)
     texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
     score_only = req.max_tokens == 0
-    specs = []
-    for ids in prompt_ids:
-        for j in range(req.n):
-            try:
-                params = SamplingParams(
-                    max_tokens=1 if score_only else req.max_tokens,
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                    seed=None if req.seed is None else req.seed + j, stop=stop, ignore_eos=req.ignore_eos,
-                    logprobs=req.logprobs,
-                    prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
-            except ValueError as e:
-                raise bad_request(str(e)) from None
-            specs.append(RequestSpec(ids, params))
+    max_tokens = 1 if score_only else req.max_tokens
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    specs = [RequestSpec(ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs))
+             for ids in prompt_ids for j in range(req.n)]
     return _Plan(req, texts, prompt_ids, specs, score_only)
 
 

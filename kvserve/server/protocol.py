@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvserve.sampling_params import MAX_LOGPROBS
+from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_CHOICES = 16          # n: each choice is one engine request
 MAX_STOP_STRINGS = 4      # as the OpenAI API
@@ -90,6 +90,19 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, choice: int, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The parameters of choice ``choice`` (its seed is ``seed + choice``), with the
+        endpoint's own token limit and logprobs; APIError(400) for values they refuse."""
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                seed=None if self.seed is None else self.seed + choice, stop=self.stop_strings(),
+                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
 
 
 class CompletionRequest(_SamplingFields):
