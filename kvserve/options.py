@@ -22,24 +22,32 @@ import argparse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from types import MappingProxyType
-from typing import Any, get_args, get_type_hints
+from typing import Any, NamedTuple, get_args, get_type_hints
 
 from kvserve.config import TIER_CONFIGS, CacheConfig, EngineConfig, Option, SchedulerConfig, TierConfig
 from kvserve.kv.budget.policies import POLICIES as BUDGET_POLICIES
 from kvserve.kv.budget.policies import WEIGHTED_ARKVALE
 from kvserve.scheduler.policies import POLICIES as SCHEDULING_POLICIES
 
-_UNITS = {"GiB": 1 << 30}
-_GROUPS = {
+_UNITS: Mapping[str, int] = MappingProxyType({"GiB": 1 << 30})
+_GROUPS: Mapping[str, str] = MappingProxyType({   # Option.group -> the title of its CLI help section
     "engine": "engine",
     "offload": "offload tiers (docs/offload.md): evicted KV blocks go to every tier given; "
                "prefix hits are looked up in host, then disk, then Redis",
-}
-# registry -> (its names, whether a flag accepts only those): budget policies also take
-# parametric names (arkvale-w0.25), so their flag lists the names without enforcing them
-_REGISTRIES: Mapping[str, tuple[Callable[[], Sequence[str]], bool]] = MappingProxyType({
-    "scheduling policies": (lambda: tuple(SCHEDULING_POLICIES), True),
-    "kv budget policies": (lambda: (*BUDGET_POLICIES, f"{WEIGHTED_ARKVALE}<0..1>"), False),
+})
+
+
+class Registry(NamedTuple):
+    """The names an option takes. ``is_closed``: the flag accepts only those (budget
+    policies also take parametric names such as arkvale-w0.25: their help lists them)."""
+
+    names: Callable[[], Sequence[str]]
+    is_closed: bool
+
+
+_REGISTRIES: Mapping[str, Registry] = MappingProxyType({
+    "scheduling policies": Registry(lambda: tuple(SCHEDULING_POLICIES), is_closed=True),
+    "kv budget policies": Registry(lambda: (*BUDGET_POLICIES, f"{WEIGHTED_ARKVALE}<0..1>"), is_closed=False),
 })
 
 
@@ -68,11 +76,17 @@ class EngineOption:
         return value / _UNITS[self.spec.unit] if self.spec.unit is not None else value
 
     @property
+    def registry(self) -> Registry | None:
+        return None if self.spec.registry is None else _REGISTRIES[self.spec.registry]
+
+    @property
     def choices(self) -> tuple[str, ...]:
-        if self.spec.registry is None:
-            return self.spec.choices
-        names, _ = _REGISTRIES[self.spec.registry]
-        return tuple(names())
+        return self.spec.choices if self.registry is None else tuple(self.registry.names())
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether a flag accepts only ``choices`` (when there are any)."""
+        return self.registry is None or self.registry.is_closed
 
     @property
     def default_text(self) -> str | None:
@@ -85,7 +99,7 @@ class EngineOption:
     @property
     def help(self) -> str:
         text = self.spec.help
-        if self.spec.registry is not None and not _REGISTRIES[self.spec.registry][1]:
+        if not self.is_closed:
             text += f": {', '.join(self.choices)}"
         return text if self.default_text is None else f"{text} (default: {self.default_text})"
 
@@ -132,7 +146,7 @@ def _tiers(values: dict[type, dict[str, Any]]) -> tuple[TierConfig, ...]:
     for cls in TIER_CONFIGS:
         given = values.get(cls, {})
         switch = fields(cls)[0].name
-        if given.get(switch, 0) != 0:
+        if given.get(switch, 0) != 0:       # host_cache_gb=0 leaves the host tier off, as no option does
             tiers.append(cls(**given))
         elif set(given) - {switch}:
             names = ", ".join(o.name for o in OPTIONS.values() if o.owner is cls and o.field in given)
@@ -167,7 +181,7 @@ def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None
         else:
             metavar = o.spec.metavar or o.flag.removeprefix("--").replace("-", "_").upper()
             kw |= {"type": o.type, "default": default, "metavar": metavar}
-            if o.choices and (o.spec.registry is None or _REGISTRIES[o.spec.registry][1]):
+            if o.choices and o.is_closed:
                 kw["choices"] = o.choices
         group(o.spec.group).add_argument(o.flag, **kw)
 

@@ -149,7 +149,7 @@ class TieredStore:
             tier.store.check_integrity()
 
 
-def tier_options(tiers: Sequence[TierConfig], namespace: str) -> list[TierConfig]:
+def with_namespace(tiers: Sequence[TierConfig], namespace: str) -> list[TierConfig]:
     """``tiers`` with ``namespace`` given to a Redis tier that names none."""
     return [dataclasses.replace(t, namespace=namespace) if isinstance(t, RedisConfig) and t.namespace is None else t
             for t in tiers]
@@ -160,7 +160,7 @@ def open_transports(tiers: Sequence[TierConfig], namespace: str) -> list[Transpo
     unless its config names one."""
     opened: list[Transport] = []
     try:
-        for config in tier_options(tiers, namespace):
+        for config in with_namespace(tiers, namespace):
             opened.append(make_transport(config))
     except BaseException:
         for transport in opened:   # a later tier failed to open: release the earlier ones (the disk lock)
