@@ -44,3 +44,19 @@ def test_registry_names_and_option_errors(tmp_path):
         make_transport("redis", url="redis://127.0.0.1:1/0", namespace="")
     with pytest.raises(ValueError, match="url must start with redis://"):
         make_transport("redis", url="127.0.0.1:6379", namespace="m")
+
+
+def test_transports_from_tier_configs(tmp_path):
+    from kvserve.config import DiskConfig, RedisConfig
+    from kvserve.offload.tiered import open_transports, with_namespace
+
+    assert make_transport(HostConfig(capacity_bytes=100)).capacity_bytes == 100
+    with pytest.raises(ValueError, match="redis tier needs a namespace"):
+        make_transport(RedisConfig("redis://127.0.0.1:1/0"))
+    named = RedisConfig("redis://127.0.0.1:1/0", namespace="mine")
+    assert [c.namespace for c in with_namespace([RedisConfig("redis://127.0.0.1:1/0"), named], "derived")] == [
+        "derived", "mine"]
+    opened = open_transports((HostConfig(100), DiskConfig(str(tmp_path), capacity_bytes=1000)), "ns")
+    assert [t.name for t in opened] == ["host", "disk"]
+    for t in opened:
+        t.close()
