@@ -179,10 +179,11 @@ def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None
         if o.type is bool:
             kw |= {"action": "store_const", "const": not o.default, "default": default}
         else:
-            metavar = o.spec.metavar or o.flag.removeprefix("--").replace("-", "_").upper()
-            kw |= {"type": o.type, "default": default, "metavar": metavar}
+            kw |= {"type": o.type, "default": default}
             if o.choices and o.is_closed:
-                kw["choices"] = o.choices
+                kw["choices"] = o.choices       # argparse shows them
+            else:
+                kw["metavar"] = o.spec.metavar or o.flag.removeprefix("--").replace("-", "_").upper()
         group(o.spec.group).add_argument(o.flag, **kw)
 
 
