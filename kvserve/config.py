@@ -86,6 +86,7 @@ class CacheConfig:
     kv_format: str = "native"     # a spec such as "int8", "kivi2", "0-1=fp16;2-=kivi2" (docs/kv_formats.md)
     kv_budget: int | None = None  # tokens kept per layer by every request without its own (docs/budgets.md)
     kv_policy: str = "streaming"  # the budget policy of requests that name none
+    budget_host_bytes: int = 4 << 30  # host memory for blocks arkvale moves off the device (docs/budgets.md)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -94,6 +95,8 @@ class CacheConfig:
             raise ValueError(f"KV cache memory must be positive, got {self.memory_bytes} bytes")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.budget_host_bytes < 0:
+            raise ValueError(f"budget host memory must be >= 0 bytes, got {self.budget_host_bytes}")
         from kvserve.kv.budget.policies import check_budget, get_policy
         policy = get_policy(self.kv_policy)
         if self.kv_budget is not None:

@@ -9,6 +9,7 @@ import torch
 from tiny import TINY
 
 from kvserve.kv.budget.arkvale import ArkValeState, block_scores
+from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import POLICIES, ArkVale, check_budget, get_policy, pyramid_budgets
 from kvserve.kv.budget.state import BudgetState
 from kvserve.kv.paged_cache import PagedKVCache
@@ -65,10 +66,11 @@ def test_snapkv_pools_scores_over_neighbours():
     assert kept[-2:] == [38, 39] and set(kept[:6]) <= set(range(7, 14))
 
 
-def _state(policy: str, budget: int = 8, block_size: int = 4) -> BudgetState:
+def _state(policy: str, budget: int = 8, block_size: int = 4, host_bytes: int = 1 << 30) -> BudgetState:
     p = get_policy(policy)
-    cls = ArkValeState if p.is_paged else BudgetState
-    return cls(p, budget, p.layer_budgets(budget, 2), 2, block_size, CPU)
+    if p.is_paged:
+        return ArkValeState(p, budget, p.layer_budgets(budget, 2), 2, block_size, CPU, HostBlockStore(host_bytes), "r")
+    return BudgetState(p, budget, p.layer_budgets(budget, 2), 2, block_size, CPU)
 
 
 def test_merge_folds_evicted_entries_into_the_most_similar_kept_one():
@@ -145,7 +147,7 @@ def _compact(cache, table, st):
     values = [cache.gather(layer, torch.tensor([table]))[1][0] for layer in range(2)]
     plan = st.plan(keys, values, 24)
     for layer in range(2):
-        cache.write(layer, plan.keys[layer], plan.values[layer], torch.arange(10 * 4, 13 * 4))
+        cache.write_slots(layer, plan.keys[layer], plan.values[layer], torch.arange(10 * 4, 13 * 4))
     st.apply(plan, 24)
     return plan
 
@@ -168,7 +170,7 @@ def test_arkvale_recalls_an_evicted_block_that_scores_high():
     _compact(cache, table, st)
     assert 1 in st.host[0]
     # the next query wants block 1: it comes back in place of block 4
-    st.select(0, _query(1), cache.key_caches[0], cache.value_caches[0], [10, 11, 12])
+    st.select(0, _query(1), cache, [10, 11, 12])
     assert st.recalls == [(0, 1)]
     assert st.resident[0] == [0, 1, 5] and st.resident[1] == [0, 4, 5]
     assert sorted(st.host[0]) == [2, 3, 4]
@@ -176,5 +178,5 @@ def test_arkvale_recalls_an_evicted_block_that_scores_high():
     assert [cache.value_caches[0][b].unique().item() for b in (10, 11, 12)] == [0.0, 1.0, 5.0]
     assert st.host[0][4][1].unique().tolist() == [4.0]
     # asked again, nothing moves
-    st.select(0, _query(1), cache.key_caches[0], cache.value_caches[0], [10, 11, 12])
+    st.select(0, _query(1), cache, [10, 11, 12])
     assert st.recalls == [(0, 1)]
