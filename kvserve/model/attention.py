@@ -14,6 +14,10 @@ on its own (``BudgetedChunk``): its slots are no longer its positions, and each
 layer masks the slots it does not hold. Before its first compaction it takes the
 common path (so a budget larger than the context changes nothing), and its
 budgeted chunk only *observes*: it adds the attention weights its policy scores by.
+In each layer the state's ``before_attention`` hook runs first (ArkVale keeps the query
+and, in decode, brings back the blocks it ranks highest).
+
+Keys and values are read through the storage protocol (kv/storage/), whatever the format.
 """
 
 from __future__ import annotations
