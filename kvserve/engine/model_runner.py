@@ -1,6 +1,6 @@
 """Turns a scheduled step into tensors, runs the model, returns logits.
 
-It owns the device: the model, the paged KV cache, and the per-step batch
+It owns the device: the model, the KV storage, and the per-step batch
 (input ids, positions, where new K/V go, attention metadata), which is built
 fresh each step and travels with the call, never through global state.
 """
