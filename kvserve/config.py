@@ -129,6 +129,9 @@ class CacheConfig:
         "tokens of KV cache kept per layer for each request (docs/budgets.md)", default_text="no budget"))
     kv_policy: str = field(default="streaming", metadata=opt(
         "what a budgeted request keeps", registry="kv budget policies"))
+    budget_host_bytes: int = field(default=4 << 30, metadata=opt(
+        "host memory in GiB for the blocks arkvale moves off the device; least recently stashed go first "
+        "when full (docs/budgets.md)", name="kv_budget_host_gb", flag="--kv-budget-host-gb", unit="GiB"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -137,6 +140,8 @@ class CacheConfig:
             raise ValueError(f"KV cache memory must be positive, got {self.memory_bytes} bytes")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.budget_host_bytes < 0:
+            raise ValueError(f"budget host memory must be >= 0 bytes, got {self.budget_host_bytes}")
 
     def resolve_num_blocks(self, bytes_per_block: int, reserved_bytes: int = 0) -> int:
         """Blocks that fit in ``memory_bytes`` after ``reserved_bytes`` (e.g. residual rows)."""

@@ -29,6 +29,7 @@ SAMPLES = {
     "kv_format": (["int8"], "int8", "int8"),
     "kv_budget": (["64"], 64, 64),
     "kv_policy": (["arkvale-w0.25"], "arkvale-w0.25", "arkvale-w0.25"),
+    "kv_budget_host_gb": (["0.5"], 0.5, 1 << 29),
     "max_num_batched_tokens": (["128"], 128, 128),
     "max_num_seqs": (["8"], 8, 8),
     "enable_chunked_prefill": ([], False, False),

@@ -14,15 +14,14 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.budget.budgets import KVBudgets, NoBudgets
+from kvserve.kv.budget.budgets import Budgets, KVBudgets, NoBudgets
+from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import check_budget, get_policy
 from kvserve.kv.codecs import parse_kv_format
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.paged_cache import PagedKVCache
 from kvserve.kv.prefix import make_extra_key
-from kvserve.kv.quantized_cache import QuantizedKVCache
-from kvserve.kv.residual import ResidualRows
-from kvserve.model.attention import KVCache
+from kvserve.kv.storage import KVStorage
+from kvserve.kv.storage.factory import make_storage
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.offload.base import Transport
@@ -74,7 +73,7 @@ class LLMEngine:
 
         cc = config.cache
         self.kv_format = parse_kv_format(cc.kv_format, mc.num_layers, self.dtype, head_dim=mc.head_dim)
-        self.kv_cache, residual = self._make_cache(config)
+        self.kv_cache = self._make_cache(config)
         num_blocks = self.kv_cache.num_blocks
         self.pool = BlockPool(num_blocks, cc.block_size)
         extra_key = make_extra_key(loaded.fingerprint, f"{self.kv_format.spec}:{self.dtype}", cc.cache_salt)
@@ -82,8 +81,8 @@ class LLMEngine:
         self.block_mover = BlockMover(self.kv_cache.block_tensors())
         self.offload = make_offload(config.tiers, self.block_mover, extra_key, cc.block_size, tiers)
         self.budgets = self._make_budgets(config)
-        self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, residual, self.offload,
-                                 self.budgets)
+        self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, self.kv_cache.residual,
+                                 self.offload, self.budgets)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
         self.sampler = Sampler(config.seed)
@@ -105,35 +104,19 @@ class LLMEngine:
         if cc.kv_budget is not None:
             check_budget(cc.kv_budget, budget_policy, cc.block_size)
 
-    def _make_cache(self, config: EngineConfig) -> tuple[KVCache, ResidualRows | None]:
-        cc, sc, mc = config.cache, config.scheduler, self.model_config
-        fmt = self.kv_format
-        if fmt.is_lossless:
-            num_blocks = cc.resolve_num_blocks(PagedKVCache.bytes_per_block(mc, cc.block_size, self.dtype))
-            return PagedKVCache(mc, num_blocks, cc.block_size, self.dtype, self.device), None
-        # Rows for every block a step can leave open or fill: each scheduled chunk
-        # touches at most n / block_size + 2 blocks; unscheduled requests hold one each.
-        num_rows = sc.max_num_batched_tokens // cc.block_size + 2 * sc.max_num_seqs + 1
-        reserved = num_rows * QuantizedKVCache.residual_row_nbytes(mc, cc.block_size, self.dtype)
-        per_block = fmt.nbytes_per_block(cc.block_size, mc.num_kv_heads, mc.head_dim)
-        if cc.num_blocks is None and reserved + per_block > cc.memory_bytes:
-            raise ValueError(
-                f"KV format {fmt.spec} keeps {num_rows} full-precision residual rows ({reserved} bytes: one open "
-                f"block per running request plus the blocks a step fills), more than the KV cache memory "
-                f"({cc.memory_bytes} bytes); lower max_num_seqs ({sc.max_num_seqs}) or max_num_batched_tokens "
-                f"({sc.max_num_batched_tokens}), or give the KV cache more memory")
-        num_blocks = cc.resolve_num_blocks(per_block, reserved)
-        cache = QuantizedKVCache(mc, num_blocks, cc.block_size, fmt, num_rows, self.dtype, self.device)
-        return cache, ResidualRows(num_rows)
+    def _make_cache(self, config: EngineConfig) -> KVStorage:
+        return make_storage(self.model_config, self.kv_format, config.cache, config.scheduler, self.dtype,
+                            self.device)
 
-    def _make_budgets(self, config: EngineConfig) -> NoBudgets:
+    def _make_budgets(self, config: EngineConfig) -> Budgets:
         cc = config.cache
-        if not isinstance(self.kv_cache, PagedKVCache):
+        if not self.kv_cache.supports_budgets:
             if cc.kv_budget is not None:
                 raise ValueError(f"a KV budget needs the native KV format (compaction rewrites full-precision "
                                  f"entries); got --kv-format {self.kv_format.spec}")
             return NoBudgets(f"KV format {self.kv_format.spec} is quantized; budgets need the native format")
-        return KVBudgets(self.kv_cache, self.model_config.num_kv_heads, cc.kv_budget, cc.kv_policy)
+        return KVBudgets(self.kv_cache, self.model_config.num_kv_heads, cc.kv_budget, cc.kv_policy,
+                         HostBlockStore(cc.budget_host_bytes))
 
     # -- requests ----------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvserve.kv.block_pool import Block, BlockPool
-from kvserve.kv.budget.budgets import NoBudgets
+from kvserve.kv.budget.budgets import Budgets, NoBudgets
 from kvserve.kv.prefix import extend_block_keys
 from kvserve.kv.residual import NoResidual, ResidualRows
 from kvserve.offload.connector import NO_PROMOTION, NoOffload, Offload, PendingLoad, Promotion
@@ -70,13 +70,13 @@ class Promoted(NamedTuple):
 class KVCacheManager:
     def __init__(self, pool: BlockPool, extra_key: bytes, enable_prefix_caching: bool = True,
                  residual: ResidualRows | None = None, offload: Offload | None = None,
-                 budgets: NoBudgets | None = None) -> None:
+                 budgets: Budgets | None = None) -> None:
         self.pool = pool
         # per-request KV budgets (null object when the engine cannot run them)
         self.budgets = budgets if budgets is not None else NoBudgets("no KV budgets configured")
         # the tiers below the device (null object when none is configured)
         self.offload = offload if offload is not None else NoOffload()
-        # full-precision rows of open blocks under a quantized format (see kv/residual.py)
+        # the storage's rows of open blocks (a quantized format's; kv/residual.py), freed with their blocks
         self.residual = residual if residual is not None else NoResidual()
         self.block_size = pool.block_size
         self.extra_key = extra_key
@@ -225,8 +225,7 @@ class KVCacheManager:
     def cache_computed_blocks(self, request: Request) -> None:
         """Register every full block whose tokens are all computed."""
         rid = request.request_id
-        state = self.budgets.get(rid)
-        if not self.enable_prefix_caching or (state is not None and state.is_compacted):
+        if not self.enable_prefix_caching or self.budgets.is_compacted(rid):
             return
         num_full = request.num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(rid, 0)
@@ -301,6 +300,7 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         self.residual.check_integrity()
+        self.budgets.check_integrity()
         self.offload.check_integrity()
         assert self._promotions.keys() <= self._blocks.keys(), "a load in flight for a request with no blocks"
         counted: dict[int, int] = {}

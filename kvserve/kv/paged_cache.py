@@ -1,29 +1,50 @@
-"""Paged KV storage: per layer, K and V tensors of shape
-[num_blocks, block_size, num_kv_heads, head_dim].
+"""Paged KV storage in the compute dtype (the ``native`` format): per layer, K and V
+tensors of shape [num_blocks, block_size, num_kv_heads, head_dim].
 
-A token's *slot* is ``block_id * block_size + offset``; writes scatter new keys
-and values to their slots, reads gather a request's blocks in order.
+A step's writes are slots: each new key and value is scattered to its own slot, and
+reads gather a request's blocks in order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvserve.config import ModelConfig
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.kv.residual import NoResidual
+from kvserve.kv.storage.base import KVStorage, Overlay, StepWrites, WritePlanner
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from kvserve.kv.codecs import KVFormat
 
 
-class PagedKVCache:
-    """Lossless storage in the compute dtype (the ``native`` format)."""
+class PagedKVCache(KVStorage):
+    """Lossless storage in the compute dtype; ``StepWrites.slots`` are cache slots."""
 
-    is_lossless = True
+    reads_as_written = True
+    supports_budgets = True
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.num_layers = config.num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.residual = NoResidual()
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    @classmethod
+    def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
+              dtype: torch.dtype, device: torch.device) -> Self:
+        num_blocks = cache.resolve_num_blocks(cls.bytes_per_block(model, cache.block_size, dtype))
+        return cls(model, num_blocks, cache.block_size, dtype, device)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -31,30 +52,56 @@ class PagedKVCache:
         return config.kv_bytes_per_token(element_size) * block_size
 
     def block_tensors(self) -> list[torch.Tensor]:
-        """Per-block tensors in payload order (see kv/block_io.py)."""
         return [t for pair in zip(self.key_caches, self.value_caches) for t in pair]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store ``key``/``value`` ([num_tokens, num_kv_heads, head_dim]) at their slots."""
-        k_flat = self.key_caches[layer].view(-1, *key.shape[1:])
-        v_flat = self.value_caches[layer].view(-1, *value.shape[1:])
-        k_flat.index_copy_(0, slot_mapping, key.to(k_flat.dtype))
-        v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
+    def planner(self) -> WritePlanner:
+        return _SlotPlanner(self.block_size, self.device)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
+        self.write_slots(layer, key, value, writes.slots)
 
     def gather(self, layer: int, block_table: torch.Tensor,
-               overlay: object = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the blocks in ``block_table`` ([B, num_blocks] block ids),
-        as [B, num_blocks * block_size, heads, dim], tokens in order.
-
-        Whole blocks are copied with ``index_select``: about 8x faster on CPU than
-        indexing token slots one by one.
-        """
+               overlay: Overlay | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks are copied with ``index_select``: about 8x faster on CPU than
+        indexing token slots one by one. ``overlay`` is always None here (no open block is
+        stored elsewhere)."""
         k = self.key_caches[layer]
         v = self.value_caches[layer]
         flat = block_table.reshape(-1)
         shape = (block_table.shape[0], block_table.shape[1] * self.block_size, k.shape[2], k.shape[3])
         return k.index_select(0, flat).view(shape), v.index_select(0, flat).view(shape)
+
+    def write_slots(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        k_flat = self.key_caches[layer].view(-1, *key.shape[1:])
+        v_flat = self.value_caches[layer].view(-1, *value.shape[1:])
+        k_flat.index_copy_(0, slots, key.to(k_flat.dtype))
+        v_flat.index_copy_(0, slots, value.to(v_flat.dtype))
+
+    def read_block(self, layer: int, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_caches[layer][block_id], self.value_caches[layer][block_id]
+
+    def write_block(self, layer: int, block_id: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.key_caches[layer][block_id].copy_(key)
+        self.value_caches[layer][block_id].copy_(value)
+
+
+class _SlotPlanner(WritePlanner):
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.slots: list[int] = []
+
+    def add(self, block_ids: list[int], first_slot: int, num_new: int) -> None:
+        bs = self.block_size
+        self.slots.extend(block_ids[s // bs] * bs + s % bs for s in range(first_slot, first_slot + num_new))
+
+    def overlay(self, last_blocks: Sequence[tuple[int, int]]) -> Overlay | None:
+        return None
+
+    def build(self) -> StepWrites:
+        none = torch.empty(0, dtype=torch.long, device=self.device)
+        return StepWrites(torch.tensor(self.slots, dtype=torch.long, device=self.device), none, none)

@@ -5,11 +5,23 @@ tokens live in a *residual row* of the same shape in the compute dtype. This
 index maps block ids to rows. It is CPU-side bookkeeping; the tensors live in
 the cache. A row is taken when a step first writes into a block and given back
 when the block is encoded (full) or freed while still open.
+
+How many rows: a scheduled chunk of n tokens touches at most ``n / block_size + 2``
+blocks (its first may be partly filled, its last left open), and a running request
+that is not scheduled holds one open block; so a step never needs more than
+``num_residual_rows`` rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+ROWS_FORMULA = "max_num_batched_tokens // block_size + 2 * max_num_seqs + 1"
+
+
+def num_residual_rows(block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Rows for every block a step can fill or leave open (``ROWS_FORMULA``)."""
+    return max_num_batched_tokens // block_size + 2 * max_num_seqs + 1
 
 
 class ResidualRows:
@@ -24,9 +36,6 @@ class ResidualRows:
     def num_free_rows(self) -> int:
         return len(self._free)
 
-    def row_of(self, block_id: int) -> int | None:
-        return self._rows.get(block_id)
-
     def assign(self, block_id: int) -> int:
         """The block's row, taking a free one the first time."""
         row = self._rows.get(block_id)
@@ -34,7 +43,7 @@ class ResidualRows:
             if not self._free:
                 raise RuntimeError(
                     f"all {self.num_rows} residual rows are in use; this is a sizing bug "
-                    "(rows = max_num_seqs + max_num_batched_tokens / block_size + 1)")
+                    f"(rows = {ROWS_FORMULA})")
             row = self._free.pop()
             self._rows[block_id] = row
         return row

@@ -14,6 +14,10 @@ on its own (``BudgetedChunk``): its slots are no longer its positions, and each
 layer masks the slots it does not hold. Before its first compaction it takes the
 common path (so a budget larger than the context changes nothing), and its
 budgeted chunk only *observes*: it adds the attention weights its policy scores by.
+In each layer the state's ``before_attention`` hook runs first (ArkVale keeps the query
+and, in decode, brings back the blocks it ranks highest).
+
+Keys and values are read through the storage protocol (kv/storage/), whatever the format.
 """
 
 from __future__ import annotations
@@ -23,12 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.kv.budget.arkvale import ArkValeState
 from kvserve.kv.budget.state import BudgetState
-from kvserve.kv.paged_cache import PagedKVCache
-from kvserve.kv.quantized_cache import Overlay, QuantizedKVCache, ResidualWrite
-
-KVCache = PagedKVCache | QuantizedKVCache
+from kvserve.kv.storage import KVStorage, Overlay, StepWrites
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class DecodeGroup:
     block_table: torch.Tensor  # [num_decodes, max_blocks] block ids, padded with block 0
     mask: torch.Tensor        # [num_decodes, 1, 1, max_blocks * block_size] True where a key is real
     is_whole_batch: bool      # every token of the step is a decode (skip the scatter)
-    overlay: Overlay | None = None   # open blocks read from residual rows (quantized formats)
+    overlay: Overlay | None = None   # open blocks read from elsewhere (the storage's planner says)
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class PrefillChunk:
     end: int                  # one past the last
     num_context_tokens: int   # tokens of this request before the chunk (in the cache)
     block_table: torch.Tensor | None  # [1, num_blocks] the request's blocks; None: attend to the new k, v
+                                      # (only where the storage reads back exactly what was written)
     mask: torch.Tensor | None   # [num_new, num_blocks * block_size]; None: plain causal
     overlay: Overlay | None = None
 
@@ -65,16 +66,16 @@ class BudgetedChunk:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    write: torch.Tensor | ResidualWrite   # slot mapping (native) or residual plan (quantized)
+    write: StepWrites             # where the step's new keys and values go (the storage's own plan)
     decode: DecodeGroup | None
     prefills: tuple[PrefillChunk, ...]
     budgeted: tuple[BudgetedChunk, ...] = ()
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    cache: KVStorage, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, Hkv, D] for the step's new tokens. Returns [T, H, D]."""
-    cache.write(layer, k, v, meta.write)  # type: ignore[arg-type]
+    cache.write(layer, k, v, meta.write)
     num_kv_heads = k.shape[1]
     group = q.shape[1] // num_kv_heads
     d = meta.decode
@@ -87,7 +88,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             ks, vs = k[p.start:p.end], v[p.start:p.end]
             causal, mask = True, None
         else:
-            ks, vs = cache.gather(layer, p.block_table, p.overlay)  # type: ignore[arg-type]
+            ks, vs = cache.gather(layer, p.block_table, p.overlay)
             ks, vs = ks[0], vs[0]
             causal, mask = False, p.mask
         ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)               # [1, Hkv, L, D]
@@ -98,36 +99,33 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if d is not None:
         out[d.token_idx] = _decode(q[d.token_idx], d, layer, cache, num_kv_heads, group, scale)
     for b in meta.budgeted:
-        budgeted = _budgeted(q[b.start:b.end], b, layer, cache, num_kv_heads, group, scale)  # type: ignore[arg-type]
+        budgeted = _budgeted(q[b.start:b.end], b, layer, cache, num_kv_heads, group, scale)
         if budgeted is not None:
             out[b.start:b.end] = budgeted
     return out
 
 
-def _decode(q: torch.Tensor, d: DecodeGroup, layer: int, cache: KVCache,
+def _decode(q: torch.Tensor, d: DecodeGroup, layer: int, cache: KVStorage,
             num_kv_heads: int, group: int, scale: float) -> torch.Tensor:
     # The `group` query heads sharing a KV head act as `group` query rows of one
     # head, so GQA needs no copy of K and V: [B, Hkv, group, D] x [B, Hkv, L, D].
     num = q.shape[0]
     qd = q.view(num, num_kv_heads, group, q.shape[2])
-    kd, vd = cache.gather(layer, d.block_table, d.overlay)  # type: ignore[arg-type]  # [B, L, Hkv, D]
+    kd, vd = cache.gather(layer, d.block_table, d.overlay)   # [B, L, Hkv, D]
     kd = kd.to(q.dtype).transpose(1, 2)
     vd = vd.to(q.dtype).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
     return o.reshape(num, -1, q.shape[2])
 
 
-def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: PagedKVCache,
+def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
               num_kv_heads: int, group: int, scale: float) -> torch.Tensor | None:
     """Observe (and, once compacted, attend) one budgeted request's chunk: q [n, H, D]."""
     st = b.state
     n, _, dim = q.shape
-    if isinstance(st, ArkValeState):
-        st.capture_query(layer, q[-1])
-        if b.computes_output and n == 1:
-            st.select(layer, q[0], cache.key_caches[layer], cache.value_caches[layer], b.block_ids)
-    if not b.computes_output and st.score is None:
-        return None         # observing for a policy that scores no attention weights: the query was all
+    st.before_attention(layer, q, cache, b.block_ids, b.computes_output)
+    if not b.computes_output and not st.scores_attention:
+        return None         # observing for a policy that scores no attention weights: the hook was all
     ks, vs = cache.gather(layer, b.block_table)
     num_keys = ks.shape[1]
     num_slots = b.slot_start + n
@@ -138,7 +136,7 @@ def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: PagedKVCache
     kh = ks[0].to(q.dtype).transpose(0, 1)           # [Hkv, L, D]
     qh = q.transpose(0, 1)                           # [H, n, D]
     first_row = max(0, b.observe_from - b.first_pos)
-    if st.score is not None and first_row < n:
+    if st.scores_attention and first_row < n:
         qo = qh[:, first_row:].reshape(num_kv_heads, group, n - first_row, dim).float()
         logits = torch.einsum("hgnd,hld->hgnl", qo, kh.float()) * scale
         logits = logits.masked_fill(~mask[first_row:], float("-inf"))

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.config import ModelConfig, RopeScaling
-from kvserve.model.attention import AttentionMetadata, KVCache, paged_attention
+from kvserve.kv.storage import KVStorage
+from kvserve.model.attention import AttentionMetadata, paged_attention
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class LlamaModel:
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVStorage,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
         cfg = self.config

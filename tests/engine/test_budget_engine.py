@@ -9,6 +9,8 @@ import pytest
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.engine.engine import LLMEngine
 from kvserve.kv.budget.arkvale import ArkValeState
 from kvserve.kv.budget.policies import POLICIES
 
@@ -215,3 +217,62 @@ def test_bad_budget_input_raises_and_leaves_the_engine_untouched(loaded):
     with pytest.raises(ValueError, match="budgets need the native format"):
         quantized.generate(tokens(20), greedy(4, kv_budget=64))
     assert not quantized.engine.has_unfinished
+
+
+def arkvale_engine(loaded, budget_host_bytes: int = 4 << 30, num_blocks: int = 64) -> LLMEngine:
+    cache = CacheConfig(num_blocks=num_blocks, enable_prefix_caching=False, kv_budget=64, kv_policy="arkvale",
+                        budget_host_bytes=budget_host_bytes)
+    return LLMEngine(EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=64)), loaded)
+
+
+def test_stashed_blocks_leave_the_host_store_with_their_request(loaded):
+    e = arkvale_engine(loaded)
+    store = e.budgets.host_store
+    done = e.add_request(tokens(150), greedy(4))
+    aborted = e.add_request(tokens(150, seed=1), greedy(40))
+    while done in e._requests:
+        e.step()
+        e.check_integrity()
+    assert store.owners() == {aborted} and store.nbytes == 2 * 5 * 2 * BLOCK * 2 * 16 * 4
+    e.abort(aborted)
+    assert store.num_blocks == 0 and store.nbytes == 0
+    e.check_integrity()
+
+
+def test_a_preempted_request_leaves_the_host_store(loaded):
+    """A request without a budget grows until it preempts the newer arkvale request, whose
+    stash goes with it (it restarts from scratch)."""
+    cache = CacheConfig(num_blocks=14, enable_prefix_caching=False)
+    e = LLMEngine(EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=64)), loaded)
+    e.add_request(tokens(20, seed=5), greedy(200))
+    rid = e.add_request(tokens(100), greedy(200, kv_budget=64, kv_policy="arkvale"))
+    req = e._requests[rid]
+    num_preempted_with_stash = 0
+    while e.has_unfinished:
+        stashed, preemptions = e.budgets.host_store.nbytes_of(rid), req.num_preemptions
+        e.step()
+        if req.num_preemptions > preemptions:
+            num_preempted_with_stash += stashed > 0
+            assert e.budgets.host_store.nbytes_of(rid) == 0
+        e.check_integrity()        # no stashed block of a request without a budget state
+    assert num_preempted_with_stash >= 1 and e.budgets.host_store.num_blocks == 0
+
+
+def test_a_small_host_store_evicts_stashed_blocks_and_counts_them(loaded):
+    block_nbytes = BLOCK * 2 * 16 * 4 * 2              # K and V of one block and layer, float32
+    prompt = tokens(150)
+    ref = arkvale_engine(loaded)
+    small = arkvale_engine(loaded, budget_host_bytes=4 * block_nbytes)
+    for e in (ref, small):
+        rid = e.add_request(prompt, greedy(20))
+        while e._requests[rid].num_computed_tokens < len(prompt):
+            e.step()
+    # 5 blocks of each of 2 layers went to the host; the small store kept the newest 4
+    assert ref.budgets.stats().num_host_evictions == 0 and ref.budgets.host_nbytes == 10 * block_nbytes
+    stats = small.budgets.stats()
+    assert stats.num_host_evictions == 6 and stats.host_nbytes == 4 * block_nbytes
+    assert stats.host_capacity_bytes == 4 * block_nbytes
+    while small.has_unfinished:
+        outs = small.step()
+        small.check_integrity()
+    assert len(outs[0].token_ids) == 20 and small.budgets.host_store.num_blocks == 0

@@ -9,6 +9,7 @@ import torch
 from tiny import TINY
 
 from kvserve.kv.budget.arkvale import ArkValeState, block_scores
+from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import POLICIES, ArkVale, check_budget, get_policy, pyramid_budgets
 from kvserve.kv.budget.state import BudgetState
 from kvserve.kv.paged_cache import PagedKVCache
@@ -65,10 +66,11 @@ def test_snapkv_pools_scores_over_neighbours():
     assert kept[-2:] == [38, 39] and set(kept[:6]) <= set(range(7, 14))
 
 
-def _state(policy: str, budget: int = 8, block_size: int = 4) -> BudgetState:
+def _state(policy: str, budget: int = 8, block_size: int = 4, host_bytes: int = 1 << 30) -> BudgetState:
     p = get_policy(policy)
-    cls = ArkValeState if p.is_paged else BudgetState
-    return cls(p, budget, p.layer_budgets(budget, 2), 2, block_size, CPU)
+    if p.is_paged:
+        return ArkValeState(p, budget, p.layer_budgets(budget, 2), 2, block_size, CPU, HostBlockStore(host_bytes), "r")
+    return BudgetState(p, budget, p.layer_budgets(budget, 2), 2, block_size, CPU)
 
 
 def test_merge_folds_evicted_entries_into_the_most_similar_kept_one():
@@ -115,7 +117,7 @@ def test_arkvale_ranks_a_sharp_block_above_wide_ones_only_below_the_full_bound()
     assert block_scores(q, dmin, dmax, 0.5).tolist() == pytest.approx([-1.1, 0.0, -1.1])  # 3 vs 4.1
 
 
-def _arkvale_setup():
+def _arkvale_setup(host_bytes: int = 1 << 30):
     """6 full blocks of 4 tokens; block j's keys point along channel j (both layers);
     3 resident blocks (budget 12), of which block 0 (sinks) and the latest (5) always."""
     cache = PagedKVCache(TINY, num_blocks=16, block_size=4, dtype=torch.float32, device=CPU)
@@ -127,7 +129,7 @@ def _arkvale_setup():
             k[:, :, j] += 5.0
             cache.key_caches[layer][block] = k
             cache.value_caches[layer][block] = float(j)
-    st = _state("arkvale", budget=12)
+    st = _state("arkvale", budget=12, host_bytes=host_bytes)
     st.prepare(0, 0, 24)
     return cache, table, st
 
@@ -145,7 +147,7 @@ def _compact(cache, table, st):
     values = [cache.gather(layer, torch.tensor([table]))[1][0] for layer in range(2)]
     plan = st.plan(keys, values, 24)
     for layer in range(2):
-        cache.write(layer, plan.keys[layer], plan.values[layer], torch.arange(10 * 4, 13 * 4))
+        cache.write_slots(layer, plan.keys[layer], plan.values[layer], torch.arange(10 * 4, 13 * 4))
     st.apply(plan, 24)
     return plan
 
@@ -168,7 +170,7 @@ def test_arkvale_recalls_an_evicted_block_that_scores_high():
     _compact(cache, table, st)
     assert 1 in st.host[0]
     # the next query wants block 1: it comes back in place of block 4
-    st.select(0, _query(1), cache.key_caches[0], cache.value_caches[0], [10, 11, 12])
+    st.select(0, _query(1), cache, [10, 11, 12])
     assert st.recalls == [(0, 1)]
     assert st.resident[0] == [0, 1, 5] and st.resident[1] == [0, 4, 5]
     assert sorted(st.host[0]) == [2, 3, 4]
@@ -176,5 +178,22 @@ def test_arkvale_recalls_an_evicted_block_that_scores_high():
     assert [cache.value_caches[0][b].unique().item() for b in (10, 11, 12)] == [0.0, 1.0, 5.0]
     assert st.host[0][4][1].unique().tolist() == [4.0]
     # asked again, nothing moves
-    st.select(0, _query(1), cache.key_caches[0], cache.value_caches[0], [10, 11, 12])
+    st.select(0, _query(1), cache, [10, 11, 12])
     assert st.recalls == [(0, 1)]
+
+
+def test_arkvale_cannot_recall_blocks_the_host_store_evicted():
+    block_nbytes = 2 * 4 * 2 * 16 * 4                 # K and V of 4 tokens x 2 heads x 16 dims
+    cache, table, st = _arkvale_setup(host_bytes=4 * block_nbytes)
+    _compact(cache, table, st)
+    # stashed layer 0's blocks 1, 2, 3, then layer 1's: the store keeps the newest four
+    assert [sorted(h) for h in st.host] == [[3], [1, 2, 3]]
+    assert st.host_store.num_evicted == 2 and st.host_nbytes == 4 * block_nbytes
+    st.select(0, _query(3), cache, [10, 11, 12])      # a stashed block comes back
+    assert st.recalls == [(0, 3)] and st.resident[0] == [0, 3, 5]
+    assert [cache.value_caches[0][b].unique().item() for b in (10, 11, 12)] == [0.0, 3.0, 5.0]
+    st.select(0, _query(1), cache, [10, 11, 12])      # an evicted one cannot: it ranks last
+    assert 1 not in st.resident[0] and (0, 1) not in st.recalls
+    st.host_store.check_integrity()
+    st.release()
+    assert st.host_store.num_blocks == 0 and st.host_nbytes == 0

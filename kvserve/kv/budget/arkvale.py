@@ -32,16 +32,23 @@ Layout of a request's slots (per layer, all heads alike):
 Compaction (when the tail fills a block, and once at the end of the prefill) keeps the
 top R blocks for the last query seen, moves the rest to the host, and puts the tail
 right after them; so positions ``>= num_evicted + R * block_size`` map to slots linearly.
+
+Host blocks live in the engine's ``HostBlockStore`` (host_store.py), bounded in bytes.
+A block the store evicted for room cannot come back: it ranks below every other block.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from kvserve.kv.budget.host_store import HostBlock, HostBlockStore, StashKey
 from kvserve.kv.budget.policies import ArkVale, BudgetPolicy
 from kvserve.kv.budget.state import BudgetState, TokenPlan
 
-HostBlock = tuple[torch.Tensor, torch.Tensor]   # keys, values of one block and layer: [block_size, heads, dim]
+if TYPE_CHECKING:
+    from kvserve.kv.storage import KVStorage
 
 
 def rank_blocks(q: torch.Tensor | None, dmin: torch.Tensor, dmax: torch.Tensor,
@@ -82,15 +89,20 @@ class PagePlan(TokenPlan):
 
 
 class ArkValeState(BudgetState):
+    """``owner``: the request id its blocks are stashed under in ``host_store``."""
+
+    captures_queries = True
+
     def __init__(self, policy: BudgetPolicy, budget: int, layer_budgets: list[int], num_kv_heads: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, host_store: HostBlockStore, owner: str) -> None:
         super().__init__(policy, budget, layer_budgets, num_kv_heads, block_size, device)
         assert isinstance(policy, ArkVale)
         self.bound_weight = policy.bound_weight
+        self.host_store = host_store
+        self.owner = owner
         num_layers = len(layer_budgets)
         self.num_resident = budget // block_size
         self.resident: list[list[int]] = [[] for _ in range(num_layers)]
-        self.host: list[dict[int, HostBlock]] = [{} for _ in range(num_layers)]
         self.dmin: list[torch.Tensor | None] = [None] * num_layers
         self.dmax: list[torch.Tensor | None] = [None] * num_layers
         self.last_q: list[torch.Tensor | None] = [None] * num_layers
@@ -98,9 +110,13 @@ class ArkValeState(BudgetState):
         self.host_device = torch.device("cpu")
 
     @property
+    def host(self) -> list[dict[int, HostBlock]]:
+        """Per layer, the stashed blocks by index (read from the store)."""
+        return [self.host_store.blocks_of(self.owner, layer) for layer in range(len(self.layer_budgets))]
+
+    @property
     def host_nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                   for layer in self.host for k, v in layer.values())
+        return self.host_store.nbytes_of(self.owner)
 
     def num_digested(self, layer: int) -> int:
         d = self.dmin[layer]
@@ -110,31 +126,58 @@ class ArkValeState(BudgetState):
         """Keep the layer's latest query ([heads, dim]): the next compaction ranks blocks by it."""
         self.last_q[layer] = q.detach().clone()
 
+    # -- policy hooks --------------------------------------------------------
+    def target_slots(self, num_computed: int) -> int:
+        return self.num_resident * self.block_size + num_computed % self.block_size
+
+    def before_attention(self, layer: int, q: torch.Tensor, storage: KVStorage, block_ids: list[int],
+                         computes_output: bool) -> None:
+        self.capture_query(layer, q[-1])
+        if computes_output and q.shape[0] == 1:
+            self.select(layer, q[0], storage, block_ids)
+
+    def release(self) -> None:
+        self.host_store.drop_owner(self.owner)
+
     # -- decode: make the top blocks resident --------------------------------
-    def select(self, layer: int, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               block_ids: list[int]) -> None:
+    def select(self, layer: int, q: torch.Tensor, storage: KVStorage, block_ids: list[int]) -> None:
         """Rank every full block by its digest score for ``q`` and swap host blocks of the
-        top set with resident blocks outside it. key_cache/value_cache: the layer's tensors."""
+        top set with resident blocks outside it (``block_ids``: the request's table)."""
         resident = self.resident[layer]
         dmin, dmax = self.dmin[layer], self.dmax[layer]
         if dmin is None or dmax is None or dmin.shape[0] <= len(resident):
             return
-        top = rank_blocks(q, dmin, dmax, self.bound_weight).topk(len(resident)).indices.tolist()
+        top = self._rank(layer, q, dmin, dmax).topk(len(resident)).indices.tolist()
         wanted = set(top)
-        missing = [j for j in top if j in self.host[layer]]
+        missing = [j for j in top if self.host_store.contains(self._key(layer, j))]
         if not missing:
             return
         spare = [i for i, j in enumerate(resident) if j not in wanted]
-        host = self.host[layer]
-        for j_new, i in zip(missing, spare):
+        # all taken before any outgoing block is stashed, which may evict the oldest blocks
+        recalled = [(j, i, self.host_store.take(self._key(layer, j))) for j, i in zip(missing, spare)]
+        for j_new, i, (k, v) in recalled:
             block = block_ids[i]
-            host[resident[i]] = (key_cache[block].to(self.host_device, copy=True),
-                                 value_cache[block].to(self.host_device, copy=True))
-            k, v = host.pop(j_new)
-            key_cache[block].copy_(k)
-            value_cache[block].copy_(v)
+            key_block, value_block = storage.read_block(layer, block)
+            self.host_store.put(self._key(layer, resident[i]), (key_block.to(self.host_device, copy=True),
+                                                                 value_block.to(self.host_device, copy=True)))
+            storage.write_block(layer, block, k, v)
             resident[i] = j_new
             self.recalls.append((layer, j_new))
+
+    def _key(self, layer: int, index: int) -> StashKey:
+        return StashKey(self.owner, layer, index)
+
+    def _rank(self, layer: int, q: torch.Tensor | None, dmin: torch.Tensor, dmax: torch.Tensor) -> torch.Tensor:
+        """``rank_blocks``, with the blocks the host store evicted for room at the bottom."""
+        rank = rank_blocks(q, dmin, dmax, self.bound_weight)
+        if self.host_store.num_evicted_of(self.owner):
+            resident = set(self.resident[layer])
+            # blocks the last compaction digested are resident or stashed, unless evicted
+            lost = [j for j in range(self.num_digested(layer))
+                    if j not in resident and not self.host_store.contains(self._key(layer, j))]
+            if lost:
+                rank[lost] = float("-inf")
+        return rank
 
     # -- compaction ----------------------------------------------------------
     def plan(self, keys: list[torch.Tensor], values: list[torch.Tensor], num_slots: int) -> PagePlan:
@@ -156,7 +199,7 @@ class ArkValeState(BudgetState):
                 elif j >= first_recent:  # filled since the last compaction
                     s = j * bs - self.num_evicted
                 else:                   # in host memory
-                    hk, hv = self.host[layer][j]
+                    hk, hv = self.host_store.peek(self._key(layer, j))
                     return hk.to(k.device), hv.to(v.device)
                 return k[s:s + bs], v[s:s + bs]
 
@@ -166,7 +209,7 @@ class ArkValeState(BudgetState):
             old_min, old_max = self.dmin[layer], self.dmax[layer]
             all_min = dmin if old_min is None else torch.cat([old_min, dmin])
             all_max = dmax if old_max is None else torch.cat([old_max, dmax])
-            rank = rank_blocks(self.last_q[layer], all_min, all_max, self.bound_weight)
+            rank = self._rank(layer, self.last_q[layer], all_min, all_max)
             keep = sorted(rank.topk(self.num_resident).indices.tolist())
             kept = set(keep)
             on_device = set(resident) | set(range(first_recent, num_full))
@@ -186,11 +229,14 @@ class ArkValeState(BudgetState):
     def apply(self, plan: TokenPlan, num_computed: int) -> None:
         assert isinstance(plan, PagePlan)
         bs = self.block_size
+        # recalled blocks leave the store before any new one arrives (which may evict the oldest)
+        for layer, recalled in enumerate(plan.from_host):
+            for j in recalled:
+                self.host_store.remove(self._key(layer, j))
         for layer in range(len(self.layer_budgets)):
             self.dmin[layer], self.dmax[layer] = plan.digests[layer]
-            for j in plan.from_host[layer]:
-                del self.host[layer][j]
-            self.host[layer].update(plan.to_host[layer])
+            for j, stashed in plan.to_host[layer].items():
+                self.host_store.put(self._key(layer, j), stashed)
             self.resident[layer] = list(plan.resident[layer])
             positions = [j * bs + o for j in plan.resident[layer] for o in range(bs)]
             tail_start = num_computed - (plan.num_slots - len(positions))

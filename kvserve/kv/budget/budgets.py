@@ -1,31 +1,113 @@
 """KV budgets of the running requests: who has one, when it is due, and the compaction.
 
-The KV manager owns block tables and calls these verbs; this object owns each
-budgeted request's ``BudgetState`` and reads and writes the paged K/V tensors:
+``Budgets`` is the one owner of every budgeted request's ``BudgetState``; the KV manager,
+the model runner and the attention path call its verbs (and the states' policy hooks),
+never a state's fields:
 
-    start(request)     a request with a budget (its own or the engine's) gets a state
-    is_due(...)        its context exceeds the budget and a compaction would free a block
-    plan(...)          choose what stays (reads the cache, changes nothing)
-    apply(...)         write the kept entries to the front of the (rewritten) table
-    drop(request_id)   forget the state (finished or preempted: it restarts from scratch)
+    start(request)        a request with a budget (its own or the engine's) gets a state
+    begin_step(req, n)    a step is about to compute n tokens: record their slots, say how
+                          attention must treat the chunk
+    target_slots(req)     a compaction is due: how many slots stay
+    plan(...)             choose what stays (reads the storage, changes nothing)
+    apply(...)            write the kept entries to the front of the (rewritten) table
+    drop(request_id)      forget the state (finished or preempted: it restarts from scratch)
 
 A request's budget is ``params.kv_budget`` or else the engine's ``kv_budget``; its
-policy is ``params.kv_policy`` or else the engine's ``kv_policy``.
+policy is ``params.kv_policy`` or else the engine's ``kv_policy``. ``KVBudgets`` runs
+them; ``NoBudgets`` stands in where the storage cannot (quantized KV formats).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
 import torch
 
 from kvserve.kv.budget.arkvale import ArkValeState
+from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import check_budget, get_policy
 from kvserve.kv.budget.state import BudgetState, TokenPlan
-from kvserve.kv.paged_cache import PagedKVCache
+from kvserve.kv.storage import KVStorage
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 
 
-class NoBudgets:
+class BudgetStep(NamedTuple):
+    """How a budgeted request's chunk goes through this step (``Budgets.begin_step``)."""
+
+    state: BudgetState
+    slot_start: int        # cache slot of the chunk's first token (its position - num_evicted)
+    observe_from: int      # first query position whose attention weights the policy scores
+    is_compacted: bool     # slots are no longer positions: attended on its own, with its masks
+    is_observed: bool      # attention must see the chunk (to score it, capture queries, or attend)
+
+
+class BudgetStats(NamedTuple):
+    num_compactions: int
+    host_nbytes: int            # ArkVale's stashed blocks, all requests
+    host_capacity_bytes: int
+    num_host_evictions: int     # stashed blocks pushed out for room: they can no longer be recalled
+
+
+class Budgets(ABC):
+    """The KV budgets of an engine's requests (module docstring)."""
+
+    @abstractmethod
+    def check(self, params: SamplingParams) -> None:
+        """Raise ValueError for a budget or policy this engine cannot run."""
+
+    @abstractmethod
+    def max_blocks(self, params: SamplingParams, num_prompt_tokens: int) -> int | None:
+        """Most blocks a budgeted request holds at once, or None when it has no budget."""
+
+    @abstractmethod
+    def start(self, request: Request) -> None: ...
+
+    @abstractmethod
+    def get(self, request_id: str) -> BudgetState | None:
+        """The request's state, for inspection (tests, tools)."""
+
+    @abstractmethod
+    def num_evicted(self, request_id: str) -> int:
+        """Positions of the request no longer on the device (slot = position - num_evicted)."""
+
+    @abstractmethod
+    def is_compacted(self, request_id: str) -> bool: ...
+
+    @abstractmethod
+    def begin_step(self, request: Request, num_new: int) -> BudgetStep | None:
+        """Record the slots a step is about to fill; None for a request without a budget."""
+
+    @abstractmethod
+    def target_slots(self, request: Request) -> int | None:
+        """Slots the request keeps if it compacts now, or None when no compaction is due."""
+
+    @abstractmethod
+    def plan(self, request: Request, block_ids: list[int]) -> TokenPlan: ...
+
+    @abstractmethod
+    def apply(self, request: Request, plan: TokenPlan, block_ids: list[int]) -> None: ...
+
+    @abstractmethod
+    def drop(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> BudgetStats: ...
+
+    @property
+    def num_compactions(self) -> int:
+        return self.stats().num_compactions
+
+    @property
+    def host_nbytes(self) -> int:
+        return self.stats().host_nbytes
+
+    def check_integrity(self) -> None:
+        pass
+
+
+class NoBudgets(Budgets):
     """The null object for engines that cannot run budgets (quantized KV formats)."""
 
     def __init__(self, reason: str = "") -> None:
@@ -34,6 +116,9 @@ class NoBudgets:
     def check(self, params: SamplingParams) -> None:
         if params.kv_budget is not None or params.kv_policy is not None:
             raise ValueError(f"KV budgets are not available here: {self.reason}")
+
+    def max_blocks(self, params: SamplingParams, num_prompt_tokens: int) -> int | None:
+        return None
 
     def start(self, request: Request) -> None:
         pass
@@ -44,10 +129,10 @@ class NoBudgets:
     def num_evicted(self, request_id: str) -> int:
         return 0
 
-    def drop(self, request_id: str) -> None:
-        pass
+    def is_compacted(self, request_id: str) -> bool:
+        return False
 
-    def max_blocks(self, params: SamplingParams, num_prompt_tokens: int) -> int | None:
+    def begin_step(self, request: Request, num_new: int) -> BudgetStep | None:
         return None
 
     def target_slots(self, request: Request) -> int | None:
@@ -59,26 +144,32 @@ class NoBudgets:
     def apply(self, request: Request, plan: TokenPlan, block_ids: list[int]) -> None:
         raise RuntimeError("no KV budgets here")
 
-    @property
-    def host_nbytes(self) -> int:
-        return 0
+    def drop(self, request_id: str) -> None:
+        pass
+
+    def stats(self) -> BudgetStats:
+        return BudgetStats(0, 0, 0, 0)
 
 
-class KVBudgets(NoBudgets):
-    def __init__(self, cache: PagedKVCache, num_kv_heads: int, default_budget: int | None,
-                 default_policy: str) -> None:
-        super().__init__()
-        self.cache = cache
-        self.num_layers = len(cache.key_caches)
+class KVBudgets(Budgets):
+    """``storage`` must support budgets; ``host_store`` takes ArkVale's blocks off the device."""
+
+    def __init__(self, storage: KVStorage, num_kv_heads: int, default_budget: int | None,
+                 default_policy: str, host_store: HostBlockStore) -> None:
+        if not storage.supports_budgets:
+            raise ValueError(f"{type(storage).__name__} cannot run KV budgets")
+        self.storage = storage
+        self.num_layers = storage.num_layers
         self.num_kv_heads = num_kv_heads
-        self.block_size = cache.block_size
-        self.device = cache.key_caches[0].device
+        self.block_size = storage.block_size
+        self.device = storage.device
         self.default_budget = default_budget
         self.default_policy = get_policy(default_policy)
         if default_budget is not None:
             check_budget(default_budget, self.default_policy, self.block_size)
+        self.host_store = host_store
         self._states: dict[str, BudgetState] = {}
-        self.num_compactions = 0
+        self._num_compactions = 0
 
     def resolve(self, params: SamplingParams) -> tuple[int, str] | None:
         """The (budget, policy name) a request runs under, or None for no budget."""
@@ -95,8 +186,7 @@ class KVBudgets(NoBudgets):
             check_budget(resolved[0], get_policy(resolved[1]), self.block_size)
 
     def max_blocks(self, params: SamplingParams, num_prompt_tokens: int) -> int | None:
-        """Most blocks a budgeted request holds at once (its prefill, or budget plus a block
-        and the open one), or None when it has no budget."""
+        """Its prefill, or budget plus a block and the open one."""
         resolved = self.resolve(params)
         if resolved is None:
             return None
@@ -105,15 +195,16 @@ class KVBudgets(NoBudgets):
         return max(-(-(num_prompt_tokens + 1) // self.block_size), top // self.block_size + 3)
 
     def start(self, request: Request) -> None:
+        rid = request.request_id
         resolved = self.resolve(request.params)
-        if resolved is None or request.request_id in self._states:
+        if resolved is None or rid in self._states:
             return
         budget, name = resolved
         policy = get_policy(name)
-        cls = ArkValeState if policy.is_paged else BudgetState
-        self._states[request.request_id] = cls(
-            policy, budget, policy.layer_budgets(budget, self.num_layers), self.num_kv_heads,
-            self.block_size, self.device)
+        layer_budgets = policy.layer_budgets(budget, self.num_layers)
+        shape = (self.num_kv_heads, self.block_size, self.device)
+        self._states[rid] = (ArkValeState(policy, budget, layer_budgets, *shape, self.host_store, rid)
+                             if policy.is_paged else BudgetState(policy, budget, layer_budgets, *shape))
 
     def get(self, request_id: str) -> BudgetState | None:
         return self._states.get(request_id)
@@ -122,18 +213,38 @@ class KVBudgets(NoBudgets):
         state = self._states.get(request_id)
         return 0 if state is None else state.num_evicted
 
-    def drop(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+    def is_compacted(self, request_id: str) -> bool:
+        state = self._states.get(request_id)
+        return state is not None and state.is_compacted
 
-    @property
-    def host_nbytes(self) -> int:
-        return sum(s.host_nbytes for s in self._states.values() if isinstance(s, ArkValeState))
+    def begin_step(self, request: Request, num_new: int) -> BudgetStep | None:
+        state = self._states.get(request.request_id)
+        if state is None:
+            return None
+        first_pos = request.num_computed_tokens
+        slot_start = first_pos - state.num_evicted
+        state.prepare(slot_start, first_pos, num_new)
+        observe_from = state.observe_from(request.num_tokens)
+        is_observed = state.is_compacted or observe_from < first_pos + num_new or state.captures_queries
+        return BudgetStep(state, slot_start, observe_from, state.is_compacted, is_observed)
+
+    def drop(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            state.release()
+
+    def stats(self) -> BudgetStats:
+        store = self.host_store
+        return BudgetStats(self._num_compactions, store.nbytes, store.capacity_bytes, store.num_evicted)
+
+    def check_integrity(self) -> None:
+        self.host_store.check_integrity()
+        assert self.host_store.owners() <= self._states.keys(), "stashed blocks of a request with no budget state"
 
     # -- compaction ----------------------------------------------------------
     def target_slots(self, request: Request) -> int | None:
-        """Slots the request keeps if it compacts now, or None when no compaction is due:
-        its context fits the budget, it is mid-prefill under a policy that waits for the
-        end of the prefill, or compacting would not free a whole block."""
+        """None when its context fits the budget, it is mid-prefill under a policy that waits
+        for the end of the prefill, or compacting would not free a whole block."""
         state = self._states.get(request.request_id)
         if state is None:
             return None
@@ -143,10 +254,7 @@ class KVBudgets(NoBudgets):
         if not state.policy.evicts_in_prefill and num_computed < request.num_tokens:
             return None
         num_slots = num_computed - state.num_evicted
-        if isinstance(state, ArkValeState):
-            target = state.num_resident * self.block_size + num_computed % self.block_size
-        else:
-            target = state.max_layer_budget
+        target = state.target_slots(num_computed)
         if num_slots - target < self.block_size:
             return None
         return target
@@ -157,7 +265,7 @@ class KVBudgets(NoBudgets):
         table = torch.tensor([block_ids], dtype=torch.long, device=self.device)
         keys, values = [], []
         for layer in range(self.num_layers):
-            k, v = self.cache.gather(layer, table)
+            k, v = self.storage.gather(layer, table)
             keys.append(k[0, :num_slots])
             values.append(v[0, :num_slots])
         return state.plan(keys, values, num_slots)
@@ -169,6 +277,6 @@ class KVBudgets(NoBudgets):
             n = plan.keys[layer].shape[0]
             slots = torch.tensor([block_ids[s // bs] * bs + s % bs for s in range(n)],
                                  dtype=torch.long, device=self.device)
-            self.cache.write(layer, plan.keys[layer], plan.values[layer], slots)
+            self.storage.write_slots(layer, plan.keys[layer], plan.values[layer], slots)
         self._states[request.request_id].apply(plan, request.num_computed_tokens)
-        self.num_compactions += 1
+        self._num_compactions += 1

@@ -19,10 +19,15 @@ merged into it (``merge``); and per slot whether it holds an entry at all.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, ClassVar
+
 import torch
 import torch.nn.functional as F
 
 from kvserve.kv.budget.policies import BudgetPolicy
+
+if TYPE_CHECKING:
+    from kvserve.kv.storage import KVStorage
 
 
 class TokenPlan:
@@ -39,7 +44,16 @@ class TokenPlan:
 
 
 class BudgetState:
-    """Owned by ``KVBudgets``; the attention path reads it and adds scores."""
+    """Owned by ``KVBudgets``; the attention path reads its masks and adds scores.
+
+    Policy hooks (a subclass overrides what its policy does differently):
+    ``target_slots`` (slots kept by a compaction), ``captures_queries`` (attention must
+    see every chunk), ``before_attention`` (called in each layer before the request is
+    attended), ``release`` (the request is gone).
+    """
+
+    #: attention calls ``before_attention`` for every chunk, not only those it scores or attends
+    captures_queries: ClassVar[bool] = False
 
     def __init__(self, policy: BudgetPolicy, budget: int, layer_budgets: list[int], num_kv_heads: int,
                  block_size: int, device: torch.device) -> None:
@@ -71,8 +85,26 @@ class BudgetState:
     def max_layer_budget(self) -> int:
         return max(self.layer_budgets)
 
+    @property
+    def scores_attention(self) -> bool:
+        """The policy accumulates the attention weights its slots receive (``add_scores``)."""
+        return self.score is not None
+
     def num_kept(self, layer: int, num_slots: int) -> int:
         return int(self.valid[layer][:num_slots].sum())
+
+    # -- policy hooks --------------------------------------------------------
+    def target_slots(self, num_computed: int) -> int:
+        """Slots the request keeps if it compacts with ``num_computed`` tokens computed."""
+        return self.max_layer_budget
+
+    def before_attention(self, layer: int, q: torch.Tensor, storage: KVStorage, block_ids: list[int],
+                         computes_output: bool) -> None:
+        """Layer ``layer`` is about to attend the chunk's queries ``q`` ([n, heads, dim]) over
+        the request's blocks ``block_ids`` (its output only when ``computes_output``)."""
+
+    def release(self) -> None:
+        """The request finished or was preempted: give back what the state holds outside it."""
 
     # -- per step ----------------------------------------------------------
     def prepare(self, slot_start: int, first_pos: int, num_new: int) -> None:

@@ -1,0 +1,143 @@
+"""The KV storage protocol: what the model runner, the attention path, the KV budgets and
+the block mover need from the device's paged keys and values, in any KV format.
+
+One step, seen from the storage:
+
+    runner     planner = storage.planner()
+               planner.add(block_ids, first_slot, num_new)     for each scheduled chunk
+               planner.overlay([(table position, block id)])   how to read a table's last block
+               writes = planner.build()
+    attention  storage.write(layer, k, v, writes)               each layer, before its reads
+               storage.gather(layer, block_table, overlay)      keys, values in the compute dtype
+    runner     storage.finish_step(writes)                      after the forward pass
+
+A *slot* is ``block_id * block_size + offset``: where one token of a request lives. Which
+blocks a request holds is the KV manager's business; the storage only holds their bytes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvserve.kv.residual import ResidualRows
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+    from kvserve.kv.codecs import KVFormat
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """Blocks of a gathered block table to read from elsewhere than their stored form
+    (a quantized storage's open blocks): flat positions in the table and their rows."""
+
+    positions: torch.Tensor   # [m] indices into block_table.view(-1)
+    rows: torch.Tensor        # [m]
+
+
+@dataclass(frozen=True)
+class StepWrites:
+    """Where a step's new keys and values go; built by a storage's planner, read by it alone."""
+
+    slots: torch.Tensor             # [num_tokens] per new token, a row of the storage's write space
+    encode_rows: torch.Tensor       # [n] rows holding blocks the step fills, to encode (else empty)
+    encode_block_ids: torch.Tensor  # [n] those blocks' ids
+
+
+class WritePlanner(ABC):
+    """One step's writes, added chunk by chunk (CPU lists until ``build``)."""
+
+    @abstractmethod
+    def add(self, block_ids: list[int], first_slot: int, num_new: int) -> None:
+        """``num_new`` tokens of one request going to its slots ``first_slot, ...``, where slot
+        s lies in block ``block_ids[s // block_size]``. May take storage-side room (a residual
+        row) for the blocks they touch; ``finish_step`` or the KV manager's free gives it back."""
+
+    @abstractmethod
+    def overlay(self, last_blocks: Sequence[tuple[int, int]]) -> Overlay | None:
+        """How to read gathered block tables whose last entry may be a block still open after
+        this step. ``last_blocks``: per table, (flat index of its last entry, that block's id).
+        None when every block is read as stored."""
+
+    @abstractmethod
+    def build(self) -> StepWrites:
+        """The step's writes as tensors on the storage's device."""
+
+
+class KVStorage(ABC):
+    """The keys and values of every layer, in ``num_blocks`` blocks of ``block_size`` tokens.
+
+    Reads (``gather``) come back in ``dtype``, the compute dtype. ``residual`` is the
+    storage's per-block bookkeeping that outlives a step (rows of open blocks); the KV
+    manager releases a block's share of it when a request frees the block.
+    """
+
+    #: A gather returns exactly what was written, so a chunk with no cached context may
+    #: attend to its own new keys and values instead of reading them back.
+    reads_as_written: ClassVar[bool] = False
+    #: KV budgets can run here: entries can be rewritten at any slot (compaction) and whole
+    #: blocks of a layer read and written as they are (ArkVale's recalls).
+    supports_budgets: ClassVar[bool] = False
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+    residual: ResidualRows
+
+    @classmethod
+    @abstractmethod
+    def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
+              dtype: torch.dtype, device: torch.device) -> Self:
+        """Storage for ``fmt``: ``cache.num_blocks`` blocks, or as many as ``cache.memory_bytes``
+        holds after whatever the storage must reserve for ``scheduler``'s limits. Raises
+        ValueError, with what to change, when not one block fits."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Device bytes held, reserves included."""
+
+    @abstractmethod
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Per-block tensors (each ``[num_blocks, ...]``, views of the storage) in payload
+        order: what a block's bytes are between tiers (kv/block_io.py)."""
+
+    @abstractmethod
+    def planner(self) -> WritePlanner:
+        """A fresh planner for one step's writes."""
+
+    @abstractmethod
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
+        """Store the step's new ``key``/``value`` ([num_tokens, heads, dim]) of ``layer``."""
+
+    @abstractmethod
+    def gather(self, layer: int, block_table: torch.Tensor,
+               overlay: Overlay | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the blocks in ``block_table`` ([B, nb] block ids) as
+        [B, nb * block_size, heads, dim] in ``dtype``, tokens in order; ``overlay`` (from this
+        step's planner) says where open blocks are read from."""
+
+    def finish_step(self, writes: StepWrites) -> None:
+        """The forward pass that wrote ``writes`` is done (release what it held)."""
+
+    # -- for KV budgets (``supports_budgets``) -----------------------------
+    def write_slots(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store ``key``/``value`` ([n, heads, dim]) at ``slots`` ([n]) of ``layer``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rewrite entries (no KV budgets)")
+
+    def read_block(self, layer: int, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one block of ``layer`` ([block_size, heads, dim]), as views."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read blocks as stored (no KV budgets)")
+
+    def write_block(self, layer: int, block_id: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Overwrite one block of ``layer`` with ``key``/``value`` ([block_size, heads, dim])."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write blocks as stored (no KV budgets)")

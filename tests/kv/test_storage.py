@@ -1,0 +1,90 @@
+"""The KV storage protocol: the factory, each storage's write plan and the residual sizing."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from tiny import TINY
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.kv.codecs import parse_kv_format
+from kvserve.kv.paged_cache import PagedKVCache
+from kvserve.kv.quantized_cache import QuantizedKVCache
+from kvserve.kv.residual import ROWS_FORMULA, ResidualRows, num_residual_rows
+from kvserve.kv.storage.factory import make_storage
+
+CPU = torch.device("cpu")
+F32 = torch.float32
+SCHED = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4)
+
+
+def storage(spec: str, num_blocks: int = 8):
+    fmt = parse_kv_format(spec, TINY.num_layers, F32, head_dim=TINY.head_dim)
+    return make_storage(TINY, fmt, CacheConfig(block_size=4, num_blocks=num_blocks), SCHED, F32, CPU)
+
+
+def test_the_factory_picks_the_storage_from_the_format():
+    native, int8 = storage("native"), storage("int8")
+    assert isinstance(native, PagedKVCache) and isinstance(int8, QuantizedKVCache)
+    assert native.reads_as_written and native.supports_budgets and native.residual.num_rows == 0
+    assert not int8.reads_as_written and not int8.supports_budgets
+    assert int8.residual.num_rows == num_residual_rows(4, 4, 32) == 32 // 4 + 2 * 4 + 1
+    with pytest.raises(NotImplementedError, match="no KV budgets"):
+        int8.write_slots(0, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), torch.zeros(1, dtype=torch.long))
+
+
+def test_native_writes_go_to_slots_and_read_back_as_written():
+    cache = storage("native")
+    planner = cache.planner()
+    planner.add([5, 2], 3, 3)                      # slots 3, 4, 5: block 5 offset 3, block 2 offsets 0, 1
+    planner.add([7], 0, 1)
+    assert planner.overlay([(1, 2)]) is None
+    writes = planner.build()
+    assert writes.slots.tolist() == [23, 8, 9, 28] and writes.encode_rows.numel() == 0
+    k = torch.randn(4, 2, 16)
+    for layer in range(2):
+        cache.write(layer, k, -k, writes)
+    keys, values = cache.gather(1, torch.tensor([[5, 2]]))
+    assert torch.equal(keys[0, 3:6], k[:3]) and torch.equal(values[0, 3:6], -k[:3])
+
+
+def test_quantized_writes_go_through_residual_rows_and_open_blocks_are_overlaid():
+    cache = storage("int8")
+    planner = cache.planner()
+    planner.add([6, 3], 2, 4)            # fills block 6 (slots 2, 3), opens block 3 (slots 4, 5)
+    planner.add([1], 0, 4)               # fills block 1
+    writes = planner.build()
+    rows = {b: cache.residual.assign(b) for b in (6, 3, 1)}   # the rows the planner took
+    assert rows == {6: 0, 3: 1, 1: 2} and cache.residual.num_free_rows == cache.residual.num_rows - 3
+    assert writes.slots.tolist() == [2, 3, 4, 5, 8, 9, 10, 11]
+    assert writes.encode_rows.tolist() == [0, 2] and writes.encode_block_ids.tolist() == [6, 1]
+    overlay = planner.overlay([(1, 3), (3, 1)])             # only block 3 is open
+    assert overlay is not None and overlay.positions.tolist() == [1] and overlay.rows.tolist() == [1]
+    x = torch.randn(8, 2, 16)
+    for layer in range(2):
+        cache.write(layer, x, x, writes)
+    keys, _ = cache.gather(0, torch.tensor([[6, 3]]), overlay)
+    assert torch.equal(keys[0, 4:6], x[2:4])                 # the open block, from its row, exactly
+    assert not torch.equal(keys[0, 2:4], x[:2])              # the full block, through int8
+    assert (keys[0, 2:4] - x[:2]).abs().max() < 0.05
+    cache.finish_step(writes)                                # encoded blocks give their rows back
+    assert cache.residual.num_free_rows == cache.residual.num_rows - 1
+    cache.residual.release([3])
+    cache.residual.check_integrity()
+
+
+def test_residual_sizing_error_quotes_the_formula_used():
+    assert ROWS_FORMULA == "max_num_batched_tokens // block_size + 2 * max_num_seqs + 1"
+    assert num_residual_rows(16, 32, 512) == 512 // 16 + 2 * 32 + 1
+    rows = ResidualRows(1)
+    rows.assign(4)
+    with pytest.raises(RuntimeError, match=re.escape(f"(rows = {ROWS_FORMULA})")):
+        rows.assign(5)
+
+
+def test_quantized_storage_that_does_not_fit_says_what_to_lower():
+    fmt = parse_kv_format("int8", TINY.num_layers, F32, head_dim=TINY.head_dim)
+    with pytest.raises(ValueError, match="keeps 17 full-precision residual rows .* lower max_num_seqs"):
+        make_storage(TINY, fmt, CacheConfig(block_size=4, memory_bytes=1000), SCHED, F32, CPU)
