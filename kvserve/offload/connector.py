@@ -27,7 +27,7 @@ from kvserve.config import OffloadConfig
 from kvserve.kv.block_io import block_nbytes, read_blocks, write_blocks
 from kvserve.kv.block_pool import Block
 from kvserve.offload.base import Transport
-from kvserve.offload.cost import CostModel, CostSnapshot
+from kvserve.offload.cost import CostModel, CostSnapshot, prior_cost
 from kvserve.offload.store import TierStats
 from kvserve.offload.tiered import EMPTY_RUN, PendingFetch, TieredStore, TierRun, make_tiered_store, open_transports
 
@@ -165,14 +165,14 @@ class TierOffload(Offload):
         self.mover = mover
         self.block_size = block_size
         self.tier_names = store.names
-        self.cost = CostModel(store.names, block_size, mover.nbytes_per_block)
+        self.cost = CostModel([prior_cost(t) for t in store.transports], block_size, mover.nbytes_per_block)
         n = store.num_tiers
         self._hit_blocks = [0] * n
         self._loaded_blocks = [0] * n
         self._load_seconds = [0.0] * n
         # a block a local first tier holds was demoted before (or loaded from there): skip
-        # its copy. Asking Redis would cost a round trip on the engine thread.
-        self._first_is_local = store.names[0] in ("host", "disk")
+        # its copy. Asking a remote tier would cost a round trip on the engine thread.
+        self._first_is_local = store.transports[0].is_local
 
     def demote(self, blocks: Sequence[Block]) -> int:
         todo = [(b.key, b.block_id) for b in blocks if b.key is not None]
@@ -186,13 +186,13 @@ class TierOffload(Offload):
         return len(todo)
 
     def swap_out(self, blocks: Sequence[Block]) -> int:
-        if not blocks or self.tier_names[0] != "host":
+        if not blocks or not self.store.transports[0].is_swap_target:
             return 0
         if not self.cost.should_swap(len(blocks)):
             log.debug("preemption: %d blocks left to recompute (cheaper than a host round trip)", len(blocks))
             return 0
         swapped = self.demote(blocks)
-        log.debug("preemption: %d of %d blocks swapped to host", swapped, len(blocks))
+        log.debug("preemption: %d of %d blocks swapped to %s", swapped, len(blocks), self.tier_names[0])
         return swapped
 
     def lookup(self, keys: Sequence[bytes]) -> TierRun:
@@ -204,7 +204,7 @@ class TierOffload(Offload):
         return TierRun(run.keys[:n], run.tiers[:n])
 
     def is_synchronous(self, run: TierRun) -> bool:
-        return all(self.tier_names[t] == "host" for t in run.tiers)
+        return all(self.store.transports[t].loads_synchronously for t in run.tiers)
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe_prefill(num_tokens, seconds)
