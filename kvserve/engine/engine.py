@@ -13,6 +13,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
+from kvserve.kv.block_io import BlockMover
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.budget.budgets import KVBudgets, NoBudgets
 from kvserve.kv.codecs import parse_kv_format
@@ -21,11 +22,12 @@ from kvserve.kv.paged_cache import PagedKVCache
 from kvserve.kv.prefix import make_extra_key
 from kvserve.kv.quantized_cache import QuantizedKVCache
 from kvserve.kv.residual import ResidualRows
+from kvserve.kv.tiering import make_tiering
 from kvserve.model.attention import KVCache
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.offload.base import Transport
-from kvserve.offload.connector import BlockMover, make_offload
+from kvserve.offload.tiered import open_transports
 from kvserve.request import FinishReason, Request
 from kvserve.sampling.sampler import Sampler, top_logprobs
 from kvserve.sampling_params import SamplingParams
@@ -76,13 +78,15 @@ class LLMEngine:
         num_blocks = self.kv_cache.num_blocks
         self.pool = BlockPool(num_blocks, cc.block_size)
         extra_key = make_extra_key(loaded.fingerprint, f"{self.kv_format.spec}:{self.dtype}", cc.cache_salt)
-        # the engine owns the mover; the offload tiers copy blocks through it
+        # the engine owns the mover; the tiering copies blocks through it. Redis keys are
+        # namespaced by the extra key (model, format, dtype, salt), as blocks are tagged by it
         self.block_mover = BlockMover(self.kv_cache.block_tensors())
-        self.offload = make_offload(config.offload, self.block_mover, extra_key, cc.block_size, tiers)
+        transports = list(tiers) if tiers is not None else open_transports(config.offload, extra_key.hex()[:32])
+        self.tiering = make_tiering(transports, self.block_mover, extra_key, cc.block_size)
         self.budgets = self._make_budgets(config)
-        self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, residual, self.offload,
+        self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, residual, self.tiering,
                                  self.budgets)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.tiering)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
@@ -91,7 +95,7 @@ class LLMEngine:
         self.num_steps = 0
         log.info("engine ready: %s on %s/%s, KV format %s, %d blocks of %d tokens (%.1f MiB), offload tiers: %s",
                  loaded.source, self.device, self.dtype, self.kv_format.spec, num_blocks, cc.block_size,
-                 self.kv_cache.nbytes / 2**20, ", ".join(self.offload.tier_names) or "none")
+                 self.kv_cache.nbytes / 2**20, ", ".join(self.tiering.tier_names) or "none")
 
     def _make_cache(self, config: EngineConfig) -> tuple[KVCache, ResidualRows | None]:
         cc, sc, mc = config.cache, config.scheduler, self.model_config
@@ -194,7 +198,7 @@ class LLMEngine:
     def close(self) -> None:
         """Finish pending demotions and release the offload tiers (the disk directory's
         lock, Redis connections). Blocks still on the device are not written out."""
-        self.offload.close()
+        self.tiering.close()
 
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -239,7 +243,7 @@ class LLMEngine:
         """Feed the load-or-recompute cost model with steps that are mostly prefill."""
         num_prefill = sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1)
         if 2 * num_prefill >= out.num_batched_tokens:
-            self.offload.observe_prefill(out.num_batched_tokens, seconds)
+            self.tiering.observe_prefill(out.num_batched_tokens, seconds)
 
     def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
         p = req.params
@@ -288,9 +292,12 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_preemptions=self.scheduler.num_preemptions,
             kv_num_blocks=self.pool.num_blocks, kv_num_free_blocks=self.pool.num_free_blocks,
             kv_num_cached_blocks=self.pool.num_cached_blocks, kv_usage=self.pool.usage,
-            prefix_query_tokens=self.kv.num_query_tokens, prefix_hit_tokens=self.kv.num_hit_tokens,
-            num_evicted_blocks=self.pool.num_evicted_blocks, tiers=self.offload.metrics(),
-            cost=self.offload.cost_snapshot(), num_swapped_blocks=self.scheduler.num_swapped_blocks)
+            prefix_query_tokens=self.scheduler.num_prefix_query_tokens,
+            prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            num_evicted_blocks=self.pool.num_evicted_blocks, tiers=self.tiering.metrics(),
+            cost=self.tiering.cost_snapshot(), num_swapped_blocks=self.scheduler.num_swapped_blocks)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        self.tiering.check_integrity()
+        self.scheduler.check_integrity()
