@@ -146,9 +146,10 @@ class KVCacheManager:
 
         ``match`` (from ``match_prefix``, for a request being admitted) is taken
         first; its tier blocks get fresh blocks, the first ones allocated
-        (``load_targets``), which a tier load fills. Returns False, changing nothing, when the pool cannot
-        supply the blocks; the caller must then preempt or wait. Cached blocks the
-        allocation evicts are demoted to the offload tiers first.
+        (``load_targets``), which a tier load fills. Returns False, changing
+        nothing, when the pool cannot supply the blocks; the caller must then
+        preempt or wait. Cached blocks the allocation evicts are demoted to the
+        offload tiers first.
         """
         table = self._blocks.setdefault(request.request_id, [])
         num_computed = self.num_slots(request) + match.num_blocks * self.block_size
