@@ -132,7 +132,7 @@ class Tiering(ABC):
 
     @abstractmethod
     def _submit(self, run: TierRun, block_ids: list[int]) -> PendingLoad:
-        """Submit the reads of ``run`` (never empty here) into ``block_ids``."""
+        """Submit the reads of ``run``, whose payloads go into ``block_ids`` (one per block, in order)."""
 
     @abstractmethod
     def _write(self, pending: PendingLoad) -> Promotion:
