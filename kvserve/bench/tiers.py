@@ -34,6 +34,7 @@ from kvserve.engine.stats import EngineStats
 from kvserve.llm import LLM
 from kvserve.offload.cost import CostSnapshot, TierCost
 from kvserve.offload.measure import throwaway_redis
+from kvserve.offload.registry import TIERS
 from kvserve.sampling_params import SamplingParams
 
 SYSTEM = ("You are a careful reader in a long reading group. Members share passages of a novel, one at a "
@@ -154,6 +155,13 @@ def tables(results: list[dict[str, Any]]) -> str:
                                   "break-even blocks", "runs loaded/cut"], cost_rows)
 
 
+def engine_options(args: argparse.Namespace, scratch: str, redis_url: str | None) -> dict[str, dict[str, Any]]:
+    """The LLM options that turn on each tier ``--tiers`` names (the registry's words), alone."""
+    return {"host": {"host_cache_gb": args.host_cache_gb},
+            "disk": {"disk_cache_dir": args.disk_cache or f"{scratch}/blocks"},
+            "redis": {"redis_url": redis_url}}
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from kvserve.bench.common import find_text
     from kvserve.model.loader import load_model
@@ -162,9 +170,9 @@ def run_bench(args: argparse.Namespace) -> int:
         tiers = ["host", "disk"] + (["redis"] if args.redis_url or shutil.which("redis-server") else [])
     else:
         tiers = [t for t in args.tiers.split(",") if t]
-    unknown = [t for t in tiers if t not in ("host", "disk", "redis")]
+    unknown = [t for t in tiers if t not in TIERS]
     if unknown:
-        raise ValueError(f"unknown tier {unknown[0]!r} in --tiers; use host, disk, redis")
+        raise ValueError(f"unknown tier {unknown[0]!r} in --tiers; use {', '.join(TIERS)}")
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -180,13 +188,8 @@ def run_bench(args: argparse.Namespace) -> int:
             redis_url = stack.enter_context(throwaway_redis())
             if redis_url is None:
                 raise ValueError("--tiers redis needs --redis-url, or redis-server on PATH to start one")
-        for tier in tiers:
-            if tier == "host":
-                configs.append(("host", {"host_cache_gb": args.host_cache_gb}))
-            elif tier == "disk":
-                configs.append(("disk", {"disk_cache_dir": args.disk_cache or f"{scratch}/blocks"}))
-            else:
-                configs.append(("redis", {"redis_url": redis_url}))
+        by_tier = engine_options(args, scratch, redis_url)
+        configs += [(tier, by_tier[tier]) for tier in tiers]
         plays: list[Play] = []
         replies: dict[tuple[int, int], str] | None = None
         for name, options in configs:

@@ -13,6 +13,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
+from kvserve.kv.block_io import BlockMover
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.budget.budgets import Budgets, KVBudgets, NoBudgets
 from kvserve.kv.budget.host_store import HostBlockStore
@@ -22,10 +23,11 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix import make_extra_key
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
+from kvserve.kv.tiering import make_tiering
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.offload.base import Transport
-from kvserve.offload.connector import BlockMover, make_offload
+from kvserve.offload.tiered import open_transports
 from kvserve.request import FinishReason, Request
 from kvserve.sampling.sampler import Sampler, top_logprobs
 from kvserve.sampling_params import SamplingParams
@@ -77,13 +79,15 @@ class LLMEngine:
         num_blocks = self.kv_cache.num_blocks
         self.pool = BlockPool(num_blocks, cc.block_size)
         extra_key = make_extra_key(loaded.fingerprint, f"{self.kv_format.spec}:{self.dtype}", cc.cache_salt)
-        # the engine owns the mover; the offload tiers copy blocks through it
+        # the engine owns the mover; the tiering copies blocks through it. Redis keys are
+        # namespaced by the extra key (model, format, dtype, salt), as blocks are tagged by it
         self.block_mover = BlockMover(self.kv_cache.block_tensors())
-        self.offload = make_offload(config.tiers, self.block_mover, extra_key, cc.block_size, tiers)
+        transports = list(tiers) if tiers is not None else open_transports(config.tiers, extra_key.hex()[:32])
+        self.tiering = make_tiering(transports, self.block_mover, extra_key, cc.block_size)
         self.budgets = self._make_budgets(config)
         self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, self.kv_cache.residual,
-                                 self.offload, self.budgets)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+                                 self.tiering, self.budgets)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.tiering)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
@@ -92,7 +96,7 @@ class LLMEngine:
         self.num_steps = 0
         log.info("engine ready: %s on %s/%s, KV format %s, %d blocks of %d tokens (%.1f MiB), offload tiers: %s",
                  loaded.source, self.device, self.dtype, self.kv_format.spec, num_blocks, cc.block_size,
-                 self.kv_cache.nbytes / 2**20, ", ".join(self.offload.tier_names) or "none")
+                 self.kv_cache.nbytes / 2**20, ", ".join(self.tiering.tier_names) or "none")
 
     @staticmethod
     def _check_names(config: EngineConfig) -> None:
@@ -192,7 +196,7 @@ class LLMEngine:
     def close(self) -> None:
         """Finish pending demotions and release the offload tiers (the disk directory's
         lock, Redis connections). Blocks still on the device are not written out."""
-        self.offload.close()
+        self.tiering.close()
 
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -237,7 +241,7 @@ class LLMEngine:
         """Feed the load-or-recompute cost model with steps that are mostly prefill."""
         num_prefill = sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1)
         if 2 * num_prefill >= out.num_batched_tokens:
-            self.offload.observe_prefill(out.num_batched_tokens, seconds)
+            self.tiering.observe_prefill(out.num_batched_tokens, seconds)
 
     def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
         p = req.params
@@ -286,9 +290,12 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_preemptions=self.scheduler.num_preemptions,
             kv_num_blocks=self.pool.num_blocks, kv_num_free_blocks=self.pool.num_free_blocks,
             kv_num_cached_blocks=self.pool.num_cached_blocks, kv_usage=self.pool.usage,
-            prefix_query_tokens=self.kv.num_query_tokens, prefix_hit_tokens=self.kv.num_hit_tokens,
-            num_evicted_blocks=self.pool.num_evicted_blocks, tiers=self.offload.metrics(),
-            cost=self.offload.cost_snapshot(), num_swapped_blocks=self.scheduler.num_swapped_blocks)
+            prefix_query_tokens=self.scheduler.num_prefix_query_tokens,
+            prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            num_evicted_blocks=self.pool.num_evicted_blocks, tiers=self.tiering.metrics(),
+            cost=self.tiering.cost_snapshot(), num_swapped_blocks=self.scheduler.num_swapped_blocks)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        self.tiering.check_integrity()
+        self.scheduler.check_integrity()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.offload.connector import TierMetrics
+from kvserve.kv.tiering import TierMetrics
 from kvserve.offload.cost import CostSnapshot
 
 

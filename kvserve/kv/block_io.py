@@ -4,10 +4,16 @@ A cache lists its per-block tensors (each ``[num_blocks, ...]``) in a fixed orde
 a block's payload is the concatenation of its row of each tensor, as raw bytes.
 The order and dtypes depend only on the model shape and the KV format, which are
 part of every block key, so a payload read back under the same key fits exactly.
+
+``BlockMover`` is what the tiering (kv/tiering.py) holds: whole blocks of the live
+cache to payload bytes and back; the offload tiers below it see only the bytes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 
@@ -48,3 +54,28 @@ def write_blocks(tensors: list[torch.Tensor], block_ids: list[int], payloads: to
         chunk = payloads[:, offset:offset + n]   # index_copy_ takes the strided slice as it is
         t.index_copy_(0, ids, chunk.view(t.dtype).view(len(block_ids), *t.shape[1:]))
         offset += n
+
+
+class BlockMover:
+    """Copies whole blocks of the device cache to bytes and back.
+
+    Holds the cache's per-block tensors (views of the live storage), not the cache.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.nbytes_per_block = block_nbytes(tensors)
+
+    def read(self, block_ids: list[int]) -> list[bytes]:
+        rows = read_blocks(self.tensors, block_ids).numpy()
+        return [row.tobytes() for row in rows]
+
+    def write(self, block_ids: list[int], payloads: Sequence[bytes]) -> None:
+        shape = (len(payloads), self.nbytes_per_block)
+        on_cuda = self.tensors[0].device.type == "cuda"
+        # page-locked staging on CUDA, so the host-to-device copies are DMA and asynchronous
+        staged = torch.empty(shape, dtype=torch.uint8, pin_memory=on_cuda)
+        rows = staged.numpy()
+        for i, payload in enumerate(payloads):
+            rows[i] = np.frombuffer(payload, dtype=np.uint8)
+        write_blocks(self.tensors, block_ids, staged)

@@ -9,13 +9,16 @@ step:
                   ^^^^^^^^^ cached hit  (num_cached_tokens = 8)
                             ^^^^^^^ computed this step, b2 becomes cacheable
 
-With offload tiers (kvserve/offload/connector.py) a match continues below the device:
+With offload tiers (kv/tiering.py) a match continues below the device:
 
     keys         | k0 | k1 | k2 | k3 | k4 |
     match        |device   |tiers    |        blocks for k2, k3 are allocated, loaded
                                               from the tiers, then cached like any other
 
-and blocks about to be evicted by an allocation are demoted to the tiers first.
+and blocks about to be evicted by an allocation are demoted to the tiers first. The
+manager holds the tiering for those two calls only (``lookup``, ``demote``); the
+scheduler drives the loads with the tiering itself and hands the loaded blocks back
+(``cache_loaded_blocks``).
 
 A request under a KV budget (kv/budget/) holds *slots*: after a compaction its table
 covers ``num_computed_tokens - num_evicted`` slots; the compaction writes the kept
@@ -31,7 +34,7 @@ from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.budget.budgets import Budgets, NoBudgets
 from kvserve.kv.prefix import extend_block_keys
 from kvserve.kv.residual import NoResidual, ResidualRows
-from kvserve.offload.connector import NO_PROMOTION, NoOffload, Offload, PendingLoad, Promotion
+from kvserve.kv.tiering import NoTiering, Promotion, Tiering
 from kvserve.offload.tiered import EMPTY_RUN, TierRun
 from kvserve.request import Request
 
@@ -69,13 +72,13 @@ class Promoted(NamedTuple):
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, extra_key: bytes, enable_prefix_caching: bool = True,
-                 residual: ResidualRows | None = None, offload: Offload | None = None,
+                 residual: ResidualRows | None = None, tiering: Tiering | None = None,
                  budgets: Budgets | None = None) -> None:
         self.pool = pool
         # per-request KV budgets (null object when the engine cannot run them)
         self.budgets = budgets if budgets is not None else NoBudgets("no KV budgets configured")
-        # the tiers below the device (null object when none is configured)
-        self.offload = offload if offload is not None else NoOffload()
+        # the tiers below the device, for lookups and demotions (null object when none is configured)
+        self.tiering = tiering if tiering is not None else NoTiering()
         # the storage's rows of open blocks (a quantized format's; kv/residual.py), freed with their blocks
         self.residual = residual if residual is not None else NoResidual()
         self.block_size = pool.block_size
@@ -84,11 +87,6 @@ class KVCacheManager:
         self._blocks: dict[str, list[Block]] = {}
         self._keys: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        # tier loads in flight: request id -> (device hit blocks, pending load)
-        self._promotions: dict[str, tuple[int, PendingLoad]] = {}
-        # counters read by the metrics observer
-        self.num_query_tokens = 0
-        self.num_hit_tokens = 0
 
     # -- queries -----------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
@@ -139,7 +137,7 @@ class KVCacheManager:
         if match.num_device_blocks >= max_blocks:
             return match
         keys = self.block_keys(request)
-        return PrefixMatch(match.blocks, self.offload.lookup(keys[match.num_device_blocks:max_blocks]))
+        return PrefixMatch(match.blocks, self.tiering.lookup(keys[match.num_device_blocks:max_blocks]))
 
     # -- verbs -------------------------------------------------------------
     def try_allocate(self, request: Request, num_new_tokens: int,
@@ -147,10 +145,11 @@ class KVCacheManager:
         """Give the request blocks for ``num_new_tokens`` more tokens.
 
         ``match`` (from ``match_prefix``, for a request being admitted) is taken
-        first; its tier blocks get fresh blocks, the first ones allocated, which
-        ``promote`` fills. Returns False, changing nothing, when the pool cannot
-        supply the blocks; the caller must then preempt or wait. Cached blocks the
-        allocation evicts are demoted to the offload tiers first.
+        first; its tier blocks get fresh blocks, the first ones allocated
+        (``load_targets``), which a tier load fills. Returns False, changing
+        nothing, when the pool cannot supply the blocks; the caller must then
+        preempt or wait. Cached blocks the allocation evicts are demoted to the
+        offload tiers first.
         """
         table = self._blocks.setdefault(request.request_id, [])
         num_computed = self.num_slots(request) + match.num_blocks * self.block_size
@@ -170,57 +169,26 @@ class KVCacheManager:
         self.budgets.start(request)
         return True
 
-    def is_prefetch(self, match: PrefixMatch) -> bool:
-        """Whether ``match``'s tier blocks come from a slow tier, so the request should wait
-        for them while others run, rather than have them loaded at once."""
-        return match.tier_run.num_blocks > 0 and not self.offload.is_synchronous(match.tier_run)
-
-    def start_promotion(self, request: Request, match: PrefixMatch) -> None:
-        """Submit the reads of ``match``'s tier blocks into the blocks ``try_allocate`` gave them."""
+    def load_targets(self, request: Request, match: PrefixMatch) -> list[int]:
+        """The blocks ``try_allocate`` gave ``match``'s tier blocks, in run order: where a load writes."""
         d, t = match.num_device_blocks, match.tier_run.num_blocks
-        table = self._blocks[request.request_id]
-        self._promotions[request.request_id] = (d, self.offload.start_load(
-            match.tier_run, [b.block_id for b in table[d:d + t]]))
+        return [b.block_id for b in self._blocks[request.request_id][d:d + t]]
 
-    def is_promotion_ready(self, request: Request) -> bool:
-        pending = self._promotions.get(request.request_id)
-        return pending is None or pending[1].fetch.done()
-
-    def wait_for_promotion(self, request: Request, timeout: float) -> None:
-        pending = self._promotions.get(request.request_id)
-        if pending is not None:
-            pending[1].fetch.wait(timeout)
-
-    def finish_promotion(self, request: Request) -> Promoted:
-        """Write the loaded blocks (waiting for their reads) and cache them. A miss or a
-        corrupt block ends the run: the blocks after it stay allocated and are computed.
-        """
-        rid = request.request_id
-        d, pending = self._promotions.pop(rid)
-        promotion = self.offload.finish_load(pending)
+    def cache_loaded_blocks(self, request: Request, promotion: Promotion) -> Promoted:
+        """Cache the blocks a tier load wrote: the leading ``promotion.num_blocks`` after the
+        request's device hits. Those after a load that stopped early stay allocated and are
+        computed. Returns the request's cached prefix (device hits, then loaded blocks)."""
+        start = self._num_cached_blocks.get(request.request_id, 0)
         if promotion.num_blocks:
-            self._cache_blocks(request, d, d + promotion.num_blocks)
-        return Promoted(d, promotion)
+            self._cache_blocks(request, start, start + promotion.num_blocks)
+        return Promoted(start, promotion)
 
-    def promote(self, request: Request, match: PrefixMatch) -> Promoted:
-        """Load ``match``'s tier blocks now (start and finish)."""
-        if not match.tier_run.num_blocks:
-            return Promoted(match.num_device_blocks, NO_PROMOTION)
-        self.start_promotion(request, match)
-        return self.finish_promotion(request)
-
-    def record_lookup(self, num_query_tokens: int, promoted: Promoted) -> None:
-        """Count a first admission: prompt tokens, device hits, tier hits."""
-        self.num_query_tokens += num_query_tokens
-        self.num_hit_tokens += promoted.num_device_blocks * self.block_size
-        self.offload.record_hits(promoted.promotion)
-
-    def swap_out(self, request: Request) -> int:
-        """Before a preemption frees the request: demote its computed blocks that no other
-        request holds, if the cost model says loading them back beats recomputing."""
+    def swap_candidates(self, request: Request) -> list[Block]:
+        """The request's computed, cached blocks that no other request holds: what a swap
+        preemption would demote before the request's blocks are freed."""
         table = self._blocks.get(request.request_id, [])
         num_cached = self._num_cached_blocks.get(request.request_id, 0)
-        return self.offload.swap_out([b for b in table[:num_cached] if b.ref_count == 1 and b.is_cached])
+        return [b for b in table[:num_cached] if b.ref_count == 1 and b.is_cached]
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register every full block whose tokens are all computed."""
@@ -244,7 +212,7 @@ class KVCacheManager:
 
     def _allocate(self, num_blocks: int) -> list[Block]:
         """Take free blocks, demoting to the tiers the cached ones this evicts first."""
-        self.offload.demote(self.pool.peek_evictions(num_blocks))
+        self.tiering.demote(self.pool.peek_evictions(num_blocks))
         return self.pool.allocate(num_blocks)
 
     def apply_budget(self, request: Request) -> bool:
@@ -287,7 +255,6 @@ class KVCacheManager:
         self.residual.release(b.block_id for b in table)
         self.pool.free(reversed(table))
         self._num_cached_blocks.pop(rid, None)
-        self._promotions.pop(rid, None)   # a load in flight is dropped: its blocks are gone
 
     def forget(self, request: Request) -> None:
         """Drop per-request state of a finished request."""
@@ -301,8 +268,6 @@ class KVCacheManager:
         self.pool.check_integrity()
         self.residual.check_integrity()
         self.budgets.check_integrity()
-        self.offload.check_integrity()
-        assert self._promotions.keys() <= self._blocks.keys(), "a load in flight for a request with no blocks"
         counted: dict[int, int] = {}
         for table in self._blocks.values():
             for block in table:

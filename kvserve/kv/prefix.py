@@ -13,7 +13,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-KEY_NBYTES = 32
+from kvserve.offload.base import KEY_NBYTES  # the key size every tier stores
 
 
 def make_extra_key(model_fingerprint: str, kv_format: str, salt: str = "") -> bytes:

@@ -1,12 +1,16 @@
 """Offload tiers: host memory, local disk and Redis, behind one small interface.
 
-    BlockStore   payloads of one KV format; serializes, verifies every read, counts
-      Transport  bytes under 32-byte keys: HostTransport, DiskTransport, RedisTransport
-    AsyncTier    puts and prefetch gets of a BlockStore on a thread pool
+    TieredStore    the tiers in lookup order (tiered.py)
+      AsyncTier    puts and prefetch gets of a BlockStore on a thread pool
+        BlockStore payloads of one KV format; serializes, verifies every read, counts
+          Transport  bytes under 32-byte keys: HostTransport, DiskTransport, RedisTransport;
+                     its class's traits decide how the engine uses the tier
+    CostModel      load or recompute (cost.py)
 
-``make_store("disk", fmt_tag, path=..., capacity_bytes=...)`` builds one by the name
-users type; ``make_transport(DiskConfig(...))`` from a tier config (kvserve/config.py).
-See docs/offload.md.
+Keys and bytes only: nothing here imports ``kvserve.kv``, whose tiering (kv/tiering.py)
+moves device blocks to and from these bytes. ``make_store("disk", fmt_tag, path=...,
+capacity_bytes=...)`` builds one by the name users type; ``make_transport(DiskConfig(...))``
+one from a tier config (kvserve/config.py). See docs/offload.md.
 """
 
 from kvserve.config import DiskConfig, HostConfig, RedisConfig

@@ -7,9 +7,12 @@ split between a storage backend and its connector.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
+
+KEY_NBYTES = 32   # a block key: the sha256 content key kvserve/kv/prefix.py makes
 
 
 class Transport(ABC):
@@ -26,9 +29,35 @@ class Transport(ABC):
       It raises only for misuse (a key that is not 32 bytes, a closed transport).
     * A tier may lose any value at any time (eviction, TTL, restart); a hit is a
       hint that a ``get_many`` will likely succeed, not a promise.
+
+    Traits: class attributes that decide how the engine uses a tier. Behaviour comes from
+    them, never from ``name``, which is a label only (metrics, logs, the CLI word); a
+    subclass inherits its parent's traits and overrides those that differ. The defaults
+    describe the most cautious tier: remote, prefetched, written blindly, never a swap
+    target, unmeasured.
+
+    * ``is_local``: ``exists`` answers from this process's memory, cheap enough to call on
+      the engine thread for every demotion; when the first tier is local, blocks it
+      already holds are not copied off the device again.
+    * ``loads_synchronously``: a read is a memory copy, so a run of hits held only by such
+      tiers is loaded at admission; a run touching any other tier is prefetched while
+      other requests run.
+    * ``is_write_once``: a put skips keys the tier already holds (a key names one content,
+      and a rewrite is costly here, e.g. an fsync).
+    * ``is_swap_target``: as the first tier, it takes a preempted request's blocks at once
+      when the cost model says a round trip beats recomputing them.
+    * ``prior_read_latency_s``, ``prior_read_bytes_per_s``: the cost model's estimate of a
+      read call until the tier's own reads are measured (the defaults, 0 and infinity,
+      make an unknown tier look free, so its first use measures it).
     """
 
     name: ClassVar[str]
+    is_local: ClassVar[bool] = False
+    loads_synchronously: ClassVar[bool] = False
+    is_write_once: ClassVar[bool] = False
+    is_swap_target: ClassVar[bool] = False
+    prior_read_latency_s: ClassVar[float] = 0.0
+    prior_read_bytes_per_s: ClassVar[float] = math.inf
 
     @abstractmethod
     def exists(self, keys: Sequence[bytes]) -> list[bool]:

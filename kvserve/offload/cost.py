@@ -7,8 +7,9 @@ Prefill speed is an exponential moving average over the engine's prefill steps. 
 tier's latency and bandwidth are fitted to its own counters (TierStats: calls, bytes and
 seconds of reads), by least squares on ``seconds = calls * latency + bytes / bandwidth``
 with exponentially decaying weights, so they follow the machine's load. Until a tier has
-been read, a prior stands in: the figures measured in docs/offload.md for the built-in
-tiers, and "free" for others (so that an unknown tier gets measured by its first use).
+been read, a prior stands in: its transport class's ``prior_read_latency_s`` and
+``prior_read_bytes_per_s`` (the figures measured in docs/offload.md for the built-in
+tiers; "free" by default, so that an unknown tier gets measured by its first use).
 
 A run is cut at the tier boundary that minimizes load time of the part kept plus
 recompute time of the rest; the blocks cut are computed like misses.
@@ -23,13 +24,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvserve.offload.base import Transport
 from kvserve.offload.store import TierStats
 
 log = logging.getLogger(__name__)
 
-# (latency s, bandwidth bytes/s) per built-in tier, from docs/offload.md (int8 SmolLM2 rows)
-PRIORS: dict[str, tuple[float, float]] = {"host": (0.1e-3, 650e6), "disk": (0.4e-3, 200e6),
-                                          "redis": (0.3e-3, 300e6)}
 MIN_PREFILL_TOKENS = 16
 
 
@@ -42,6 +41,11 @@ class TierCost:
 
     def load_seconds(self, num_blocks: int, block_nbytes: int) -> float:
         return self.latency_s + num_blocks * block_nbytes / self.bytes_per_s if num_blocks else 0.0
+
+
+def prior_cost(transport: Transport) -> TierCost:
+    """What a tier's reads are assumed to cost until they are measured (its class's priors)."""
+    return TierCost(transport.name, transport.prior_read_latency_s, transport.prior_read_bytes_per_s, False)
 
 
 @dataclass(frozen=True)
@@ -95,11 +99,16 @@ class _Fit:
 
 
 class CostModel:
-    """Estimates and decisions; fed by the engine thread (steps) and by tier counters."""
+    """Estimates and decisions; fed by the engine thread (steps) and by tier counters.
 
-    def __init__(self, tier_names: Sequence[str], block_size: int, block_nbytes: int,
+    ``priors``: one per tier in lookup order (``prior_cost(transport)``), the estimate
+    used until the tier's reads are measured.
+    """
+
+    def __init__(self, priors: Sequence[TierCost], block_size: int, block_nbytes: int,
                  decay: float = 0.9, prefill_alpha: float = 0.2) -> None:
-        self.tier_names = tuple(tier_names)
+        self.priors = tuple(priors)
+        self.tier_names = tuple(p.tier for p in self.priors)
         self.block_size = block_size
         self.block_nbytes = block_nbytes
         self.prefill_alpha = prefill_alpha
@@ -127,12 +136,10 @@ class CostModel:
             self._seen[i] = s
 
     def tier_cost(self, t: int) -> TierCost:
-        name = self.tier_names[t]
         fitted = self._fits[t].solve()
         if fitted is not None:
-            return TierCost(name, fitted[0], fitted[1], True)
-        latency, bandwidth = PRIORS.get(name, (0.0, float("inf")))
-        return TierCost(name, latency, bandwidth, False)
+            return TierCost(self.tier_names[t], fitted[0], fitted[1], True)
+        return self.priors[t]
 
     # -- decisions -------------------------------------------------------------
     def recompute_seconds(self, num_blocks: int) -> float | None:

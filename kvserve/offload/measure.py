@@ -4,7 +4,7 @@ cost model and for docs/offload.md. Not a test: a table printed to stdout.
     python -m kvserve.offload.measure [--blocks 1000] [--batch 32] [--redis-url URL]
 
 Without ``--redis-url`` it starts a throwaway redis-server on a free loopback port
-(when one is installed). Disk reads are timed twice: warm (just written, in the page
+(when one is installed) and waits until it answers a PING. Disk reads are timed twice: warm (just written, in the page
 cache) and cold (pages dropped with posix_fadvise first).
 """
 
@@ -73,6 +73,26 @@ def drop_page_cache(root: Path) -> None:
             os.close(fd)
 
 
+def wait_until_ready(proc: subprocess.Popen[bytes], port: int, timeout_s: float = 10.0) -> None:
+    """Ping the server on ``port`` until it answers; raise if it exits or ``timeout_s`` passes."""
+    import redis  # only here: measuring the host and disk tiers does not need the client
+
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.2, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                if client.ping():
+                    return
+            except redis.RedisError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {port} did not start")
+            time.sleep(0.01)
+    finally:
+        client.close()
+
+
 @contextmanager
 def throwaway_redis() -> Iterator[str | None]:
     binary = shutil.which("redis-server")
@@ -86,7 +106,7 @@ def throwaway_redis() -> Iterator[str | None]:
         proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
                                  "no", "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            time.sleep(0.3)
+            wait_until_ready(proc, port)
             yield f"redis://127.0.0.1:{port}/0"
         finally:
             proc.terminate()

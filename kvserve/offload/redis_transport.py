@@ -9,7 +9,8 @@ socket operation times out after ``timeout_s`` (0.5 s by default) and redis-py's
 retries are off. The first failure marks the tier down and logs once; until the
 backoff expires every call answers misses / drops puts without touching the network.
 The next call after it probes the server: success brings hits back (logged once),
-failure doubles the backoff, up to a cap.
+failure doubles the backoff, up to a cap. The backoff reads an injected clock
+(``time.monotonic`` by default), so tests can step it instead of sleeping.
 """
 
 from __future__ import annotations
@@ -37,9 +38,14 @@ _DOWN_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 class RedisTransport(Transport):
     name = "redis"
+    # measured in docs/offload.md (int8 SmolLM2 blocks, loopback server)
+    prior_read_latency_s = 0.3e-3
+    prior_read_bytes_per_s = 300e6
 
-    def __init__(self, config: RedisConfig) -> None:
+    def __init__(self, config: RedisConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: seconds, never going back; it times the backoff only (socket timeouts are real)."""
         self._config = config
+        self._clock = clock
         self._client = redis.Redis.from_url(
             config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
             retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
@@ -63,7 +69,7 @@ class RedisTransport(Transport):
         if self._closed:
             raise RuntimeError("redis tier is closed")
         with self._state_lock:
-            if not self._available and time.monotonic() < self._retry_at:
+            if not self._available and self._clock() < self._retry_at:
                 return fallback
         try:
             result = fn()
@@ -88,7 +94,7 @@ class RedisTransport(Transport):
 
     def _mark_down(self, error: Exception) -> None:
         with self._state_lock:
-            now = time.monotonic()
+            now = self._clock()
             if self._available:
                 self._available = False
                 self._num_down += 1
@@ -106,7 +112,7 @@ class RedisTransport(Transport):
                 return
             self._available = True
             self._backoff_s = self._config.backoff_s
-            down_s = time.monotonic() - self._down_since
+            down_s = self._clock() - self._down_since
         logger.warning("redis tier %s is back after %.1f s", self._where(), down_s)
 
     @property

@@ -34,7 +34,7 @@ import struct
 import zlib
 from typing import Literal
 
-from kvserve.kv.prefix import KEY_NBYTES
+from kvserve.offload.base import KEY_NBYTES
 
 MAGIC = b"KVSB"
 VERSION = 1

@@ -49,10 +49,6 @@ class TierStats:
         return self.bytes_read / self.read_seconds if self.read_seconds > 0 else None
 
     @property
-    def write_bytes_per_s(self) -> float | None:
-        return self.bytes_written / self.write_seconds if self.write_seconds > 0 else None
-
-    @property
     def hit_rate(self) -> float | None:
         lookups = self.hits + self.misses
         return self.hits / lookups if lookups else None

@@ -11,8 +11,8 @@
 
 Write-through rather than write-back chains (host evicting into disk): the host tier
 evicts inside its own lock with no hook, and a block dropped there would be lost. With
-write-through disk and Redis hold every demoted block; disk skips keys it already
-holds, since a key names one content and a rewrite costs an fsync.
+write-through disk and Redis hold every demoted block; a write-once tier (disk) skips
+keys it already holds, since a key names one content and a rewrite costs an fsync.
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ class TieredStore:
     def __init__(self, tiers: Sequence[AsyncTier]) -> None:
         self.tiers = list(tiers)
         self.names = tuple(t.store.tier for t in self.tiers)
+        # each tier's traits (class attributes) decide how the engine uses it
+        self.transports = tuple(t.store.transport for t in self.tiers)
 
     @property
     def num_tiers(self) -> int:
@@ -171,5 +173,5 @@ def open_transports(tiers: Sequence[TierConfig], namespace: str) -> list[Transpo
 
 def make_tiered_store(transports: Sequence[Transport], fmt_tag: str) -> TieredStore:
     """Tiers over ``transports`` (in lookup order) for blocks tagged ``fmt_tag``."""
-    return TieredStore([AsyncTier((_WriteOnceStore if t.name == "disk" else BlockStore)(t, fmt_tag))
+    return TieredStore([AsyncTier((_WriteOnceStore if t.is_write_once else BlockStore)(t, fmt_tag))
                         for t in transports])

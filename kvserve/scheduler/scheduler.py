@@ -14,6 +14,9 @@ blocks are written and it joins ``running``. Others keep running meanwhile.
 
     waiting --admit--> running                        (device and host hits: at once)
     waiting --admit--> loading --reads done--> running  (disk, Redis hits: prefetch)
+
+The KV manager gives a load its blocks and caches them after; the tiering
+(kv/tiering.py) holds the load in between, keyed by request id.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
-from kvserve.kv.manager import KVCacheManager, Promoted
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.tiering import NoTiering, Promotion, Tiering
 from kvserve.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.policies import make_policy
 
@@ -52,15 +56,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, tiering: Tiering | None = None) -> None:
+        """``tiering``: the one ``kv`` looks up and demotes through (none: no tiers)."""
         self.config = config
         self.kv = kv
+        self.tiering = tiering if tiering is not None else NoTiering()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.loading: list[Request] = []     # admitted, waiting for their tier reads
         self.policy = make_policy(config)
+        # counters read by the metrics observer
         self.num_preemptions = 0
         self.num_swapped_blocks = 0
+        self.num_prefix_query_tokens = 0     # prompt tokens looked up at first admission
+        self.num_prefix_hit_tokens = 0       # of which served from the device prefix cache
 
     @property
     def has_unfinished(self) -> bool:
@@ -69,7 +78,7 @@ class Scheduler:
     def wait_for_loads(self, timeout: float) -> None:
         """Block up to ``timeout`` seconds for the oldest load (a step found nothing to run)."""
         if self.loading:
-            self.kv.wait_for_promotion(self.loading[0], timeout)
+            self.tiering.wait_for_load(self.loading[0].request_id, timeout)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -121,11 +130,11 @@ class Scheduler:
                 break
             match = matches.get(req.request_id) or self.kv.match_prefix(req)
             match = self.kv.match_tiers(req, match)
-            if self.kv.is_prefetch(match):
+            if self.tiering.is_prefetch(match.tier_run):
                 # blocks for the hits only; the rest is allocated when it is scheduled
                 if not self.kv.try_allocate(req, 0, match):
                     break
-                self.kv.start_promotion(req, match)
+                self.tiering.start_load(req.request_id, match.tier_run, self.kv.load_targets(req, match))
                 req.status = RequestStatus.RUNNING
                 self.loading.append(req)
                 admitted += 1
@@ -138,31 +147,35 @@ class Scheduler:
             if not self.kv.try_allocate(req, num_new, match):
                 break
             # a load that stops early leaves its blocks to compute: the chunk starts earlier
-            self._start(req, self.kv.promote(req, match))
+            self._start(req, self.tiering.load(match.tier_run, self.kv.load_targets(req, match)))
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, num_new))
             budget -= num_new
             admitted += 1
         del self.waiting[:admitted]
 
-    def _start(self, req: Request, promoted: Promoted) -> None:
-        """The request's cached prefix is in place: it runs from the first block after it."""
+    def _start(self, req: Request, promotion: Promotion) -> None:
+        """The request's tier blocks are loaded (``promotion``): cache them; the request runs
+        from the first block after its cached prefix. A first admission is counted."""
+        promoted = self.kv.cache_loaded_blocks(req, promotion)
         num_hit = promoted.num_blocks * self.kv.block_size
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_hit
-            self.kv.record_lookup(req.num_tokens, promoted)
+            self.num_prefix_query_tokens += req.num_tokens
+            self.num_prefix_hit_tokens += promoted.num_device_blocks * self.kv.block_size
+            self.tiering.record_hits(promotion)
         req.num_computed_tokens = num_hit
         req.status = RequestStatus.RUNNING
 
     def _finish_loads(self) -> None:
         """Loading requests whose reads are done join the running batch (in admission order)."""
-        for req in [r for r in self.loading if self.kv.is_promotion_ready(r)]:
-            self._start(req, self.kv.finish_promotion(req))
+        for req in [r for r in self.loading if self.tiering.is_load_done(r.request_id)]:
+            self._start(req, self.tiering.finish_load(req.request_id))
             self.loading.remove(req)
             self.running.append(req)
 
     def _preempt(self, req: Request) -> None:
-        self.num_swapped_blocks += self.kv.swap_out(req)
+        self.num_swapped_blocks += self.tiering.swap_out(self.kv.swap_candidates(req))
         self.kv.free(req)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
@@ -185,9 +198,21 @@ class Scheduler:
         if req.status is RequestStatus.FINISHED:
             return
         if req.status is RequestStatus.RUNNING:
-            (self.loading if req in self.loading else self.running).remove(req)
+            if req in self.loading:
+                self.loading.remove(req)
+                self.tiering.drop_load(req.request_id)   # its reads finish unread: its blocks are freed below
+            else:
+                self.running.remove(req)
         else:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.kv.forget(req)
+
+    def check_integrity(self) -> None:
+        """Every loading request, and only those, has a load in flight, into blocks it holds."""
+        loading = {r.request_id for r in self.loading}
+        assert loading == self.tiering.loading_request_ids(), (
+            f"loading requests {sorted(loading)} but loads in flight for {sorted(self.tiering.loading_request_ids())}")
+        for rid in loading:
+            assert self.kv.block_ids(rid), f"a load in flight for request {rid!r}, which holds no blocks"

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.offload.cost import CostModel
+from kvserve.offload.cost import CostModel, TierCost
 from kvserve.offload.store import TierStats
 
 BLOCK = 1_000_000       # payload bytes per block
 HOST, DISK, REDIS = 0, 1, 2
+# the built-in tiers' priors (the transports' class attributes); the tests feed reads before deciding
+PRIORS = (TierCost("host", 0.1e-3, 650e6, False), TierCost("disk", 0.4e-3, 200e6, False),
+          TierCost("redis", 0.3e-3, 300e6, False))
 
 
 def model(prefill_tokens_per_s: float | None = 16_000.0) -> CostModel:
     """16 tokens a block: at 16k tokens/s recomputing a block takes 1 ms."""
-    m = CostModel(("host", "disk", "redis"), block_size=16, block_nbytes=BLOCK)
+    m = CostModel(PRIORS, block_size=16, block_nbytes=BLOCK)
     if prefill_tokens_per_s is not None:
         m.observe_prefill(1600, 1600 / prefill_tokens_per_s)
     return m
@@ -86,3 +89,16 @@ def test_prefill_speed_is_a_moving_average_of_prefill_steps():
     assert m.prefill_tokens_per_s == pytest.approx(10_000)
     m.observe_prefill(2000, 0.1)                             # 20k tokens/s, weight 0.2
     assert m.prefill_tokens_per_s == pytest.approx(12_000)
+
+
+def test_an_unmeasured_tier_costs_its_transport_class_prior():
+    from kvserve.offload import HostConfig
+    from kvserve.offload.base import Transport
+    from kvserve.offload.cost import prior_cost
+    from kvserve.offload.host import HostTransport
+
+    host = prior_cost(HostTransport(HostConfig(capacity_bytes=1)))
+    assert host == TierCost("host", HostTransport.prior_read_latency_s, HostTransport.prior_read_bytes_per_s, False)
+    m = CostModel([host], block_size=16, block_nbytes=BLOCK)
+    assert m.tier_cost(0) == host
+    assert (Transport.prior_read_latency_s, Transport.prior_read_bytes_per_s) == (0.0, float("inf"))  # unknown: free

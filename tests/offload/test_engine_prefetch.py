@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -23,9 +24,10 @@ def loaded():
 
 
 class GatedTier(HostTransport):
-    """A memory tier (not named host, so it is prefetched) whose reads wait for ``gate``."""
+    """A memory tier whose reads wait for ``gate``, so it is prefetched (not loaded at admission)."""
 
     name = "gated"
+    loads_synchronously = False
 
     def __init__(self) -> None:
         super().__init__(HostConfig(capacity_bytes=1 << 24))
@@ -38,9 +40,13 @@ class GatedTier(HostTransport):
 
 
 class SlowTier(HostTransport):
-    """A memory tier with 0.2 s of latency on every read."""
+    """A memory tier with 0.2 s of latency on every read: prefetched, and unknown to the
+    cost model until its first read is measured."""
 
     name = "slow"
+    loads_synchronously = False
+    prior_read_latency_s = 0.0
+    prior_read_bytes_per_s = math.inf
 
     def __init__(self) -> None:
         super().__init__(HostConfig(capacity_bytes=1 << 24))

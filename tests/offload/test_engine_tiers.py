@@ -30,7 +30,7 @@ from tiny import tiny_model
 
 from kvserve import LLM
 from kvserve.kv.prefix import extend_block_keys
-from kvserve.offload.connector import TierOffload
+from kvserve.kv.tiering import OffloadTiering
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
@@ -92,7 +92,7 @@ def test_a_hit_from_each_tier_gives_the_cold_tokens(loaded, tier, kv_format, tmp
 
 def test_no_tier_configured_keeps_the_null_offload(loaded):
     llm = LLM(loaded=loaded, num_kv_blocks=POOL)
-    assert not isinstance(llm.engine.offload, TierOffload)
+    assert not isinstance(llm.engine.tiering, OffloadTiering)
     llm.generate(PROMPT, GREEDY)
     evict_everything_without_tiers = llm.generate(filler(0), FILL)
     assert evict_everything_without_tiers[0].finished

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from kvserve import LLM, SamplingParams
-from kvserve.offload.connector import TierOffload
+from kvserve.kv.tiering import OffloadTiering
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 FILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -47,6 +47,6 @@ def evict_everything(llm: LLM, seed: int = 0) -> None:
     offload(llm).flush()
 
 
-def offload(llm: LLM) -> TierOffload:
-    assert isinstance(llm.engine.offload, TierOffload)
-    return llm.engine.offload
+def offload(llm: LLM) -> OffloadTiering:
+    assert isinstance(llm.engine.tiering, OffloadTiering)
+    return llm.engine.tiering
