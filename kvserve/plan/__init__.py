@@ -1,13 +1,12 @@
 """The KV memory planner (``kvserve plan``): how much KV memory a model needs, and what fits."""
 
-from kvserve.plan.formats import BLOCK_SIZE, FORMATS, GROUP_SIZE, HalfLayout, KVFormat, get_format
+from kvserve.plan.formats import BLOCK_SIZE, FORMATS, GROUP_SIZE, HalfSize, NamedFormat, get_format
 from kvserve.plan.models import BUILTIN_MODELS, ModelShape, load_model_shape, lookup_model, resolve_model
 from kvserve.plan.planner import (
     GIB,
     TIER_BLOCK_HEADER_NBYTES,
     Capacity,
     KVLayout,
-    LayerFormat,
     Plan,
     PlanRequest,
     Sharing,
@@ -15,7 +14,23 @@ from kvserve.plan.planner import (
 )
 
 __all__ = [
-    "BLOCK_SIZE", "BUILTIN_MODELS", "FORMATS", "GIB", "GROUP_SIZE", "TIER_BLOCK_HEADER_NBYTES", "Capacity",
-    "HalfLayout", "KVFormat", "KVLayout", "LayerFormat", "ModelShape", "Plan", "PlanRequest", "Sharing",
-    "get_format", "load_model_shape", "lookup_model", "make_plan", "resolve_model",
+    "BLOCK_SIZE",
+    "BUILTIN_MODELS",
+    "FORMATS",
+    "GIB",
+    "GROUP_SIZE",
+    "TIER_BLOCK_HEADER_NBYTES",
+    "Capacity",
+    "HalfSize",
+    "KVLayout",
+    "ModelShape",
+    "NamedFormat",
+    "Plan",
+    "PlanRequest",
+    "Sharing",
+    "get_format",
+    "load_model_shape",
+    "lookup_model",
+    "make_plan",
+    "resolve_model",
 ]

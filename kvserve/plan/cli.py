@@ -71,9 +71,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="print the bytes of every KV format at the model's head dim and exit")
     p.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's max context)")
     p.add_argument("--batch", type=int, default=1, help="concurrent sequences of --context tokens (default 1)")
-    p.add_argument("--kv-format", default="fp16", choices=list(FORMATS), help="KV storage format (default fp16)")
-    p.add_argument("--key-format", default=None, choices=list(FORMATS), help="override the K half's format")
-    p.add_argument("--value-format", default=None, choices=list(FORMATS), help="override the V half's format")
+    p.add_argument("--kv-format", default="fp16",
+                   help=f"KV storage format: any spec the engine's --kv-format takes, e.g. {', '.join(FORMATS)}, "
+                        "int4g64+had, '0-1=fp16;2-=kivi2' (default fp16)")
+    p.add_argument("--key-format", default=None, help="override the K half's format (a codec, e.g. int8)")
+    p.add_argument("--value-format", default=None, help="override the V half's format (a codec, e.g. int4)")
     p.add_argument("--compute-dtype", default="fp16", choices=list(COMPUTE_FORMATS),
                    help="dtype of KIVI's residual, the open block of each sequence (default fp16)")
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"tokens per block (default {BLOCK_SIZE})")

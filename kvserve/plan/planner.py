@@ -6,48 +6,28 @@ A running sequence of n tokens holds ceil(n / B) blocks, the last one partly fil
     tokens   |0 ........ 15|16 ....... 31|32 .. 39 ...... 47|
     blocks   |   block 0   |   block 1   |  block 2 (open)   |   n = 40: 3 blocks
 
-Under a format whose half keeps a residual (KIVI keys), that half has floor(n / B) quantized
-blocks plus one open block of B tokens in the compute dtype, reserved for every running sequence
-even when n is a multiple of B (the next token opens it).
+Under a format with a half that encodes whole blocks (KIVI keys: statistics over the block's
+tokens), each such layer has floor(n / B) quantized blocks plus one open block (K and V) of B
+tokens in the compute dtype, reserved for every running sequence even when n is a multiple
+of B (the next token opens it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
 from kvserve.config import ModelConfig
-from kvserve.plan.formats import BLOCK_SIZE, COMPUTE_FORMATS, GROUP_SIZE, HalfLayout, KVFormat, get_format
+from kvserve.kv.codecs import KVFormat, LayerFormat
+from kvserve.offload.serialization import HEADER_NBYTES
+from kvserve.plan.formats import BLOCK_SIZE, FormatSpec, build_format, compute_dtype, display_name
 from kvserve.plan.models import ModelShape, resolve_model
 
 GIB = 1 << 30
-# Planned size of the header a host / disk / Redis tier stores with each block (key, format,
-# length, checksum). The offload serializer must match it.
-TIER_BLOCK_HEADER_NBYTES = 64
-
-LayerSpec = str | tuple[str, str]          # a format name, or (key format, value format)
-FormatSpec = str | Sequence[LayerSpec]     # one for all layers, or one per layer
-
-
-@dataclass(frozen=True)
-class LayerFormat:
-    key: KVFormat
-    value: KVFormat
-
-
-def layer_formats(num_layers: int, kv_format: FormatSpec, key_format: str | None = None,
-                  value_format: str | None = None) -> tuple[LayerFormat, ...]:
-    """One ``LayerFormat`` per layer. ``key_format`` / ``value_format`` override the K or V half of
-    every layer (AsymKV-style: K takes the key half of its format, V the value half of its own)."""
-    specs: Sequence[LayerSpec] = [kv_format] * num_layers if isinstance(kv_format, str) else kv_format
-    if len(specs) != num_layers:
-        raise ValueError(f"{len(specs)} per-layer KV formats given for a model of {num_layers} layers")
-    layers = []
-    for spec in specs:
-        key_name, value_name = (spec, spec) if isinstance(spec, str) else spec
-        layers.append(LayerFormat(get_format(key_format or key_name), get_format(value_format or value_name)))
-    return tuple(layers)
+# The header a host / disk / Redis tier stores with each block (key, format, length, checksum).
+TIER_BLOCK_HEADER_NBYTES = HEADER_NBYTES
 
 
 class Capacity(NamedTuple):
@@ -79,21 +59,20 @@ class Sharing(NamedTuple):
 
 @dataclass(frozen=True)
 class KVLayout:
-    """A model's KV cache in given per-layer formats, in blocks of ``block_size`` tokens.
-    ``compute_format`` is the dtype of KIVI's residual (the open block)."""
+    """A model's KV cache in the engine's ``KVFormat``, in blocks of ``block_size`` tokens.
+    ``compute_format`` is the dtype of the residual (the open block) and of ``native``."""
 
     model: ModelShape
-    layers: tuple[LayerFormat, ...]
+    kv_format: KVFormat
     block_size: int = BLOCK_SIZE
     compute_format: str = "fp16"
 
     def __post_init__(self) -> None:
-        if len(self.layers) != self.model.num_layers:
-            raise ValueError(f"{len(self.layers)} layer formats for {self.model.num_layers} layers")
+        if len(self.kv_format.layers) != self.model.num_layers:
+            raise ValueError(f"{len(self.kv_format.layers)} layer formats for {self.model.num_layers} layers")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block size must be a power of two, got {self.block_size}")
-        if self.compute_format not in COMPUTE_FORMATS:
-            raise ValueError(f"compute dtype must be one of {COMPUTE_FORMATS}, got {self.compute_format!r}")
+        compute_dtype(self.compute_format)
         _ = self.block_nbytes  # raises now, not at first use, if a format cannot store this head_dim
 
     @classmethod
@@ -101,20 +80,18 @@ class KVLayout:
               key_format: str | None = None, value_format: str | None = None,
               block_size: int = BLOCK_SIZE, compute_format: str = "fp16") -> KVLayout:
         shape = resolve_model(model)
-        return cls(shape, layer_formats(shape.num_layers, kv_format, key_format, value_format),
-                   block_size, compute_format)
-
-    def _halves(self) -> Iterator[HalfLayout]:
-        for layer in self.layers:
-            yield layer.key.key
-            yield layer.value.value
+        fmt = build_format(shape.num_layers, shape.head_dim, kv_format, compute_dtype(compute_format),
+                           key_format, value_format)
+        return cls(shape, fmt, block_size, compute_format)
 
     def _block_nbytes(self, residual: bool) -> int:
-        """Bytes of one block over all layers and KV heads, of the halves that keep a residual
-        (``residual``) or of the others."""
-        d, b = self.model.head_dim, self.block_size
-        per_head = sum(h.block_nbytes(d, b, GROUP_SIZE) for h in self._halves() if h.needs_residual == residual)
-        return self.model.num_kv_heads * per_head
+        """Bytes of one block over all KV heads, of the layers that keep a residual
+        (``residual``) or of the others. A layer keeps one when either half encodes whole
+        blocks: its open block (K and V) waits in the compute dtype until it is full."""
+        m, b = self.model, self.block_size
+        return sum(c.nbytes_per_block(b, m.num_kv_heads, m.head_dim)
+                   for layer in self.kv_format.layers if _needs_residual(layer) == residual
+                   for c in (layer.key, layer.value))
 
     @property
     def block_nbytes(self) -> int:
@@ -129,17 +106,14 @@ class KVLayout:
     @property
     def residual_nbytes(self) -> int:
         """The open block every running sequence keeps in the compute dtype (0 without KIVI)."""
-        full = get_format(self.compute_format).key
-        num_halves = sum(h.needs_residual for h in self._halves())
-        return self.model.num_kv_heads * num_halves * full.block_nbytes(self.model.head_dim, self.block_size)
+        m = self.model
+        num_layers = sum(_needs_residual(layer) for layer in self.kv_format.layers)
+        element = torch.empty((), dtype=compute_dtype(self.compute_format)).element_size()
+        return num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * element
 
     @property
     def format_name(self) -> str:
-        names = {(layer.key.name, layer.value.name) for layer in self.layers}
-        if len(names) > 1:
-            return "per-layer"
-        key, value = names.pop()
-        return key if key == value else f"k:{key},v:{value}"
+        return display_name(self.kv_format)
 
     def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -249,3 +223,7 @@ def make_plan(layout: KVLayout, request: PlanRequest) -> Plan:
         device=None if request.memory_bytes is None else layout.device_capacity(request.memory_bytes, context),
         sharing=sharing,
         tiers=tuple((name, layout.tier_capacity(nbytes, context)) for name, nbytes in request.tier_nbytes))
+
+
+def _needs_residual(layer: LayerFormat) -> bool:
+    return layer.key.encodes_whole_blocks or layer.value.encodes_whole_blocks

@@ -135,7 +135,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                   "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_size": m.hidden_size,
                   "max_context": m.max_context, "attention": m.attention},
         "kv_format": layout.format_name,
-        "layer_formats": [[layer.key.name, layer.value.name] for layer in layout.layers],
+        "layer_formats": [[layer.key.name, layer.value.name] for layer in layout.kv_format.layers],
         "block_size": layout.block_size, "group_size": GROUP_SIZE, "compute_dtype": layout.compute_format,
         "bytes_per_token": _number(layout.bytes_per_token), "block_nbytes": layout.block_nbytes,
         "residual_nbytes_per_sequence": layout.residual_nbytes,
@@ -169,8 +169,8 @@ def render_models() -> str:
 def render_formats(head_dim: int) -> str:
     rows = []
     for fmt in FORMATS.values():
-        k = fmt.key.block_nbytes(head_dim, BLOCK_SIZE, GROUP_SIZE) / BLOCK_SIZE
-        v = fmt.value.block_nbytes(head_dim, BLOCK_SIZE, GROUP_SIZE) / BLOCK_SIZE
+        k = fmt.key.block_nbytes(head_dim, BLOCK_SIZE) / BLOCK_SIZE
+        v = fmt.value.block_nbytes(head_dim, BLOCK_SIZE) / BLOCK_SIZE
         rows.append((fmt.name, _trim(k), _trim(v), _trim(k + v), f"{_trim(4 * head_dim / (k + v))}x",
                      fmt.description))
     header = ("format", "K", "V", "K+V", "vs fp16", "layout")

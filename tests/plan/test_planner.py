@@ -293,3 +293,38 @@ def test_cli_lists_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "no-such-model"]) == 2
     assert main(["plan", "--model", "llama-3-8b", "--key-format", "int8", "--value-format", "int4"]) == 0
     assert "format k:int8,v:int4" in capsys.readouterr().out
+
+
+# --- one source: the engine's codecs ------------------------------------------------------------
+
+def test_engine_specs_are_planned_from_their_codecs() -> None:
+    # SmolLM2-135M: 30 layers x 3 KV heads, D = 64
+    assert per_token("smollm2-135m", "kivi2+had") == per_token("smollm2-135m", "kivi2") == 90 * 56
+    assert per_token("smollm2-135m", "int4g64") == 90 * 2 * (32 + 4)              # D/2 + 4D/64 per half
+    assert per_token("smollm2-135m", "int8+out4") == 90 * 2 * (66 + 8 + 4 / B)   # + 2N per token, N per block
+    layout = KVLayout.build("smollm2-135m", "0-9=fp16;10-=kivi2")
+    assert layout.format_name == "per-layer"
+    assert layout.bytes_per_token == 10 * 3 * 256 + 20 * 3 * 56
+    assert layout.residual_nbytes == 20 * 2 * B * 3 * 64 * 2      # the 20 KIVI layers keep an fp16 open block
+    assert KVLayout.build("smollm2-135m", "kivi2+had").format_name == "kivi2+had"
+
+
+def test_a_layer_with_one_whole_block_half_keeps_its_open_block_in_full() -> None:
+    # the engine keeps one residual row of K and V for such a layer
+    mixed = KVLayout.build("llama-3-8b", "fp16", key_format="kivi2", value_format="int4")
+    assert mixed.format_name == "k:kivi2,v:int4"
+    assert mixed.residual_nbytes == 32 * 2 * B * 8 * 128 * 2
+    assert KVLayout.build("llama-3-8b", "int4+out2").residual_nbytes == 32 * 2 * B * 8 * 128 * 2
+
+
+def test_which_codecs_encode_whole_blocks() -> None:
+    import torch
+
+    from kvserve.kv.codecs import parse_codec
+
+    def whole(token: str, half: str) -> bool:
+        return parse_codec(token, half, torch.float16).encodes_whole_blocks  # type: ignore[arg-type]
+
+    assert [whole(t, "k") for t in ("fp16", "int8", "fp8", "int4", "kivi2", "kivi4+had", "int8+out2")] == [
+        False, False, False, False, True, True, True]
+    assert [whole(t, "v") for t in ("kivi2", "kivi4+had", "kivi2+out2")] == [False, False, True]

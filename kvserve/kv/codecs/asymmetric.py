@@ -56,6 +56,10 @@ class AsymQuantCodec(HalfCodec):
         return f"int{self.bits}g{self.group_size}"
 
     @property
+    def encodes_whole_blocks(self) -> bool:
+        return self.axis == "channel"
+
+    @property
     def levels(self) -> int:
         return (1 << self.bits) - 1
 

@@ -58,6 +58,12 @@ class HalfCodec(ABC):
     def name(self) -> str:
         """Canonical spec token of this half (e.g. ``int4g32``, ``kivi2+had``)."""
 
+    @property
+    def encodes_whole_blocks(self) -> bool:
+        """Whether a token's stored form depends on the other tokens of its block (statistics
+        over the block's tokens), so a block can be encoded only once it is full."""
+        return False
+
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError when the codec cannot store heads of ``head_dim`` channels."""
         if head_dim < 1:

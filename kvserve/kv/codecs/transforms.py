@@ -46,6 +46,10 @@ class HadamardCodec(HalfCodec):
     def name(self) -> str:
         return f"{self.inner.name}+had"
 
+    @property
+    def encodes_whole_blocks(self) -> bool:
+        return self.inner.encodes_whole_blocks
+
     def check_head_dim(self, head_dim: int) -> None:
         self.inner.check_head_dim(head_dim)
         if head_dim & (head_dim - 1):
@@ -93,6 +97,10 @@ class OutlierCodec(HalfCodec):
     @property
     def name(self) -> str:
         return f"{self.inner.name}+out{self.num_outliers}"
+
+    @property
+    def encodes_whole_blocks(self) -> bool:
+        return True     # the outlier channels are chosen over the block's tokens
 
     def check_head_dim(self, head_dim: int) -> None:
         self.inner.check_head_dim(head_dim)
