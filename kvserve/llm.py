@@ -74,7 +74,7 @@ class LLM:
         if not conversations or not all(conversations):
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
-                   for c in conversations]  # type: ignore[arg-type]
+                   for c in conversations]
         return self.generate(prompts, params)
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:

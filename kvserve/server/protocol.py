@@ -130,8 +130,8 @@ class CompletionRequest(_SamplingFields):
         if not p:
             raise bad_request("prompt is empty", "prompt")
         if isinstance(p[0], int):
-            return [p]  # type: ignore[list-item]
-        return p  # type: ignore[return-value]
+            return [p]
+        return p
 
 
 class TextPart(_Body):
