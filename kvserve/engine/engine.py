@@ -293,7 +293,8 @@ class LLMEngine:
             prefix_query_tokens=self.scheduler.num_prefix_query_tokens,
             prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_evicted_blocks=self.pool.num_evicted_blocks, tiers=self.tiering.metrics(),
-            cost=self.tiering.cost_snapshot(), num_swapped_blocks=self.scheduler.num_swapped_blocks)
+            cost=self.tiering.cost_snapshot(), num_swapped_blocks=self.scheduler.num_swapped_blocks,
+            budgets=self.budgets.stats())
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

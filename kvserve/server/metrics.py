@@ -60,6 +60,14 @@ class _StatsCollector(Collector):
         for t in s.tiers:
             hits.add_metric([t.tier], t.hit_tokens)
         yield hits
+        b = s.budgets
+        yield CounterMetricFamily("kvserve_kv_budget_compactions", "Compactions of budgeted requests' KV",
+                                  b.num_compactions)
+        yield GaugeMetricFamily("kvserve_kv_budget_host_bytes", "Bytes of blocks arkvale holds in host memory",
+                                b.host_nbytes)
+        yield CounterMetricFamily("kvserve_kv_budget_host_evicted_blocks",
+                                  "Blocks arkvale's host store dropped for room (no longer recallable)",
+                                  b.num_host_evictions)
         yield from _tier_metrics(s)
 
 

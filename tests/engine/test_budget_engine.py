@@ -272,6 +272,13 @@ def test_a_small_host_store_evicts_stashed_blocks_and_counts_them(loaded):
     stats = small.budgets.stats()
     assert stats.num_host_evictions == 6 and stats.host_nbytes == 4 * block_nbytes
     assert stats.host_capacity_bytes == 4 * block_nbytes
+    assert small.stats().budgets == stats            # what /metrics reads
+    from kvserve.server.metrics import ServerMetrics
+    metrics = ServerMetrics()
+    metrics.on_step(small.stats(), [], 0.0)
+    text = metrics.render().decode()
+    assert "kvserve_kv_budget_host_evicted_blocks_total 6.0" in text
+    assert f"kvserve_kv_budget_host_bytes {4 * block_nbytes}.0" in text
     while small.has_unfinished:
         outs = small.step()
         small.check_integrity()
