@@ -8,6 +8,8 @@ from kvserve.kv.budget.budgets import BudgetStats
 from kvserve.kv.tiering import TierMetrics
 from kvserve.offload.cost import CostSnapshot
 
+NO_BUDGET_STATS = BudgetStats(0, 0, 0, 0)
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -26,7 +28,7 @@ class EngineStats:
     cost: CostSnapshot | None = None      # load-or-recompute figures and decisions (None: no tiers)
     num_loading: int = 0                  # admitted requests waiting for their tier reads
     num_swapped_blocks: int = 0           # blocks of preempted requests demoted at once (swap)
-    budgets: BudgetStats = BudgetStats(0, 0, 0, 0)   # KV budgets: compactions, ArkVale's host store
+    budgets: BudgetStats = NO_BUDGET_STATS   # KV budgets: compactions, ArkVale's host store
 
     @property
     def prefix_hit_rate(self) -> float:
