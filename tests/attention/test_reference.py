@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from attention.cases import make_case
+
 from kvserve.attention.layout import CodecKind, HalfLayout
 from kvserve.kv.codecs import parse_codec
 
