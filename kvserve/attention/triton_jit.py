@@ -39,19 +39,21 @@ NEG_BIG = tl.constexpr(-1.0e30)   # initial running max: finite, so exp2(m_old -
 
 
 @triton.jit
-def _dot(a, b, DOT: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """a @ b with float32 accumulation, operands rounded to DOT. The interpreter's dot reads
-    bfloat16 operands as their integer bits, so there they are rounded, then multiplied in f32."""
-    if DOT == tl.float32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif EMULATE_BF16:
+def _dot(a, b, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
+    """a @ b with float32 accumulation, the operands rounded to DOT. F32_DOTS: multiply the
+    rounded operands in float32 (the interpreter, whose dot reads bfloat16 operands as their
+    integer bits; GPUs before sm_80, without bfloat16 or tf32 MMA). Otherwise the MMA runs in
+    DOT, float32 as three tf32 products (float32 accuracy on tensor cores)."""
+    if F32_DOTS:
         return tl.dot(a.to(DOT).to(tl.float32), b.to(DOT).to(tl.float32), input_precision="ieee")
+    elif DOT == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
     else:
         return tl.dot(a.to(DOT), b.to(DOT))
 
 
 @triton.jit
-def _rotate(x, D: tl.constexpr, DOT: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _rotate(x, D: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
     """x @ H for the orthonormal Sylvester Hadamard matrix (D a power of two):
     H[a, b] = (-1)^popcount(a & b) / sqrt(D), the +-1 part exact in any dtype."""
     a = tl.arange(0, D)[:, None]
@@ -62,7 +64,7 @@ def _rotate(x, D: tl.constexpr, DOT: tl.constexpr, EMULATE_BF16: tl.constexpr):
     bits = bits ^ (bits >> 2)
     bits = bits ^ (bits >> 1)
     signs = (1 - 2 * (bits & 1)).to(tl.float32)
-    return _dot(x, signs, DOT, EMULATE_BF16) * tl.rsqrt(tl.full((1, 1), D, tl.float32))
+    return _dot(x, signs, DOT, F32_DOTS) * tl.rsqrt(tl.full((1, 1), D, tl.float32))
 
 
 @triton.jit
@@ -79,13 +81,13 @@ def _e4m3_to_f32(codes):
 
 
 @triton.jit
-def _dequant_asym(t_ok, blk64, off, h, H, dd, mask, main, scale, zero, sb_main, sb_scale, sb_zero,
+def _dequant_asym(t_ok, blk64, off, pages, page_ok, h, H, dd, mask, main, scale, zero, sb_main, sb_scale, sb_zero,
                   KIND: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, D: tl.constexpr,
-                  D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                  D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr):
     """code * scale + zero of packed 2/4-bit codes, [BLOCK_N, D_PAD] float32. Power-of-two
     shapes load each byte and each group's scale once and unpack by reshaping
-    [BLOCK_N, bytes, codes per byte] -> [BLOCK_N, D] (lowest bits = first channel); other
-    shapes gather per channel."""
+    [BLOCK_N, bytes, codes per byte] -> [BLOCK_N, D] (lowest bits = first channel), and a
+    per-channel half loads each page's scales once; other shapes gather per channel."""
     PER_BYTE: tl.constexpr = 8 // BITS
     ROW: tl.constexpr = D // PER_BYTE
     NG: tl.constexpr = D // GROUP_SIZE
@@ -105,6 +107,13 @@ def _dequant_asym(t_ok, blk64, off, h, H, dd, mask, main, scale, zero, sb_main, 
             x = tl.reshape(code, (BLOCK_N, NG, GROUP_SIZE)) * s.to(tl.float32)[:, :, None] \
                 + z.to(tl.float32)[:, :, None]
             x = tl.reshape(x, (BLOCK_N, D))
+        elif PAGES > 0:
+            pages64 = pages.to(tl.int64)
+            s = tl.load(scale + pages64[:, None] * sb_scale + params, mask=page_ok[:, None], other=0.0)
+            z = tl.load(zero + pages64[:, None] * sb_zero + params, mask=page_ok[:, None], other=0.0)
+            x = tl.reshape(code, (PAGES, BLOCK_N // PAGES, D)) * s.to(tl.float32)[:, None, :] \
+                + z.to(tl.float32)[:, None, :]
+            x = tl.reshape(x, (BLOCK_N, D))
         else:
             s = tl.load(scale + blk64[:, None] * sb_scale + params, mask=t_ok[:, None], other=0.0)
             z = tl.load(zero + blk64[:, None] * sb_zero + params, mask=t_ok[:, None], other=0.0)
@@ -121,27 +130,28 @@ def _dequant_asym(t_ok, blk64, off, h, H, dd, mask, main, scale, zero, sb_main, 
 
 
 @triton.jit
-def _load_tile(t_ok, blk, off, open_row, h, H, dd, d_ok,
+def _load_tile(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok,
                main, scale, zero, out_vals, out_chans, residual,
                sb_main, sb_scale, sb_zero, sb_out_vals, sb_out_chans, sb_residual,
                KIND: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAD: tl.constexpr,
                NOUT: tl.constexpr, FROM_RESIDUAL: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-               BLOCK_N: tl.constexpr, DOT: tl.constexpr, EMULATE_BF16: tl.constexpr):
+               BLOCK_N: tl.constexpr, PAGES: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
     """[BLOCK_N, D_PAD] float32 keys or values of one tile's tokens (their blocks ``blk``,
-    offsets ``off``; zero where ``t_ok`` is false), in the basis the loop works in: rotated by
-    H for a ``+had`` half without outliers, real channels otherwise. Parts are contiguous
+    offsets ``off``; zero where ``t_ok`` is false; with PAGES > 0, PAGES runs of tokens in
+    blocks ``pages``), in the basis the loop works in: rotated by H for a ``+had`` half
+    without outliers, real channels otherwise. Parts are contiguous
     but for their block stride (checked by the host)."""
     mask = t_ok[:, None] & d_ok[None, :]
     if FROM_RESIDUAL:
         ptrs = residual + open_row.to(tl.int64) * sb_residual + off[:, None] * (H * D) + h * D + dd[None, :]
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         if HAD and NOUT == 0:
-            x = _rotate(x, D, DOT, EMULATE_BF16)
+            x = _rotate(x, D, DOT, F32_DOTS)
     else:
         blk64 = blk.to(tl.int64)
         if KIND == ASYM_TOKEN or KIND == ASYM_CHANNEL:
-            x = _dequant_asym(t_ok, blk64, off, h, H, dd, mask, main, scale, zero, sb_main, sb_scale, sb_zero,
-                              KIND, BITS, GROUP_SIZE, D, D_PAD, BLOCK_N)
+            x = _dequant_asym(t_ok, blk64, off, pages, page_ok, h, H, dd, mask, main, scale, zero, sb_main, sb_scale,
+                              sb_zero, KIND, BITS, GROUP_SIZE, D, D_PAD, BLOCK_N, PAGES)
         else:
             ptrs = main + blk64[:, None] * sb_main + off[:, None] * (H * D) + h * D + dd[None, :]
             raw = tl.load(ptrs, mask=mask, other=0)
@@ -156,7 +166,7 @@ def _load_tile(t_ok, blk, off, open_row, h, H, dd, d_ok,
                 x = x * s[:, None]
         if NOUT > 0:
             if HAD:
-                x = _rotate(x, D, DOT, EMULATE_BF16)
+                x = _rotate(x, D, DOT, F32_DOTS)
             chans = out_chans + blk64 * sb_out_chans + h * NOUT
             vals = out_vals + blk64 * sb_out_vals + off * (H * NOUT) + h * NOUT
             for i in range(NOUT):
@@ -177,31 +187,39 @@ def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_s
                   V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP_SIZE: tl.constexpr, V_HAD: tl.constexpr,
                   V_NOUT: tl.constexpr, V_FROM_RESIDUAL: tl.constexpr,
                   D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT: tl.constexpr, EMULATE_BF16: tl.constexpr):
+                  PAGES: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
     """Online softmax over keys [lo, hi) of one sequence; returns the updated (m, l, acc)."""
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < hi
-        blk = tl.load(table_row + t // BLOCK_SIZE, mask=t_ok, other=0)
         off = t % BLOCK_SIZE
-        k = _load_tile(t_ok, blk, off, open_row, h, H, dd, d_ok,
+        if PAGES > 0:     # t0 is block-aligned: the tile holds PAGES whole blocks, or lies in one
+            p = tl.arange(0, PAGES)
+            page_ok = t0 + p * (BLOCK_N // PAGES) < hi
+            pages = tl.load(table_row + t0 // BLOCK_SIZE + p, mask=page_ok, other=0)
+            blk = tl.reshape(tl.broadcast_to(pages[:, None], (PAGES, BLOCK_N // PAGES)), (BLOCK_N,))
+        else:             # tiles straddle blocks: look every token up
+            blk = tl.load(table_row + t // BLOCK_SIZE, mask=t_ok, other=0)
+            pages = blk
+            page_ok = t_ok
+        k = _load_tile(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok,
                        k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
                        kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
                        K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, K_FROM_RESIDUAL,
-                       D, D_PAD, BLOCK_N, DOT, EMULATE_BF16)
-        s = _dot(q, tl.trans(k), DOT, EMULATE_BF16) * qk_scale
+                       D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
+        s = _dot(q, tl.trans(k), DOT, F32_DOTS) * qk_scale
         visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_tile(t_ok, blk, off, open_row, h, H, dd, d_ok,
+        v = _load_tile(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok,
                        v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
                        vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
                        V_KIND, V_BITS, V_GROUP_SIZE, V_HAD, V_NOUT, V_FROM_RESIDUAL,
-                       D, D_PAD, BLOCK_N, DOT, EMULATE_BF16)
-        acc = acc * alpha[:, None] + _dot(p, v, DOT, EMULATE_BF16)
+                       D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
+        acc = acc * alpha[:, None] + _dot(p, v, DOT, F32_DOTS)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -219,8 +237,8 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
            V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP_SIZE: tl.constexpr, V_HAD: tl.constexpr,
            V_NOUT: tl.constexpr, V_HAS_RESIDUAL: tl.constexpr,
            GROUP: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-           BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-           EMULATE_BF16: tl.constexpr):
+           BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
+           DOT: tl.constexpr, F32_DOTS: tl.constexpr):
     s_idx = tl.program_id(0) // num_q_tiles
     q_tile = tl.program_id(0) % num_q_tiles
     h = tl.program_id(1)
@@ -251,7 +269,7 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
     q = tl.load(q_ptr + q_rows[:, None] * sq_t + head[:, None] * sq_h + dd[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if K_HAD and K_NOUT == 0:
-        q = _rotate(q, D, tl.float32, EMULATE_BF16)
+        q = _rotate(q, D, tl.float32, F32_DOTS)
     q = q.to(DOT)
 
     m_i = tl.full((ROWS,), NEG_BIG, tl.float32)
@@ -266,7 +284,7 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
                                   vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
                                   K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, False,
                                   V_KIND, V_BITS, V_GROUP_SIZE, V_HAD, V_NOUT, False,
-                                  D, D_PAD, BLOCK_SIZE, BLOCK_N, DOT, EMULATE_BF16)
+                                  D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
     if K_HAS_RESIDUAL or V_HAS_RESIDUAL:
         m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tl.maximum(lo, tail_lo), hi, pos, table_row, open_row, h,
                                       H, qk_scale, dd, d_ok,
@@ -276,9 +294,9 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
                                       vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
                                       K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, K_HAS_RESIDUAL,
                                       V_KIND, V_BITS, V_GROUP_SIZE, V_HAD, V_NOUT, V_HAS_RESIDUAL,
-                                      D, D_PAD, BLOCK_SIZE, BLOCK_N, DOT, EMULATE_BF16)
+                                      D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
     if V_HAD and V_NOUT == 0:
-        acc = _rotate(acc, D, tl.float32, EMULATE_BF16)
+        acc = _rotate(acc, D, tl.float32, F32_DOTS)
 
     mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:

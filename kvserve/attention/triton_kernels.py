@@ -84,7 +84,10 @@ def launch_config(q: torch.Tensor, batch: PagedBatch, num_kv_heads: int,
         splits = max(1, min(want, max_len // MIN_TOKENS_PER_SPLIT))
         tokens_per_split = -(-max_len // splits)
     tokens_per_split = -(-max(1, tokens_per_split) // unit) * unit
-    return LaunchConfig(rows, queries, block_n, tokens_per_split, -(-max_len // tokens_per_split))
+    # 8 warps once a tile holds 8K elements: 4 would need over 200 registers a thread to
+    # dequantize a 64 x 128 tile (ptxas, sm_90)
+    warps = 8 if max(block_n, rows) * head_dim >= 8192 else 4
+    return LaunchConfig(rows, queries, block_n, tokens_per_split, -(-max_len // tokens_per_split), num_warps=warps)
 
 
 def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
@@ -137,14 +140,23 @@ def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch
         num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
         *_half_args(key), *_half_args(value), **_half_constants("K", key), **_half_constants("V", value),
         GROUP=num_heads // num_kv_heads, QUERIES=cfg.queries_per_tile, ROWS=cfg.rows, D=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=batch.block_size, BLOCK_N=cfg.block_n, SPLIT=split, DOT=_dot_dtype(q.dtype),
-        EMULATE_BF16=is_interpreted() and q.dtype == torch.bfloat16,
+        BLOCK_SIZE=batch.block_size, BLOCK_N=cfg.block_n, PAGES=_pages_per_tile(cfg.block_n, batch.block_size),
+        SPLIT=split, DOT=_dot_dtype(q.dtype),
+        F32_DOTS=is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         rows = 16
         triton_jit.merge[(-(-num_rows // rows),)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_rows, num_heads, cfg.num_splits,
             ROWS=rows, D=head_dim, D_PAD=d_pad, num_warps=4)
+
+
+def _pages_per_tile(block_n: int, block_size: int) -> int:
+    """Blocks a tile covers: block_n / B when B divides it, 1 when the tile lies inside a
+    block, 0 when tiles straddle blocks (every token looked up)."""
+    if block_n % block_size == 0:
+        return block_n // block_size
+    return 1 if block_size % block_n == 0 else 0
 
 
 def _dot_dtype(dtype: torch.dtype) -> Any:
