@@ -343,3 +343,16 @@ def test_is_available_and_the_default_cut() -> None:
     assert cfg.rows == 16 and cfg.tokens_per_split % 64 == 0
     assert cfg.num_splits == -(-4000 // cfg.tokens_per_split)
 
+
+
+def test_the_benchmark_runs_in_the_interpreter() -> None:
+    """kvserve.bench.attention_kernels_cuda end to end on a tiny shape (its numbers mean
+    nothing here: it exists for a GPU)."""
+    if DEVICE != "cpu":
+        pytest.skip("the benchmark itself runs on the GPU")
+    from kvserve.bench import attention_kernels_cuda as bench
+
+    text = bench.run(tk, ["int8", "kivi2"], ["smollm2-135m"], {"1x40": [40]}, 16, torch.bfloat16, "cpu", 2, 1 << 20)
+    lines = text.splitlines()
+    assert lines[0].startswith("device cpu") and len(lines) == 2 + 2 + 3
+    assert all("x |" in line for line in lines[-3:-1])
