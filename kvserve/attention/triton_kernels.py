@@ -115,41 +115,57 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
     if cfg.tokens_per_split % math.lcm(cfg.block_n, batch.block_size):
         raise ValueError(f"tokens_per_split {cfg.tokens_per_split} is not a multiple of block_n {cfg.block_n} "
                          f"and the block size {batch.block_size}")
-    _launch(q, key, value, batch, scale, out, cfg, num_kv_heads)
+    _launch(q, key, value, batch, scale, out, cfg)
     return out
 
 
-def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float, out: torch.Tensor,
-            cfg: LaunchConfig, num_kv_heads: int) -> None:
-    assert triton_jit is not None
+@dataclass(frozen=True)
+class AttendLaunch:
+    """The ``attend`` kernel's grid, positional arguments and compile-time constants."""
+
+    grid: tuple[int, int, int]
+    args: list[Any]
+    constants: dict[str, Any]
+
+
+def attend_launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
+                  out: torch.Tensor, cfg: LaunchConfig, partials: tuple[torch.Tensor, ...],
+                  f32_dots: bool) -> AttendLaunch:
+    """What ``paged_attention`` launches (``partials``: acc, max, sum of the splits; any
+    tensors when there is one split). Also used to compile the kernel without a GPU."""
     num_tokens, num_heads, head_dim = q.shape
-    d_pad = max(16, _next_pow2(head_dim))
-    split = cfg.num_splits > 1
-    num_rows = num_tokens * num_heads
-    if split:
-        part_acc = torch.empty(cfg.num_splits, num_rows, d_pad, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out     # not read: SPLIT is off
+    num_kv_heads = next(iter(key.parts.values())).shape[2]
     num_q_tiles = -(-batch.max_query_len // cfg.queries_per_tile)
     tables = batch.block_tables if batch.block_tables.stride(1) == 1 else batch.block_tables.contiguous()
-    grid = (batch.num_seqs * num_q_tiles, num_kv_heads, cfg.num_splits)
-    triton_jit.attend[grid](
-        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part_acc, part_m, part_l, num_rows,
-        tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
-        num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
-        *_half_args(key), *_half_args(value), **_half_constants("K", key), **_half_constants("V", value),
-        GROUP=num_heads // num_kv_heads, QUERIES=cfg.queries_per_tile, ROWS=cfg.rows, D=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=batch.block_size, BLOCK_N=cfg.block_n, PAGES=_pages_per_tile(cfg.block_n, batch.block_size),
-        SPLIT=split, DOT=_dot_dtype(q.dtype),
-        F32_DOTS=is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split:
+    args = [q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), *partials, num_tokens * num_heads,
+            tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
+            num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
+            *_half_args(key), *_half_args(value)]
+    constants = {**_half_constants("K", key), **_half_constants("V", value),
+                 "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
+                 "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
+                 "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
+                 "SPLIT": cfg.num_splits > 1, "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots}
+    return AttendLaunch((batch.num_seqs * num_q_tiles, num_kv_heads, cfg.num_splits), args, constants)
+
+
+def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float, out: torch.Tensor,
+            cfg: LaunchConfig) -> None:
+    assert triton_jit is not None
+    num_rows, d_pad = q.shape[0] * q.shape[1], max(16, _next_pow2(q.shape[2]))
+    partials: tuple[torch.Tensor, ...] = (out, out, out)     # not read with one split
+    if cfg.num_splits > 1:
+        partials = (torch.empty(cfg.num_splits, num_rows, d_pad, dtype=torch.float32, device=q.device),
+                    torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device),
+                    torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device))
+    f32_dots = is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0)
+    launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots)
+    triton_jit.attend[launch.grid](*launch.args, **launch.constants, num_warps=cfg.num_warps,
+                                   num_stages=cfg.num_stages)
+    if cfg.num_splits > 1:
         rows = 16
-        triton_jit.merge[(-(-num_rows // rows),)](
-            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_rows, num_heads, cfg.num_splits,
-            ROWS=rows, D=head_dim, D_PAD=d_pad, num_warps=4)
+        triton_jit.merge[(-(-num_rows // rows),)](*partials, out, out.stride(0), out.stride(1), num_rows, q.shape[1],
+                                                  cfg.num_splits, ROWS=rows, D=q.shape[2], D_PAD=d_pad, num_warps=4)
 
 
 def _pages_per_tile(block_n: int, block_size: int) -> int:
