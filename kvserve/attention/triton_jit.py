@@ -5,13 +5,15 @@ import to run them on CPU tensors through Triton's interpreter.
 
 ``attend`` runs one program per (sequence x query tile, KV head, context split):
 
-    rows of the program    r = query * GROUP + g   (the tile's queries x the KV head's group of
-                           query heads, so each K/V tile is read once for the whole group)
-    keys of the program    [split * tokens_per_split, ...) of the sequence, in tiles of BLOCK_N
-                           tokens, each token's block looked up in the block table
-         | main tiles: every half read from its encoded parts | tail: the open block, read
-         |                                                    | from residual rows by halves
-         0                                          tail_lo   L   that keep them
+    rows  r = query * GROUP + g: the tile's queries x the KV head's GROUP query heads, so
+          each K/V tile is read once for the whole group
+    keys  the split [split * tokens_per_split, +tokens_per_split) of the sequence, in tiles
+          of BLOCK_N tokens; a tile holds whole blocks (or lies inside one), whose ids it
+          reads from the block table
+
+          0                                     tail_lo       L
+          | main tiles: every half read from    | tail: the open block, from residual
+          | its encoded parts                   | rows for the halves that keep them
 
 A tile is dequantized in registers to float32 (``_load_tile``), then multiplied in the
 compute dtype (q's) with float32 accumulation; online softmax in base 2. With one split the
@@ -139,8 +141,8 @@ def _load_tile(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok,
     """[BLOCK_N, D_PAD] float32 keys or values of one tile's tokens (their blocks ``blk``,
     offsets ``off``; zero where ``t_ok`` is false; with PAGES > 0, PAGES runs of tokens in
     blocks ``pages``), in the basis the loop works in: rotated by H for a ``+had`` half
-    without outliers, real channels otherwise. Parts are contiguous
-    but for their block stride (checked by the host)."""
+    without outliers, real channels otherwise. Parts are contiguous but for their block
+    stride (checked by the host)."""
     mask = t_ok[:, None] & d_ok[None, :]
     if FROM_RESIDUAL:
         ptrs = residual + open_row.to(tl.int64) * sb_residual + off[:, None] * (H * D) + h * D + dd[None, :]
@@ -239,6 +241,7 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
            GROUP: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
            DOT: tl.constexpr, F32_DOTS: tl.constexpr):
+    """One program: ROWS (query, head) rows of one sequence over one split of its keys."""
     s_idx = tl.program_id(0) // num_q_tiles
     q_tile = tl.program_id(0) % num_q_tiles
     h = tl.program_id(1)

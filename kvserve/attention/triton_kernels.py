@@ -94,7 +94,10 @@ def launch_config(q: torch.Tensor, batch: PagedBatch, num_kv_heads: int,
 def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
                     out: torch.Tensor | None = None, *, config: LaunchConfig | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] in q's dtype (written into ``out`` when given); the
-    semantics of ``reference_attention``. ValueError for inputs the kernel cannot read."""
+    semantics of ``reference_attention``, except that ``open_rows`` of a sequence whose last
+    block is full is ignored. ValueError for inputs the kernel cannot read. The batch's
+    ``max_query_len`` and ``max_context_len`` size the grid and must bound every sequence's
+    (not checked: that would cost a device sync). ``config`` overrides the default cut."""
     if triton_jit is None:
         raise RuntimeError("the Triton attention backend needs the triton package (pip install triton)")
     _check_query(q, out)

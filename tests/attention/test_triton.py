@@ -211,6 +211,15 @@ def test_odd_head_dim_and_block_size() -> None:
         check(case)
 
 
+@pytest.mark.parametrize("fmt", ["int8+had", "kivi2+out4"])
+def test_group_of_32_and_head_dim_256(fmt: str) -> None:
+    """Rows past 16 (a 32-head group: 32 rows a query) and the widest head (32-key tiles)."""
+    for group, head_dim in ((32, 64), (4, 256)):
+        case = make_case(fmt, lens=[1, 40, 77], num_queries=[1, 3, 12], num_kv_heads=1, group=group,
+                         head_dim=head_dim, block_size=16, device=DEVICE, seed=group)
+        check(case)
+
+
 def test_residual_on_one_half_only() -> None:
     """kivi2: keys keep a residual row for the open block, values do not, in the same call."""
     case = matrix_case(("kivi2", None), "prefill", group=3, head_dim=64, block_size=16)
@@ -334,6 +343,11 @@ def test_bad_inputs_raise() -> None:
         run(case, out=torch.empty_like(case.q, dtype=torch.float16))
     with pytest.raises(ValueError, match="tokens_per_split"):
         run(case, config=replace(tk.launch_config(case.q, case.batch, 2), tokens_per_split=24))
+
+
+def test_kernel_kind_constants_are_the_layout_kinds() -> None:
+    jit = sys.modules["kvserve.attention.triton_jit"]
+    assert [int(getattr(jit, k.name).value) for k in CodecKind] == [int(k) for k in CodecKind]
 
 
 def test_is_available_and_the_default_cut() -> None:
