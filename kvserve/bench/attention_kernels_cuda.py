@@ -76,15 +76,13 @@ def _store(codec: HalfCodec, blocks: torch.Tensor, rows: int) -> HalfStore:
 
 def build(fmt: str, lens: list[int], shape: tuple[int, int, int], block_size: int, dtype: torch.dtype,
           device: str, seed: int = 0) -> Cache:
+    if len(set(lens)) != 1:
+        raise ValueError(f"the benchmark's sequences have equal lengths, got {lens}")
     heads, q_heads, dim = shape
     g = torch.Generator(device=device).manual_seed(seed)
     key_codec, value_codec = parse_codec(fmt, "k", dtype), parse_codec(fmt, "v", dtype)
-    per_seq = [-(-n // block_size) for n in lens]
-    num_blocks = sum(per_seq)
-    ids = torch.randperm(num_blocks, generator=g, device=device).to(torch.int32)   # scattered blocks
-    tables = ids.view(len(lens), -1) if len(set(per_seq)) == 1 else None
-    if tables is None:
-        raise ValueError("the benchmark's sequences have equal lengths")
+    num_blocks = len(lens) * -(-lens[0] // block_size)
+    tables = torch.randperm(num_blocks, generator=g, device=device).to(torch.int32).view(len(lens), -1)  # scattered
     k = torch.randn(num_blocks, block_size, heads, dim, generator=g, device=device, dtype=dtype)
     v = torch.randn(num_blocks, block_size, heads, dim, generator=g, device=device, dtype=dtype)
     key, value = _store(key_codec, k, len(lens)), _store(value_codec, v, len(lens))
