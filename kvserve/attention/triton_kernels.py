@@ -251,8 +251,8 @@ def _check_layout(half: str, layout: HalfLayout, head_dim: int) -> None:
             raise ValueError(f"{half}: packed codes of {layout.bits} bits are not supported (2 or 4)")
         if layout.kind == CodecKind.ASYM_TOKEN and (layout.group_size < 1 or head_dim % layout.group_size):
             raise ValueError(f"{half}: group size {layout.group_size} does not divide head_dim {head_dim}")
-    if layout.hadamard and head_dim & (head_dim - 1):
-        raise ValueError(f"{half}: +had needs a power-of-two head_dim, got {head_dim}")
+    if layout.hadamard and (head_dim & (head_dim - 1) or head_dim < 16):
+        raise ValueError(f"{half}: +had needs a power-of-two head_dim of at least 16, got {head_dim}")
     if not 0 <= layout.num_outliers < head_dim:
         raise ValueError(f"{half}: {layout.num_outliers} outlier channels for head_dim {head_dim}")
 
