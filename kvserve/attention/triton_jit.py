@@ -1,0 +1,341 @@
+"""The Triton kernels of the CUDA attention backend (host side: ``triton_kernels``).
+
+Importing this module decorates the kernels: set ``TRITON_INTERPRET=1`` before the first
+import to run them on CPU tensors through Triton's interpreter.
+
+``attend`` runs one program per (sequence x query tile, KV head, context split):
+
+    rows  r = query * GROUP + g: the tile's queries x the KV head's GROUP query heads, so
+          each K/V tile is read once for the whole group
+    keys  the split [split * tokens_per_split, +tokens_per_split) of the sequence, in tiles
+          of BLOCK_N tokens; a tile holds whole blocks (or lies inside one), whose ids it
+          reads from the block table
+
+          0                                     tail_lo       L
+          | main tiles: every half read from    | tail: the open block, from residual
+          | its encoded parts                   | rows for the halves that keep them
+
+A tile is dequantized in registers to float32 (``_load_tile``), then multiplied in the
+compute dtype (q's) with float32 accumulation; online softmax in base 2. With one split the
+program writes the output; with several it writes (acc, max, sum) and ``merge`` combines them.
+
+``+had`` without outliers is folded out of the loop: H is symmetric and orthonormal, so
+q.(H y) = (H q).y and sum p (H y) = H sum p y; the program rotates q before and the
+accumulator after, and rotates residual rows (real channels) into that basis. ``+had`` with
+``+outN`` replaces real channels after the rotation, so those tiles are rotated in place (a
+dot with the +-1 Sylvester matrix) before their outlier channels are written.
+"""
+
+from __future__ import annotations
+
+import triton  # type: ignore[import-untyped,import-not-found]
+import triton.language as tl  # type: ignore[import-untyped,import-not-found]
+
+# CodecKind values (kvserve.attention.layout), as kernel constants
+PLAIN = tl.constexpr(0)
+INT8 = tl.constexpr(1)
+FP8 = tl.constexpr(2)
+ASYM_TOKEN = tl.constexpr(3)
+ASYM_CHANNEL = tl.constexpr(4)
+NEG_BIG = tl.constexpr(-1.0e30)   # initial running max: finite, so exp2(m_old - m_new) is never nan
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
+    """a @ b with float32 accumulation, the operands rounded to DOT. F32_DOTS: multiply the
+    rounded operands in float32 (the interpreter, whose dot reads bfloat16 operands as their
+    integer bits; GPUs before sm_80, without bfloat16 or tf32 MMA). Otherwise the MMA runs in
+    DOT, float32 as three tf32 products (float32 accuracy on tensor cores)."""
+    if F32_DOTS:
+        return tl.dot(a.to(DOT).to(tl.float32), b.to(DOT).to(tl.float32), input_precision="ieee")
+    elif DOT == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
+    else:
+        return tl.dot(a.to(DOT), b.to(DOT))
+
+
+@triton.jit
+def _rotate(x, D: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
+    """x @ H for the orthonormal Sylvester Hadamard matrix (D a power of two):
+    H[a, b] = (-1)^popcount(a & b) / sqrt(D), the +-1 part exact in any dtype."""
+    a = tl.arange(0, D)[:, None]
+    b = tl.arange(0, D)[None, :]
+    bits = a & b
+    bits = bits ^ (bits >> 8)
+    bits = bits ^ (bits >> 4)
+    bits = bits ^ (bits >> 2)
+    bits = bits ^ (bits >> 1)
+    signs = (1 - 2 * (bits & 1)).to(tl.float32)
+    return _dot(x, signs, DOT, F32_DOTS) * tl.rsqrt(tl.full((1, 1), D, tl.float32))
+
+
+@triton.jit
+def _e4m3_to_f32(codes):
+    """float8 e4m3fn bit patterns (uint8) -> float32, by integer arithmetic (any GPU, and the
+    interpreter). Normal: the 7 magnitude bits shifted under float32's exponent field, the
+    exponent rebiased by 127 - 7; subnormal (exponent 0): mantissa * 2^-9. (0x7f, nan, is
+    never stored: the codec clamps to 448.)"""
+    bits = codes.to(tl.int32)
+    mag = bits & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    x = tl.where((mag >> 3) == 0, (mag & 7).to(tl.float32) * 0.001953125, normal)
+    return tl.where((bits & 0x80) != 0, -x, x)
+
+
+@triton.jit
+def _dequant_asym(t_ok, blk64, off, pages, page_ok, h, H, dd, mask, main, scale, zero, sb_main, sb_scale, sb_zero,
+                  KIND: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, D: tl.constexpr,
+                  D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr):
+    """code * scale + zero of packed 2/4-bit codes, [BLOCK_N, D_PAD] float32. Power-of-two
+    shapes load each byte and each group's scale once and unpack by reshaping
+    [BLOCK_N, bytes, codes per byte] -> [BLOCK_N, D] (lowest bits = first channel), and a
+    per-channel half loads each page's scales once; other shapes gather per channel."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    ROW: tl.constexpr = D // PER_BYTE
+    NG: tl.constexpr = D // GROUP_SIZE
+    codes = main + blk64[:, None] * sb_main + off[:, None] * (H * ROW) + h * ROW
+    if KIND == ASYM_TOKEN:
+        params = off[:, None] * (H * NG) + h * NG
+    else:
+        params = h * D + dd[None, :]
+    if D == D_PAD and (KIND == ASYM_CHANNEL or (GROUP_SIZE & (GROUP_SIZE - 1)) == 0):
+        byte = tl.load(codes + tl.arange(0, ROW)[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
+        shifts = tl.arange(0, PER_BYTE) * BITS
+        code = ((byte[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        if KIND == ASYM_TOKEN:
+            g = tl.arange(0, NG)[None, :]
+            s = tl.load(scale + blk64[:, None] * sb_scale + params + g, mask=t_ok[:, None], other=0.0)
+            z = tl.load(zero + blk64[:, None] * sb_zero + params + g, mask=t_ok[:, None], other=0.0)
+            x = tl.reshape(code, (BLOCK_N, NG, GROUP_SIZE)) * s.to(tl.float32)[:, :, None] \
+                + z.to(tl.float32)[:, :, None]
+            x = tl.reshape(x, (BLOCK_N, D))
+        elif PAGES > 0:
+            pages64 = pages.to(tl.int64)
+            s = tl.load(scale + pages64[:, None] * sb_scale + params, mask=page_ok[:, None], other=0.0)
+            z = tl.load(zero + pages64[:, None] * sb_zero + params, mask=page_ok[:, None], other=0.0)
+            x = tl.reshape(code, (PAGES, BLOCK_N // PAGES, D)) * s.to(tl.float32)[:, None, :] \
+                + z.to(tl.float32)[:, None, :]
+            x = tl.reshape(x, (BLOCK_N, D))
+        else:
+            s = tl.load(scale + blk64[:, None] * sb_scale + params, mask=t_ok[:, None], other=0.0)
+            z = tl.load(zero + blk64[:, None] * sb_zero + params, mask=t_ok[:, None], other=0.0)
+            x = tl.reshape(code, (BLOCK_N, D)) * s.to(tl.float32) + z.to(tl.float32)
+    else:
+        byte = tl.load(codes + (dd // PER_BYTE)[None, :], mask=mask, other=0).to(tl.int32)
+        code = ((byte >> ((dd % PER_BYTE) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        if KIND == ASYM_TOKEN:
+            params = params + (dd // GROUP_SIZE)[None, :]
+        s = tl.load(scale + blk64[:, None] * sb_scale + params, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(zero + blk64[:, None] * sb_zero + params, mask=mask, other=0.0).to(tl.float32)
+        x = code * s + z
+    return x
+
+
+@triton.jit
+def _load_tile(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok,
+               main, scale, zero, out_vals, out_chans, residual,
+               sb_main, sb_scale, sb_zero, sb_out_vals, sb_out_chans, sb_residual,
+               KIND: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAD: tl.constexpr,
+               NOUT: tl.constexpr, FROM_RESIDUAL: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+               BLOCK_N: tl.constexpr, PAGES: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
+    """[BLOCK_N, D_PAD] float32 keys or values of one tile's tokens (their blocks ``blk``,
+    offsets ``off``; zero where ``t_ok`` is false; with PAGES > 0, PAGES runs of tokens in
+    blocks ``pages``), in the basis the loop works in: rotated by H for a ``+had`` half
+    without outliers, real channels otherwise. Parts are contiguous but for their block
+    stride (checked by the host)."""
+    mask = t_ok[:, None] & d_ok[None, :]
+    if FROM_RESIDUAL:
+        ptrs = residual + open_row.to(tl.int64) * sb_residual + off[:, None] * (H * D) + h * D + dd[None, :]
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if HAD and NOUT == 0:
+            x = _rotate(x, D, DOT, F32_DOTS)
+    else:
+        blk64 = blk.to(tl.int64)
+        if KIND == ASYM_TOKEN or KIND == ASYM_CHANNEL:
+            x = _dequant_asym(t_ok, blk64, off, pages, page_ok, h, H, dd, mask, main, scale, zero, sb_main, sb_scale,
+                              sb_zero, KIND, BITS, GROUP_SIZE, D, D_PAD, BLOCK_N, PAGES)
+        else:
+            ptrs = main + blk64[:, None] * sb_main + off[:, None] * (H * D) + h * D + dd[None, :]
+            raw = tl.load(ptrs, mask=mask, other=0)
+            if KIND == PLAIN:
+                x = raw.to(tl.float32)
+            else:
+                if KIND == FP8:
+                    x = _e4m3_to_f32(raw)
+                else:
+                    x = raw.to(tl.float32)
+                s = tl.load(scale + blk64 * sb_scale + off * H + h, mask=t_ok, other=0.0).to(tl.float32)
+                x = x * s[:, None]
+        if NOUT > 0:
+            if HAD:
+                x = _rotate(x, D, DOT, F32_DOTS)
+            chans = out_chans + blk64 * sb_out_chans + h * NOUT
+            vals = out_vals + blk64 * sb_out_vals + off * (H * NOUT) + h * NOUT
+            for i in range(NOUT):
+                chan = tl.load(chans + i, mask=t_ok, other=0).to(tl.int32)
+                val = tl.load(vals + i, mask=t_ok, other=0.0).to(tl.float32)
+                x = tl.where(dd[None, :] == chan[:, None], val[:, None], x)
+    return x
+
+
+@triton.jit
+def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_scale, dd, d_ok,
+                  k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+                  kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+                  v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
+                  vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
+                  K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP_SIZE: tl.constexpr, K_HAD: tl.constexpr,
+                  K_NOUT: tl.constexpr, K_FROM_RESIDUAL: tl.constexpr,
+                  V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP_SIZE: tl.constexpr, V_HAD: tl.constexpr,
+                  V_NOUT: tl.constexpr, V_FROM_RESIDUAL: tl.constexpr,
+                  D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PAGES: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
+    """Online softmax over keys [lo, hi) of one sequence; returns the updated (m, l, acc)."""
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < hi
+        off = t % BLOCK_SIZE
+        if PAGES > 0:     # t0 is block-aligned: the tile holds PAGES whole blocks, or lies in one
+            p = tl.arange(0, PAGES)
+            page_ok = t0 + p * (BLOCK_N // PAGES) < hi
+            pages = tl.load(table_row + t0 // BLOCK_SIZE + p, mask=page_ok, other=0)
+            blk = tl.reshape(tl.broadcast_to(pages[:, None], (PAGES, BLOCK_N // PAGES)), (BLOCK_N,))
+        else:             # tiles straddle blocks: look every token up
+            blk = tl.load(table_row + t // BLOCK_SIZE, mask=t_ok, other=0)
+            pages = blk
+            page_ok = t_ok
+        k = _load_tile(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok,
+                       k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+                       kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+                       K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, K_FROM_RESIDUAL,
+                       D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
+        s = _dot(q, tl.trans(k), DOT, F32_DOTS) * qk_scale
+        visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_tile(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok,
+                       v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
+                       vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
+                       V_KIND, V_BITS, V_GROUP_SIZE, V_HAD, V_NOUT, V_FROM_RESIDUAL,
+                       D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
+        acc = acc * alpha[:, None] + _dot(p, v, DOT, F32_DOTS)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_rows,
+           tables, s_table, context_lens, query_starts, open_rows,
+           H, num_q_tiles, tokens_per_split, qk_scale,
+           k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+           kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+           v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
+           vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
+           K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP_SIZE: tl.constexpr, K_HAD: tl.constexpr,
+           K_NOUT: tl.constexpr, K_HAS_RESIDUAL: tl.constexpr,
+           V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP_SIZE: tl.constexpr, V_HAD: tl.constexpr,
+           V_NOUT: tl.constexpr, V_HAS_RESIDUAL: tl.constexpr,
+           GROUP: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+           BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
+           DOT: tl.constexpr, F32_DOTS: tl.constexpr):
+    """One program: ROWS (query, head) rows of one sequence over one split of its keys."""
+    s_idx = tl.program_id(0) // num_q_tiles
+    q_tile = tl.program_id(0) % num_q_tiles
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_starts + s_idx)
+    n = tl.load(query_starts + s_idx + 1) - q_start
+    if q_tile * QUERIES >= n:
+        return
+    length = tl.load(context_lens + s_idx)
+    open_row = tl.load(open_rows + s_idx)
+    # tokens [tail_lo, length) of an open block come from residual rows (halves that keep them)
+    tail_lo = length
+    if K_HAS_RESIDUAL or V_HAS_RESIDUAL:  # noqa: SIM102 (compile-time test, then a run-time one)
+        if open_row >= 0:
+            tail_lo = (length // BLOCK_SIZE) * BLOCK_SIZE
+    lo = split * tokens_per_split
+    # keys past this tile's last query are masked for every row: stop there
+    hi = tl.minimum(tl.minimum(lo + tokens_per_split, length), length - n + tl.minimum(n, (q_tile + 1) * QUERIES))
+
+    rows = tl.arange(0, ROWS)
+    j = q_tile * QUERIES + rows // GROUP
+    row_ok = (rows < QUERIES * GROUP) & (j < n)
+    head = h * GROUP + rows % GROUP
+    pos = length - n + j
+    dd = tl.arange(0, D_PAD)
+    d_ok = dd < D
+    q_rows = (q_start + j).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * sq_t + head[:, None] * sq_h + dd[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if K_HAD and K_NOUT == 0:
+        q = _rotate(q, D, tl.float32, F32_DOTS)
+    q = q.to(DOT)
+
+    m_i = tl.full((ROWS,), NEG_BIG, tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D_PAD), tl.float32)
+    table_row = tables + s_idx.to(tl.int64) * s_table
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, lo, tl.minimum(hi, tail_lo), pos, table_row, open_row, h, H,
+                                  qk_scale, dd, d_ok,
+                                  k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+                                  kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+                                  v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
+                                  vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
+                                  K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, False,
+                                  V_KIND, V_BITS, V_GROUP_SIZE, V_HAD, V_NOUT, False,
+                                  D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
+    if K_HAS_RESIDUAL or V_HAS_RESIDUAL:
+        m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tl.maximum(lo, tail_lo), hi, pos, table_row, open_row, h,
+                                      H, qk_scale, dd, d_ok,
+                                      k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+                                      kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+                                      v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
+                                      vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
+                                      K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, K_HAS_RESIDUAL,
+                                      V_KIND, V_BITS, V_GROUP_SIZE, V_HAD, V_NOUT, V_HAS_RESIDUAL,
+                                      D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
+    if V_HAD and V_NOUT == 0:
+        acc = _rotate(acc, D, tl.float32, F32_DOTS)
+
+    mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        idx = split.to(tl.int64) * num_rows + q_rows * (H * GROUP) + head
+        tl.store(part_acc + idx[:, None] * D_PAD + dd[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_m + idx, m_i, mask=row_ok)
+        tl.store(part_l + idx, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # no visible key (l = 0): acc = 0
+        tl.store(o_ptr + q_rows[:, None] * so_t + head[:, None] * so_h + dd[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def merge(part_acc, part_m, part_l, o_ptr, so_t, so_h, num_rows, num_heads, num_splits,
+          ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """Combine the splits' (acc, max, sum) of ROWS (query, head) rows into the output."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    r_ok = r < num_rows
+    dd = tl.arange(0, D_PAD)
+    m = tl.full((ROWS,), NEG_BIG, tl.float32)
+    l_sum = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D_PAD), tl.float32)
+    for k in range(num_splits):
+        idx = k * num_rows + r.to(tl.int64)
+        m_k = tl.load(part_m + idx, mask=r_ok, other=NEG_BIG)
+        l_k = tl.load(part_l + idx, mask=r_ok, other=0.0)
+        acc_k = tl.load(part_acc + idx[:, None] * D_PAD + dd[None, :], mask=r_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, m_k)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_k - m_new)
+        l_sum = l_sum * alpha + l_k * beta
+        acc = acc * alpha[:, None] + acc_k * beta[:, None]
+        m = m_new
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    t = (r // num_heads).to(tl.int64)
+    head = r % num_heads
+    tl.store(o_ptr + t[:, None] * so_t + head[:, None] * so_h + dd[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (dd < D)[None, :])

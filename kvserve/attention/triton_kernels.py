@@ -1,0 +1,304 @@
+"""CUDA attention over the paged KV cache in Triton, reading every KV format in place.
+
+``paged_attention`` has the contract of ``reference.reference_attention`` (without the
+codecs: the ``HalfLayout`` says what to read). Decode and prefill chunks over cached context
+go through the same kernel (``triton_jit.attend``); long contexts are split across programs
+(flash-decoding) and the splits merged by a second small kernel.
+
+Dequantization is fused into the kernel for every layout ``HalfLayout.from_codec`` builds;
+products run in q's dtype with float32 accumulation (float32 q: exact float32 dots).
+Import with ``TRITON_INTERPRET=1`` in the environment to run the kernels on CPU tensors
+(slowly) through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvserve.attention.layout import CodecKind, HalfLayout, HalfStore, PagedBatch
+
+try:
+    from kvserve.attention import triton_jit
+except ImportError:          # no triton: is_available() says so
+    triton_jit = None        # type: ignore[assignment]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KINDS = frozenset(CodecKind)
+MAX_HEAD_DIM = 256
+MIN_TOKENS_PER_SPLIT = 256   # below this a split's loads do not pay for its merge
+PROGRAMS_PER_SM = 2
+
+
+def is_interpreted() -> bool:
+    """Whether the kernels were decorated for Triton's interpreter (CPU tensors)."""
+    return triton_jit is not None and type(triton_jit.attend).__name__ == "InterpretedFunction"
+
+
+def is_available() -> bool:
+    """Triton is importable and either a CUDA device is present or the interpreter is forced."""
+    return triton_jit is not None and (is_interpreted() or torch.cuda.is_available())
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one call is cut into programs. A program holds ``queries_per_tile`` queries x
+    the group's query heads as ``rows`` rows and walks its split of ``tokens_per_split``
+    keys in tiles of ``block_n`` tokens; ``tokens_per_split`` is a multiple of both
+    ``block_n`` and the block size, so the open block lies in one split."""
+
+    rows: int
+    queries_per_tile: int
+    block_n: int
+    tokens_per_split: int
+    num_splits: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def launch_config(q: torch.Tensor, batch: PagedBatch, num_kv_heads: int,
+                  tokens_per_split: int | None = None) -> LaunchConfig:
+    """The default cut: enough (sequence, head, split) programs to fill the device twice
+    over, splits of at least MIN_TOKENS_PER_SPLIT keys. ``tokens_per_split`` forces the
+    split length (rounded up to the tile unit)."""
+    group = q.shape[1] // num_kv_heads
+    head_dim = q.shape[2]
+    if batch.max_query_len <= 1:
+        rows = max(16, _next_pow2(group))
+    else:
+        rows = max(64 if head_dim <= 128 else 32, _next_pow2(group))
+    queries = max(1, rows // group)
+    block_n = 64 if head_dim <= 128 else 32
+    unit = math.lcm(block_n, batch.block_size)
+    max_len = max(1, batch.max_context_len)
+    if tokens_per_split is None:
+        programs = batch.num_seqs * num_kv_heads * -(-batch.max_query_len // queries)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        want = -(-PROGRAMS_PER_SM * sms // max(1, programs))
+        splits = max(1, min(want, max_len // MIN_TOKENS_PER_SPLIT))
+        tokens_per_split = -(-max_len // splits)
+    tokens_per_split = -(-max(1, tokens_per_split) // unit) * unit
+    # 8 warps once a tile holds 8K elements: 4 would need over 200 registers a thread to
+    # dequantize a 64 x 128 tile (ptxas, sm_90)
+    warps = 8 if max(block_n, rows) * head_dim >= 8192 else 4
+    return LaunchConfig(rows, queries, block_n, tokens_per_split, -(-max_len // tokens_per_split), num_warps=warps)
+
+
+def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
+                    out: torch.Tensor | None = None, *, config: LaunchConfig | None = None) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D] in q's dtype (written into ``out`` when given); the
+    semantics of ``reference_attention``, except that ``open_rows`` of a sequence whose last
+    block is full is ignored. ValueError for inputs the kernel cannot read. The batch's
+    ``max_query_len`` and ``max_context_len`` size the grid and must bound every sequence's
+    (not checked: that would cost a device sync). ``config`` overrides the default cut."""
+    if triton_jit is None:
+        raise RuntimeError("the Triton attention backend needs the triton package (pip install triton)")
+    _check_query(q, out)
+    num_kv_heads, head_dim = _check_half("key", key, batch.block_size, q.shape[2]), q.shape[2]
+    if _check_half("value", value, batch.block_size, head_dim) != num_kv_heads:
+        raise ValueError("keys and values are stored with different numbers of heads")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
+    _check_batch(batch, q.device)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if q.shape[0] == 0 or batch.num_seqs == 0:
+        return out
+    cfg = config or launch_config(q, batch, num_kv_heads)
+    if cfg.tokens_per_split % math.lcm(cfg.block_n, batch.block_size):
+        raise ValueError(f"tokens_per_split {cfg.tokens_per_split} is not a multiple of block_n {cfg.block_n} "
+                         f"and the block size {batch.block_size}")
+    _launch(q, key, value, batch, scale, out, cfg)
+    return out
+
+
+@dataclass(frozen=True)
+class AttendLaunch:
+    """The ``attend`` kernel's grid, positional arguments and compile-time constants."""
+
+    grid: tuple[int, int, int]
+    args: list[Any]
+    constants: dict[str, Any]
+
+
+def attend_launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
+                  out: torch.Tensor, cfg: LaunchConfig, partials: tuple[torch.Tensor, ...],
+                  f32_dots: bool) -> AttendLaunch:
+    """What ``paged_attention`` launches (``partials``: acc, max, sum of the splits; any
+    tensors when there is one split). Also used to compile the kernel without a GPU."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = next(iter(key.parts.values())).shape[2]
+    num_q_tiles = -(-batch.max_query_len // cfg.queries_per_tile)
+    tables = batch.block_tables if batch.block_tables.stride(1) == 1 else batch.block_tables.contiguous()
+    args = [q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), *partials, num_tokens * num_heads,
+            tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
+            num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
+            *_half_args(key), *_half_args(value)]
+    constants = {**_half_constants("K", key), **_half_constants("V", value),
+                 "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
+                 "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
+                 "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
+                 "SPLIT": cfg.num_splits > 1, "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots}
+    return AttendLaunch((batch.num_seqs * num_q_tiles, num_kv_heads, cfg.num_splits), args, constants)
+
+
+def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float, out: torch.Tensor,
+            cfg: LaunchConfig) -> None:
+    assert triton_jit is not None
+    num_rows, d_pad = q.shape[0] * q.shape[1], max(16, _next_pow2(q.shape[2]))
+    partials: tuple[torch.Tensor, ...] = (out, out, out)     # not read with one split
+    if cfg.num_splits > 1:
+        partials = (torch.empty(cfg.num_splits, num_rows, d_pad, dtype=torch.float32, device=q.device),
+                    torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device),
+                    torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device))
+    f32_dots = is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0)
+    launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots)
+    triton_jit.attend[launch.grid](*launch.args, **launch.constants, num_warps=cfg.num_warps,
+                                   num_stages=cfg.num_stages)
+    if cfg.num_splits > 1:
+        rows = 16
+        triton_jit.merge[(-(-num_rows // rows),)](*partials, out, out.stride(0), out.stride(1), num_rows, q.shape[1],
+                                                  cfg.num_splits, ROWS=rows, D=q.shape[2], D_PAD=d_pad, num_warps=4)
+
+
+def _pages_per_tile(block_n: int, block_size: int) -> int:
+    """Blocks a tile covers: block_n / B when B divides it, 1 when the tile lies inside a
+    block, 0 when tiles straddle blocks (every token looked up)."""
+    if block_n % block_size == 0:
+        return block_n // block_size
+    return 1 if block_size % block_n == 0 else 0
+
+
+def _dot_dtype(dtype: torch.dtype) -> Any:
+    tl = triton_jit.tl  # type: ignore[union-attr]
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+PART_NAMES = ("scale", "zero", "outlier_values", "outlier_channels")
+
+
+def _half_args(store: HalfStore) -> list[Any]:
+    """Six pointers (main part, scale, zero, outlier values, outlier channels, residual rows;
+    the main part stands in for those the layout lacks) and their six block strides."""
+    main = store.parts["codes" if store.layout.kind != CodecKind.PLAIN else "data"]
+    tensors = [main, *(store.parts.get(name, main) for name in PART_NAMES),
+               main if store.residual is None else store.residual]
+    return [*tensors, *(t.stride(0) for t in tensors)]
+
+
+def _half_constants(prefix: str, store: HalfStore) -> dict[str, Any]:
+    layout = store.layout
+    return {f"{prefix}_KIND": int(layout.kind), f"{prefix}_BITS": layout.bits,
+            f"{prefix}_GROUP_SIZE": max(1, layout.group_size), f"{prefix}_HAD": layout.hadamard,
+            f"{prefix}_NOUT": layout.num_outliers, f"{prefix}_HAS_RESIDUAL": store.residual is not None}
+
+
+# ---- input checks: a layout or tensor the kernel cannot read raises, never reads wrong bytes
+
+
+def _check_query(q: torch.Tensor, out: torch.Tensor | None) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, query heads, head_dim], got shape {tuple(q.shape)}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+    if not 1 <= q.shape[2] <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {q.shape[2]} is outside 1..{MAX_HEAD_DIM}")
+    if not is_interpreted() and not q.is_cuda:
+        raise ValueError("the Triton kernels run on CUDA tensors (or on CPU with TRITON_INTERPRET=1 set before "
+                         "kvserve.attention.triton_kernels is imported)")
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}), got "
+                             f"{tuple(out.shape)}, {out.dtype}, {out.device}")
+        if out.stride(2) != 1:
+            raise ValueError("out must be contiguous along head_dim")
+
+
+def _expect(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
+            device: torch.device) -> torch.Tensor:
+    """``t`` is [n, *shape] in one of ``dtypes``, contiguous but for its first dim."""
+    if t is None:
+        raise ValueError(f"missing part {name!r}")
+    if tuple(t.shape[1:]) != shape or t.dim() != len(shape) + 1:
+        raise ValueError(f"{name}: expected shape [n, {', '.join(map(str, shape))}], got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the main part on {device}")
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(t.stride()[1:])):
+        if size > 1 and stride != expected:
+            raise ValueError(f"{name}: only the block dim may be strided (got strides {t.stride()})")
+        expected *= size
+    return t
+
+
+def _check_layout(half: str, layout: HalfLayout, head_dim: int) -> None:
+    if layout.kind not in KINDS:
+        raise ValueError(f"{half}: unknown codec kind {layout.kind!r}")
+    if layout.kind in (CodecKind.ASYM_TOKEN, CodecKind.ASYM_CHANNEL):
+        if layout.bits not in (2, 4):
+            raise ValueError(f"{half}: packed codes of {layout.bits} bits are not supported (2 or 4)")
+        if layout.kind == CodecKind.ASYM_TOKEN and (layout.group_size < 1 or head_dim % layout.group_size):
+            raise ValueError(f"{half}: group size {layout.group_size} does not divide head_dim {head_dim}")
+    if layout.hadamard and (head_dim & (head_dim - 1) or head_dim < 16):
+        raise ValueError(f"{half}: +had needs a power-of-two head_dim of at least 16, got {head_dim}")
+    if not 0 <= layout.num_outliers < head_dim:
+        raise ValueError(f"{half}: {layout.num_outliers} outlier channels for head_dim {head_dim}")
+
+
+def _check_half(half: str, store: HalfStore, block_size: int, head_dim: int) -> int:
+    """Validate one half against its layout; returns its number of heads."""
+    layout, parts = store.layout, store.parts
+    _check_layout(half, layout, head_dim)
+    main_name = "data" if layout.kind == CodecKind.PLAIN else "codes"
+    main = parts.get(main_name)
+    if main is None or main.dim() != 4:
+        raise ValueError(f"{half}: expected a part {main_name!r} [blocks, block_size, heads, ...]")
+    heads, device = main.shape[2], main.device
+    if layout.kind == CodecKind.PLAIN:
+        if layout.plain_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{half}: plain storage in {layout.plain_dtype} is not supported")
+        _expect(f"{half}.data", main, (block_size, heads, head_dim), (layout.plain_dtype,), device)
+    elif layout.kind in (CodecKind.INT8, CodecKind.FP8):
+        code_dtype = torch.int8 if layout.kind == CodecKind.INT8 else torch.uint8
+        _expect(f"{half}.codes", main, (block_size, heads, head_dim), (code_dtype,), device)
+        _expect(f"{half}.scale", parts.get("scale"), (block_size, heads), (torch.float16,), device)
+    else:
+        _expect(f"{half}.codes", main, (block_size, heads, head_dim * layout.bits // 8), (torch.uint8,), device)
+        param: tuple[int, ...] = (heads, head_dim) if layout.kind == CodecKind.ASYM_CHANNEL \
+            else (block_size, heads, head_dim // layout.group_size)
+        for name in ("scale", "zero"):
+            _expect(f"{half}.{name}", parts.get(name), param, (torch.float16,), device)
+    if layout.num_outliers:
+        n = layout.num_outliers
+        _expect(f"{half}.outlier_values", parts.get("outlier_values"), (block_size, heads, n), (torch.float16,),
+                device)
+        _expect(f"{half}.outlier_channels", parts.get("outlier_channels"), (heads, n), (torch.uint8,), device)
+    if store.residual is not None:
+        _expect(f"{half}.residual", store.residual, (block_size, heads, head_dim), FLOAT_DTYPES, device)
+    return heads
+
+
+def _check_batch(batch: PagedBatch, device: torch.device) -> None:
+    s = batch.num_seqs
+    expected = {"block_tables": (batch.block_tables, 2), "context_lens": (batch.context_lens, 1),
+                "query_starts": (batch.query_starts, 1), "open_rows": (batch.open_rows, 1)}
+    for name, (t, dims) in expected.items():
+        if t.dtype != torch.int32 or t.dim() != dims or t.device != device:
+            raise ValueError(f"batch.{name} must be a {dims}-d int32 tensor on {device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if batch.block_tables.shape[0] != s or batch.open_rows.shape[0] != s or batch.query_starts.shape[0] != s + 1:
+        raise ValueError(f"batch tensors disagree on the number of sequences ({s})")
+    if batch.block_size < 1 or batch.max_query_len < 0 or batch.max_context_len < 0:
+        raise ValueError("batch.block_size must be positive and the maxima non-negative")

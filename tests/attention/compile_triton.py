@@ -1,0 +1,85 @@
+"""Compile the Triton attention kernel for a CUDA architecture on a machine without a GPU
+(Triton ships ptxas) and print each variant's registers, spill stack and shared memory.
+
+    python tests/attention/compile_triton.py [--arch 90] [--variants kivi2:bf16:128:decode ...]
+
+A variant is ``format:dtype:head_dim:mode`` (format as ``kivi2`` or ``k=int8,v=kivi2``, mode
+``decode`` or ``prefill``); the arguments are those ``paged_attention`` launches with (the
+default launch config, strides of a real cache, 16-byte alignment as the runtime specializes
+them). Run without TRITON_INTERPRET: the interpreter's kernels cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]     # this checkout's kvserve, and tests/attention/cases.py
+
+from attention.cases import make_case
+
+from kvserve.attention import triton_jit, triton_kernels
+
+DEFAULT_VARIANTS = ["native:bf16:128:decode", "int8:bf16:128:decode", "fp8:bf16:128:decode",
+                    "kivi2:bf16:128:decode", "int4:fp16:64:decode", "int8+had+out4:bf16:128:decode",
+                    "kivi2:bf16:128:prefill", "fp32:fp32:64:decode"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def compile_variant(variant: str, arch: int) -> str:
+    """ptxas resource usage of one variant, e.g. ``REG:168 STACK:0 SHARED:1024``."""
+    import triton  # type: ignore[import-untyped]
+    from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
+    from triton.compiler import ASTSource  # type: ignore[import-untyped]
+    from triton.runtime.jit import mangle_type  # type: ignore[import-untyped]
+
+    fmt, dtype, head_dim, mode = variant.rsplit(":", 3)
+    halves = dict(h.split("=") for h in fmt.split(",")) if "=" in fmt else {"k": fmt, "v": fmt}
+    queries = [1, 1, 1, 1] if mode == "decode" else [1, 40, 9, 64]
+    case = make_case(halves["k"], halves["v"], lens=[300, 800, 999, 1000], num_queries=queries, num_kv_heads=8,
+                     group=4, head_dim=int(head_dim), block_size=16, dtype=DTYPES[dtype])
+    cfg = triton_kernels.launch_config(case.q, case.batch, 8)
+    partials = (torch.empty(1), torch.empty(1), torch.empty(1))
+    launch = triton_kernels.attend_launch(case.q, case.key, case.value, case.batch, case.scale, torch.empty_like(case.q),
+                                          cfg, partials, f32_dots=arch < 80)
+    names = [n for n in triton_jit.attend.arg_names if n not in launch.constants]
+    signature = {n: mangle_type(a) for n, a in zip(names, launch.args)}
+    signature.update({n: "constexpr" for n in launch.constants})
+    aligned = [n for n, a in zip(names, launch.args)
+               if isinstance(a, torch.Tensor) or (isinstance(a, int) and not isinstance(a, bool) and a % 16 == 0)]
+    attrs = {(triton_jit.attend.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(triton_jit.attend, signature, constexprs=launch.constants, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    line = next(x for x in usage.splitlines() if "REG:" in x)
+    return " ".join(w for w in line.split() if w.split(":")[0] in ("REG", "STACK", "SHARED")) + \
+        f" (warps {cfg.num_warps}, rows {cfg.rows}, block_n {cfg.block_n})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (80: A100, 90: H100)")
+    p.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
+    args = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    for variant in args.variants:
+        print(f"sm_{args.arch} {variant}: {compile_variant(variant, args.arch)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,393 @@
+"""The Triton backend against the float32 reference, in every KV format.
+
+Without a CUDA device the kernels run on CPU tensors through Triton's interpreter: the
+module is imported with TRITON_INTERPRET=1 (restored afterwards, so no other test module
+sees it), and shapes stay at a few hundred keys (the interpreter runs each program's ops
+through numpy, one program at a time). On a CUDA machine the same tests run the compiled
+kernels on the GPU.
+
+Tolerances. float32 q: the kernel and the reference compute the same float32 values in a
+different order (tiled online softmax, tl.dot, split merges; for ``+had`` a dot with the
++-1 matrix where the codec runs the FWHT): observed errors stay below 5e-6 on outputs of
+size ~1, so 2e-5 absolute + 2e-5 relative catches any real mistake (a misread channel,
+scale or token moves outputs by 1e-2 and more). float16 / bfloat16 q: the kernel rounds
+q, K, V and the probabilities to q's dtype for the products (as the torch path's decode to
+the compute dtype + SDPA does) and the output to q's dtype, while the reference computes in
+float32 from the same q: a few roundings of 2^-11 (fp16) / 2^-8 (bf16) relative.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from attention.cases import Case, make_case
+
+from kvserve.attention.layout import CodecKind, HalfStore, PagedBatch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _load_kernels() -> ModuleType:
+    """kvserve.attention.triton_kernels, its kernels decorated for the interpreter when there
+    is no GPU. Triton decorates its own library functions when it is first imported, so the
+    variable must be set before then too."""
+    if DEVICE == "cuda":
+        pytest.importorskip("triton")
+        return importlib.import_module("kvserve.attention.triton_kernels")
+    if "triton" in sys.modules and "kvserve.attention.triton_kernels" not in sys.modules:
+        raise RuntimeError("triton was imported before this module could set TRITON_INTERPRET=1")
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pytest.importorskip("triton")
+        importlib.import_module("triton.experimental.gluon")   # imported lazily at the first launch
+        module = importlib.import_module("kvserve.attention.triton_kernels")
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    if not module.is_interpreted():
+        raise RuntimeError("kvserve.attention.triton_kernels was imported before TRITON_INTERPRET=1 was set")
+    return module
+
+
+tk = _load_kernels()
+
+
+def _openblas_threads() -> tuple[Callable[[int], None], Callable[[], int]] | None:
+    """(set, get) of the thread count of the OpenBLAS numpy loaded, if it is OpenBLAS."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and ".so" in line}
+    for path in sorted(paths):
+        lib = ctypes.CDLL(path)
+        for prefix, suffix in (("scipy_openblas", "64_"), ("openblas", "64_"), ("openblas", "")):
+            setter, getter = f"{prefix}_set_num_threads{suffix}", f"{prefix}_get_num_threads{suffix}"
+            if hasattr(lib, setter) and hasattr(lib, getter):
+                return getattr(lib, setter), getattr(lib, getter)
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_threaded_cpu() -> Iterator[None]:
+    """The interpreter runs numpy ops of a few KB, one after another: waking thread pools for
+    them on 2 busy cores costs more than the work (OpenBLAS: ~15 ms a tl.dot instead of
+    0.03 ms; torch's OpenMP threads spin between the small ops of make_case and the
+    reference). One thread each for this module; restored after it."""
+    if DEVICE != "cpu":
+        yield
+        return
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    blas = _openblas_threads() if os.path.exists("/proc/self/maps") else None
+    blas_threads = blas[1]() if blas else 0
+    if blas:
+        blas[0](1)
+    yield
+    torch.set_num_threads(torch_threads)
+    if blas:
+        blas[0](blas_threads)
+
+
+def run(case: Case, **kwargs) -> torch.Tensor:
+    return tk.paged_attention(case.q, case.key, case.value, case.batch, case.scale, **kwargs)
+
+
+def check(case: Case, out: torch.Tensor | None = None, reference: torch.Tensor | None = None) -> None:
+    out = run(case) if out is None else out
+    ref = case.reference() if reference is None else reference
+    tol = TOL[case.q.dtype]
+    assert out.dtype == case.q.dtype and out.shape == case.q.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def forced_splits(case: Case, block_n: int = 16) -> tk.LaunchConfig:
+    """A config cutting every sequence into splits of one tile unit (many merges)."""
+    cfg = tk.launch_config(case.q, case.batch, case.key.parts[next(iter(case.key.parts))].shape[2])
+    unit = math.lcm(block_n, case.batch.block_size)
+    return replace(cfg, block_n=block_n, tokens_per_split=unit, num_splits=-(-case.batch.max_context_len // unit))
+
+
+# Every kind, the options on both halves and per half, residual rows on one half or both:
+# fp32/fp16/bf16 plain, fp8, int8, int4g32, kivi4 (K 4-bit per channel + residual rows,
+# V int4g32), kivi2 (K 2-bit per channel, V int2g32), +had (folded into q / the output),
+# +had+out4 (rotated tiles, outliers on both halves), +out4 on KIVI (residual rows on both
+# halves), K and V of different kinds.
+FORMATS = [("fp32", None), ("fp16", None), ("bf16", None), ("fp8", None), ("int8", None), ("int4", None),
+           ("kivi4", None), ("kivi2", None), ("int8+had", None), ("fp8+had+out4", None), ("kivi2+out4", None),
+           ("kivi4+had", "int4g16+had"), ("int8", "kivi2")]
+
+
+def matrix_case(fmt: tuple[str, str | None], mode: str, group: int, head_dim: int, block_size: int,
+                dtype: torch.dtype = torch.float32, heads: int = 1) -> Case:
+    """Ragged sequences: 1 token; exact block multiples; an open last block. Decode: one
+    query each. Prefill: a 1-token prompt, 16 queries ending at a block boundary, and a
+    9-query chunk that ends in the open block, over cached context. One KV head (the
+    interpreter's time grows with the programs; other tests use several)."""
+    b = block_size
+    lens = [1, 2 * b, 3 * b + 5]
+    queries = [1, 1, 1] if mode == "decode" else [1, 16, 9]
+    return make_case(fmt[0], fmt[1], lens=lens, num_queries=queries, num_kv_heads=heads, group=group,
+                     head_dim=head_dim, block_size=b, dtype=dtype, device=DEVICE, seed=group + head_dim + b)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f[0] if f[1] is None else f"k={f[0]},v={f[1]}")
+def test_every_format_against_the_reference(fmt: tuple[str, str | None], mode: str, group: int, head_dim: int,
+                                            block_size: int) -> None:
+    check(matrix_case(fmt, mode, group, head_dim, block_size))
+
+
+# the options on every quantized kind, and group sizes: one shape each
+OPTION_FORMATS = [f"{kind}{option}" for kind in ("fp8", "int8", "int4g16", "int2", "kivi4", "kivi2")
+                  for option in ("+had", "+out2", "+had+out4")] + ["int4g64", "int2g8", "kivi2g64", "int4g128"]
+
+
+@pytest.mark.parametrize("fmt", OPTION_FORMATS)
+def test_options_and_group_sizes_on_every_quantized_kind(fmt: str) -> None:
+    case = make_case(fmt, lens=[5, 32, 45], num_queries=[1, 1, 12], num_kv_heads=2, group=2, head_dim=128,
+                     block_size=16, device=DEVICE, seed=7)
+    check(case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("fmt", [("native", None), ("int8", None), ("kivi2", None), ("fp8+had+out4", None),
+                                 ("kivi4+had", "int4+had")], ids=str)
+def test_half_precision_queries(fmt: tuple[str, str | None], mode: str, dtype: torch.dtype) -> None:
+    """The compute dtypes of a GPU: products in q's dtype, float32 accumulation."""
+    check(matrix_case(fmt, mode, group=3, head_dim=128, block_size=16, dtype=dtype, heads=2))
+
+
+@pytest.mark.parametrize("fmt", [("fp32", None), ("int4", None), ("kivi2", None), ("fp8+had+out4", "int8+had")],
+                         ids=str)
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_split_contexts_merge_exactly(fmt: tuple[str, str | None], mode: str) -> None:
+    """Flash-decoding: every sequence cut into splits of 16 or 32 keys (the open block in the
+    last one, prefill queries masked out of whole splits), merged by the second kernel."""
+    for block_size in (16, 32):
+        case = matrix_case(fmt, mode, group=3, head_dim=64, block_size=block_size)
+        cfg = forced_splits(case)
+        assert cfg.num_splits >= 3
+        check(case, run(case, config=cfg))
+
+
+@pytest.mark.parametrize("fmt,block_size", [("fp32", 16), ("kivi2", 16), ("int4+had+out4", 256)])
+def test_several_thousand_tokens(fmt: str, block_size: int) -> None:
+    """A 4,000-token decode and an 8-query chunk at the end of 3,000 cached tokens (8 query
+    heads on one KV head), in one call; in one split and in 8 splits of 512 keys merged.
+    Tiles of 256 keys (16 blocks of 16) or 128 keys (half a block of 256): the interpreter's
+    time is per tile, not per key."""
+    lens = [4000, 3003] if block_size == 16 else [4001, 3000]
+    case = make_case(fmt, lens=lens, num_queries=[1, 8], num_kv_heads=1, group=8, head_dim=64,
+                     block_size=block_size, device=DEVICE, seed=3)
+    ref = case.reference()
+    cfg = replace(tk.launch_config(case.q, case.batch, 1), block_n=256 if block_size == 16 else 128, tokens_per_split=4096,
+                  num_splits=1)
+    check(case, run(case, config=cfg), reference=ref)
+    check(case, run(case, config=replace(cfg, tokens_per_split=512, num_splits=8)), reference=ref)
+
+
+def test_odd_head_dim_and_block_size() -> None:
+    """head_dim 96 (padded to 128, gathered codes) and a 24-token block (tiles straddle blocks)."""
+    for fmt in ("fp16", "kivi2+out2"):
+        case = make_case(fmt, lens=[24, 50, 7], num_queries=[1, 20, 7], num_kv_heads=2, group=3, head_dim=96,
+                         block_size=24, device=DEVICE, seed=5)
+        check(case)
+
+
+@pytest.mark.parametrize("fmt", ["int8+had", "kivi2+out4"])
+def test_group_of_32_and_head_dim_256(fmt: str) -> None:
+    """Rows past 16 (a 32-head group: 32 rows a query) and the widest head (32-key tiles)."""
+    for group, head_dim in ((32, 64), (4, 256)):
+        case = make_case(fmt, lens=[1, 40, 77], num_queries=[1, 3, 12], num_kv_heads=1, group=group,
+                         head_dim=head_dim, block_size=16, device=DEVICE, seed=group)
+        check(case)
+
+
+def test_residual_on_one_half_only() -> None:
+    """kivi2: keys keep a residual row for the open block, values do not, in the same call."""
+    case = matrix_case(("kivi2", None), "prefill", group=3, head_dim=64, block_size=16)
+    assert case.key.residual is not None and case.value.residual is None
+    assert case.batch.open_rows.tolist() == [0, -1, 2]
+    check(case)
+
+
+def test_open_rows_of_full_last_blocks_are_ignored() -> None:
+    """A full last block is read from its parts even when open_rows names a row (of garbage).
+    (The reference overlays the row whenever open_rows >= 0, so it is run without it.)"""
+    case = make_case("kivi2+out4", lens=[32, 20, 48], num_queries=[1, 3, 5], num_kv_heads=2, group=3,
+                     block_size=16, device=DEVICE)
+    ref = case.reference()
+    b = case.batch
+    named = replace(case, batch=replace(b, open_rows=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)))
+    assert not torch.equal(named.reference(), ref)    # the rows hold garbage
+    check(named, reference=ref)
+
+
+def _poison(case: Case) -> Case:
+    """Every byte a kernel must not read set to nan (float parts) or its codes to 0xff: blocks
+    no table names (the tables' padding included), encoded parts of open blocks kept in
+    residual rows, residual rows no sequence names, tokens past each sequence's end."""
+    b, bs = case.batch, case.batch.block_size
+    lens, opens = b.context_lens.tolist(), b.open_rows.tolist()
+    num_blocks = next(iter(case.key.parts.values())).shape[0]
+    used, open_blocks = set(), set()
+    for s, length in enumerate(lens):
+        blocks = b.block_tables[s, :-(-length // bs)].tolist()
+        used.update(blocks)
+        if length % bs:
+            open_blocks.add((blocks[-1], length % bs, opens[s]))
+    poison = torch.tensor(sorted(set(range(num_blocks)) - used), dtype=torch.long)
+    poisoned_table = b.block_tables.clone()
+    for s, length in enumerate(lens):
+        poisoned_table[s, -(-length // bs):] = int(poison[0])
+
+    def bad(t: torch.Tensor) -> float | int:
+        return float("nan") if t.is_floating_point() else -1
+
+    def half(store: HalfStore) -> HalfStore:
+        parts = {n: t.clone() for n, t in store.parts.items()}
+        residual = None if store.residual is None else torch.full_like(store.residual, float("nan"))
+        for name, t in parts.items():
+            t[poison.to(t.device)] = bad(t)
+            for blk, filled, row in open_blocks:
+                if store.residual is not None and row >= 0:
+                    t[blk] = bad(t)                       # whole block lives in the residual row
+                elif t.dim() >= 3 and t.shape[1] == bs and name not in ("scale", "zero") or \
+                        name in ("scale", "zero") and store.layout.kind != CodecKind.ASYM_CHANNEL:
+                    t[blk, filled:] = bad(t)              # per-token parts past the end
+        if residual is not None:
+            for s, length in enumerate(lens):
+                if opens[s] >= 0:
+                    residual[opens[s], :length % bs] = store.residual[opens[s], :length % bs]
+        return HalfStore(store.layout, parts, residual)
+
+    return replace(case, key=half(case.key), value=half(case.value), batch=replace(b, block_tables=poisoned_table))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int8", "fp8+had", "int4+out2", "kivi2", "kivi4+had+out4"])
+def test_garbage_is_never_read(fmt: str) -> None:
+    case = make_case(fmt, lens=[1, 16, 37], num_queries=[1, 4, 9], num_kv_heads=2, group=3, block_size=16,
+                     device=DEVICE, seed=11)
+    ref = case.reference()
+    poisoned = _poison(case)
+    out = run(poisoned)
+    assert not out.isnan().any()
+    check(case, out, ref)
+    check(poisoned, run(poisoned, config=forced_splits(poisoned)), ref)
+
+
+def test_out_argument_and_strided_query() -> None:
+    case = matrix_case(("int8", None), "prefill", group=3, head_dim=64, block_size=16)
+    qkv = torch.randn(case.q.shape[0], 3 * case.q.shape[1], case.q.shape[2], device=DEVICE)
+    qkv[:, :case.q.shape[1]] = case.q
+    strided = replace(case, q=qkv[:, :case.q.shape[1]])
+    out = torch.full_like(case.q, float("nan"))
+    assert run(strided, out=out) is out
+    check(case, out)
+
+
+def test_empty_sequences_and_batches() -> None:
+    case = make_case("int8", lens=[10, 20], num_queries=[0, 2], num_kv_heads=2, group=3, device=DEVICE)
+    check(case)
+    q = case.q[:0]
+    empty = replace(case, q=q, batch=replace(case.batch, query_starts=torch.zeros(3, dtype=torch.int32,
+                                                                                   device=DEVICE)))
+    assert run(empty).shape == q.shape
+
+
+def _bad_layout(case: Case, **changes) -> Case:
+    key = case.key
+    layout = replace(key.layout, **changes)
+    residual = torch.zeros(1, *key.parts["codes"].shape[1:3], case.q.shape[2]) if layout.encodes_whole_blocks \
+        else key.residual
+    return replace(case, key=HalfStore(layout, key.parts, residual))
+
+
+def test_bad_inputs_raise() -> None:
+    case = make_case("int4", lens=[20], num_queries=[1], num_kv_heads=2, group=3, head_dim=64, device=DEVICE)
+    cases = {
+        "packed codes of 3 bits": _bad_layout(case, bits=3),
+        "group size 24 does not divide": _bad_layout(case, group_size=24),
+        "expected dtype": _bad_layout(make_case("int8", lens=[20], num_queries=[1], device=DEVICE), kind=CodecKind.FP8),
+        "missing part": _bad_layout(case, num_outliers=2),
+        "unknown codec kind": _bad_layout(case, kind=7),
+        "query heads are not a multiple": replace(case, q=case.q[:, :5]),
+        "q must be float32": replace(case, q=case.q.double()),
+        "int32 tensor": replace(case, batch=replace(case.batch, context_lens=case.batch.context_lens.long())),
+        "expected shape": replace(case, batch=replace(case.batch, block_size=32)),
+    }
+    for message, bad in cases.items():
+        with pytest.raises(ValueError, match=message):
+            run(bad)
+    odd = make_case("fp16", lens=[20], num_queries=[1], head_dim=48, device=DEVICE)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        run(replace(odd, key=HalfStore(replace(odd.key.layout, hadamard=True), odd.key.parts)))
+    with pytest.raises(ValueError, match="out must match"):
+        run(case, out=torch.empty_like(case.q, dtype=torch.float16))
+    with pytest.raises(ValueError, match="tokens_per_split"):
+        run(case, config=replace(tk.launch_config(case.q, case.batch, 2), tokens_per_split=24))
+
+
+def test_kernel_kind_constants_are_the_layout_kinds() -> None:
+    jit = sys.modules["kvserve.attention.triton_jit"]
+    assert [int(getattr(jit, k.name).value) for k in CodecKind] == [int(k) for k in CodecKind]
+
+
+def test_is_available_and_the_default_cut() -> None:
+    assert tk.is_available()
+    q = torch.empty(4, 9, 64)
+    batch = PagedBatch(torch.zeros(4, 250, dtype=torch.int32), torch.full((4,), 4000, dtype=torch.int32),
+                       torch.arange(5, dtype=torch.int32), torch.full((4,), -1, dtype=torch.int32), 16, 1, 4000)
+    cfg = tk.launch_config(q, batch, 3)
+    assert cfg.rows == 16 and cfg.tokens_per_split % 64 == 0
+    assert cfg.num_splits == -(-4000 // cfg.tokens_per_split)
+
+
+
+def test_the_benchmark_runs_in_the_interpreter() -> None:
+    """kvserve.bench.attention_kernels_cuda end to end on a tiny shape (its numbers mean
+    nothing here: it exists for a GPU)."""
+    if DEVICE != "cpu":
+        pytest.skip("the benchmark itself runs on the GPU")
+    from kvserve.bench import attention_kernels_cuda as bench
+
+    text = bench.run(tk, ["int8", "kivi2"], ["smollm2-135m"], {"1x40": [40]}, 16, torch.bfloat16, "cpu", 2, 1 << 20)
+    lines = text.splitlines()
+    assert lines[0].startswith("device cpu") and len(lines) == 2 + 2 + 3
+    assert all("x |" in line for line in lines[-3:-1])
+
+
+def test_kernels_compile_for_the_gpu_without_spilling() -> None:
+    """What the interpreter cannot show: the kernel compiles for sm_90 (Triton's own ptxas, no
+    GPU needed) and keeps its tiles in registers, for the heaviest decode tile (2-bit
+    per-channel keys, head_dim 128) and a prefill with rotated outlier keys."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton has no CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    script = Path(__file__).with_name("compile_triton.py")
+    done = subprocess.run([sys.executable, str(script), "--arch", "90", "--variants", "kivi2:bf16:128:decode",
+                           "k=fp8+had+out4,v=int4:fp16:64:prefill"], check=False, capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and all("STACK:0" in line for line in lines), done.stdout
