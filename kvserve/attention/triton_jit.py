@@ -28,8 +28,8 @@ dot with the +-1 Sylvester matrix) before their outlier channels are written.
 
 from __future__ import annotations
 
-import triton  # type: ignore[import-untyped,import-not-found]
-import triton.language as tl  # type: ignore[import-untyped,import-not-found]
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 # CodecKind values (kvserve.attention.layout), as kernel constants
 PLAIN = tl.constexpr(0)

@@ -180,7 +180,7 @@ def _pages_per_tile(block_n: int, block_size: int) -> int:
 
 
 def _dot_dtype(dtype: torch.dtype) -> Any:
-    tl = triton_jit.tl  # type: ignore[union-attr]
+    tl = triton_jit.tl
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
