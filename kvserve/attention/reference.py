@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.layout import HalfStore, PagedBatch
 from kvserve.kv.codecs import HalfCodec
+from kvserve.kv.storage.layout import HalfStore, PagedBatch
 
 
 def decode_sequence(codec: HalfCodec, store: HalfStore, block_ids: list[int], num_tokens: int,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-# CodecKind values (kvserve.attention.layout), as kernel constants
+# CodecKind values (kvserve.kv.storage.layout), as kernel constants
 PLAIN = tl.constexpr(0)
 INT8 = tl.constexpr(1)
 FP8 = tl.constexpr(2)

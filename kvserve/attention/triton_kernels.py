@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvserve.attention.layout import CodecKind, HalfLayout, HalfStore, PagedBatch
+from kvserve.kv.storage.layout import CodecKind, HalfLayout, HalfStore, PagedBatch
 
 try:
     from kvserve.attention import triton_jit

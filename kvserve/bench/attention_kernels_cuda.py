@@ -42,9 +42,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.layout import HalfLayout, HalfStore, PagedBatch
 from kvserve.bench.common import table
 from kvserve.kv.codecs import HalfCodec, parse_codec
+from kvserve.kv.storage.layout import HalfLayout, HalfStore, PagedBatch
 
 SHAPES = {"smollm2-135m": (3, 9, 64), "llama3-8b": (8, 32, 128)}   # KV heads, query heads, head_dim
 WORKLOADS = {"4x4000": [4000] * 4, "1x8000": [8000]}

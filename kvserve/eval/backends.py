@@ -101,13 +101,13 @@ class KVServeBackend:
 
     def storage(self, context_tokens: int) -> StorageCost:
         """From the format's exact block size: a sequence of L tokens holds ceil(L / B)
-        blocks, plus, under a quantized format, one full-precision residual row of B
-        tokens while its last block is open. Averaged over L in (context, context + 128]."""
+        blocks, plus, under a format with halves that encode whole blocks (KIVI's keys), one
+        full-precision residual row of B tokens of those halves while its last block is open. Averaged over L in (context, context + 128]."""
         engine = self.llm.engine
         mc, bs = engine.model_config, engine.pool.block_size
         block_nbytes = engine.kv_format.nbytes_per_block(bs, mc.num_kv_heads, mc.head_dim)
         row_nbytes = (0 if engine.kv_format.is_lossless
-                      else QuantizedKVCache.residual_row_nbytes(mc, bs, engine.dtype))
+                      else QuantizedKVCache.residual_row_nbytes(mc, engine.kv_format, bs, engine.dtype))
         ratios = []
         for length in range(context_tokens + 1, context_tokens + 1 + STORAGE_CYCLE_TOKENS):
             nbytes = -(-length // bs) * block_nbytes + (row_nbytes if length % bs else 0)

@@ -15,6 +15,7 @@ import torch
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.kv.residual import NoResidual
 from kvserve.kv.storage.base import KVStorage, Overlay, StepWrites, WritePlanner
+from kvserve.kv.storage.layout import CodecKind, HalfLayout, HalfStore
 
 if TYPE_CHECKING:
     from typing import Self
@@ -37,6 +38,7 @@ class PagedKVCache(KVStorage):
         self.dtype = dtype
         self.device = device
         self.residual = NoResidual()
+        self._layout = HalfLayout(CodecKind.PLAIN, plain_dtype=dtype)
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
@@ -75,6 +77,10 @@ class PagedKVCache(KVStorage):
         shape = (block_table.shape[0], block_table.shape[1] * self.block_size, k.shape[2], k.shape[3])
         return k.index_select(0, flat).view(shape), v.index_select(0, flat).view(shape)
 
+    def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
+        return (HalfStore(self._layout, {"data": self.key_caches[layer]}),
+                HalfStore(self._layout, {"data": self.value_caches[layer]}))
+
     def write_slots(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         k_flat = self.key_caches[layer].view(-1, *key.shape[1:])
         v_flat = self.value_caches[layer].view(-1, *value.shape[1:])
@@ -101,6 +107,9 @@ class _SlotPlanner(WritePlanner):
 
     def overlay(self, last_blocks: Sequence[tuple[int, int]]) -> Overlay | None:
         return None
+
+    def open_rows(self, last_block_ids: Sequence[int]) -> list[int]:
+        return [-1] * len(last_block_ids)
 
     def build(self) -> StepWrites:
         none = torch.empty(0, dtype=torch.long, device=self.device)

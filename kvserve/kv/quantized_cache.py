@@ -1,12 +1,17 @@
-"""KV storage through a codec, with full-precision residual rows for open blocks.
+"""KV storage through a codec, quantized as it is written where the codec allows it.
 
-Per layer and half (K, V): one tensor per codec part, ``[num_blocks, *part.shape]``,
-plus residual rows ``[num_rows, block_size, heads, dim]`` in the compute dtype.
+Per layer and half (K, V): one tensor per codec part, ``[num_blocks, *part.shape]``.
 
-A step writes every new token into its block's residual row, then encodes the
-blocks that the step filled. Reads decode whole blocks and lay the residual rows
-of still-open blocks over them. Attention reads what is stored, for old and new
-tokens alike, so a prefix-cache hit sees exactly what a cold run saw.
+Most codecs store each token on its own (int8, fp8, fp16/bf16, int4, KIVI's values, and
+``+had`` over them): a step encodes its new tokens and writes them straight into their
+blocks, open or not. A codec that *encodes whole blocks* (KIVI's keys: statistics over the
+block's tokens; ``+outN``) cannot: its half keeps residual rows ``[num_rows, block_size,
+heads, dim]`` in the compute dtype, a step writes its new tokens there, encodes the blocks
+it filled, and reads lay the rows of still-open blocks over the decoded ones. Only such
+halves have rows, so a KIVI cache reserves rows for its keys alone, and int8 none at all.
+
+Attention reads what is stored, for old and new tokens alike, so a prefix-cache hit sees
+exactly what a cold run saw.
 """
 
 from __future__ import annotations
@@ -17,18 +22,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.kv.residual import ResidualRows, num_residual_rows
+from kvserve.kv.residual import NoResidual, ResidualRows, num_residual_rows
 from kvserve.kv.storage.base import KVStorage, Overlay, StepWrites, WritePlanner
+from kvserve.kv.storage.layout import HalfLayout, HalfStore
 
 if TYPE_CHECKING:
     from typing import Self
 
-    from kvserve.kv.codecs import KVFormat
+    from kvserve.kv.codecs import HalfCodec, KVFormat
 
 
 class QuantizedKVCache(KVStorage):
-    """``StepWrites.slots`` are residual slots (row * block_size + offset); the blocks the
-    step fills are encoded from their rows, which ``finish_step`` then frees."""
+    """``StepWrites.slots`` are cache slots (per-token halves); ``residual_slots`` rows of
+    halves that encode whole blocks, whose filled blocks are encoded from their rows, which
+    ``finish_step`` then frees."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat,
                  num_residual_rows: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -40,7 +47,7 @@ class QuantizedKVCache(KVStorage):
         self.format = fmt
         self.dtype = dtype
         self.device = device
-        self.residual = ResidualRows(num_residual_rows)
+        self.residual = ResidualRows(num_residual_rows) if self.keeps_residual(fmt) else NoResidual()
         h, d = config.num_kv_heads, config.head_dim
         self.key_parts: list[dict[str, torch.Tensor]] = []
         self.value_parts: list[dict[str, torch.Tensor]] = []
@@ -48,9 +55,21 @@ class QuantizedKVCache(KVStorage):
             for codec, store in ((lf.key, self.key_parts), (lf.value, self.value_parts)):
                 store.append({p.name: torch.zeros((num_blocks, *p.shape), dtype=p.dtype, device=device)
                               for p in codec.parts(block_size, h, d)})
-        shape = (num_residual_rows, block_size, h, d)
-        self.key_residual = [torch.zeros(shape, dtype=dtype, device=device) for _ in fmt.layers]
-        self.value_residual = [torch.zeros(shape, dtype=dtype, device=device) for _ in fmt.layers]
+                if not codec.encodes_whole_blocks:
+                    _check_token_parts(codec, block_size, h, d)
+        shape = (self.residual.num_rows, block_size, h, d)
+
+        def rows(codec: HalfCodec) -> torch.Tensor | None:
+            return torch.zeros(shape, dtype=dtype, device=device) if codec.encodes_whole_blocks else None
+
+        self.key_residual = [rows(lf.key) for lf in fmt.layers]
+        self.value_residual = [rows(lf.value) for lf in fmt.layers]
+        self.key_layouts = [HalfLayout.from_codec(lf.key) for lf in fmt.layers]
+        self.value_layouts = [HalfLayout.from_codec(lf.value) for lf in fmt.layers]
+
+    @staticmethod
+    def keeps_residual(fmt: KVFormat) -> bool:
+        return any(c.encodes_whole_blocks for lf in fmt.layers for c in (lf.key, lf.value))
 
     @classmethod
     def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
@@ -58,20 +77,24 @@ class QuantizedKVCache(KVStorage):
         """The residual rows are reserved out of the memory first (kv/residual.py says how many)."""
         bs = cache.block_size
         num_rows = num_residual_rows(bs, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-        reserved = num_rows * cls.residual_row_nbytes(model, bs, dtype)
+        reserved = num_rows * cls.residual_row_nbytes(model, fmt, bs, dtype)
         per_block = fmt.nbytes_per_block(bs, model.num_kv_heads, model.head_dim)
         if cache.num_blocks is None and reserved + per_block > cache.memory_bytes:
             raise ValueError(
-                f"KV format {fmt.spec} keeps {num_rows} full-precision residual rows ({reserved} bytes: one open "
-                f"block per running request plus the blocks a step fills), more than the KV cache memory "
-                f"({cache.memory_bytes} bytes); lower max_num_seqs ({scheduler.max_num_seqs}) or "
-                f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}), or give the KV cache more memory")
+                f"KV format {fmt.spec} keeps {num_rows} full-precision residual rows of the halves that encode "
+                f"whole blocks ({reserved} bytes: one open block per running request plus the blocks a step "
+                f"fills), more than the KV cache memory ({cache.memory_bytes} bytes); lower max_num_seqs "
+                f"({scheduler.max_num_seqs}) or max_num_batched_tokens ({scheduler.max_num_batched_tokens}), "
+                f"or give the KV cache more memory")
         num_blocks = cache.resolve_num_blocks(per_block, reserved)
         return cls(model, num_blocks, bs, fmt, num_rows, dtype, device)
 
     @staticmethod
-    def residual_row_nbytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
+    def residual_row_nbytes(config: ModelConfig, fmt: KVFormat, block_size: int, dtype: torch.dtype) -> int:
+        """One row: a block of every half that encodes whole blocks, in the compute dtype."""
+        num_halves = sum(c.encodes_whole_blocks for lf in fmt.layers for c in (lf.key, lf.value))
+        element = torch.empty((), dtype=dtype).element_size()
+        return num_halves * block_size * config.num_kv_heads * config.head_dim * element
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Per layer, the key parts then the value parts, each in the codec's part order."""
@@ -84,16 +107,25 @@ class QuantizedKVCache(KVStorage):
     @property
     def nbytes(self) -> int:
         parts = [t for store in self.key_parts + self.value_parts for t in store.values()]
-        return sum(t.numel() * t.element_size() for t in parts + self.key_residual + self.value_residual)
+        rows = [t for t in self.key_residual + self.value_residual if t is not None]
+        return sum(t.numel() * t.element_size() for t in parts + rows)
 
     def planner(self) -> WritePlanner:
-        return _ResidualPlanner(self.residual, self.block_size, self.device)
+        return _QuantizedPlanner(self.residual, self.block_size, self.device)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
         lf = self.format.layers[layer]
         for x, residual, codec, store in ((key, self.key_residual[layer], lf.key, self.key_parts[layer]),
                                           (value, self.value_residual[layer], lf.value, self.value_parts[layer])):
-            residual.view(-1, *x.shape[1:]).index_copy_(0, writes.slots, x.to(residual.dtype))
+            if residual is None:
+                # one token is a block of one: a per-token codec stores it exactly as in a full block
+                encoded = codec.encode(x.unsqueeze(1))
+                for name, part in encoded.items():
+                    stored = store[name]
+                    stored.view(-1, *stored.shape[2:]).index_copy_(0, writes.slots, part.squeeze(1))
+                continue
+            assert writes.residual_slots is not None
+            residual.view(-1, *x.shape[1:]).index_copy_(0, writes.residual_slots, x.to(residual.dtype))
             if writes.encode_rows.numel():
                 encoded = codec.encode(residual.index_select(0, writes.encode_rows))
                 for name, part in encoded.items():
@@ -107,50 +139,73 @@ class QuantizedKVCache(KVStorage):
         for codec, store, residual in ((lf.key, self.key_parts[layer], self.key_residual[layer]),
                                        (lf.value, self.value_parts[layer], self.value_residual[layer])):
             blocks = codec.decode({name: t.index_select(0, flat) for name, t in store.items()}, self.dtype)
-            if overlay is not None and overlay.positions.numel():
+            if residual is not None and overlay is not None and overlay.positions.numel():
                 blocks[overlay.positions] = residual.index_select(0, overlay.rows)
             out.append(blocks.view(block_table.shape[0], -1, *blocks.shape[2:]))
         return out[0], out[1]
+
+    def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
+        return (HalfStore(self.key_layouts[layer], self.key_parts[layer], self.key_residual[layer]),
+                HalfStore(self.value_layouts[layer], self.value_parts[layer], self.value_residual[layer]))
 
     def finish_step(self, writes: StepWrites) -> None:
         # the blocks filled this step are encoded now: their rows are free again
         self.residual.release(writes.encode_block_ids.tolist())
 
 
-class _ResidualPlanner(WritePlanner):
-    """Every block a chunk touches gets a residual row; the blocks it fills are encoded;
-    the block it leaves open is read from its row."""
+def _check_token_parts(codec: HalfCodec, block_size: int, heads: int, dim: int) -> None:
+    """A per-token codec's parts all lead with the block's tokens, so a token's parts are a
+    row of each: what writing token by token relies on."""
+    whole = codec.parts(block_size, heads, dim)
+    single = codec.parts(1, heads, dim)
+    if any(w.shape != (block_size, *s.shape[1:]) or s.shape[0] != 1 for w, s in zip(whole, single)):
+        raise ValueError(f"codec {codec.name} stores tokens on their own but its parts do not lead with them")
+
+
+class _QuantizedPlanner(WritePlanner):
+    """Every new token goes to its cache slot (per-token halves); where the storage keeps
+    residual rows, every block a chunk touches also gets a row, the blocks it fills are
+    encoded, and the block it leaves open is read from its row."""
 
     def __init__(self, residual: ResidualRows, block_size: int, device: torch.device) -> None:
         self.residual = residual
+        self.keeps_rows = residual.num_rows > 0
         self.block_size = block_size
         self.device = device
         self.slots: list[int] = []
+        self.residual_slots: list[int] = []
         self.encode_rows: list[int] = []
         self.encode_blocks: list[int] = []
-        self.open_rows: dict[int, int] = {}      # block id -> row, blocks left open by this step
+        self.open_rows_of: dict[int, int] = {}      # block id -> row, blocks left open by this step
 
     def add(self, block_ids: list[int], first_slot: int, num_new: int) -> None:
         bs = self.block_size
         start, end = first_slot, first_slot + num_new
+        self.slots.extend(block_ids[s // bs] * bs + s % bs for s in range(start, end))
+        if not self.keeps_rows:
+            return
         rows = {i: self.residual.assign(block_ids[i]) for i in range(start // bs, (end - 1) // bs + 1)}
-        self.slots.extend(rows[p // bs] * bs + p % bs for p in range(start, end))
+        self.residual_slots.extend(rows[p // bs] * bs + p % bs for p in range(start, end))
         for i, row in rows.items():
             if (i + 1) * bs <= end:
                 self.encode_rows.append(row)
                 self.encode_blocks.append(block_ids[i])
         if end % bs:
-            self.open_rows[block_ids[end // bs]] = rows[end // bs]
+            self.open_rows_of[block_ids[end // bs]] = rows[end // bs]
 
     def overlay(self, last_blocks: Sequence[tuple[int, int]]) -> Overlay | None:
-        hits = [(position, self.open_rows[block]) for position, block in last_blocks if block in self.open_rows]
+        hits = [(position, self.open_rows_of[block]) for position, block in last_blocks if block in self.open_rows_of]
         if not hits:
             return None
         return Overlay(torch.tensor([p for p, _ in hits], dtype=torch.long, device=self.device),
                        torch.tensor([r for _, r in hits], dtype=torch.long, device=self.device))
 
+    def open_rows(self, last_block_ids: Sequence[int]) -> list[int]:
+        return [self.open_rows_of.get(block, -1) for block in last_block_ids]
+
     def build(self) -> StepWrites:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        return StepWrites(tensor(self.slots), tensor(self.encode_rows), tensor(self.encode_blocks))
+        residual = tensor(self.residual_slots) if self.keeps_rows else None
+        return StepWrites(tensor(self.slots), tensor(self.encode_rows), tensor(self.encode_blocks), residual)

@@ -6,10 +6,10 @@ A running sequence of n tokens holds ceil(n / B) blocks, the last one partly fil
     tokens   |0 ........ 15|16 ....... 31|32 .. 39 ...... 47|
     blocks   |   block 0   |   block 1   |  block 2 (open)   |   n = 40: 3 blocks
 
-Under a format with a half that encodes whole blocks (KIVI keys: statistics over the block's
-tokens), each such layer has floor(n / B) quantized blocks plus one open block (K and V) of B
-tokens in the compute dtype, reserved for every running sequence even when n is a multiple
-of B (the next token opens it).
+Under a format with halves that encode whole blocks (KIVI keys: statistics over the block's
+tokens), each such half has floor(n / B) quantized blocks plus one open block of B tokens in
+the compute dtype (the engine's residual row), reserved for every running sequence even when
+n is a multiple of B (the next token opens it). Other halves store each token as it comes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.kv.codecs import KVFormat, LayerFormat
+from kvserve.kv.codecs import KVFormat
 from kvserve.offload.serialization import HEADER_NBYTES
 from kvserve.plan.formats import BLOCK_SIZE, FormatSpec, build_format, compute_dtype, display_name
 from kvserve.plan.models import ModelShape, resolve_model
@@ -85,13 +85,13 @@ class KVLayout:
         return cls(shape, fmt, block_size, compute_format)
 
     def _block_nbytes(self, residual: bool) -> int:
-        """Bytes of one block over all KV heads, of the layers that keep a residual
-        (``residual``) or of the others. A layer keeps one when either half encodes whole
-        blocks: its open block (K and V) waits in the compute dtype until it is full."""
+        """Bytes of one block over all KV heads, of the halves that keep a residual
+        (``residual``: they encode whole blocks, so the open block waits in the compute dtype
+        until it is full) or of the others."""
         m, b = self.model, self.block_size
         return sum(c.nbytes_per_block(b, m.num_kv_heads, m.head_dim)
-                   for layer in self.kv_format.layers if _needs_residual(layer) == residual
-                   for c in (layer.key, layer.value))
+                   for layer in self.kv_format.layers for c in (layer.key, layer.value)
+                   if c.encodes_whole_blocks == residual)
 
     @property
     def block_nbytes(self) -> int:
@@ -107,9 +107,9 @@ class KVLayout:
     def residual_nbytes(self) -> int:
         """The open block every running sequence keeps in the compute dtype (0 without KIVI)."""
         m = self.model
-        num_layers = sum(_needs_residual(layer) for layer in self.kv_format.layers)
+        num_halves = sum(c.encodes_whole_blocks for layer in self.kv_format.layers for c in (layer.key, layer.value))
         element = torch.empty((), dtype=compute_dtype(self.compute_format)).element_size()
-        return num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * element
+        return num_halves * self.block_size * m.num_kv_heads * m.head_dim * element
 
     @property
     def format_name(self) -> str:
@@ -223,7 +223,3 @@ def make_plan(layout: KVLayout, request: PlanRequest) -> Plan:
         device=None if request.memory_bytes is None else layout.device_capacity(request.memory_bytes, context),
         sharing=sharing,
         tiers=tuple((name, layout.tier_capacity(nbytes, context)) for name, nbytes in request.tier_nbytes))
-
-
-def _needs_residual(layer: LayerFormat) -> bool:
-    return layer.key.encodes_whole_blocks or layer.value.encodes_whole_blocks

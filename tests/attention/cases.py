@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention.layout import HalfLayout, HalfStore, PagedBatch
 from kvserve.attention.reference import reference_attention
 from kvserve.kv.codecs import HalfCodec, parse_codec
+from kvserve.kv.storage.layout import HalfLayout, HalfStore, PagedBatch
 
 
 @dataclass(frozen=True)

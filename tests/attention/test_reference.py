@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from attention.cases import make_case
 
-from kvserve.attention.layout import CodecKind, HalfLayout
 from kvserve.kv.codecs import parse_codec
+from kvserve.kv.storage.layout import CodecKind, HalfLayout
 
 
 def dense(case, s: int) -> torch.Tensor:

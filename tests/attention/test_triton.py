@@ -33,7 +33,7 @@ import pytest
 import torch
 from attention.cases import Case, make_case
 
-from kvserve.attention.layout import CodecKind, HalfStore, PagedBatch
+from kvserve.kv.storage.layout import CodecKind, HalfStore, PagedBatch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}

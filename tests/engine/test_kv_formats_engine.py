@@ -60,16 +60,21 @@ def test_formats_never_share_block_keys(loaded):
 
 
 def test_cache_bytes_follow_the_format(loaded):
-    # tiny: 2 layers, 2 KV heads, head_dim 16, block 16: int8 = 2 * 2 * 2 * 16 * (16 + 2) bytes a block
+    # tiny: 2 layers, 2 KV heads, head_dim 16, block 16: int8 = 2 * 2 * 2 * 16 * (16 + 2) bytes a block;
+    # int8 stores each token as it comes, so it keeps no residual rows
     llm = LLM(loaded=loaded, kv_format="int8", num_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=32)
     cache = llm.engine.kv_cache
     assert isinstance(cache, QuantizedKVCache)
+    assert cache.nbytes == 10 * 2 * 2 * 2 * 16 * (16 + 2)
+    # kivi2g8: keys per channel over a block (16 * 4 + 16 * 4 bytes a block and head), values per token
+    # (16 * (4 + 2 groups * 4)); the residual rows hold the keys of open blocks only (2 layers, fp32)
+    llm = LLM(loaded=loaded, kv_format="kivi2g8", num_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=32)
     rows = 32 // 16 + 2 * 4 + 1
-    assert cache.nbytes == 10 * 2 * 2 * 2 * 16 * (16 + 2) + rows * 16 * 2 * 2 * 2 * 16 * 4
+    per_block = 2 * 2 * (16 * 4 + 16 * 4 + 16 * (4 + 2 * 4))
+    reserved = rows * 2 * 16 * 2 * 16 * 4
+    assert llm.engine.kv_cache.nbytes == 10 * per_block + reserved
     # sized from memory: the residual rows are reserved first
-    per_block = 2 * 2 * 2 * 16 * (16 + 2)
-    reserved = rows * 16 * 2 * 2 * 2 * 16 * 4
-    llm = LLM(loaded=loaded, kv_format="int8", kv_cache_memory_gb=(reserved + 100 * per_block) / 2**30,
+    llm = LLM(loaded=loaded, kv_format="kivi2g8", kv_cache_memory_gb=(reserved + 100 * per_block) / 2**30,
               max_num_seqs=4, max_num_batched_tokens=32)
     assert llm.engine.pool.num_blocks == 100
 
@@ -80,7 +85,13 @@ def test_quantized_storage_is_really_used(loaded):
     parts = llm.engine.kv_cache.key_parts[0]
     codes = next(t for t in parts.values() if t.dtype == torch.int8)
     assert codes[:2].abs().sum() > 0          # the two full blocks were encoded
-    assert codes[2:].abs().sum() == 0         # the open third block lives in a residual row
+    assert codes[2, :8].abs().sum() > 0       # the open third block holds its 8 tokens, encoded as they came
+    assert codes[2, 8:].abs().sum() == 0 and codes[3:].abs().sum() == 0
+    kivi = LLM(loaded=loaded, kv_format="kivi2g8", num_kv_blocks=8)
+    kivi.generate(list(range(40)), SamplingParams(max_tokens=1))
+    cache = kivi.engine.kv_cache
+    assert cache.key_parts[0]["codes"][2].sum() == 0       # the open block's keys live in a residual row
+    assert cache.value_parts[0]["codes"][2, :8].sum() > 0  # its values are in the block already
 
 
 def test_residual_rows_that_do_not_fit_are_a_clear_error(loaded):

@@ -35,10 +35,16 @@ def test_kvserve_bytes_per_token_come_from_the_format(loaded):
     cost = b.storage(100)
     per_token = 2 * 2 * 2 * (16 + 2)          # layers x K,V x heads x (int8 codes + fp16 scale)
     assert cost.bytes_per_token == per_token
-    row = 16 * 2 * 2 * 2 * 16 * 4             # a float32 residual row of one block
     lengths = range(101, 101 + STORAGE_CYCLE_TOKENS)
-    expected = sum((-(-n // 16) * 16 * per_token + (row if n % 16 else 0)) / n for n in lengths) / len(lengths)
+    # int8 stores every token as it comes: whole blocks, no residual row
+    expected = sum(-(-n // 16) * 16 * per_token / n for n in lengths) / len(lengths)
     assert cost.bytes_per_token_at_context == pytest.approx(expected)
+    kivi = KVServeBackend(loaded, "kivi2g8", 16, num_kv_blocks=16).storage(100)
+    per_token = 2 * 2 * (4 + 4 + 4 + 2 * 4)   # layers x heads x (K: codes + channel stats / 16; V: codes + groups)
+    assert kivi.bytes_per_token == per_token
+    row = 2 * 16 * 2 * 16 * 4                 # a float32 residual row of the keys of one block, both layers
+    expected = sum((-(-n // 16) * 16 * per_token + (row if n % 16 else 0)) / n for n in lengths) / len(lengths)
+    assert kivi.bytes_per_token_at_context == pytest.approx(expected)
     native = KVServeBackend(loaded, "native", 16, num_kv_blocks=16).storage(96)
     assert native.bytes_per_token == TINY.kv_bytes_per_token(4) == 512
 

@@ -26,11 +26,14 @@ def storage(spec: str, num_blocks: int = 8):
 
 
 def test_the_factory_picks_the_storage_from_the_format():
-    native, int8 = storage("native"), storage("int8")
+    native, int8, kivi = storage("native"), storage("int8"), storage("kivi2g8")
     assert isinstance(native, PagedKVCache) and isinstance(int8, QuantizedKVCache)
     assert native.reads_as_written and native.supports_budgets and native.residual.num_rows == 0
     assert not int8.reads_as_written and not int8.supports_budgets
-    assert int8.residual.num_rows == num_residual_rows(4, 4, 32) == 32 // 4 + 2 * 4 + 1
+    assert int8.residual.num_rows == 0                      # int8 stores every token as it comes
+    assert kivi.residual.num_rows == num_residual_rows(4, 4, 32) == 32 // 4 + 2 * 4 + 1
+    # rows for KIVI's keys only: its values are stored token by token
+    assert [t is None for t in kivi.key_residual + kivi.value_residual] == [False, False, True, True]
     with pytest.raises(NotImplementedError, match="no KV budgets"):
         int8.write_slots(0, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), torch.zeros(1, dtype=torch.long))
 
@@ -50,25 +53,46 @@ def test_native_writes_go_to_slots_and_read_back_as_written():
     assert torch.equal(keys[0, 3:6], k[:3]) and torch.equal(values[0, 3:6], -k[:3])
 
 
-def test_quantized_writes_go_through_residual_rows_and_open_blocks_are_overlaid():
+def test_per_token_formats_write_every_token_into_its_block():
     cache = storage("int8")
+    planner = cache.planner()
+    planner.add([6, 3], 2, 4)            # fills block 6 (slots 2, 3), opens block 3 (slots 4, 5)
+    planner.add([1], 0, 4)               # fills block 1
+    writes = planner.build()
+    assert writes.slots.tolist() == [26, 27, 12, 13, 4, 5, 6, 7] and writes.residual_slots is None
+    assert writes.encode_rows.numel() == 0 and planner.overlay([(1, 3)]) is None
+    assert planner.open_rows([3, 1]) == [-1, -1]
+    x = torch.randn(8, 2, 16)
+    for layer in range(2):
+        cache.write(layer, x, x, writes)
+    keys, _ = cache.gather(0, torch.tensor([[6, 3]]))
+    codec = cache.format.layers[0].key
+    expected = codec.decode(codec.encode(x[:4].view(1, 4, 2, 16)), F32)[0]
+    assert torch.equal(keys[0, 2:6], expected)              # open or full, each token as int8 stores it
+    assert (keys[0, 2:6] - x[:4]).abs().max() < 0.05
+
+
+def test_whole_block_halves_go_through_residual_rows_and_open_blocks_are_overlaid():
+    cache = storage("kivi2g8")
     planner = cache.planner()
     planner.add([6, 3], 2, 4)            # fills block 6 (slots 2, 3), opens block 3 (slots 4, 5)
     planner.add([1], 0, 4)               # fills block 1
     writes = planner.build()
     rows = {b: cache.residual.assign(b) for b in (6, 3, 1)}   # the rows the planner took
     assert rows == {6: 0, 3: 1, 1: 2} and cache.residual.num_free_rows == cache.residual.num_rows - 3
-    assert writes.slots.tolist() == [2, 3, 4, 5, 8, 9, 10, 11]
+    assert writes.slots.tolist() == [26, 27, 12, 13, 4, 5, 6, 7]
+    assert writes.residual_slots is not None and writes.residual_slots.tolist() == [2, 3, 4, 5, 8, 9, 10, 11]
     assert writes.encode_rows.tolist() == [0, 2] and writes.encode_block_ids.tolist() == [6, 1]
     overlay = planner.overlay([(1, 3), (3, 1)])             # only block 3 is open
     assert overlay is not None and overlay.positions.tolist() == [1] and overlay.rows.tolist() == [1]
+    assert planner.open_rows([3, 1]) == [1, -1]
     x = torch.randn(8, 2, 16)
     for layer in range(2):
         cache.write(layer, x, x, writes)
-    keys, _ = cache.gather(0, torch.tensor([[6, 3]]), overlay)
-    assert torch.equal(keys[0, 4:6], x[2:4])                 # the open block, from its row, exactly
-    assert not torch.equal(keys[0, 2:4], x[:2])              # the full block, through int8
-    assert (keys[0, 2:4] - x[:2]).abs().max() < 0.05
+    keys, values = cache.gather(0, torch.tensor([[6, 3]]), overlay)
+    assert torch.equal(keys[0, 4:6], x[2:4])                 # the open block's keys, from their row, exactly
+    assert not torch.equal(keys[0, 2:4], x[:2])              # the full block, through KIVI
+    assert not torch.equal(values[0, 4:6], x[2:4])           # values are stored per token, open or not
     cache.finish_step(writes)                                # encoded blocks give their rows back
     assert cache.residual.num_free_rows == cache.residual.num_rows - 1
     cache.residual.release([3])
@@ -85,6 +109,10 @@ def test_residual_sizing_error_quotes_the_formula_used():
 
 
 def test_quantized_storage_that_does_not_fit_says_what_to_lower():
-    fmt = parse_kv_format("int8", TINY.num_layers, F32, head_dim=TINY.head_dim)
+    fmt = parse_kv_format("kivi2g8", TINY.num_layers, F32, head_dim=TINY.head_dim)
     with pytest.raises(ValueError, match="keeps 17 full-precision residual rows .* lower max_num_seqs"):
         make_storage(TINY, fmt, CacheConfig(block_size=4, memory_bytes=1000), SCHED, F32, CPU)
+    # a row is a block of the keys of both layers: 2 x 4 tokens x 2 heads x 16 x 4 bytes
+    assert QuantizedKVCache.residual_row_nbytes(TINY, fmt, 4, F32) == 2 * 4 * 2 * 16 * 4
+    int8 = parse_kv_format("int8", TINY.num_layers, F32, head_dim=TINY.head_dim)
+    assert make_storage(TINY, int8, CacheConfig(block_size=4, memory_bytes=1000), SCHED, F32, CPU).num_blocks == 1

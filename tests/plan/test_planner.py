@@ -157,18 +157,20 @@ def test_sequences_that_fit_in_24_gib() -> None:
     # 17 tokens take 2 blocks of 16: 34,952 sequences, not the 65,793 that 17 x 23,040 bytes would give
     assert KVLayout.build("smollm2-135m", "fp16").device_capacity(24 * GIB, 17).num_sequences == 34_952
     kivi = KVLayout.build("llama-3-8b", "kivi4")
-    assert kivi.device_capacity(24 * GIB, 2000).num_sequences == 24 * GIB // (125 * B * 45_056 + B * 131_072)
+    assert kivi.device_capacity(24 * GIB, 2000).num_sequences == 24 * GIB // (125 * B * 45_056 + B * 65_536)
 
 
-def test_kivi_residual_is_one_full_precision_block_per_sequence() -> None:
+def test_kivi_residual_is_one_full_precision_block_of_keys_per_sequence() -> None:
+    # per token: K 24,576 B (per channel over a block), V 20,480 B (per token, stored as it comes)
     layout = KVLayout.build("llama-3-8b", "kivi4")
-    assert layout.residual_nbytes == B * 131_072                   # open block, K and V, fp16
-    assert KVLayout.build("llama-3-8b", "kivi4", compute_format="fp32").residual_nbytes == B * 262_144
-    assert layout.sequence_nbytes(2048) == 128 * B * 45_056 + B * 131_072
-    assert layout.sequence_nbytes(2000) == 125 * B * 45_056 + B * 131_072
-    assert layout.sequence_nbytes(2008) == 125 * B * 45_056 + B * 131_072   # the 8 open tokens are the residual
+    assert layout.residual_nbytes == B * 65_536                    # the open block's keys, fp16
+    assert KVLayout.build("llama-3-8b", "kivi4", compute_format="fp32").residual_nbytes == B * 131_072
+    assert layout.sequence_nbytes(2048) == 128 * B * 45_056 + B * 65_536
+    assert layout.sequence_nbytes(2000) == 125 * B * 45_056 + B * 65_536
+    # the 8 open tokens: keys in the residual, values in a quantized block
+    assert layout.sequence_nbytes(2008) == 125 * B * 45_056 + B * 20_480 + B * 65_536
     plan = make_plan(layout, PlanRequest(context_tokens=2048, batch_size=10))
-    assert plan.batch_nbytes == 10 * (128 * B * 45_056) + 10 * B * 131_072
+    assert plan.batch_nbytes == 10 * (128 * B * 45_056) + 10 * B * 65_536
     assert KVLayout.build("llama-3-8b", "int8").residual_nbytes == 0
 
 
@@ -305,15 +307,15 @@ def test_engine_specs_are_planned_from_their_codecs() -> None:
     layout = KVLayout.build("smollm2-135m", "0-9=fp16;10-=kivi2")
     assert layout.format_name == "per-layer"
     assert layout.bytes_per_token == 10 * 3 * 256 + 20 * 3 * 56
-    assert layout.residual_nbytes == 20 * 2 * B * 3 * 64 * 2      # the 20 KIVI layers keep an fp16 open block
+    assert layout.residual_nbytes == 20 * B * 3 * 64 * 2          # the 20 KIVI layers keep their open block's keys
     assert KVLayout.build("smollm2-135m", "kivi2+had").format_name == "kivi2+had"
 
 
-def test_a_layer_with_one_whole_block_half_keeps_its_open_block_in_full() -> None:
-    # the engine keeps one residual row of K and V for such a layer
+def test_only_halves_that_encode_whole_blocks_keep_their_open_block_in_full() -> None:
+    # as the engine: a residual row holds the halves whose codecs encode whole blocks
     mixed = KVLayout.build("llama-3-8b", "fp16", key_format="kivi2", value_format="int4")
     assert mixed.format_name == "k:kivi2,v:int4"
-    assert mixed.residual_nbytes == 32 * 2 * B * 8 * 128 * 2
+    assert mixed.residual_nbytes == 32 * B * 8 * 128 * 2
     assert KVLayout.build("llama-3-8b", "int4+out2").residual_nbytes == 32 * 2 * B * 8 * 128 * 2
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvserve.kv.residual import ResidualRows
+from kvserve.kv.storage.layout import HalfStore
 
 if TYPE_CHECKING:
     from typing import Self
@@ -46,9 +47,11 @@ class Overlay:
 class StepWrites:
     """Where a step's new keys and values go; built by a storage's planner, read by it alone."""
 
-    slots: torch.Tensor             # [num_tokens] per new token, a row of the storage's write space
-    encode_rows: torch.Tensor       # [n] rows holding blocks the step fills, to encode (else empty)
+    slots: torch.Tensor             # [num_tokens] per new token, its cache slot (block_id * block_size + offset)
+    encode_rows: torch.Tensor       # [n] residual rows holding blocks the step fills, to encode (else empty)
     encode_block_ids: torch.Tensor  # [n] those blocks' ids
+    residual_slots: torch.Tensor | None = None  # [num_tokens] row * block_size + offset, where a half
+                                                # keeps residual rows (codecs that encode whole blocks)
 
 
 class WritePlanner(ABC):
@@ -65,6 +68,12 @@ class WritePlanner(ABC):
         """How to read gathered block tables whose last entry may be a block still open after
         this step. ``last_blocks``: per table, (flat index of its last entry, that block's id).
         None when every block is read as stored."""
+
+    @abstractmethod
+    def open_rows(self, last_block_ids: Sequence[int]) -> list[int]:
+        """For each block id, the residual row that holds it after this step (it was left
+        open, in a storage that keeps rows), or -1: what a kernel's ``PagedBatch.open_rows``
+        takes."""
 
     @abstractmethod
     def build(self) -> StepWrites:
@@ -125,6 +134,11 @@ class KVStorage(ABC):
         """Keys and values of the blocks in ``block_table`` ([B, nb] block ids) as
         [B, nb * block_size, heads, dim] in ``dtype``, tokens in order; ``overlay`` (from this
         step's planner) says where open blocks are read from."""
+
+    @abstractmethod
+    def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
+        """Keys and values of ``layer`` as an attention kernel reads them in place: each
+        half's layout, part tensors and residual rows (views of the storage)."""
 
     def finish_step(self, writes: StepWrites) -> None:
         """The forward pass that wrote ``writes`` is done (release what it held)."""
