@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvserve.engine.engine import LLMEngine
-from kvserve.server.async_engine import AsyncEngine, EngineError
+from kvserve.server.async_engine import AsyncEngine, EngineError, RequestFailed
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -50,13 +50,13 @@ def create_app(llm_engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.state.ctx = ctx
     _add_error_handlers(app, metrics)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not engine.is_running:
             raise APIError(503, "the engine is not running", type="server_error")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
@@ -126,6 +126,9 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def engine_error(request: Request, exc: Exception) -> Response:
         return reply(APIError(503, str(exc), type="server_error"))
 
+    async def request_failed(request: Request, exc: Exception) -> Response:
+        return reply(APIError(500, str(exc), type="server_error"))
+
     async def client_gone(request: Request, exc: Exception) -> Response:
         return reply(APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection"))
 
@@ -137,5 +140,6 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(EngineError, engine_error)
+    app.add_exception_handler(RequestFailed, request_failed)
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(Exception, internal_error)

@@ -39,6 +39,11 @@ class EngineError(RuntimeError):
     """The engine failed (or stopped) while running a request; not the client's fault."""
 
 
+class RequestFailed(RuntimeError):
+    """One request failed while generating (``RequestOutput.error``); the engine and the
+    other requests go on. Not the client's fault."""
+
+
 class EngineObserver(Protocol):
     """Called on the engine thread only, once per step (and after a batch of commands
     when the engine is idle). Must be quick: it delays the next step."""
@@ -142,6 +147,8 @@ class RequestStream:
             for item in latest.values():
                 if item.output.finished:
                     self.finished.add(item.choice)
+                    if item.output.error is not None:
+                        raise RequestFailed(f"the request failed while generating: {item.output.error}")
                 yield item
 
     def close(self) -> None:

@@ -14,7 +14,14 @@ from starlette.requests import Request
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.server.async_engine import AsyncEngine, EngineError, RequestSpec, RequestStream, StreamItem
+from kvserve.server.async_engine import (
+    AsyncEngine,
+    EngineError,
+    RequestFailed,
+    RequestSpec,
+    RequestStream,
+    StreamItem,
+)
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError, bad_request
 
@@ -189,7 +196,8 @@ async def sse_stream(stream: RequestStream, head: list[dict[str, Any]],
                      tail: Callable[[], list[dict[str, Any]]]) -> AsyncIterator[str]:
     """Server-sent events: ``head``, a chunk per output (None skips it), ``tail``, [DONE].
 
-    An engine failure mid-stream ends it with an error event. The ``finally`` runs when
+    A failure mid-stream ends it with an error event: 500 ``server_error`` when this
+    request failed (the others go on), 503 when the engine did. The ``finally`` runs when
     the client disconnects too (the response task is cancelled), aborting what is left.
     """
     try:
@@ -202,6 +210,8 @@ async def sse_stream(stream: RequestStream, head: list[dict[str, Any]],
         for c in tail():
             yield sse(c)
         yield SSE_DONE
+    except RequestFailed as e:
+        yield sse(APIError(500, str(e), type="server_error").body())
     except EngineError as e:
         yield sse(APIError(503, str(e), type="server_error").body())
     finally:
