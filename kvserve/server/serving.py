@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import (
     AsyncEngine,
     EngineError,
@@ -100,6 +101,18 @@ class ServingContext:
                                 f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
                                 f"prompt, {param} {max_tokens}); shorten the prompt or lower {param}",
                            param=param, code=CONTEXT_LENGTH_EXCEEDED)
+
+    async def check_params(self, params: SamplingParams, structured_param: str | None) -> None:
+        """What only the engine can check (token ids in ``logit_bias``, whether a schema,
+        regex or grammar compiles), on the engine thread; 400 naming the field."""
+        if params.structured is None and not params.logit_bias:
+            return
+        try:
+            await self.engine.call(lambda engine: engine.check_params(params))
+        except ValueError as e:
+            message = str(e)
+            raise bad_request(message, "logit_bias" if message.startswith("logit_bias") else structured_param) \
+                from None
 
     # -- running -----------------------------------------------------------
     async def submit(self, specs: list[RequestSpec], prefix: str) -> RequestStream:
