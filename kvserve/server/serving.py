@@ -111,8 +111,9 @@ class ServingContext:
             await self.engine.call(lambda engine: engine.check_params(params))
         except ValueError as e:
             message = str(e)
-            raise bad_request(message, "logit_bias" if message.startswith("logit_bias") else structured_param) \
-                from None
+            if message.startswith("logit_bias"):
+                raise bad_request(message, "logit_bias") from None
+            raise bad_request(f"{structured_param}: {message}", structured_param) from None
 
     # -- running -----------------------------------------------------------
     async def submit(self, specs: list[RequestSpec], prefix: str) -> RequestStream:
