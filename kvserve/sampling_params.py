@@ -23,7 +23,7 @@ class StructuredOutputs:
     regex or grammar compiles is checked by the engine when the request is added.
     """
 
-    json: str | None = None
+    json: str | Mapping[str, Any] | None = None   # stored as JSON text
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
@@ -32,9 +32,9 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         schema: Any = self.json
         if schema is not None and not isinstance(schema, str):
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(schema, (Mapping, bool)):
                 raise ValueError(f"structured json must be a JSON schema object, got {type(schema).__name__}")
-            object.__setattr__(self, "json", json.dumps(schema))
+            object.__setattr__(self, "json", json.dumps(dict(schema) if isinstance(schema, Mapping) else schema))
         elif isinstance(schema, str):
             try:
                 json.loads(schema)

@@ -8,6 +8,7 @@ that belong to one request (its grammar failed) are returned by row, never raise
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from functools import partial
 
 import torch
 
@@ -97,7 +98,7 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], requests: Sequenc
     for k, i in enumerate(rows):
         constraint = requests[i].constraint
         assert constraint is not None
-        _guard(errors, i, lambda c=constraint, k=k: c.fill_bitmask(bitmask, k))
+        _guard(errors, i, partial(constraint.fill_bitmask, bitmask, k))
     allowed = unpack_bitmask(bitmask, vocab)
     logits[rows] = logits[rows].masked_fill(~allowed, NEG_INF)
     return errors

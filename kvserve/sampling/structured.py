@@ -103,9 +103,10 @@ def grammar_text(spec: StructuredOutputs) -> str:
     """llguidance's grammar for ``spec`` (not yet checked); ValueError for unreadable JSON."""
     kind = spec.kind
     if kind == "json" or kind == "json_object":
-        schema = spec.json if spec.json is not None else json.dumps({"type": "object"})
+        schema = spec.json if isinstance(spec.json, str) else json.dumps({"type": "object"})
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
         except ValueError as e:
             raise ValueError(f"structured json: {e}") from None
     if kind == "regex":

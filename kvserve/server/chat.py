@@ -120,7 +120,8 @@ def _stream(ctx: ServingContext, plan: _Plan, stream: RequestStream, rid: str, c
         message, finish_reason = _message(plan, out)
         delta = ({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}
                  if "tool_calls" in message else {"content": message["content"]})
-        return _chunk(ctx, rid, created, [{"index": i, "delta": delta, "logprobs": _logprobs(ctx, plan, out.logprobs or []),
+        logprobs = _logprobs(ctx, plan, out.logprobs or [])
+        return _chunk(ctx, rid, created, [{"index": i, "delta": delta, "logprobs": logprobs,
                                            "finish_reason": finish_reason}])
 
     def tail() -> list[dict[str, Any]]:

@@ -164,7 +164,7 @@ class _SamplingFields(_Body):
                 seed=None if self.seed is None else self.seed + choice, stop=self.stop_strings(),
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias_ids(),
+                repetition_penalty=self.repetition_penalty, logit_bias=tuple(self.logit_bias_ids().items()),
                 min_tokens=self.min_tokens, structured=structured)
         except ValueError as e:
             raise bad_request(str(e)) from None

@@ -49,6 +49,7 @@ def plan_tools(req: ChatCompletionRequest, template_declares_tools: bool) -> Too
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if choice != "none" and not tools:
         raise bad_request("tool_choice needs tools to choose from", "tool_choice")
+    mode: str
     if isinstance(choice, str):
         mode, name = choice, None
     else:
@@ -56,7 +57,7 @@ def plan_tools(req: ChatCompletionRequest, template_declares_tools: bool) -> Too
         if name not in names:
             raise bad_request(f"tool_choice names the function {name!r}, which is not in tools "
                               f"(known: {', '.join(names)})", "tool_choice")
-    if mode == "named":
+    if name is not None:
         tool = tools[names.index(name)]
         spec = _spec(parameters(tool), "tools")
     elif mode == "required":
@@ -85,7 +86,7 @@ def required_schema(tools: tuple[Tool, ...], parallel: bool) -> dict[str, Any]:
 
 def _spec(schema: dict[str, Any], param: str) -> StructuredOutputs:
     try:
-        return StructuredOutputs(json=schema)
+        return StructuredOutputs(json=json.dumps(schema))
     except ValueError as e:
         raise bad_request(f"{param}: {e}", param) from None
 

@@ -92,7 +92,8 @@ def test_structured_outputs_from_the_python_api(default_model):
     llm = LLM(loaded=default_model, num_kv_blocks=64, max_model_len=512)
     schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
     params = [SamplingParams(max_tokens=20, temperature=0, structured=StructuredOutputs(json=schema)),
-              SamplingParams(max_tokens=20, temperature=0.7, seed=1, structured=StructuredOutputs(choice=["left", "right"])),
+              SamplingParams(max_tokens=20, temperature=0.7, seed=1,
+                             structured=StructuredOutputs(choice=["left", "right"])),
               SamplingParams(max_tokens=5, temperature=0)]
     outs = llm.generate(["Is water wet?", "Which way?", "Hello"], params)
     assert json.loads(outs[0].text)["answer"] in ("yes", "no") and outs[0].finish_reason == "stop"

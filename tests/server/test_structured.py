@@ -86,7 +86,8 @@ def test_json_object_and_vllm_structured_outputs(client):
 
 
 def test_constrained_and_plain_requests_batch_without_interfering(client, server):
-    plain = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
+             "extra_body": {"ignore_eos": True}}
     alone = client.completions.create(model=MODEL, **plain).choices[0].text
     steps = server.metric("kvserve_engine_steps_total")
     with cf.ThreadPoolExecutor(4) as pool:

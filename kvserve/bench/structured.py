@@ -1,0 +1,144 @@
+"""``kvserve bench structured``: the cost of a JSON-schema constraint per generated token.
+
+For each batch size, the same chat prompts run twice, taking turns (median of ``repeats``
+runs after a warm-up, prefix cache reset before each, so both prefill alike): constrained
+by a JSON schema, and unconstrained with ``max_tokens`` set to the token count each
+constrained answer had (eos ignored), so both generate exactly the same number of tokens.
+The overhead per token is the difference of the two wall times over the tokens generated.
+The grammar's own share (mask + accept in llguidance, timed around its matcher) is
+reported beside it, with the time to compile a new schema.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.bench.common import median_times, table
+from kvserve.llm import LLM
+from kvserve.sampling.structured import GrammarMatcher
+from kvserve.sampling_params import SamplingParams, StructuredOutputs
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                      "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "email", "colour", "tags", "address"],
+    "additionalProperties": False,
+}
+TOPICS = ["a pilot", "a baker", "a poet", "a nurse", "a farmer", "a judge", "a sailor", "a chef",
+          "a student", "a painter", "a miner", "a doctor", "a singer", "a king", "a teacher", "a diver"]
+
+
+class _TimedMatcher:
+    """A GrammarMatcher that adds the seconds it spends to a shared counter."""
+
+    def __init__(self, inner: GrammarMatcher, seconds: list[float]) -> None:
+        self._inner, self._seconds = inner, seconds
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        start = time.perf_counter()
+        self._inner.fill_bitmask(bitmask, row)
+        self._seconds[0] += time.perf_counter() - start
+
+    def accept(self, token_id: int) -> None:
+        start = time.perf_counter()
+        self._inner.accept(token_id)
+        self._seconds[0] += time.perf_counter() - start
+
+    @property
+    def is_finished(self) -> bool:
+        return self._inner.is_finished
+
+
+def compile_ms(llm: LLM) -> float:
+    """Milliseconds to check a schema never seen and make its first matcher."""
+    fresh = StructuredOutputs(json=json.dumps({**SCHEMA, "description": f"fresh {time.time_ns()}"}))
+    start = time.perf_counter()
+    llm.engine.grammars.check(fresh)
+    llm.engine.grammars.matcher(fresh)
+    return 1000 * (time.perf_counter() - start)
+
+
+def run(llm: LLM, batch_sizes: list[int], max_tokens: int, repeats: int) -> tuple[list[list[object]], str]:
+    engine = llm.engine
+    if engine.tokenizer is None:
+        raise ValueError("the structured benchmark needs a model with a tokenizer")
+    constraint = StructuredOutputs(json=json.dumps(SCHEMA))
+    structured = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=constraint)
+    grammar_s = [0.0]
+    real_matcher = engine.grammars.matcher
+    engine.grammars.matcher = (  # type: ignore[method-assign]
+        lambda spec: _TimedMatcher(real_matcher(spec), grammar_s))  # type: ignore[assignment,return-value]
+    rows: list[list[object]] = []
+    try:
+        for bs in batch_sizes:
+            prompts = [engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as JSON."}]) for i in range(bs)]
+            outs = llm.generate(prompts, structured)
+            for o in outs:
+                json.loads(o.text)   # the constraint held (max_tokens is large enough to finish)
+            lengths = [len(o.token_ids) for o in outs]
+            plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+            num_tokens = sum(lengths)
+
+            def constrained(prompts: list[str] = prompts) -> None:
+                llm.reset_prefix_cache()
+                llm.generate(prompts, structured)
+
+            def baseline(prompts: list[str] = prompts, plain: list[SamplingParams] = plain) -> None:
+                llm.reset_prefix_cache()
+                llm.generate(prompts, plain)
+
+            grammar_s[0] = 0.0
+            t_constrained, t_base = median_times([constrained, baseline], repeats)
+            grammar_ms = 1000 * grammar_s[0] / ((repeats + 1) * num_tokens)
+            base_ms, cons_ms = 1000 * t_base / num_tokens, 1000 * t_constrained / num_tokens
+            rows.append([bs, num_tokens, f"{base_ms:.2f}", f"{cons_ms:.2f}", f"{cons_ms - base_ms:+.2f}",
+                         f"{100 * (cons_ms - base_ms) / base_ms:+.1f}%", f"{grammar_ms:.3f}"])
+    finally:
+        engine.grammars.matcher = real_matcher  # type: ignore[method-assign]
+    text = table(["batch", "tokens", "baseline ms/token", "JSON schema ms/token", "overhead ms/token", "overhead",
+                  "grammar ms/token (mask + accept)"], rows)
+    return rows, text
+
+
+def run_structured(args: Any) -> int:
+    from kvserve.model.loader import load_model
+    from kvserve.options import engine_options
+
+    loaded = load_model(args.model)
+    llm = LLM(loaded=loaded, **engine_options(args))
+    first_compile = compile_ms(llm)   # includes llguidance's one-time tokenizer build
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    rows, text = run(llm, sizes, args.max_tokens, args.repeats)
+    print(f"JSON-schema constraint cost, {loaded.source}, device {llm.engine.device}, dtype {llm.engine.dtype}, "
+          f"median of {args.repeats}")
+    print(text)
+    again = compile_ms(llm)
+    print(f"\ncompile a new schema: {again:.1f} ms (first one, with the tokenizer build: {first_compile:.0f} ms)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"benchmark": "structured", "rows": rows, "compile_ms": again,
+                                               "first_compile_ms": first_compile}, indent=2))
+    return 0
+
+
+def add_structured_parser(bsub: Any, common: Any) -> None:
+    s = bsub.add_parser("structured", parents=[common],
+                        help="per-token cost of a JSON-schema constraint vs unconstrained decoding")
+    s.add_argument("--batch-sizes", default="1,8")
+    s.add_argument("--max-tokens", type=int, default=160, help="cap per answer (answers end when the JSON does)")
+    s.add_argument("--repeats", type=int, default=3)
+    s.set_defaults(run=run_structured)
