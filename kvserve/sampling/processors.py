@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
 
+import numpy as np
 import torch
 
 from kvserve.request import Request
@@ -90,8 +91,8 @@ def _hold_back_stop(logits: torch.Tensor, rows: list[int], requests: Sequence[Re
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> dict[int, str]:
-    """Mask each constrained row to the tokens its grammar allows; a grammar that fails
-    fails its own row only."""
+    """Mask each constrained row of ``logits`` (contiguous, on CPU; written in place) to the
+    tokens its grammar allows; a grammar that fails fails its own row only."""
     vocab = logits.shape[-1]
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
     errors: dict[int, str] = {}
@@ -99,16 +100,20 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], requests: Sequenc
         constraint = requests[i].constraint
         assert constraint is not None
         _guard(errors, i, partial(constraint.fill_bitmask, bitmask, k))
+    # numpy, single-threaded: a few passes over 50k entries are cheaper than waking torch's
+    # thread pool for each (measured 0.1 ms against 1-2 ms on a busy 2-core machine)
     allowed = unpack_bitmask(bitmask, vocab)
-    logits[rows] = logits[rows].masked_fill(~allowed, NEG_INF)
+    for k, i in enumerate(rows):
+        logits[i].numpy()[~allowed[k]] = NEG_INF   # a view: writes the row in place
     return errors
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, words] int32, bit ``j % 32`` of word ``j // 32`` set = token ``j`` allowed -> [rows, vocab] bool."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask[:, :, None] >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
+    """[rows, words] int32, bit ``j % 32`` of word ``j // 32`` set = token ``j`` allowed -> [rows, vocab] bool.
+
+    Little-endian words: byte ``j // 8`` of a row holds token ``j`` at bit ``j % 8``."""
+    as_bytes = bitmask.numpy().view(np.uint8)
+    return np.unpackbits(as_bytes, axis=-1, count=vocab, bitorder="little").astype(bool)
 
 
 def _guard(errors: dict[int, str], row: int, fn: Callable[[], None]) -> None:

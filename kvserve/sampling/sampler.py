@@ -6,6 +6,7 @@ fails its own request: ``sample`` reports it by row and draws the other rows as 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from typing import NamedTuple
 
@@ -42,18 +43,23 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         """One token per row of ``logits`` ([n, vocab], float32, on CPU), after each request's
         penalties, bias and grammar (kvserve/sampling/processors.py)."""
-        errors = {int(i): "the model produced NaN logits" for i in torch.isnan(logits).any(-1).nonzero()[:, 0]}
-        logits, failed = process_logits(logits, requests, self._eos_token_ids)
-        errors |= failed
-        # +inf is the limit of a logit: the tokens holding it share all the probability
-        infinite = torch.isposinf(logits)
-        if infinite.any():
-            rows = infinite.any(-1)
-            logits = torch.where(rows[:, None], torch.where(infinite, 0.0, float("-inf")), logits)
-        for i in (logits == float("-inf")).all(-1).nonzero()[:, 0].tolist():
-            errors.setdefault(i, "no token is allowed at this position"
-                                 + (" by the grammar" if requests[i].constraint is not None else ""))
-        token_ids: list[int | None] = list(logits.argmax(dim=-1).tolist())
+        logits, errors = process_logits(logits, requests, self._eos_token_ids)
+        # one pass over the vocabulary finds every odd row: a row's max is NaN when it holds
+        # a NaN, +inf when it holds +inf, -inf when every token is masked
+        top, argmax = logits.max(dim=-1)
+        odd = (~torch.isfinite(top)).nonzero()[:, 0].tolist()
+        if odd:
+            logits = logits.clone()   # the caller's logits stay the model's (logprobs read them)
+        for i in odd:
+            value = top[i].item()
+            if math.isnan(value):
+                errors.setdefault(i, "the model produced NaN logits")
+            elif value < 0:
+                errors.setdefault(i, "no token is allowed at this position"
+                                     + (" by the grammar" if requests[i].constraint is not None else ""))
+            else:   # +inf is the limit of a logit: the tokens holding it share all the probability
+                logits[i] = torch.where(torch.isposinf(logits[i]), 0.0, float("-inf"))
+        token_ids: list[int | None] = list(argmax.tolist())
         for row, req in enumerate(requests):
             if row in errors:
                 token_ids[row] = None

@@ -88,7 +88,10 @@ def test_logit_bias_and_min_tokens():
 def test_unpack_bitmask():
     mask = torch.tensor([[0b101, -1]], dtype=torch.int32)
     bits = unpack_bitmask(mask, 40)
+    assert bits.shape == (1, 40)
     assert bits[0, :3].tolist() == [True, False, True] and not bits[0, 3:32].any() and bits[0, 32:].all()
+    high = unpack_bitmask(torch.tensor([[-(1 << 31), 1 << 9]], dtype=torch.int32), 64)[0]
+    assert high.nonzero()[0].tolist() == [31, 41]
 
 
 class _Constraint:
