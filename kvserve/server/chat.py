@@ -70,10 +70,11 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 
 def _message(plan: _Plan, out: RequestOutput) -> tuple[dict[str, Any], str | None]:
     """The assistant message and finish reason: tool calls when the output holds them."""
-    calls = parse_calls(plan.tools, out.text) if plan.tools.makes_calls else None
-    if calls is None:
+    parsed = parse_calls(plan.tools, out.text) if plan.tools.reads_calls and out.finish_reason != "length" else None
+    if parsed is None:
         return {"role": "assistant", "content": out.text}, out.finish_reason
-    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    content, calls = parsed
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
 def _logprobs(ctx: ServingContext, plan: _Plan, entries: list[TokenLogprob]) -> dict[str, Any] | None:
@@ -101,7 +102,7 @@ def _stream(ctx: ServingContext, plan: _Plan, stream: RequestStream, rid: str, c
     def chunk(item: StreamItem) -> dict[str, Any] | None:
         i, out = item.choice, item.output
         last[i] = out
-        if plan.tools.makes_calls:
+        if plan.tools.reads_calls:
             return _tool_chunk(i, out)
         text = deltas[i].next(out.text, out.finished)
         new_logprobs = (out.logprobs or [])[num_logprobs_sent[i]:]
@@ -114,12 +115,13 @@ def _stream(ctx: ServingContext, plan: _Plan, stream: RequestStream, rid: str, c
                                            "finish_reason": out.finish_reason if out.finished else None}])
 
     def _tool_chunk(i: int, out: RequestOutput) -> dict[str, Any] | None:
-        # a call is sent whole, as one delta, once it is complete
+        # a reply that may hold calls is sent whole, as one delta, once it is complete
         if not out.finished:
             return None
         message, finish_reason = _message(plan, out)
-        delta = ({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}
-                 if "tool_calls" in message else {"content": message["content"]})
+        delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
         logprobs = _logprobs(ctx, plan, out.logprobs or [])
         return _chunk(ctx, rid, created, [{"index": i, "delta": delta, "logprobs": logprobs,
                                            "finish_reason": finish_reason}])

@@ -3,19 +3,23 @@ and the calls read back out of the generated text.
 
 ``tool_choice``     what the model generates                            constrained to
   none              text (the tools are not shown to the template)      nothing
-  auto              text; the tools are rendered by the chat template   nothing (see below)
-                    when it declares them, else as ``none``
+  auto              text, which may hold ``<tool_call>{...}</tool_call>``   nothing (see below)
+                    blocks; the tools are rendered by the chat template
+                    when it declares them, else ``auto`` is ``none``
   required          ``[{"name": ..., "arguments": {...}}, ...]``         one tool's parameters per item
   {function: name}  that function's arguments object                    its parameters schema
 
 ``required`` and a named function work with any model: the grammar makes the output a
 call that parses. ``auto`` needs a model trained to call tools and a template that
-declares them; its output is returned as text (no model-specific call parser yet).
+declares them; calls are read from ``<tool_call>`` blocks holding ``{"name", "arguments"}``
+JSON (the Hermes format, which Qwen2.5's and SmolLM3's templates ask for), the text
+around them becomes the content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +28,7 @@ from kvserve.sampling_params import StructuredOutputs
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool, bad_request
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,13 @@ class ToolPlan:
 
     @property
     def makes_calls(self) -> bool:
+        """The output is constrained to be calls (required, named)."""
         return self.structured is not None
+
+    @property
+    def reads_calls(self) -> bool:
+        """The output is read for calls (required, named, and auto with a template that shows the tools)."""
+        return self.makes_calls or self.mode == "auto"
 
 
 def plan_tools(req: ChatCompletionRequest, template_declares_tools: bool) -> ToolPlan:
@@ -91,21 +102,47 @@ def _spec(schema: dict[str, Any], param: str) -> StructuredOutputs:
         raise bad_request(f"{param}: {e}", param) from None
 
 
-def parse_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
-    """The OpenAI ``tool_calls`` in ``text``, or None when it holds no complete call (it
-    was cut by max_tokens)."""
+def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """The content and OpenAI ``tool_calls`` in ``text``, or None when it holds no complete
+    call (cut by max_tokens; no call in an ``auto`` reply)."""
+    if plan.mode == "auto":
+        return _hermes_calls(plan, text)
     try:
         value = json.loads(text)
     except ValueError:
         return None
-    if plan.mode == "named":
+    calls: list[tuple[str, Any]]
+    if plan.name is not None:
         calls = [(plan.name, value)]
     elif isinstance(value, list) and all(isinstance(c, dict) and "name" in c for c in value):
         calls = [(c["name"], c.get("arguments", {})) for c in value]
     else:
         return None
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}} for name, args in calls]
+    return None, [_call(name, args) for name, args in calls]
+
+
+def _hermes_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks naming known tools;
+    None unless every block is one (a malformed call stays text, as the model wrote it)."""
+    known = {t.function.name for t in plan.tools}
+    calls = []
+    for block in _HERMES_CALL.findall(text):
+        try:
+            value = json.loads(block)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in known:
+            return None
+        calls.append(_call(value["name"], value.get("arguments", value.get("parameters", {}))))
+    if not calls:
+        return None
+    content = _HERMES_CALL.sub("", text).strip()
+    return content or None, calls
+
+
+def _call(name: str, args: Any) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import re
 
@@ -10,6 +11,8 @@ import jsonschema
 import openai
 import pytest
 from live_server import MODEL, running_server
+
+from kvserve.model.tokenizer import Tokenizer
 
 PERSON = {
     "type": "object",
@@ -168,3 +171,41 @@ def test_penalties_and_min_tokens(client):
     assert plain < 12                                   # greedy repeats itself
     assert distinct_tokens(frequency_penalty=2.0, presence_penalty=2.0) > plain
     assert distinct_tokens(repetition_penalty=2.0) > plain
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n{% for t in tools %}{{ t.function | tojson }}\n"
+    "{% endfor %}Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HERMES_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,9}", "unit": "celsius"\}\}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def hermes_client(default_model):
+    """The default model behind a chat template that declares tools (Hermes style)."""
+    tokenizer = Tokenizer.from_json(json.dumps({**json.loads(default_model.tokenizer.to_json()),
+                                                "chat_template": HERMES_TEMPLATE}))
+    with (running_server(dataclasses.replace(default_model, tokenizer=tokenizer), num_kv_blocks=64) as s,
+          openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120) as c):
+        yield c
+
+
+def test_auto_reads_hermes_calls_when_the_template_declares_tools(hermes_client):
+    kw = {"messages": ASK, "tools": [WEATHER, CLOCK], "max_tokens": 60}
+    shown = chat(hermes_client, **kw, tool_choice="auto", extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+    hidden = chat(hermes_client, **kw, tool_choice="none", max_completion_tokens=4)
+    assert shown.usage.prompt_tokens > hidden.usage.prompt_tokens + 20        # the template rendered the tools
+    choice = shown.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(chat(hermes_client, **kw, tool_choice="auto", stream=True,
+                       extra_body={"structured_outputs": {"regex": r"Sure\. " + HERMES_CALL}}))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(d.delta.content or "" for d in deltas) == "Sure."
+    assert [tc.function.name for d in deltas for tc in d.delta.tool_calls or []] == ["get_weather"]
+    assert deltas[-1].finish_reason == "tool_calls"
+    plain = chat(hermes_client, **kw, tool_choice="auto", max_completion_tokens=4)   # no call: text, as written
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
