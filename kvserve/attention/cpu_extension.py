@@ -7,9 +7,9 @@ builds anew and old builds are never loaded by mistake. Concurrent builders (two
 starting at once) each compile in a private directory and atomically rename the library
 into place: no lock that a killed build could leave behind.
 
-The instruction set is chosen at run time: AVX2 + FMA + F16C when this CPU has them (from
-/proc/cpuinfo, else torch's CPU capability), else a portable scalar build.
-``KVSERVE_CPU_ISA=scalar`` forces the scalar build (tests use it).
+The instruction set is chosen at run time, from /proc/cpuinfo (else torch's CPU capability):
+AVX-512 (F/BW/VL/DQ) when this CPU has it, else AVX2 + FMA + F16C, else a portable scalar
+build. ``KVSERVE_CPU_ISA=avx2|scalar`` forces one (tests build all three).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -32,9 +33,16 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.cpp", "attend.h", "dequant.h", "simd.h")
+SOURCES = ("paged_attention.cpp", "kernel.h", "attend.h", "dequant.h", "simd.h")
 BASE_FLAGS = ("-O3", "-DNDEBUG", "-fopenmp")
-ISA_FLAGS = {"avx2": ("-mavx2", "-mfma", "-mf16c"), "scalar": ()}
+ISA_FLAGS = {
+    "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "scalar": (),
+}
+_ISA_CPU_FLAGS = {"avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+                  "avx2": {"avx2", "fma", "f16c"}}
+_BUILD_ERRORS = (OSError, ImportError, RuntimeError, subprocess.SubprocessError)
 
 
 def cache_dir() -> Path:
@@ -47,7 +55,7 @@ def cache_dir() -> Path:
 
 
 def detect_isa() -> str:
-    """``avx2`` when this CPU runs AVX2, FMA and F16C, else ``scalar`` (``KVSERVE_CPU_ISA`` overrides)."""
+    """The widest of ``avx512``, ``avx2``, ``scalar`` this CPU runs (``KVSERVE_CPU_ISA`` overrides)."""
     forced = os.environ.get("KVSERVE_CPU_ISA", "").strip().lower()
     if forced:
         if forced not in ISA_FLAGS:
@@ -58,9 +66,9 @@ def detect_isa() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "scalar"
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return "avx2" if {"avx2", "fma", "f16c"} <= set(flags) else "scalar"
+        return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "scalar")
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return next((isa for isa, needs in _ISA_CPU_FLAGS.items() if needs <= flags), "scalar")
 
 
 def extension_name(isa: str) -> str:
@@ -81,7 +89,7 @@ def load_extension(isa: str | None = None) -> ModuleType | None:
     target = cache_dir() / f"{name}.so"
     try:
         return _import(name, target) if target.is_file() else _build(name, isa, target)
-    except Exception as e:  # a compiler error, a missing compiler or header, a broken cached file
+    except _BUILD_ERRORS as e:  # a compiler error, a missing compiler or header, a broken cached file
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         log.warning("kvserve: the C++ CPU attention kernel is unavailable (%s); using the torch attention backend",
                     reason)
@@ -115,7 +123,7 @@ def _build(name: str, isa: str, target: Path) -> ModuleType:
                                     build_directory=str(work), verbose=False)
         os.replace(work / f"{name}.so", target)   # atomic: a concurrent builder's rename is as good
         return module
-    except Exception as e:
+    except _BUILD_ERRORS as e:
         log_path.write_text(str(e))
         raise RuntimeError(f"building {name} failed: {str(e).strip().splitlines()[0] if str(e).strip() else e!r} "
                            f"(full output in {log_path})") from e

@@ -4,87 +4,161 @@
 //   tile rows r = (query i, head g of the KV head's group): q[r] pre-scaled by scale*log2(e)
 //   row r sees keys t < visible[r] (causal: its position + 1)
 //   state per row: running max m[r] (log2 domain), sum l[r], accumulator acc[r][0..ld)
+//   key j of the block: k_j = kscale[j] * K[j], v_j = vscale[j] * V[j] (scales optional:
+//   int8 / fp8 rows are decoded without their per-token scale, applied here once per key)
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 
+#include "dequant.h"
 #include "simd.h"
 
 namespace kvs {
 
 struct Tile {
   int rows = 0;
-  int64_t ld = 0;            // floats per row of q / acc (head_dim rounded up to 8)
+  int64_t ld = 0;            // floats per row of q / acc (head_dim rounded up to 16)
   const float* q = nullptr;  // [rows, ld]
   const int64_t* visible = nullptr;
   float* m = nullptr;
   float* l = nullptr;
   float* acc = nullptr;      // [rows, ld]
-  float* logits = nullptr;   // scratch [block_size + 8]
+  float* p = nullptr;        // scratch [rows, pld]: logits, then weights
+  int64_t pld = 0;           // >= block_size rounded up to 16
 };
 
-// logits[j] = q . k_j for j < n (k_j = K + j * ldk).
-inline void row_logits(const float* q, const float* K, int64_t ldk, int n, int64_t ld, float* out) {
+#ifdef KVS_SIMD
+// out[j] = q . k_j for j < n, q held in NV registers; keys in groups of KG (4 or 8, as the
+// registers allow), each key row a memory operand of its FMAs.
+template <int NV, int KG>
+inline void row_logits(const float* qrow, const float* K, int64_t ldk, int n, float* out, Prefetcher& pf) {
+  vf q[NV];
+  #pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) q[v] = vload(qrow + v * W);
   int j = 0;
-#ifdef KVS_AVX2
-  for (; j + 8 <= n; j += 8) {
-    __m256 a[8];
-    for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
-    const float* kj = K + j * ldk;
-    for (int64_t d = 0; d < ld; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + k * ldk + d), a[k]);
+  for (; j + KG <= n; j += KG) {
+    if (KG == 8 || j % 8 == 0) pf.pump();
+    vf a[KG];
+    const float* kp = K + j * ldk;
+    #pragma GCC unroll 16
+    for (int k = 0; k < KG; ++k, kp += ldk) {
+      a[k] = vmul(q[0], vload(kp));
+      #pragma GCC unroll 16
+      for (int v = 1; v < NV; ++v) a[k] = vfma(q[v], vload(kp + v * W), a[k]);
     }
-    _mm256_storeu_ps(out + j, hsum8(a));
+    __m256 f[KG];
+    #pragma GCC unroll 16
+    for (int k = 0; k < KG; ++k) f[k] = fold8(a[k]);
+    if constexpr (KG == 8) {
+      _mm256_storeu_ps(out + j, transpose_sum8(f));
+    } else {
+      _mm_storeu_ps(out + j, transpose_sum4(f));
+    }
   }
   for (; j < n; ++j) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < ld; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(K + j * ldk + d), a);
-    out[j] = hsum(a);
+    vf a = vmul(q[0], vload(K + j * ldk));
+    #pragma GCC unroll 16
+    for (int v = 1; v < NV; ++v) a = vfma(q[v], vload(K + j * ldk + v * W), a);
+    out[j] = vhsum(a);
   }
-#else
-  for (; j < n; ++j) {
-    float s = 0.0f;
-    for (int64_t d = 0; d < ld; ++d) s += q[d] * K[j * ldk + d];
-    out[j] = s;
-  }
-#endif
 }
 
-// acc += sum_j p[j] * v_j over j < n, for NV vectors of 8 channels starting at channel c0.
-#ifdef KVS_AVX2
-template <int NV>
-inline void accumulate_chunk(float* acc, const float* p, const float* V, int64_t ldv, int n) {
-  __m256 a[NV];
-  for (int v = 0; v < NV; ++v) a[v] = _mm256_loadu_ps(acc + 8 * v);
+// Any width: q and keys through memory.
+inline void row_logits_any(const float* q, const float* K, int64_t ldk, int n, int64_t ld, float* out,
+                           Prefetcher& pf) {
   for (int j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_broadcast_ss(p + j);
+    if (j % 8 == 0) pf.pump();
+    vf a = vzero();
+    for (int64_t d = 0; d < ld; d += W) a = vfma(vload(q + d), vload(K + j * ldk + d), a);
+    out[j] = vhsum(a);
+  }
+}
+
+// acc[r][0 .. NV*W) += sum_j p[r][j] * v_j for RC rows at once: each V vector is loaded once.
+template <int RC, int NV>
+inline void accumulate_rows(float* acc, int64_t ld, const float* p, int64_t pld, const float* V, int64_t ldv,
+                            int n) {
+  vf a[RC][NV];
+  #pragma GCC unroll 16
+  for (int r = 0; r < RC; ++r) {
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) a[r][v] = vload(acc + r * ld + v * W);
+  }
+  for (int j = 0; j < n; ++j) {
     const float* vj = V + j * ldv;
-    for (int v = 0; v < NV; ++v) a[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * v), a[v]);
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      const vf x = vload(vj + v * W);
+      #pragma GCC unroll 16
+      for (int r = 0; r < RC; ++r) a[r][v] = vfma(x, vset1(p[r * pld + j]), a[r][v]);
+    }
   }
-  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + 8 * v, a[v]);
+  #pragma GCC unroll 16
+  for (int r = 0; r < RC; ++r) {
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) vstore(acc + r * ld + v * W, a[r][v]);
+  }
+}
+
+// Rows [r0, r1) over channel chunks of up to 8 vectors; rows in groups sized to the registers.
+template <int NV>
+inline void accumulate_chunk(float* acc, int64_t ld, const float* p, int64_t pld, const float* V, int64_t ldv, int n,
+                             int rows) {
+  constexpr int RC = (W == 16 ? 16 : 8) / NV > 0 ? (W == 16 ? 16 : 8) / NV : 1;
+  int r = 0;
+  for (; r + RC <= rows; r += RC) accumulate_rows<RC, NV>(acc + r * ld, ld, p + r * pld, pld, V, ldv, n);
+  for (; r < rows; ++r) accumulate_rows<1, NV>(acc + r * ld, ld, p + r * pld, pld, V, ldv, n);
 }
 #endif
 
-inline void accumulate(float* acc, const float* p, const float* V, int64_t ldv, int n, int64_t ld) {
-#ifdef KVS_AVX2
-  int64_t c = 0;
-  for (; c + 64 <= ld; c += 64) accumulate_chunk<8>(acc + c, p, V + c, ldv, n);
-  switch ((ld - c) / 8) {
-    case 7: accumulate_chunk<7>(acc + c, p, V + c, ldv, n); break;
-    case 6: accumulate_chunk<6>(acc + c, p, V + c, ldv, n); break;
-    case 5: accumulate_chunk<5>(acc + c, p, V + c, ldv, n); break;
-    case 4: accumulate_chunk<4>(acc + c, p, V + c, ldv, n); break;
-    case 3: accumulate_chunk<3>(acc + c, p, V + c, ldv, n); break;
-    case 2: accumulate_chunk<2>(acc + c, p, V + c, ldv, n); break;
-    case 1: accumulate_chunk<1>(acc + c, p, V + c, ldv, n); break;
-    default: break;
+// acc[r] += sum_j p[r][j] * v_j for every row (p zero where a row does not see key j).
+inline void accumulate(const Tile& t, const float* V, int64_t ldv, int n) {
+#ifdef KVS_SIMD
+  for (int64_t c = 0; c < t.ld; c += 8 * W) {
+    float* acc = t.acc + c;
+    const float* v = V + c;
+    switch (std::min<int64_t>(8, (t.ld - c) / W)) {
+      case 8: accumulate_chunk<8>(acc, t.ld, t.p, t.pld, v, ldv, n, t.rows); break;
+      case 7: accumulate_chunk<7>(acc, t.ld, t.p, t.pld, v, ldv, n, t.rows); break;
+      case 6: accumulate_chunk<6>(acc, t.ld, t.p, t.pld, v, ldv, n, t.rows); break;
+      case 5: accumulate_chunk<5>(acc, t.ld, t.p, t.pld, v, ldv, n, t.rows); break;
+      case 4: accumulate_chunk<4>(acc, t.ld, t.p, t.pld, v, ldv, n, t.rows); break;
+      case 3: accumulate_chunk<3>(acc, t.ld, t.p, t.pld, v, ldv, n, t.rows); break;
+      case 2: accumulate_chunk<2>(acc, t.ld, t.p, t.pld, v, ldv, n, t.rows); break;
+      default: accumulate_chunk<1>(acc, t.ld, t.p, t.pld, v, ldv, n, t.rows); break;
+    }
   }
 #else
+  for (int r = 0; r < t.rows; ++r) {
+    for (int j = 0; j < n; ++j) {
+      const float pj = t.p[r * t.pld + j];
+      for (int64_t d = 0; d < t.ld; ++d) t.acc[r * t.ld + d] += pj * V[j * ldv + d];
+    }
+  }
+#endif
+}
+
+inline void logits(const Tile& t, int r, const float* K, int64_t ldk, int n, float* out, Prefetcher& pf) {
+  const float* q = t.q + r * t.ld;
+#ifdef KVS_SIMD
+  switch (t.ld / W) {
+#if KVS_W == 16
+    case 4: row_logits<4, 8>(q, K, ldk, n, out, pf); return;
+    case 8: row_logits<8, 8>(q, K, ldk, n, out, pf); return;
+#else
+    case 8: row_logits<8, 4>(q, K, ldk, n, out, pf); return;
+    case 2: row_logits<2, 8>(q, K, ldk, n, out, pf); return;
+#endif
+    default: row_logits_any(q, K, ldk, n, t.ld, out, pf); return;
+  }
+#else
+  pf.pump();
   for (int j = 0; j < n; ++j) {
-    for (int64_t d = 0; d < ld; ++d) acc[d] += p[j] * V[j * ldv + d];
+    float s = 0.0f;
+    for (int64_t d = 0; d < t.ld; ++d) s += q[d] * K[j * ldk + d];
+    out[j] = s;
   }
 #endif
 }
@@ -93,15 +167,15 @@ inline void accumulate(float* acc, const float* p, const float* V, int64_t ldv, 
 inline float exp2_shifted(float* p, int n, float m) {
   int j = 0;
   float sum = 0.0f;
-#ifdef KVS_AVX2
-  const __m256 vm = _mm256_set1_ps(m);
-  __m256 vs = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp2_neg(_mm256_sub_ps(_mm256_loadu_ps(p + j), vm));
-    _mm256_storeu_ps(p + j, e);
-    vs = _mm256_add_ps(vs, e);
+#ifdef KVS_SIMD
+  const vf vm = vset1(m);
+  vf vs = vzero();
+  for (; j + W <= n; j += W) {
+    const vf e = vexp2_neg(vsub(vload(p + j), vm));
+    vstore(p + j, e);
+    vs = vadd(vs, e);
   }
-  sum = hsum(vs);
+  sum = vhsum(vs);
 #endif
   for (; j < n; ++j) {
     p[j] = std::exp2(p[j] - m);
@@ -110,39 +184,39 @@ inline float exp2_shifted(float* p, int n, float m) {
   return sum;
 }
 
-inline void scale_row(float* acc, float c, int64_t ld) {
-#ifdef KVS_AVX2
-  const __m256 vc = _mm256_set1_ps(c);
-  for (int64_t d = 0; d < ld; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), vc));
-#else
-  for (int64_t d = 0; d < ld; ++d) acc[d] *= c;
-#endif
+inline void scale_row(float* x, const float* s, int n) {
+  for (int j = 0; j < n; ++j) x[j] *= s[j];
 }
 
 // The tile attends to keys key0 .. key0 + n - 1 (rows j of K and V).
-inline void attend_block(const Tile& t, const float* K, int64_t ldk, const float* V, int64_t ldv, int n,
-                         int64_t key0) {
+inline void attend_block(const Tile& t, const Rows& k, const Rows& v, int n, int64_t key0, Prefetcher& pf) {
   for (int r = 0; r < t.rows; ++r) {
+    float* p = t.p + r * t.pld;
     const int64_t vis = std::min<int64_t>(n, t.visible[r] - key0);
-    if (vis <= 0) continue;  // every key of the block lies after this row's query
+    if (vis <= 0) {  // every key of the block lies after this row's query
+      std::fill(p, p + n, 0.0f);
+      continue;
+    }
     const int nv = static_cast<int>(vis);
-    float* s = t.logits;
-    row_logits(t.q + r * t.ld, K, ldk, nv, t.ld, s);
-    float mx = s[0];
-    for (int j = 1; j < nv; ++j) mx = std::max(mx, s[j]);
+    logits(t, r, k.x, k.ld, nv, p, pf);
+    if (k.scale) scale_row(p, k.scale, nv);
+    float mx = p[0];
+    for (int j = 1; j < nv; ++j) mx = std::max(mx, p[j]);
     const float m_old = t.m[r];
     const float m_new = std::max(m_old, mx);
-    const float sum = exp2_shifted(s, nv, m_new);
-    float* acc = t.acc + r * t.ld;
+    const float sum = exp2_shifted(p, nv, m_new);
+    std::fill(p + nv, p + n, 0.0f);
+    if (v.scale) scale_row(p, v.scale, nv);
     if (m_new > m_old) {
       const float c = std::exp2(m_old - m_new);  // 0 for the first block (m_old = -inf)
       t.l[r] *= c;
-      scale_row(acc, c, t.ld);
+      float* acc = t.acc + r * t.ld;
+      for (int64_t d = 0; d < t.ld; ++d) acc[d] *= c;
       t.m[r] = m_new;
     }
     t.l[r] += sum;
-    accumulate(acc, s, V, ldv, nv, t.ld);
   }
+  accumulate(t, v.x, v.ld, n);
 }
 
 }  // namespace kvs

@@ -1,7 +1,7 @@
 // Reading one block of one head of a half (K or V) into float32 rows, in its stored format.
 //
 // A block's rows land in a small buffer (block_size x ld floats, ld = head_dim rounded up
-// to 8, padding zero) that stays in L1 while every query row of the tile uses it. Plain
+// to 16, padding zero) that stays in L1 while every query row of the tile uses it. Plain
 // float32 rows are not copied at all (`direct_rows`). Layouts are those of
 // kvserve/attention/layout.py; all part tensors are contiguous [num_blocks, ...].
 #pragma once
@@ -40,17 +40,99 @@ struct HalfView {
 
 inline int64_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
+// A block's rows of one head as the attention reads them: row j is scale[j] * x[j * ld ..]
+// (scale null: 1). int8 / fp8 leave their per-token scale to the attention, which applies
+// it once per key instead of once per element.
+struct Rows {
+  const float* x = nullptr;
+  int64_t ld = 0;
+  const float* scale = nullptr;
+};
+
 // Plain float32 rows are read where they lie: row j of the block is base + j * ld.
 inline const float* direct_rows(const HalfView& v, int64_t block, int64_t head, int64_t* ld) {
-  if (v.kind != PLAIN || v.dtype != F32 || v.num_outliers || v.D % 8) return nullptr;
+  if (v.kind != PLAIN || v.dtype != F32 || v.num_outliers || v.D % 16) return nullptr;
   *ld = v.H * v.D;
   return reinterpret_cast<const float*>(v.main) + (block * v.B * v.H + head) * v.D;
 }
 
 inline const float* direct_residual(const HalfView& v, int64_t row, int64_t head, int64_t* ld) {
-  if (v.residual_dtype != F32 || v.rotated || v.D % 8) return nullptr;
+  if (v.residual_dtype != F32 || v.rotated || v.D % 16) return nullptr;
   *ld = v.H * v.D;
   return reinterpret_cast<const float*>(v.residual) + (row * v.B * v.H + head) * v.D;
+}
+
+// Rolling software prefetch of the next block while the current one is processed. Blocks
+// lie in random order in the pool, so each starts with a full memory latency unless asked
+// for ahead; issuing the whole next block at once stalls on the miss buffers, so the lines
+// are spread over `pump()` calls placed in the per-row loops (decode and logits).
+class Prefetcher {
+ public:
+  void clear() {
+    n_ = cur_ = 0;
+    at_ = end_ = nullptr;
+    lines_ = 0;
+  }
+  void add(const void* p, int64_t nbytes) {
+    if (nbytes <= 0 || n_ == kMaxRanges) return;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    begin_[n_] = reinterpret_cast<const char*>(a & ~uintptr_t{63});
+    stop_[n_] = reinterpret_cast<const char*>(a + nbytes);
+    lines_ += (stop_[n_] - begin_[n_] + 63) / 64;
+    if (n_++ == 0) {
+      at_ = begin_[0];
+      end_ = stop_[0];
+    }
+  }
+  // Spread the lines over about `pumps` calls.
+  void plan(int64_t pumps) { quota_ = static_cast<int>(pumps > 0 ? (lines_ + pumps - 1) / pumps : lines_); }
+  void pump() {
+    for (int k = 0; k < quota_ && at_; ++k) {
+      __builtin_prefetch(at_, 0, 3);
+      at_ += 64;
+      if (at_ >= end_) next();
+    }
+  }
+  void drain() {
+    while (at_) {
+      __builtin_prefetch(at_, 0, 3);
+      at_ += 64;
+      if (at_ >= end_) next();
+    }
+  }
+
+ private:
+  static constexpr int kMaxRanges = 12;
+  void next() {
+    if (++cur_ < n_) {
+      at_ = begin_[cur_];
+      end_ = stop_[cur_];
+    } else {
+      at_ = nullptr;
+    }
+  }
+  const char* begin_[kMaxRanges];
+  const char* stop_[kMaxRanges];
+  int n_ = 0, cur_ = 0, quota_ = 1;
+  const char* at_ = nullptr;
+  const char* end_ = nullptr;
+  int64_t lines_ = 0;
+};
+
+// Every byte of `block` (all heads) that decoding it reads.
+inline void add_block(Prefetcher& pf, const HalfView& v, int64_t block) {
+  const int64_t BH = v.B * v.H;
+  pf.add(v.main + block * BH * v.row_bytes, BH * v.row_bytes);
+  int64_t params = 0;  // float16 scale / zero entries per block
+  if (v.kind == INT8 || v.kind == FP8) params = BH;
+  if (v.kind == ASYM_TOKEN) params = BH * (v.D / v.group);
+  if (v.kind == ASYM_CHANNEL) params = v.H * v.D;
+  if (params) pf.add(v.scale + block * params, 2 * params);
+  if (v.zero) pf.add(v.zero + block * params, 2 * params);
+  if (v.num_outliers) {
+    pf.add(v.out_values + block * BH * v.num_outliers, 2 * BH * v.num_outliers);
+    pf.add(v.out_channels + block * v.H * v.num_outliers, v.H * v.num_outliers);
+  }
 }
 
 // One row of plain storage in `dtype` -> float.
@@ -62,38 +144,36 @@ inline void plain_row(const uint8_t* src, int dtype, int D, float* dst) {
     return;
   }
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-#ifdef KVS_AVX2
+#ifdef KVS_SIMD
   if (dtype == F16) {
-    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, load8_f16(s + d));
+    for (; d + W <= D; d += W) vstore(dst + d, vload_f16(s + d));
   } else {
-    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, load8_bf16(s + d));
+    for (; d + W <= D; d += W) vstore(dst + d, vload_bf16(s + d));
   }
 #endif
   for (; d < D; ++d) dst[d] = dtype == F16 ? f16_to_f32(s[d]) : bf16_to_f32(s[d]);
 }
 
-inline void int8_row(const int8_t* c, float s, int D, float* dst) {
+inline void int8_row(const int8_t* c, int D, float* dst) {
   int d = 0;
-#ifdef KVS_AVX2
-  const __m256 vs = _mm256_set1_ps(s);
-  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(load8_i8(c + d), vs));
+#ifdef KVS_SIMD
+  for (; d + W <= D; d += W) vstore(dst + d, vload_i8(c + d));
 #endif
-  for (; d < D; ++d) dst[d] = static_cast<float>(c[d]) * s;
+  for (; d < D; ++d) dst[d] = static_cast<float>(c[d]);
 }
 
-inline void fp8_row(const uint8_t* c, float s, int D, float* dst) {
-  int d = 0;
-#ifdef KVS_AVX2
-  const __m256 vs = _mm256_set1_ps(s * 256.0f);  // exact: a power-of-two factor
-  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(load8_fp8_div256(c + d), vs));
+// fp8 codes / kFp8RowScale (exact: a power of two; the row's scale absorbs it).
+#ifdef KVS_SIMD
+constexpr float kFp8RowScale = 256.0f;
+#else
+constexpr float kFp8RowScale = 1.0f;
 #endif
-  for (; d < D; ++d) dst[d] = fp8_to_f32(c[d]) * s;
-}
-
-inline uint32_t load_u32(const uint8_t* p) {
-  uint32_t w;
-  std::memcpy(&w, p, 4);
-  return w;
+inline void fp8_row(const uint8_t* c, int D, float* dst) {
+  int d = 0;
+#ifdef KVS_SIMD
+  for (; d + W <= D; d += W) vstore(dst + d, vload_fp8_div256(c + d));
+#endif
+  for (; d < D; ++d) dst[d] = fp8_to_f32(c[d]) / kFp8RowScale;
 }
 
 inline int code_at(const uint8_t* c, int bits, int d) {
@@ -101,68 +181,38 @@ inline int code_at(const uint8_t* c, int bits, int d) {
   return (c[d / per_byte] >> ((d % per_byte) * bits)) & ((1 << bits) - 1);
 }
 
+#ifdef KVS_SIMD
+// W channels of packed codes starting at channel d (a multiple of W).
+inline vf vcodes(const uint8_t* c, int bits, int d) { return bits == 4 ? vload_u4(c + d / 2) : vload_u2(c + d / 4); }
+#endif
+
 // Packed asymmetric codes -> code * sc + zr, with per-channel sc / zr (arrays of D floats).
 inline void asym_row_channels(const uint8_t* c, int bits, const float* sc, const float* zr, int D, float* dst) {
   int d = 0;
-#ifdef KVS_AVX2
-  const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-  if (bits == 4) {
-    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    for (; d + 8 <= D; d += 8) {
-      const __m256 x = unpack8(load_u32(c + d / 2), sh, mask);
-      _mm256_storeu_ps(dst + d, _mm256_fmadd_ps(x, _mm256_loadu_ps(sc + d), _mm256_loadu_ps(zr + d)));
-    }
-  } else {
-    const __m256i sh0 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    const __m256i sh1 = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
-    for (; d + 16 <= D; d += 16) {
-      const uint32_t w = load_u32(c + d / 4);
-      _mm256_storeu_ps(dst + d, _mm256_fmadd_ps(unpack8(w, sh0, mask), _mm256_loadu_ps(sc + d),
-                                                _mm256_loadu_ps(zr + d)));
-      _mm256_storeu_ps(dst + d + 8, _mm256_fmadd_ps(unpack8(w, sh1, mask), _mm256_loadu_ps(sc + d + 8),
-                                                    _mm256_loadu_ps(zr + d + 8)));
-    }
-  }
+#ifdef KVS_SIMD
+  for (; d + W <= D; d += W) vstore(dst + d, vfma(vcodes(c, bits, d), vload(sc + d), vload(zr + d)));
 #endif
   for (; d < D; ++d) dst[d] = std::fma(static_cast<float>(code_at(c, bits, d)), sc[d], zr[d]);
 }
 
-// Packed asymmetric codes with one (scale, zero) per group of G channels, G a multiple of 8.
+// Packed asymmetric codes with one (scale, zero) per group of G channels, G a multiple of W.
 inline void asym_row_groups(const uint8_t* c, int bits, const uint16_t* scale, const uint16_t* zero, int G, int D,
                             float* dst) {
-  int d = 0;
-#ifdef KVS_AVX2
-  const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-  const __m256i sh4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const __m256i sh0 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-  const __m256i sh1 = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
-  for (int g = 0; g < D / G; ++g) {
-    const __m256 vs = _mm256_set1_ps(f16_to_f32(scale[g]));
-    const __m256 vz = _mm256_set1_ps(f16_to_f32(zero[g]));
+  for (int g = 0, d = 0; g < D / G; ++g) {
+    const float s = f16_to_f32(scale[g]), z = f16_to_f32(zero[g]);
     const int end = (g + 1) * G;
-    if (bits == 4) {
-      for (; d < end; d += 8) {
-        _mm256_storeu_ps(dst + d, _mm256_fmadd_ps(unpack8(load_u32(c + d / 2), sh4, mask), vs, vz));
-      }
-    } else {
-      for (; d + 16 <= end; d += 16) {
-        const uint32_t w = load_u32(c + d / 4);
-        _mm256_storeu_ps(dst + d, _mm256_fmadd_ps(unpack8(w, sh0, mask), vs, vz));
-        _mm256_storeu_ps(dst + d + 8, _mm256_fmadd_ps(unpack8(w, sh1, mask), vs, vz));
-      }
-      for (; d < end; ++d) dst[d] = std::fma(static_cast<float>(code_at(c, bits, d)), f16_to_f32(scale[g]),
-                                             f16_to_f32(zero[g]));
-    }
-  }
+#ifdef KVS_SIMD
+    const vf vs = vset1(s), vz = vset1(z);
+    for (; d < end; d += W) vstore(dst + d, vfma(vcodes(c, bits, d), vs, vz));
 #endif
-  for (; d < D; ++d) {
-    dst[d] = std::fma(static_cast<float>(code_at(c, bits, d)), f16_to_f32(scale[d / G]), f16_to_f32(zero[d / G]));
+    for (; d < end; ++d) dst[d] = std::fma(static_cast<float>(code_at(c, bits, d)), s, z);
   }
 }
 
-// Rows [0, n) of `block`, head `head` -> buf (row stride ld). `tmp` holds 2 * ld floats.
-inline void decode_block(const HalfView& v, int64_t block, int64_t head, int n, float* buf, int64_t ld,
-                         float* tmp) {
+// Rows [0, n) of `block`, head `head` -> buf (row stride ld); int8 / fp8 row scales -> rs
+// (returned in Rows) unless outliers need the true values here. `tmp` holds 2 * ld floats.
+inline Rows decode_block(const HalfView& v, int64_t block, int64_t head, int n, float* buf, int64_t ld,
+                         float* tmp, float* rs, Prefetcher& pf) {
   const int D = static_cast<int>(v.D);
   const int64_t first = block * v.B * v.H + head;  // (token 0, head) of the block
   float* sc = tmp;
@@ -179,13 +229,20 @@ inline void decode_block(const HalfView& v, int64_t block, int64_t head, int n, 
     const int64_t th = first + j * v.H;  // (token j, head)
     const uint8_t* row = v.main + th * v.row_bytes;
     float* dst = buf + j * ld;
+    pf.pump();
     switch (v.kind) {
       case PLAIN: plain_row(row, v.dtype, D, dst); break;
-      case INT8: int8_row(reinterpret_cast<const int8_t*>(row), f16_to_f32(v.scale[th]), D, dst); break;
-      case FP8: fp8_row(row, f16_to_f32(v.scale[th]), D, dst); break;
+      case INT8:
+        int8_row(reinterpret_cast<const int8_t*>(row), D, dst);
+        rs[j] = f16_to_f32(v.scale[th]);
+        break;
+      case FP8:
+        fp8_row(row, D, dst);
+        rs[j] = f16_to_f32(v.scale[th]) * kFp8RowScale;
+        break;
       case ASYM_CHANNEL: asym_row_channels(row, v.bits, sc, zr, D, dst); break;
       default:
-        if (v.group % 8 == 0) {
+        if (v.group % W == 0) {
           asym_row_groups(row, v.bits, v.scale + th * groups, v.zero + th * groups, v.group, D, dst);
         } else {
           for (int d = 0; d < D; ++d) {
@@ -197,7 +254,13 @@ inline void decode_block(const HalfView& v, int64_t block, int64_t head, int n, 
     }
     for (int64_t d = D; d < ld; ++d) dst[d] = 0.0f;
   }
-  if (v.num_outliers == 0) return;
+  const bool scaled = v.kind == INT8 || v.kind == FP8;
+  if (v.num_outliers == 0) return Rows{buf, ld, scaled ? rs : nullptr};
+  if (scaled) {
+    for (int j = 0; j < n; ++j) {
+      for (int d = 0; d < D; ++d) buf[j * ld + d] *= rs[j];
+    }
+  }
   // +outN: the inner codec stored the block with its outlier channels zeroed; with +had
   // the rotation applies to the rest only, so it is undone here before the outliers go
   // back in their real channels.
@@ -211,14 +274,17 @@ inline void decode_block(const HalfView& v, int64_t block, int64_t head, int n, 
       if (channels[i] < D) dst[channels[i]] = f16_to_f32(vals[i]);
     }
   }
+  return Rows{buf, ld, nullptr};
 }
 
 // Rows [0, n) of residual row `row` (an open block kept in the compute dtype) -> buf.
-inline void decode_residual(const HalfView& v, int64_t row, int64_t head, int n, float* buf, int64_t ld) {
+inline void decode_residual(const HalfView& v, int64_t row, int64_t head, int n, float* buf, int64_t ld,
+                            Prefetcher& pf) {
   const int D = static_cast<int>(v.D);
   const int64_t es = dtype_size(v.residual_dtype);
   for (int j = 0; j < n; ++j) {
     float* dst = buf + j * ld;
+    pf.pump();
     plain_row(v.residual + ((row * v.B + j) * v.H + head) * v.D * es, v.residual_dtype, D, dst);
     for (int64_t d = D; d < ld; ++d) dst[d] = 0.0f;
     if (v.rotated) fwht(dst, D);

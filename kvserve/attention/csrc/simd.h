@@ -1,21 +1,31 @@
 // Scalar conversions and the few vector primitives the kernel is built from.
 //
-// Built with -mavx2 -mfma -mf16c when the CPU has them (KVS_AVX2 is then defined by the
-// compiler flags' __AVX2__/__FMA__/__F16C__); every function has a portable scalar
-// version, used by the fallback build and for the tails of vector loops.
+// One vector type `vf` of W float lanes: W = 16 with AVX-512 (F, BW, VL, DQ), W = 8 with
+// AVX2 + FMA + F16C, chosen by the compiler flags (see cpu_extension.py: the build matches
+// what this CPU runs). Without either, KVS_SIMD is undefined and the kernel's scalar loops
+// are the whole implementation. Scalar helpers below serve every build (and vector tails).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KVS_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__FMA__) && defined(__F16C__)
+#define KVS_SIMD 1
+#define KVS_W 16
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVS_SIMD 1
+#define KVS_W 8
+#include <immintrin.h>
+#else
+#define KVS_W 1
 #endif
 
 namespace kvs {
 
+constexpr int W = KVS_W;  // float lanes per vector
 constexpr float kLog2e = 1.4426950408889634f;
 
 inline float bits_to_f32(uint32_t u) {
@@ -24,9 +34,15 @@ inline float bits_to_f32(uint32_t u) {
   return f;
 }
 
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
 // IEEE half -> float, exact (subnormals, inf, nan included).
 inline float f16_to_f32(uint16_t h) {
-#ifdef KVS_AVX2
+#ifdef KVS_SIMD
   return _cvtsh_ss(h);
 #else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -75,23 +91,17 @@ inline void fwht(float* x, int n) {
   for (int k = 0; k < n; ++k) x[k] *= s;
 }
 
-#ifdef KVS_AVX2
-inline float hsum(__m256 v) {
+#ifdef KVS_SIMD
+// ---- 8-lane helpers (both builds use them for groups of 8 keys) ----
+inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Lane k of the result is the sum of the lanes of a[k]: eight dot products finished at once.
-inline __m256 hsum8(const __m256* a) {
+inline __m256 transpose_sum8(const __m256* a) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
   const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
   const __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
@@ -101,56 +111,139 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// 2^x for x <= 0 (log2-domain softmax weights): x = n + f, |f| <= 1/2, 2^f by its Taylor
-// series in f*ln2 to degree 7 (relative error < 1e-8, below float rounding), 2^n from the
-// exponent bits. x < -126 gives exactly 0 (and -inf does too).
-inline __m256 exp2_neg(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-126.0f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 t = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.6931471805599453f));
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+// Lane k of the result is the sum of the lanes of a[k], for four vectors.
+inline __m128 transpose_sum4(const __m256* a) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 
-inline __m256 load8_f16(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// Eight e4m3 codes as halves worth code / 256: the 7 exponent+mantissa bits move to a
+// half's bits 7..13 (exponent bias 15 instead of 7; subnormals map to subnormals, which
+// F16C converts exactly). NaN codes are not produced by the codec (it clamps to +-448).
+inline __m128i fp8x8_as_f16(__m128i bytes) {
+  const __m128i b = _mm_cvtepu8_epi16(bytes);
+  const __m128i sign = _mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16(static_cast<short>(0x8000)));
+  return _mm_or_si128(sign, _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(0x3F80)));
 }
+#endif
 
-inline __m256 load8_bf16(const uint16_t* p) {
+#if KVS_W == 16
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+inline vf vload_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline vf vload_bf16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline vf vload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf vload_fp8_div256(const uint8_t* p) {
+  const __m128i lo = fp8x8_as_f16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i hi = fp8x8_as_f16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  return _mm512_cvtph_ps(_mm256_set_m128i(hi, lo));
+}
+// 16 channels of 4-bit codes from 8 bytes (lowest nibble first).
+inline vf vload_u4(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i twice = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+  const __m512i w = _mm512_cvtepu8_epi32(twice);
+  const __m512i sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(15)));
+}
+// 16 channels of 2-bit codes from 4 bytes.
+inline vf vload_u2(const uint8_t* p) {
+  const __m512i w = _mm512_set1_epi32(static_cast<int>(load_u32(p)));
+  const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(3)));
+}
+// Fold a 16-lane partial sum to 8 lanes (same total).
+inline __m256 fold8(vf v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+#elif KVS_W == 8
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline float vhsum(vf v) { return hsum8(v); }
+inline float vhmax(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf vload_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vf vload_bf16(const uint16_t* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
-
-inline __m256 load8_i8(const int8_t* p) {
+inline vf vload_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-
-// Eight e4m3 codes -> float / 256: the 7 exponent+mantissa bits are moved to a half's
-// bits 7..13 (a half with exponent bias 15 instead of 7, subnormals included, which
-// F16C converts exactly); the caller multiplies by 256 * scale. NaN codes are not
-// produced by the codec (it clamps to +-448) and are not special-cased here.
-inline __m256 load8_fp8_div256(const uint8_t* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i sign = _mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16(static_cast<short>(0x8000)));
-  const __m128i body = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(0x3F80));
-  return _mm256_cvtph_ps(_mm_or_si128(sign, body));
+inline vf vload_fp8_div256(const uint8_t* p) {
+  return _mm256_cvtph_ps(fp8x8_as_f16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// 8 channels of 4-bit codes from 4 bytes (lowest nibble first).
+inline vf vload_u4(const uint8_t* p) {
+  const __m256i w = _mm256_set1_epi32(static_cast<int>(load_u32(p)));
+  const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(15)));
+}
+// 8 channels of 2-bit codes from 2 bytes.
+inline vf vload_u2(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const __m256i w = _mm256_set1_epi32(h);
+  const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(3)));
+}
+inline __m256 fold8(vf v) { return v; }
+#endif
 
-// Codes of 4 or 2 bits packed lowest-first: the 32 bits at p hold 8 (4-bit) or 16
-// (2-bit) consecutive channels; `shift` selects each lane's field.
-inline __m256 unpack8(uint32_t word, __m256i shift, __m256i mask) {
-  const __m256i w = _mm256_set1_epi32(static_cast<int>(word));
-  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, shift), mask));
+#ifdef KVS_SIMD
+// 2^x for x <= 0 (log2-domain softmax weights): x = n + f, |f| <= 1/2, 2^f by its Taylor
+// series in f*ln2 to degree 7 (relative error < 1e-8, below float rounding), 2^n from the
+// exponent bits. x < -126 gives exactly 0 (and -inf does too).
+inline vf vexp2_neg(vf x) {
+  const vf lo = vset1(-126.0f);
+#if KVS_W == 16
+  const __mmask16 ok = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, lo);
+  const vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const vf ok = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lo);
+  const vf n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+  const vf t = vmul(vsub(x, n), vset1(0.6931471805599453f));
+  vf p = vset1(1.0f / 5040.0f);
+  p = vfma(p, t, vset1(1.0f / 720.0f));
+  p = vfma(p, t, vset1(1.0f / 120.0f));
+  p = vfma(p, t, vset1(1.0f / 24.0f));
+  p = vfma(p, t, vset1(1.0f / 6.0f));
+  p = vfma(p, t, vset1(0.5f));
+  p = vfma(p, t, vset1(1.0f));
+  p = vfma(p, t, vset1(1.0f));
+#if KVS_W == 16
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(ok, p, _mm512_castsi512_ps(e));
+#else
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(ok, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+#endif
 }
 #endif
 
