@@ -163,55 +163,85 @@ inline void logits(const Tile& t, int r, const float* K, int64_t ldk, int n, flo
 #endif
 }
 
-// p[j] = 2^(p[j] - m) in place for j < n; returns their sum.
-inline float exp2_shifted(float* p, int n, float m) {
-  int j = 0;
-  float sum = 0.0f;
+// Softmax step of one row over its logits p[0 .. np) (np a multiple of 16; entries past
+// the row's visible keys are -inf): p *= kscale, new running max, p = 2^(p - max) * vscale,
+// returns the sum of 2^(p - max) (before vscale). kscale / vscale may be null.
+inline float softmax_row(float* p, int np, const float* kscale, const float* vscale, float m_old, float* m_new) {
 #ifdef KVS_SIMD
+  vf mx = vset1(-std::numeric_limits<float>::infinity());
+  for (int j = 0; j < np; j += W) {
+    vf x = vload(p + j);
+    if (kscale) {
+      x = vmul(x, vload(kscale + j));
+      vstore(p + j, x);
+    }
+    mx = vmax(mx, x);
+  }
+  const float m = std::max(m_old, vhmax(mx));
   const vf vm = vset1(m);
-  vf vs = vzero();
-  for (; j + W <= n; j += W) {
+  vf sum = vzero();
+  for (int j = 0; j < np; j += W) {
     const vf e = vexp2_neg(vsub(vload(p + j), vm));
-    vstore(p + j, e);
-    vs = vadd(vs, e);
+    sum = vadd(sum, e);
+    vstore(p + j, vscale ? vmul(e, vload(vscale + j)) : e);
   }
-  sum = vhsum(vs);
-#endif
-  for (; j < n; ++j) {
-    p[j] = std::exp2(p[j] - m);
-    sum += p[j];
+  *m_new = m;
+  return vhsum(sum);
+#else
+  float m = m_old;
+  for (int j = 0; j < np; ++j) {
+    if (kscale && p[j] != -std::numeric_limits<float>::infinity()) p[j] *= kscale[j];
+    m = std::max(m, p[j]);
   }
+  float sum = 0.0f;
+  for (int j = 0; j < np; ++j) {
+    const float e = std::exp2(p[j] - m);
+    sum += e;
+    p[j] = vscale ? e * vscale[j] : e;
+  }
+  *m_new = m;
   return sum;
+#endif
 }
 
-inline void scale_row(float* x, const float* s, int n) {
-  for (int j = 0; j < n; ++j) x[j] *= s[j];
+inline void scale_acc(float* acc, float c, int64_t ld) {
+#ifdef KVS_SIMD
+  const vf vc = vset1(c);
+  for (int64_t d = 0; d < ld; d += W) vstore(acc + d, vmul(vload(acc + d), vc));
+#else
+  for (int64_t d = 0; d < ld; ++d) acc[d] *= c;
+#endif
 }
 
-// The tile attends to keys key0 .. key0 + n - 1 (rows j of K and V).
+// The tile attends to keys key0 .. key0 + n - 1 (rows j of K and V). Scales, when given,
+// hold finite values up to n rounded up to 16.
 inline void attend_block(const Tile& t, const Rows& k, const Rows& v, int n, int64_t key0, Prefetcher& pf) {
+  const int np = (n + 15) / 16 * 16;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int r = 0; r < t.rows; ++r) {
     float* p = t.p + r * t.pld;
     const int64_t vis = std::min<int64_t>(n, t.visible[r] - key0);
     if (vis <= 0) {  // every key of the block lies after this row's query
-      std::fill(p, p + n, 0.0f);
+      std::fill(p, p + np, 0.0f);
       continue;
     }
     const int nv = static_cast<int>(vis);
     logits(t, r, k.x, k.ld, nv, p, pf);
-    if (k.scale) scale_row(p, k.scale, nv);
-    float mx = p[0];
-    for (int j = 1; j < nv; ++j) mx = std::max(mx, p[j]);
+    const float* kscale = k.scale;
+    if (nv < np) {  // a partial block or a causal edge: scale the visible keys, mask the rest
+      if (kscale) {
+        for (int j = 0; j < nv; ++j) p[j] *= kscale[j];
+        kscale = nullptr;  // (-inf * a zero scale would be NaN)
+      }
+      std::fill(p + nv, p + np, kNegInf);
+    }
+    float m_new;
     const float m_old = t.m[r];
-    const float m_new = std::max(m_old, mx);
-    const float sum = exp2_shifted(p, nv, m_new);
-    std::fill(p + nv, p + n, 0.0f);
-    if (v.scale) scale_row(p, v.scale, nv);
+    const float sum = softmax_row(p, np, kscale, v.scale, m_old, &m_new);
     if (m_new > m_old) {
       const float c = std::exp2(m_old - m_new);  // 0 for the first block (m_old = -inf)
       t.l[r] *= c;
-      float* acc = t.acc + r * t.ld;
-      for (int64_t d = 0; d < t.ld; ++d) acc[d] *= c;
+      scale_acc(t.acc + r * t.ld, c, t.ld);
       t.m[r] = m_new;
     }
     t.l[r] += sum;

@@ -6,6 +6,7 @@
 // kvserve/attention/layout.py; all part tensors are contiguous [num_blocks, ...].
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "simd.h"
@@ -211,56 +212,70 @@ inline void asym_row_groups(const uint8_t* c, int bits, const uint16_t* scale, c
 
 // Rows [0, n) of `block`, head `head` -> buf (row stride ld); int8 / fp8 row scales -> rs
 // (returned in Rows) unless outliers need the true values here. `tmp` holds 2 * ld floats.
+// The prefetcher is pumped every 4 rows.
 inline Rows decode_block(const HalfView& v, int64_t block, int64_t head, int n, float* buf, int64_t ld,
                          float* tmp, float* rs, Prefetcher& pf) {
   const int D = static_cast<int>(v.D);
   const int64_t first = block * v.B * v.H + head;  // (token 0, head) of the block
+  const int64_t stride = v.H * v.row_bytes;         // bytes from one token's row to the next
+  const uint8_t* row = v.main + first * v.row_bytes;
   float* sc = tmp;
   float* zr = tmp + ld;
-  if (v.kind == ASYM_CHANNEL) {  // one (scale, zero) per channel for the whole block
-    const int64_t at = (block * v.H + head) * v.D;
-    for (int d = 0; d < D; ++d) {
-      sc[d] = f16_to_f32(v.scale[at + d]);
-      zr[d] = f16_to_f32(v.zero[at + d]);
+  switch (v.kind) {
+    case PLAIN:
+      for (int j = 0; j < n; ++j, row += stride) {
+        if (j % 4 == 0) pf.pump();
+        plain_row(row, v.dtype, D, buf + j * ld);
+      }
+      break;
+    case INT8:
+      for (int j = 0; j < n; ++j, row += stride) {
+        if (j % 4 == 0) pf.pump();
+        int8_row(reinterpret_cast<const int8_t*>(row), D, buf + j * ld);
+        rs[j] = f16_to_f32(v.scale[first + j * v.H]);
+      }
+      break;
+    case FP8:
+      for (int j = 0; j < n; ++j, row += stride) {
+        if (j % 4 == 0) pf.pump();
+        fp8_row(row, D, buf + j * ld);
+        rs[j] = f16_to_f32(v.scale[first + j * v.H]) * kFp8RowScale;
+      }
+      break;
+    case ASYM_CHANNEL: {  // one (scale, zero) per channel for the whole block
+      const int64_t at = (block * v.H + head) * v.D;
+      for (int d = 0; d < D; ++d) {
+        sc[d] = f16_to_f32(v.scale[at + d]);
+        zr[d] = f16_to_f32(v.zero[at + d]);
+      }
+      for (int j = 0; j < n; ++j, row += stride) {
+        if (j % 4 == 0) pf.pump();
+        asym_row_channels(row, v.bits, sc, zr, D, buf + j * ld);
+      }
+      break;
     }
-  }
-  const int64_t groups = v.kind == ASYM_TOKEN ? v.D / v.group : 0;
-  for (int j = 0; j < n; ++j) {
-    const int64_t th = first + j * v.H;  // (token j, head)
-    const uint8_t* row = v.main + th * v.row_bytes;
-    float* dst = buf + j * ld;
-    pf.pump();
-    switch (v.kind) {
-      case PLAIN: plain_row(row, v.dtype, D, dst); break;
-      case INT8:
-        int8_row(reinterpret_cast<const int8_t*>(row), D, dst);
-        rs[j] = f16_to_f32(v.scale[th]);
-        break;
-      case FP8:
-        fp8_row(row, D, dst);
-        rs[j] = f16_to_f32(v.scale[th]) * kFp8RowScale;
-        break;
-      case ASYM_CHANNEL: asym_row_channels(row, v.bits, sc, zr, D, dst); break;
-      default:
+    default: {  // ASYM_TOKEN
+      const int64_t groups = v.D / v.group;
+      for (int j = 0; j < n; ++j, row += stride) {
+        if (j % 4 == 0) pf.pump();
+        const int64_t th = (first + j * v.H) * groups;
         if (v.group % W == 0) {
-          asym_row_groups(row, v.bits, v.scale + th * groups, v.zero + th * groups, v.group, D, dst);
+          asym_row_groups(row, v.bits, v.scale + th, v.zero + th, v.group, D, buf + j * ld);
         } else {
           for (int d = 0; d < D; ++d) {
-            sc[d] = f16_to_f32(v.scale[th * groups + d / v.group]);
-            zr[d] = f16_to_f32(v.zero[th * groups + d / v.group]);
+            sc[d] = f16_to_f32(v.scale[th + d / v.group]);
+            zr[d] = f16_to_f32(v.zero[th + d / v.group]);
           }
-          asym_row_channels(row, v.bits, sc, zr, D, dst);
+          asym_row_channels(row, v.bits, sc, zr, D, buf + j * ld);
         }
+      }
     }
-    for (int64_t d = D; d < ld; ++d) dst[d] = 0.0f;
+  }
+  if (ld > D) {
+    for (int j = 0; j < n; ++j) std::fill(buf + j * ld + D, buf + (j + 1) * ld, 0.0f);
   }
   const bool scaled = v.kind == INT8 || v.kind == FP8;
   if (v.num_outliers == 0) return Rows{buf, ld, scaled ? rs : nullptr};
-  if (scaled) {
-    for (int j = 0; j < n; ++j) {
-      for (int d = 0; d < D; ++d) buf[j * ld + d] *= rs[j];
-    }
-  }
   // +outN: the inner codec stored the block with its outlier channels zeroed; with +had
   // the rotation applies to the rest only, so it is undone here before the outliers go
   // back in their real channels.
@@ -268,6 +283,9 @@ inline Rows decode_block(const HalfView& v, int64_t block, int64_t head, int n, 
   const uint8_t* channels = v.out_channels + (block * v.H + head) * N;
   for (int j = 0; j < n; ++j) {
     float* dst = buf + j * ld;
+    if (scaled) {
+      for (int d = 0; d < D; ++d) dst[d] *= rs[j];
+    }
     if (v.hadamard) fwht(dst, D);
     const uint16_t* vals = v.out_values + (first + j * v.H) * N;
     for (int i = 0; i < N; ++i) {
@@ -284,7 +302,7 @@ inline void decode_residual(const HalfView& v, int64_t row, int64_t head, int n,
   const int64_t es = dtype_size(v.residual_dtype);
   for (int j = 0; j < n; ++j) {
     float* dst = buf + j * ld;
-    pf.pump();
+    if (j % 4 == 0) pf.pump();
     plain_row(v.residual + ((row * v.B + j) * v.H + head) * v.D * es, v.residual_dtype, D, dst);
     for (int64_t d = D; d < ld; ++d) dst[d] = 0.0f;
     if (v.rotated) fwht(dst, D);

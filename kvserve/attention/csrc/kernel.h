@@ -173,13 +173,13 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
 
 // Per-thread buffers, allocated once per call.
 struct Scratch {
-  int64_t pld;  // floats per row of p
+  int64_t pld;  // floats per row of p (and per half of rs): block_size rounded up to 16
   std::vector<float> q, acc, ml, kv, tmp, rs, p;
   std::vector<int64_t> visible;
   Prefetcher pf;
   Scratch(int64_t ld, int64_t B)
       : pld((B + 15) / 16 * 16), q(kMaxRows * ld), acc(kMaxRows * ld), ml(2 * kMaxRows), kv(2 * B * ld), tmp(4 * ld),
-        rs(2 * B), p(kMaxRows * pld), visible(kMaxRows) {}
+        rs(2 * pld, 1.0f), p(kMaxRows * pld), visible(kMaxRows) {}
 };
 
 // One item: the rows of its group's heads against its split of the context.
@@ -219,13 +219,13 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
     if (kb + 1 < kb1) {
       queue_block(pf, K, V, b, s, kb + 1);
       const int64_t decoded = (is_direct(K, b, s, kb) ? 0 : 1) + (is_direct(V, b, s, kb) ? 0 : 1);
-      pf.plan(nh * (decoded * n_keys + rows * ((n_keys + 7) / 8)));
+      pf.plan(nh * (decoded * ((n_keys + 3) / 4) + rows * ((n_keys + 7) / 8)));
     }
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t h = g.h0 + hh;
       const Rows kr = rows_of(K, b, s, kb, h, n_keys, w.kv.data(), w.tmp.data(), w.rs.data(), pf);
       const Rows vr = rows_of(V, b, s, kb, h, n_keys, w.kv.data() + b.B * ld, w.tmp.data() + 2 * ld,
-                              w.rs.data() + b.B, pf);
+                              w.rs.data() + w.pld, pf);
       const Tile tile{static_cast<int>(rows), ld, w.q.data() + hh * rows * ld, w.visible.data(), m + hh * rows,
                       l + hh * rows, acc + hh * rows * ld, w.p.data(), w.pld};
       attend_block(tile, kr, vr, n_keys, kb * b.B, pf);
