@@ -41,27 +41,44 @@ struct HalfView {
 
 inline int64_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
-// A block's rows of one head as the attention reads them: row j is scale[j] * x[j * ld ..]
-// (scale null: 1). int8 / fp8 leave their per-token scale to the attention, which applies
-// it once per key instead of once per element.
+// How the attention reads a block's rows of one head (or a residual row): row j starts at
+// base + j * stride bytes, W channels at a time in format `code`, and is multiplied by
+// scale[j] when given (int8 / fp8: their per-token scale is applied once per key, not per
+// element). Packed 4/2-bit codes are dequantized as they are read, with per-channel
+// (cs, cz: the block's parameters of KIVI keys) or per-(group, key) (gs, gz [g * pld + j])
+// scale and zero. Codes other than F32 are read straight from the cache; a layout without
+// a code (outliers, +had with outliers, odd sizes) is decoded to float32 rows first.
+enum Code : int { C_F32 = 0, C_F16, C_BF16, C_I8, C_FP8, C_U4C, C_U2C, C_U4G, C_U2G };
+
 struct Rows {
-  const float* x = nullptr;
-  int64_t ld = 0;
+  const uint8_t* base = nullptr;
+  int64_t stride = 0;
+  int code = C_F32;
   const float* scale = nullptr;
+  const float* cs = nullptr;
+  const float* cz = nullptr;
+  const float* gs = nullptr;
+  const float* gz = nullptr;
+  int64_t pld = 0;   // gs / gz row stride
+  int group = 0;     // channels per gs / gz entry
 };
 
-// Plain float32 rows are read where they lie: row j of the block is base + j * ld.
-inline const float* direct_rows(const HalfView& v, int64_t block, int64_t head, int64_t* ld) {
-  if (v.kind != PLAIN || v.dtype != F32 || v.num_outliers || v.D % 16) return nullptr;
-  *ld = v.H * v.D;
-  return reinterpret_cast<const float*>(v.main) + (block * v.B * v.H + head) * v.D;
-}
+enum Side : int { KEY = 0, VALUE = 1 };
 
-inline const float* direct_residual(const HalfView& v, int64_t row, int64_t head, int64_t* ld) {
-  if (v.residual_dtype != F32 || v.rotated || v.D % 16) return nullptr;
-  *ld = v.H * v.D;
-  return reinterpret_cast<const float*>(v.residual) + (row * v.B * v.H + head) * v.D;
-}
+// Where a half's block is decoded (per thread): rows, and the parameters the reading applies.
+struct HalfBuffers {
+  float* x;        // [block_size, ld]
+  float* rs;       // [pld] per-key scales (finite everywhere)
+  float* cs;       // [ld] per-channel scale, zero
+  float* cz;
+  float* gs;       // [groups, pld] per (group, key) scale, zero
+  float* gz;
+  int64_t pld;     // block_size rounded up to 16
+};
+
+// int8 / fp8 rows decoded without their per-token scale: the attention applies it once per key.
+inline bool folds_rows(const HalfView& v) { return (v.kind == INT8 || v.kind == FP8) && v.num_outliers == 0; }
+
 
 // Rolling software prefetch of the next block while the current one is processed. Blocks
 // lie in random order in the pool, so each starts with a full memory latency unless asked
@@ -183,44 +200,158 @@ inline int code_at(const uint8_t* c, int bits, int d) {
 }
 
 #ifdef KVS_SIMD
-// W channels of packed codes starting at channel d (a multiple of W).
-inline vf vcodes(const uint8_t* c, int bits, int d) { return bits == 4 ? vload_u4(c + d / 2) : vload_u2(c + d / 4); }
+// W channels of packed BITS-bit codes starting at channel d (a multiple of W).
+template <int BITS>
+inline vf vcodes(const uint8_t* c, int d) {
+  if constexpr (BITS == 4) {
+    return vload_u4(c + d / 2);
+  } else {
+    return vload_u2(c + d / 4);
+  }
+}
 #endif
 
 // Packed asymmetric codes -> code * sc + zr, with per-channel sc / zr (arrays of D floats).
-inline void asym_row_channels(const uint8_t* c, int bits, const float* sc, const float* zr, int D, float* dst) {
+template <int BITS>
+inline void asym_row_channels(const uint8_t* c, const float* sc, const float* zr, int D, float* dst) {
   int d = 0;
 #ifdef KVS_SIMD
-  for (; d + W <= D; d += W) vstore(dst + d, vfma(vcodes(c, bits, d), vload(sc + d), vload(zr + d)));
+  for (; d + W <= D; d += W) vstore(dst + d, vfma(vcodes<BITS>(c, d), vload(sc + d), vload(zr + d)));
 #endif
-  for (; d < D; ++d) dst[d] = std::fma(static_cast<float>(code_at(c, bits, d)), sc[d], zr[d]);
+  for (; d < D; ++d) dst[d] = std::fma(static_cast<float>(code_at(c, BITS, d)), sc[d], zr[d]);
 }
 
 // Packed asymmetric codes with one (scale, zero) per group of G channels, G a multiple of W.
-inline void asym_row_groups(const uint8_t* c, int bits, const uint16_t* scale, const uint16_t* zero, int G, int D,
-                            float* dst) {
+template <int BITS>
+inline void asym_row_groups(const uint8_t* c, const uint16_t* scale, const uint16_t* zero, int G, int D, float* dst) {
   for (int g = 0, d = 0; g < D / G; ++g) {
     const float s = f16_to_f32(scale[g]), z = f16_to_f32(zero[g]);
     const int end = (g + 1) * G;
 #ifdef KVS_SIMD
     const vf vs = vset1(s), vz = vset1(z);
-    for (; d < end; d += W) vstore(dst + d, vfma(vcodes(c, bits, d), vs, vz));
+    for (; d < end; d += W) vstore(dst + d, vfma(vcodes<BITS>(c, d), vs, vz));
 #endif
-    for (; d < end; ++d) dst[d] = std::fma(static_cast<float>(code_at(c, bits, d)), s, z);
+    for (; d < end; ++d) dst[d] = std::fma(static_cast<float>(code_at(c, BITS, d)), s, z);
   }
 }
 
-// Rows [0, n) of `block`, head `head` -> buf (row stride ld); int8 / fp8 row scales -> rs
-// (returned in Rows) unless outliers need the true values here. `tmp` holds 2 * ld floats.
-// The prefetcher is pumped every 4 rows.
-inline Rows decode_block(const HalfView& v, int64_t block, int64_t head, int n, float* buf, int64_t ld,
-                         float* tmp, float* rs, Prefetcher& pf) {
+// n float16 values -> float.
+inline void f16_array(const uint16_t* src, int n, float* dst) {
+  int d = 0;
+#ifdef KVS_SIMD
+  for (; d + W <= n; d += W) vstore(dst + d, vload_f16(src + d));
+#endif
+  for (; d < n; ++d) dst[d] = f16_to_f32(src[d]);
+}
+
+// Rows of an asymmetric half (codes of BITS bits) -> hb.x; see decode_block.
+template <int BITS>
+inline void asym_rows(const HalfView& v, int64_t block, int64_t head, int n, int64_t ld, HalfBuffers& hb,
+                      Prefetcher& pf) {
+  const int D = static_cast<int>(v.D);
+  const int64_t first = block * v.B * v.H + head;
+  const int64_t stride = v.H * v.row_bytes;
+  const uint8_t* row = v.main + first * v.row_bytes;
+  float* sc = hb.cs;
+  float* zr = hb.cz;
+  if (v.kind == ASYM_CHANNEL) {  // one (scale, zero) per channel for the whole block
+    const int64_t at = (block * v.H + head) * v.D;
+    f16_array(v.scale + at, D, sc);
+    f16_array(v.zero + at, D, zr);
+    for (int j = 0; j < n; ++j, row += stride) {
+      if (j % 4 == 0) pf.pump();
+      asym_row_channels<BITS>(row, sc, zr, D, hb.x + j * ld);
+    }
+    return;
+  }
+  const int64_t groups = v.D / v.group;
+  for (int j = 0; j < n; ++j, row += stride) {
+    if (j % 4 == 0) pf.pump();
+    const int64_t th = (first + j * v.H) * groups;
+    if (v.group % W == 0) {
+      asym_row_groups<BITS>(row, v.scale + th, v.zero + th, v.group, D, hb.x + j * ld);
+    } else {
+      for (int d = 0; d < D; ++d) {
+        sc[d] = f16_to_f32(v.scale[th + d / v.group]);
+        zr[d] = f16_to_f32(v.zero[th + d / v.group]);
+      }
+      asym_row_channels<BITS>(row, sc, zr, D, hb.x + j * ld);
+    }
+  }
+}
+
+// Rows [0, n) of `block`, head `head` read where they lie, with the parameters the reader
+// applies (filled into hb). Only for layouts without outliers whose rows are whole vectors
+// (head_dim a multiple of 16); `convert`: whether codes other than float32 may be read so
+// (small tiles, see attend.h). code < 0: decode instead.
+inline Rows rows_in_place(const HalfView& v, int64_t block, int64_t head, int n, bool convert, HalfBuffers& hb) {
+  Rows out;
+  out.code = -1;
+  if (v.num_outliers || v.D % 16) return out;
+  const int64_t first = block * v.B * v.H + head;
+  out.base = v.main + first * v.row_bytes;
+  out.stride = v.H * v.row_bytes;
+  if (v.kind == PLAIN && v.dtype == F32) {
+    out.code = C_F32;
+    return out;
+  }
+#ifdef KVS_SIMD
+  if (!convert) return out;
+  switch (v.kind) {
+    case PLAIN:
+      out.code = v.dtype == F16 ? C_F16 : C_BF16;
+      break;
+    case INT8:
+    case FP8:
+      out.code = v.kind == INT8 ? C_I8 : C_FP8;
+      for (int j = 0; j < n; ++j) hb.rs[j] = f16_to_f32(v.scale[first + j * v.H]) * (v.kind == FP8 ? 256.0f : 1.0f);
+      out.scale = hb.rs;
+      break;
+    case ASYM_CHANNEL: {
+      const int64_t at = (block * v.H + head) * v.D;
+      f16_array(v.scale + at, static_cast<int>(v.D), hb.cs);
+      f16_array(v.zero + at, static_cast<int>(v.D), hb.cz);
+      out.code = v.bits == 4 ? C_U4C : C_U2C;
+      out.cs = hb.cs;
+      out.cz = hb.cz;
+      break;
+    }
+    default: {  // ASYM_TOKEN: a vector must not straddle two groups
+      if (v.group % W) return out;
+      const int64_t groups = v.D / v.group;
+      for (int j = 0; j < n; ++j) {
+        const int64_t th = (first + j * v.H) * groups;
+        for (int64_t g = 0; g < groups; ++g) {
+          hb.gs[g * hb.pld + j] = f16_to_f32(v.scale[th + g]);
+          hb.gz[g * hb.pld + j] = f16_to_f32(v.zero[th + g]);
+        }
+      }
+      out.code = v.bits == 4 ? C_U4G : C_U2G;
+      out.gs = hb.gs;
+      out.gz = hb.gz;
+      out.pld = hb.pld;
+      out.group = v.group;
+    }
+  }
+#else
+  (void)n;
+  (void)convert;
+  (void)hb;
+#endif
+  return out;
+}
+
+// Rows [0, n) of `block`, head `head` -> float32 rows in hb.x (row stride ld), int8 / fp8
+// per-token scales left to the reader (see Rows). The prefetcher is pumped every 4 rows.
+inline Rows decode_block(const HalfView& v, int64_t block, int64_t head, int n, int64_t ld, HalfBuffers& hb,
+                         Prefetcher& pf) {
   const int D = static_cast<int>(v.D);
   const int64_t first = block * v.B * v.H + head;  // (token 0, head) of the block
   const int64_t stride = v.H * v.row_bytes;         // bytes from one token's row to the next
   const uint8_t* row = v.main + first * v.row_bytes;
-  float* sc = tmp;
-  float* zr = tmp + ld;
+  float* buf = hb.x;
+  float* rs = hb.rs;
+  Rows out{reinterpret_cast<const uint8_t*>(buf), ld * 4, C_F32};
   switch (v.kind) {
     case PLAIN:
       for (int j = 0; j < n; ++j, row += stride) {
@@ -242,45 +373,24 @@ inline Rows decode_block(const HalfView& v, int64_t block, int64_t head, int n, 
         rs[j] = f16_to_f32(v.scale[first + j * v.H]) * kFp8RowScale;
       }
       break;
-    case ASYM_CHANNEL: {  // one (scale, zero) per channel for the whole block
-      const int64_t at = (block * v.H + head) * v.D;
-      for (int d = 0; d < D; ++d) {
-        sc[d] = f16_to_f32(v.scale[at + d]);
-        zr[d] = f16_to_f32(v.zero[at + d]);
+    default:  // ASYM_TOKEN, ASYM_CHANNEL
+      if (v.bits == 4) {
+        asym_rows<4>(v, block, head, n, ld, hb, pf);
+      } else {
+        asym_rows<2>(v, block, head, n, ld, hb, pf);
       }
-      for (int j = 0; j < n; ++j, row += stride) {
-        if (j % 4 == 0) pf.pump();
-        asym_row_channels(row, v.bits, sc, zr, D, buf + j * ld);
-      }
-      break;
-    }
-    default: {  // ASYM_TOKEN
-      const int64_t groups = v.D / v.group;
-      for (int j = 0; j < n; ++j, row += stride) {
-        if (j % 4 == 0) pf.pump();
-        const int64_t th = (first + j * v.H) * groups;
-        if (v.group % W == 0) {
-          asym_row_groups(row, v.bits, v.scale + th, v.zero + th, v.group, D, buf + j * ld);
-        } else {
-          for (int d = 0; d < D; ++d) {
-            sc[d] = f16_to_f32(v.scale[th + d / v.group]);
-            zr[d] = f16_to_f32(v.zero[th + d / v.group]);
-          }
-          asym_row_channels(row, v.bits, sc, zr, D, buf + j * ld);
-        }
-      }
-    }
   }
   if (ld > D) {
     for (int j = 0; j < n; ++j) std::fill(buf + j * ld + D, buf + (j + 1) * ld, 0.0f);
   }
-  const bool scaled = v.kind == INT8 || v.kind == FP8;
-  if (v.num_outliers == 0) return Rows{buf, ld, scaled ? rs : nullptr};
+  if (folds_rows(v)) out.scale = rs;
+  if (v.num_outliers == 0) return out;
   // +outN: the inner codec stored the block with its outlier channels zeroed; with +had
   // the rotation applies to the rest only, so it is undone here before the outliers go
   // back in their real channels.
   const int N = v.num_outliers;
   const uint8_t* channels = v.out_channels + (block * v.H + head) * N;
+  const bool scaled = v.kind == INT8 || v.kind == FP8;
   for (int j = 0; j < n; ++j) {
     float* dst = buf + j * ld;
     if (scaled) {
@@ -292,7 +402,7 @@ inline Rows decode_block(const HalfView& v, int64_t block, int64_t head, int n, 
       if (channels[i] < D) dst[channels[i]] = f16_to_f32(vals[i]);
     }
   }
-  return Rows{buf, ld, nullptr};
+  return out;
 }
 
 // Rows [0, n) of residual row `row` (an open block kept in the compute dtype) -> buf.

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -61,22 +62,36 @@ inline bool in_residual(const HalfView& v, const Batch& b, int64_t s, int64_t kb
   return v.residual && b.open[s] >= 0 && len % b.B && kb == (len - 1) / b.B;
 }
 
-inline Rows rows_of(const HalfView& v, const Batch& b, int64_t s, int64_t kb, int64_t h, int n, float* buf, float* tmp,
-             float* rs, Prefetcher& pf) {
-  Rows rows;
+// Block kb of sequence s, head h of a half: read in place when the layout and the tile's
+// `rows` allow it (see attend.h), else decoded to float32 rows.
+inline Rows rows_of(const HalfView& v, int side, const Batch& b, int64_t s, int64_t kb, int64_t h, int n, int rows,
+                    HalfBuffers& hb, Prefetcher& pf) {
+  const int limit = side == KEY ? logit_rows(static_cast<int>(b.ld / W)) : value_rows(static_cast<int>(b.ld / W));
+  const bool convert = rows <= limit;
   if (in_residual(v, b, s, kb)) {
-    if ((rows.x = direct_residual(v, b.open[s], h, &rows.ld))) return rows;
-    decode_residual(v, b.open[s], h, n, buf, b.ld, pf);
-    return Rows{buf, b.ld, nullptr};
+    const int64_t es = dtype_size(v.residual_dtype);
+    if (v.D % 16 == 0 && !v.rotated && (v.residual_dtype == F32 || convert)) {
+      Rows r;
+      r.base = v.residual + ((b.open[s] * v.B) * v.H + h) * v.D * es;
+      r.stride = v.H * v.D * es;
+      r.code = v.residual_dtype == F32 ? C_F32 : v.residual_dtype == F16 ? C_F16 : C_BF16;
+      return r;
+    }
+    decode_residual(v, b.open[s], h, n, hb.x, b.ld, pf);
+    return Rows{reinterpret_cast<const uint8_t*>(hb.x), b.ld * 4, C_F32};
   }
   const int64_t block = b.tables[s * b.max_blocks + kb];
-  if ((rows.x = direct_rows(v, block, h, &rows.ld))) return rows;
-  return decode_block(v, block, h, n, buf, b.ld, tmp, rs, pf);
+  const Rows r = rows_in_place(v, block, h, n, convert, hb);
+  if (r.code >= 0) return r;
+  return decode_block(v, block, h, n, b.ld, hb, pf);
 }
 
-inline bool is_direct(const HalfView& v, const Batch& b, int64_t s, int64_t kb) {
-  int64_t ld;
-  return in_residual(v, b, s, kb) ? direct_residual(v, 0, 0, &ld) != nullptr : direct_rows(v, 0, 0, &ld) != nullptr;
+// Whether rows_of decodes an encoded block of this half for a tile of `rows` rows.
+inline bool decodes_block(const HalfView& v, int side, const Batch& b, int64_t rows) {
+  if (v.num_outliers || v.D % 16) return true;
+  if (v.kind == PLAIN && v.dtype == F32) return false;
+  const int limit = side == KEY ? logit_rows(static_cast<int>(b.ld / W)) : value_rows(static_cast<int>(b.ld / W));
+  return rows > limit || (v.kind == ASYM_TOKEN && v.group % W);
 }
 
 // Queue block kb of both halves for prefetching (a residual row is one per sequence: not worth it).
@@ -106,6 +121,7 @@ struct Plan {
   std::vector<Group> groups;
   std::vector<Item> items;
   int64_t scratch = 0;  // floats of partial results
+  int64_t max_rows = 1;  // rows of the largest item (all its heads)
 };
 
 // Validate each sequence; cut its queries into tiles and its KV heads into chunks so that a
@@ -156,6 +172,7 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
   for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
     Group& g = plan.groups[gi];
     const int64_t nh = g.h1 - g.h0, rows = nh * (g.q1 - g.q0) * b.group;
+    plan.max_rows = std::max(plan.max_rows, rows);
     g.chunk = std::max<int64_t>(min_chunk, static_cast<int64_t>(std::ceil(target / (nh * ((g.q1 - g.q0) * b.group + 4)))));
     g.splits = (g.nblocks + g.chunk - 1) / g.chunk;
     g.chunk = (g.nblocks + g.splits - 1) / g.splits;  // even splits
@@ -171,15 +188,48 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
   return plan;
 }
 
-// Per-thread buffers, allocated once per call.
-struct Scratch {
-  int64_t pld;  // floats per row of p (and per half of rs): block_size rounded up to 16
-  std::vector<float> q, acc, ml, kv, tmp, rs, p;
+// Per-thread buffers, allocated once per call (uninitialized, except what must be finite).
+class Scratch {
+ public:
+  Scratch(int64_t ld, int64_t B, int64_t max_rows)
+      : pld((B + 15) / 16 * 16),
+        arena_(new float[static_cast<size_t>(max_rows * (2 * ld + 2 + W + pld) + 2 * (B * ld + 2 * ld + pld * (1 + 2 * ld)) +
+                                             32 * 16)]),
+        visible(static_cast<size_t>(max_rows)) {
+    // every buffer on its own cache lines: vector loads must not straddle two
+    float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(arena_.get()) + 63) & ~uintptr_t{63});
+    auto take = [&at](int64_t n) {
+      float* p = at;
+      at += (n + 15) / 16 * 16;
+      return p;
+    };
+    q = take(max_rows * ld);
+    acc = take(max_rows * ld);
+    ml = take(max_rows);
+    l = take(max_rows);
+    lv = take(max_rows * W);
+    p = take(max_rows * pld);
+    for (HalfBuffers* hb : {&kb, &vb}) {
+      hb->x = take(B * ld);
+      hb->cs = take(ld);
+      hb->cz = take(ld);
+      hb->rs = take(pld);
+      hb->gs = take(ld * pld);
+      hb->gz = take(ld * pld);
+      hb->pld = pld;
+      std::fill(hb->rs, hb->rs + pld, 1.0f);
+    }
+  }
+  const int64_t pld;  // floats per row of p: block_size rounded up to 16
+
+ private:
+  std::unique_ptr<float[]> arena_;
+
+ public:
+  float *q, *acc, *ml, *l, *lv, *p;
+  HalfBuffers kb, vb;
   std::vector<int64_t> visible;
   Prefetcher pf;
-  Scratch(int64_t ld, int64_t B)
-      : pld((B + 15) / 16 * 16), q(kMaxRows * ld), acc(kMaxRows * ld), ml(2 * kMaxRows), kv(2 * B * ld), tmp(4 * ld),
-        rs(2 * pld, 1.0f), p(kMaxRows * pld), visible(kMaxRows) {}
 };
 
 // One item: the rows of its group's heads against its split of the context.
@@ -194,7 +244,7 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
     for (int64_t i = g.q0; i < g.q1; ++i) {
       for (int64_t k = 0; k < b.group; ++k) {
         const float* src = qp + ((b.starts[s] + i) * b.Hq + (g.h0 + hh) * b.group + k) * D;
-        float* dst = w.q.data() + (hh * rows + (i - g.q0) * b.group + k) * ld;
+        float* dst = w.q + (hh * rows + (i - g.q0) * b.group + k) * ld;
         std::copy(src, src + D, dst);
         std::fill(dst + D, dst + ld, 0.0f);
         if (K.rotated) fwht(dst, static_cast<int>(D));
@@ -203,11 +253,11 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
     }
   }
   const int64_t total = nh * rows;
-  float* m = item.partial >= 0 ? partials + item.partial : w.ml.data();
-  float* l = m + total;
-  float* acc = item.partial >= 0 ? l + total : w.acc.data();
+  float* m = w.ml;
+  float* lv = w.lv;
+  float* acc = w.acc;
   std::fill(m, m + total, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + total, 0.0f);
+  std::fill(lv, lv + total * W, 0.0f);
   std::fill(acc, acc + total * ld, 0.0f);
   const int64_t kb0 = item.split * g.chunk, kb1 = std::min(g.nblocks, kb0 + g.chunk);
   Prefetcher& pf = w.pf;
@@ -218,21 +268,32 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
     pf.clear();
     if (kb + 1 < kb1) {
       queue_block(pf, K, V, b, s, kb + 1);
-      const int64_t decoded = (is_direct(K, b, s, kb) ? 0 : 1) + (is_direct(V, b, s, kb) ? 0 : 1);
-      pf.plan(nh * (decoded * ((n_keys + 3) / 4) + rows * ((n_keys + 7) / 8)));
+      const int64_t decodes = decodes_block(K, KEY, b, rows) + decodes_block(V, VALUE, b, rows);
+      pf.plan(nh * (decodes * ((n_keys + 3) / 4) + attend_pumps(static_cast<int>(rows), n_keys, ld)));
     }
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t h = g.h0 + hh;
-      const Rows kr = rows_of(K, b, s, kb, h, n_keys, w.kv.data(), w.tmp.data(), w.rs.data(), pf);
-      const Rows vr = rows_of(V, b, s, kb, h, n_keys, w.kv.data() + b.B * ld, w.tmp.data() + 2 * ld,
-                              w.rs.data() + w.pld, pf);
-      const Tile tile{static_cast<int>(rows), ld, w.q.data() + hh * rows * ld, w.visible.data(), m + hh * rows,
-                      l + hh * rows, acc + hh * rows * ld, w.p.data(), w.pld};
+      const Rows kr = rows_of(K, KEY, b, s, kb, h, n_keys, static_cast<int>(rows), w.kb, pf);
+      const Rows vr = rows_of(V, VALUE, b, s, kb, h, n_keys, static_cast<int>(rows), w.vb, pf);
+      const Tile tile{static_cast<int>(rows), ld, w.q + hh * rows * ld, w.visible.data(), m + hh * rows,
+                      lv + hh * rows * W, acc + hh * rows * ld, w.p, w.pld};
       attend_block(tile, kr, vr, n_keys, kb * b.B, pf);
     }
     pf.drain();
   }
-  if (item.partial >= 0) return;
+  float* l = w.l;
+  for (int64_t r = 0; r < total; ++r) {
+    float sum = 0.0f;
+    for (int k = 0; k < W; ++k) sum += lv[r * W + k];
+    l[r] = sum;
+  }
+  if (item.partial >= 0) {  // (m, l, acc) for the merge
+    float* part = partials + item.partial;
+    std::copy(m, m + total, part);
+    std::copy(l, l + total, part + total);
+    std::copy(acc, acc + total * ld, part + 2 * total);
+    return;
+  }
   for (int64_t hh = 0; hh < nh; ++hh) write_rows(b, g, g.h0 + hh, acc + hh * rows * ld, l + hh * rows, V, out);
 }
 
@@ -240,8 +301,8 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
 inline void merge(const Batch& b, const HalfView& V, const Group& g, const float* first, float* out, Scratch& w) {
   const int64_t nh = g.h1 - g.h0, rows = (g.q1 - g.q0) * b.group, total = nh * rows, ld = b.ld;
   const int64_t stride = total * (2 + ld);
-  float* acc = w.acc.data();
-  float* l = w.ml.data();
+  float* acc = w.acc;
+  float* l = w.l;
   for (int64_t r = 0; r < total; ++r) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t sp = 0; sp < g.splits; ++sp) mx = std::max(mx, first[sp * stride + r]);
@@ -273,7 +334,7 @@ inline void attention(const detail::Batch& b, const HalfView& K, const HalfView&
 
 #pragma omp parallel num_threads(use)
   {
-    Scratch w(b.ld, b.B);
+    Scratch w(b.ld, b.B, plan.max_rows);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item& item = plan.items[it];
