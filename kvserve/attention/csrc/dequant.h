@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "simd.h"
 
@@ -80,67 +81,76 @@ struct HalfBuffers {
 inline bool folds_rows(const HalfView& v) { return (v.kind == INT8 || v.kind == FP8) && v.num_outliers == 0; }
 
 
-// Rolling software prefetch of the next block while the current one is processed. Blocks
-// lie in random order in the pool, so each starts with a full memory latency unless asked
-// for ahead; issuing the whole next block at once stalls on the miss buffers, so the lines
-// are spread over `pump()` calls placed in the per-row loops (decode and logits).
+// Rolling software prefetch of what comes next (the next head of the block, or the next
+// block) while the current head is processed. Blocks lie in random order in the pool, so
+// each starts with a full memory latency unless asked for ahead; issuing a whole block at
+// once stalls on the miss buffers, and asking for more than about one head ahead evicts
+// lines from L1 before they are used (a float32 block of SmolLM2 is 24 KiB). The lines are
+// spread over `pump()` calls placed in the per-key loops.
 class Prefetcher {
  public:
   void clear() {
     n_ = cur_ = 0;
-    at_ = end_ = nullptr;
+    at_ = nullptr;
     lines_ = 0;
   }
-  void add(const void* p, int64_t nbytes) {
-    if (nbytes <= 0 || n_ == kMaxRanges) return;
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    begin_[n_] = reinterpret_cast<const char*>(a & ~uintptr_t{63});
-    stop_[n_] = reinterpret_cast<const char*>(a + nbytes);
-    lines_ += (stop_[n_] - begin_[n_] + 63) / 64;
-    if (n_++ == 0) {
-      at_ = begin_[0];
-      end_ = stop_[0];
-    }
+  // `rows` runs of `bytes` bytes, `stride` bytes apart.
+  void add(const void* p, int64_t bytes, int64_t rows = 1, int64_t stride = 0) {
+    if (bytes <= 0 || rows <= 0 || n_ == kMaxRanges) return;
+    ranges_[n_] = Range{static_cast<const char*>(p), bytes, rows, stride};
+    lines_ += rows * ((bytes + 63) / 64 + 1);
+    if (n_++ == 0) start(0);
   }
   // Spread the lines over about `pumps` calls.
   void plan(int64_t pumps) { quota_ = static_cast<int>(pumps > 0 ? (lines_ + pumps - 1) / pumps : lines_); }
-  void pump() {
-    for (int k = 0; k < quota_ && at_; ++k) {
-      __builtin_prefetch(at_, 0, 3);
-      at_ += 64;
-      if (at_ >= end_) next();
-    }
-  }
-  void drain() {
-    while (at_) {
-      __builtin_prefetch(at_, 0, 3);
-      at_ += 64;
-      if (at_ >= end_) next();
-    }
-  }
+  __attribute__((always_inline)) void pump() { issue(quota_); }
+  void drain() { issue(std::numeric_limits<int64_t>::max()); }
 
  private:
-  static constexpr int kMaxRanges = 12;
-  void next() {
-    if (++cur_ < n_) {
-      at_ = begin_[cur_];
-      end_ = stop_[cur_];
-    } else {
-      at_ = nullptr;
+  struct Range {
+    const char* base;
+    int64_t bytes, rows, stride;
+  };
+  static constexpr int kMaxRanges = 16;
+  void start(int i) {
+    cur_ = i;
+    row_ = 0;
+    set_row();
+  }
+  void set_row() {
+    const Range& r = ranges_[cur_];
+    const char* p = r.base + row_ * r.stride;
+    at_ = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
+    end_ = p + r.bytes;
+  }
+  // Up to `count` lines, a tight loop per run of bytes.
+  __attribute__((always_inline)) void issue(int64_t count) {
+    while (count > 0 && at_) {
+      const int64_t k = std::min<int64_t>(count, (end_ - at_ + 63) / 64);
+      for (int64_t i = 0; i < k; ++i) __builtin_prefetch(at_ + 64 * i, 0, 3);
+      at_ += 64 * k;
+      count -= k;
+      if (at_ < end_) return;
+      if (++row_ < ranges_[cur_].rows) {
+        set_row();
+      } else if (cur_ + 1 < n_) {
+        start(cur_ + 1);
+      } else {
+        at_ = nullptr;
+      }
     }
   }
-  const char* begin_[kMaxRanges];
-  const char* stop_[kMaxRanges];
+  Range ranges_[kMaxRanges];
   int n_ = 0, cur_ = 0, quota_ = 1;
+  int64_t row_ = 0;
   const char* at_ = nullptr;
   const char* end_ = nullptr;
   int64_t lines_ = 0;
 };
 
-// Every byte of `block` (all heads) that decoding it reads.
-inline void add_block(Prefetcher& pf, const HalfView& v, int64_t block) {
+// The small parameter parts of `block` (scales, zeros, outliers), all heads.
+inline void add_params(Prefetcher& pf, const HalfView& v, int64_t block) {
   const int64_t BH = v.B * v.H;
-  pf.add(v.main + block * BH * v.row_bytes, BH * v.row_bytes);
   int64_t params = 0;  // float16 scale / zero entries per block
   if (v.kind == INT8 || v.kind == FP8) params = BH;
   if (v.kind == ASYM_TOKEN) params = BH * (v.D / v.group);
@@ -151,6 +161,18 @@ inline void add_block(Prefetcher& pf, const HalfView& v, int64_t block) {
     pf.add(v.out_values + block * BH * v.num_outliers, 2 * BH * v.num_outliers);
     pf.add(v.out_channels + block * v.H * v.num_outliers, v.H * v.num_outliers);
   }
+}
+
+// Every byte of `block`, all heads: one contiguous run per part.
+inline void add_block(Prefetcher& pf, const HalfView& v, int64_t block) {
+  const int64_t BH = v.B * v.H;
+  pf.add(v.main + block * BH * v.row_bytes, BH * v.row_bytes);
+  add_params(pf, v, block);
+}
+
+// The rows of head `head` of `block` (strided: heads interleave per token).
+inline void add_head_rows(Prefetcher& pf, const HalfView& v, int64_t block, int64_t head) {
+  pf.add(v.main + (block * v.B * v.H + head) * v.row_bytes, v.row_bytes, v.B, v.H * v.row_bytes);
 }
 
 // One row of plain storage in `dtype` -> float.

@@ -94,13 +94,35 @@ inline bool decodes_block(const HalfView& v, int side, const Batch& b, int64_t r
   return rows > limit || (v.kind == ASYM_TOKEN && v.group % W);
 }
 
-// Queue block kb of both halves for prefetching (a residual row is one per sequence: not worth it).
-inline void queue_block(Prefetcher& pf, const HalfView& K, const HalfView& V, const Batch& b, int64_t s, int64_t kb) {
+// Queue block kb of both halves for prefetching, whole (head < 0) or one head's rows (the
+// parameters come with the item's first head `first`). A residual row is one per sequence:
+// not worth it.
+inline void queue(Prefetcher& pf, const HalfView& K, const HalfView& V, const Batch& b, int64_t s, int64_t kb,
+                  int64_t head, int64_t first) {
   pf.clear();
   for (const HalfView* v : {&K, &V}) {
-    if (!in_residual(*v, b, s, kb)) add_block(pf, *v, b.tables[s * b.max_blocks + kb]);
+    if (in_residual(*v, b, s, kb)) continue;
+    const int64_t block = b.tables[s * b.max_blocks + kb];
+    if (head < 0) {
+      add_block(pf, *v, block);
+    } else {
+      add_head_rows(pf, *v, block, head);
+      if (head == first) add_params(pf, *v, block);
+    }
   }
 }
+
+// Bytes of one block of both halves, all heads.
+inline int64_t block_bytes(const HalfView& v) {
+  int64_t params = 0;
+  if (v.kind == INT8 || v.kind == FP8) params = v.B * v.H;
+  if (v.kind == ASYM_TOKEN) params = v.B * v.H * (v.D / v.group);
+  if (v.kind == ASYM_CHANNEL) params = v.H * v.D;
+  return v.B * v.H * (v.row_bytes + 2 * v.num_outliers) + 2 * params * (v.zero ? 2 : 1) + v.H * v.num_outliers;
+}
+
+// How far ahead to prefetch: about this many bytes (more evicts L1 lines before their use).
+constexpr int64_t kPrefetchBytes = 12 * 1024;
 
 // out rows of head h (a tile of `rows` = queries x group rows) = acc / l, rotated back if
 // the values were read in the rotated domain.
@@ -260,26 +282,38 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
   std::fill(lv, lv + total * W, 0.0f);
   std::fill(acc, acc + total * ld, 0.0f);
   const int64_t kb0 = item.split * g.chunk, kb1 = std::min(g.nblocks, kb0 + g.chunk);
+  // Prefetch the next block while this one is processed, or when a block is larger than
+  // kPrefetchBytes, the next head (of this block, else of the next).
   Prefetcher& pf = w.pf;
-  queue_block(pf, K, V, b, s, kb0);
+  const bool per_head = (block_bytes(K) + block_bytes(V)) * nh / K.H > kPrefetchBytes;
+  queue(pf, K, V, b, s, kb0, per_head ? g.h0 : -1, g.h0);
   pf.drain();
+  const int64_t decodes = decodes_block(K, KEY, b, rows) + decodes_block(V, VALUE, b, rows);
   for (int64_t kb = kb0; kb < kb1; ++kb) {
     const int n_keys = static_cast<int>(std::min<int64_t>(b.B, g.nkeys - kb * b.B));
-    pf.clear();
-    if (kb + 1 < kb1) {
-      queue_block(pf, K, V, b, s, kb + 1);
-      const int64_t decodes = decodes_block(K, KEY, b, rows) + decodes_block(V, VALUE, b, rows);
-      pf.plan(nh * (decodes * ((n_keys + 3) / 4) + attend_pumps(static_cast<int>(rows), n_keys, ld)));
-    }
+    const int64_t pumps = decodes * ((n_keys + 3) / 4) + attend_pumps(static_cast<int>(rows), n_keys, ld);
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t h = g.h0 + hh;
+      if (per_head) {
+        pf.clear();
+        if (hh + 1 < nh) {
+          queue(pf, K, V, b, s, kb, h + 1, g.h0);
+        } else if (kb + 1 < kb1) {
+          queue(pf, K, V, b, s, kb + 1, g.h0, g.h0);
+        }
+        pf.plan(pumps);
+      } else if (hh == 0) {
+        pf.clear();
+        if (kb + 1 < kb1) queue(pf, K, V, b, s, kb + 1, -1, g.h0);
+        pf.plan(pumps * nh);
+      }
       const Rows kr = rows_of(K, KEY, b, s, kb, h, n_keys, static_cast<int>(rows), w.kb, pf);
       const Rows vr = rows_of(V, VALUE, b, s, kb, h, n_keys, static_cast<int>(rows), w.vb, pf);
       const Tile tile{static_cast<int>(rows), ld, w.q + hh * rows * ld, w.visible.data(), m + hh * rows,
                       lv + hh * rows * W, acc + hh * rows * ld, w.p, w.pld};
       attend_block(tile, kr, vr, n_keys, kb * b.B, pf);
+      if (per_head || hh + 1 == nh) pf.drain();
     }
-    pf.drain();
   }
   float* l = w.l;
   for (int64_t r = 0; r < total; ++r) {
