@@ -274,6 +274,10 @@ class EngineConfig:
         "compute dtype (auto: float32 on CPU, the model's dtype on CUDA)", choices=DTYPES))
     max_model_len: int | None = field(default=None, metadata=opt("context window", default_text="the model's"))
     seed: int = field(default=0, metadata=opt("seed of unseeded sampling", flag="--engine-seed"))
+    attention_backend: str = field(default="auto", metadata=opt(
+        "how attention reads the KV cache: torch (gather and decode, the reference), cpu (C++ kernel "
+        "reading every format in place), triton (CUDA), auto (the fastest available)",
+        registry="attention backends"))
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     tiers: tuple[TierConfig, ...] = ()

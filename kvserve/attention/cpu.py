@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.cpu_extension import load_extension
-from kvserve.attention.layout import CodecKind, HalfLayout, HalfStore, PagedBatch
+from kvserve.kv.storage.layout import CodecKind, HalfLayout, HalfStore, PagedBatch
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _INNER_PARTS = {

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention import cpu
-from kvserve.attention.layout import HalfLayout, HalfStore, PagedBatch
 from kvserve.bench.common import table
 from kvserve.kv.codecs import HalfCodec, parse_codec
+from kvserve.kv.storage.layout import HalfLayout, HalfStore, PagedBatch
 
 HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16
 DEFAULT_FORMATS = ("fp32", "fp16", "int8", "fp8", "int4", "kivi4", "kivi2")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve.attention.backends import make_attention_backend
 from kvserve.config import EngineConfig
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.outputs import RequestOutput
@@ -72,6 +73,7 @@ class LLMEngine:
         mc = loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype)
+        self.attention = make_attention_backend(config.attention_backend, self.device)
 
         cc = config.cache
         self.kv_format = parse_kv_format(cc.kv_format, mc.num_layers, self.dtype, head_dim=mc.head_dim)
@@ -88,15 +90,16 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, self.kv_cache.residual,
                                  self.tiering, self.budgets)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.tiering)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.attention)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_steps = 0
-        log.info("engine ready: %s on %s/%s, KV format %s, %d blocks of %d tokens (%.1f MiB), offload tiers: %s",
-                 loaded.source, self.device, self.dtype, self.kv_format.spec, num_blocks, cc.block_size,
-                 self.kv_cache.nbytes / 2**20, ", ".join(self.tiering.tier_names) or "none")
+        log.info("engine ready: %s on %s/%s, KV format %s, %d blocks of %d tokens (%.1f MiB), attention %s, "
+                 "offload tiers: %s", loaded.source, self.device, self.dtype, self.kv_format.spec, num_blocks,
+                 cc.block_size, self.kv_cache.nbytes / 2**20, self.attention.name,
+                 ", ".join(self.tiering.tier_names) or "none")
 
     @staticmethod
     def _check_names(config: EngineConfig) -> None:

@@ -3,7 +3,7 @@
 // A block's rows land in a small buffer (block_size x ld floats, ld = head_dim rounded up
 // to 16, padding zero) that stays in L1 while every query row of the tile uses it. Plain
 // float32 rows are not copied at all (`direct_rows`). Layouts are those of
-// kvserve/attention/layout.py; all part tensors are contiguous [num_blocks, ...].
+// kvserve/kv/storage/layout.py; all part tensors are contiguous [num_blocks, ...].
 #pragma once
 
 #include <algorithm>
