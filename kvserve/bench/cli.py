@@ -81,3 +81,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_capacity_parser(bsub, common)
     from kvserve.bench.tiers import add_tiers_parser
     add_tiers_parser(bsub, common)
+    from kvserve.bench.kv_decode import add_kv_decode_parser
+    add_kv_decode_parser(bsub, common)
