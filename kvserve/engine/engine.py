@@ -230,6 +230,10 @@ class LLMEngine:
         tokens (all by default); PinNotFoundError if no pin covers exactly those."""
         return self.kv.unpin(self.encode_prompt(prompt)[:num_tokens])
 
+    def unpin_all(self) -> list[PinInfo]:
+        """Remove every pin; returns them."""
+        return self.pins.unpin_all()
+
     def list_pins(self) -> list[PinInfo]:
         """Every pin, soonest to expire first."""
         self.pins.expire()

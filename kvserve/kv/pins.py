@@ -123,6 +123,11 @@ class Pins:
         self._remove(keys[-1])
         return self._info(pin, pin.expires_at)
 
+    def unpin_all(self) -> list[PinInfo]:
+        """Remove every pin; returns them."""
+        removed = [self.unpin(p.keys) for p in list(self._pins.values())]
+        return removed
+
     def expire(self) -> int:
         """Remove the pins whose time is up; returns how many."""
         now = self.clock()
