@@ -31,6 +31,8 @@ SAMPLES = {
     "kv_budget": (["64"], 64, 64),
     "kv_policy": (["arkvale-w0.25"], "arkvale-w0.25", "arkvale-w0.25"),
     "kv_budget_host_gb": (["0.5"], 0.5, 1 << 29),
+    "max_pinned_fraction": (["0.25"], 0.25, 0.25),
+    "max_pin_ttl_s": (["60"], 60.0, 60.0),
     "max_num_batched_tokens": (["128"], 128, 128),
     "max_num_seqs": (["8"], 8, 8),
     "enable_chunked_prefill": ([], False, False),

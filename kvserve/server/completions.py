@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvserve.engine.outputs import RequestOutput
 from kvserve.request import TokenLogprob
 from kvserve.server.async_engine import RequestSpec, RequestStream, StreamItem
+from kvserve.server.cache_api import completion_cache
 from kvserve.server.protocol import MAX_BATCH_REQUESTS, CompletionRequest, bad_request, parse_body
 from kvserve.server.serving import DeltaText, ServingContext, now_s, response_id, sse_stream, usage
 
@@ -54,7 +55,8 @@ async def plan_completion(ctx: ServingContext, request: Request) -> _Plan:
     score_only = req.max_tokens == 0
     max_tokens = 1 if score_only else req.max_tokens
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    specs = [RequestSpec(ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs))
+    cache = completion_cache(req)
+    specs = [RequestSpec(ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs), cache)
              for ids in prompt_ids for j in range(req.n)]
     return _Plan(req, texts, prompt_ids, specs, score_only)
 

@@ -43,6 +43,18 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class CachePin(_Body):
+    """kvserve's extension, in the spirit of Anthropic's ``cache_control`` breakpoints: pin the
+    prompt's prefix up to here for ``ttl`` seconds (default 300) (docs/server.md, "Cache control")."""
+
+    type: Literal["pin"]
+    ttl: float | None = Field(None, gt=0)
+
+
+class CompletionCachePin(CachePin):
+    num_tokens: int | None = Field(None, ge=1)      # the breakpoint; default: the whole prompt
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False   # vLLM's extension; accepted, usage comes at the end only
@@ -61,6 +73,7 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                        # vLLM's extension, for benchmarks
+    cache_priority: Literal["normal", "high"] | None = None   # kvserve's: the retention class of its blocks
     # accepted at their neutral value only
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -112,6 +125,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    cache_control: CompletionCachePin | None = None   # kvserve's: pin the prompt (or its first num_tokens)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -144,6 +158,7 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    cache_control: CachePin | None = None            # kvserve's: pin the conversation up to this message
 
     def as_template_dict(self) -> dict[str, str]:
         content = self.content
