@@ -133,7 +133,14 @@ class CacheConfig:
         "host memory in GiB for the blocks arkvale moves off the device; least recently stashed go first "
         "when full (docs/budgets.md)", name="kv_budget_host_gb", flag="--kv-budget-host-gb", unit="GiB"))
 
+    max_pinned_fraction: float = field(default=0.5, metadata=opt(
+        "most of the device KV blocks that pinned prefixes may cover; 0 turns pinning off (docs/server.md)"))
+    max_pin_ttl_s: float = field(default=3600.0, metadata=opt("longest retention a pin may ask for, in seconds"))
+
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
+        _positive("max_pin_ttl_s", self.max_pin_ttl_s)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.memory_bytes <= 0:
@@ -274,6 +281,10 @@ class EngineConfig:
         "compute dtype (auto: float32 on CPU, the model's dtype on CUDA)", choices=DTYPES))
     max_model_len: int | None = field(default=None, metadata=opt("context window", default_text="the model's"))
     seed: int = field(default=0, metadata=opt("seed of unseeded sampling", flag="--engine-seed"))
+    attention_backend: str = field(default="auto", metadata=opt(
+        "how attention reads the KV cache: torch (gather and decode, the reference), cpu (C++ kernel "
+        "reading every format in place), triton (CUDA), auto (the fastest available)",
+        registry="attention backends"))
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     tiers: tuple[TierConfig, ...] = ()

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Self
 
+from kvserve.cache_control import CacheControl
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
+from kvserve.kv.pins import Clock, PinInfo
 from kvserve.model.loader import LoadedModel
 from kvserve.offload.base import Transport
 from kvserve.options import engine_config
@@ -26,8 +28,10 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None,
-                 tiers: Sequence[Transport] | None = None, **options: Any) -> None:
-        self.engine = LLMEngine(engine_config(model, **options), loaded, tiers)
+                 tiers: Sequence[Transport] | None = None, clock: Clock | None = None, **options: Any) -> None:
+        """``clock``: seconds for pin retention times (tests step a fake one; default monotonic)."""
+        config = engine_config(model, **options)
+        self.engine = LLMEngine(config, loaded, tiers) if clock is None else LLMEngine(config, loaded, tiers, clock)
 
     @property
     def tokenizer(self):
@@ -35,11 +39,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, cache: CacheControl | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of the prompts.
 
         All prompts are validated before any is queued, so a bad one raises
-        ValueError and leaves the engine untouched.
+        ValueError and leaves the engine untouched. ``cache``: every prompt's retention
+        class and pinned prefixes (kvserve/cache_control.py).
         """
         prompt_list: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -59,11 +64,13 @@ class LLM:
             self.engine.encode_prompt(prompt)
         for sp in param_list:
             self.engine.check_params(sp)
-        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompt_list, param_list, prios)]
+        ids = [self.engine.add_request(p, sp, priority=pr, cache=cache)
+               for p, sp, pr in zip(prompt_list, param_list, prios)]
         return self._run(ids)
 
     def chat(self, messages: list[Message] | list[list[Message]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             cache: CacheControl | None = None) -> list[RequestOutput]:
         """Apply the model's chat template (with the generation prompt) and generate."""
         if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
@@ -75,7 +82,37 @@ class LLM:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
                    for c in conversations]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, cache=cache)
+
+    # -- pins --------------------------------------------------------------
+    def pin(self, prompt: Prompt | list[Message], ttl_s: float | None = None, num_tokens: int | None = None,
+            warm: bool = True) -> PinInfo:
+        """Pin a prefix (text, token ids, or chat messages rendered without the generation
+        prompt, e.g. a system prompt) for ``ttl_s`` seconds (default 300): its blocks are
+        evicted after every unpinned block and demoted to the offload tiers when they must go.
+        With ``warm`` the blocks not cached yet are computed now (a one-token generation).
+        ValueError (``PinLimitError`` past ``max_pinned_fraction``) changes nothing."""
+        ids = self._prefix_ids(prompt)
+        info = self.engine.pin(ids, ttl_s, num_tokens)
+        if warm and info.num_device_blocks < len(info.block_keys):
+            self.generate([ids[:info.num_tokens]], SamplingParams(max_tokens=1, temperature=0.0))
+            info = self.engine.pin(ids, ttl_s, num_tokens)   # the same pin: its device blocks now
+        return info
+
+    def unpin(self, prompt: Prompt | list[Message], num_tokens: int | None = None) -> PinInfo:
+        """Remove the pin over exactly this prefix (``PinNotFoundError`` when there is none)."""
+        return self.engine.unpin(self._prefix_ids(prompt), num_tokens)
+
+    def pins(self) -> list[PinInfo]:
+        """Every pin, soonest to expire first."""
+        return self.engine.list_pins()
+
+    def _prefix_ids(self, prompt: Prompt | list[Message]) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if self.engine.tokenizer is None:
+                raise ValueError("this model has no tokenizer, so no chat template")
+            prompt = self.engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=False)
+        return self.engine.encode_prompt(prompt)  # type: ignore[arg-type]
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -24,6 +24,7 @@ from dataclasses import MISSING, dataclass, fields
 from types import MappingProxyType
 from typing import Any, NamedTuple, get_args, get_type_hints
 
+from kvserve.attention.backends import ATTENTION_BACKENDS, AUTO
 from kvserve.config import TIER_CONFIGS, CacheConfig, EngineConfig, Option, SchedulerConfig, TierConfig
 from kvserve.kv.budget.policies import POLICIES as BUDGET_POLICIES
 from kvserve.kv.budget.policies import WEIGHTED_ARKVALE
@@ -48,6 +49,7 @@ class Registry(NamedTuple):
 _REGISTRIES: Mapping[str, Registry] = MappingProxyType({
     "scheduling policies": Registry(lambda: tuple(SCHEDULING_POLICIES), is_closed=True),
     "kv budget policies": Registry(lambda: (*BUDGET_POLICIES, f"{WEIGHTED_ARKVALE}<0..1>"), is_closed=False),
+    "attention backends": Registry(lambda: (*ATTENTION_BACKENDS, AUTO), is_closed=True),
 })
 
 

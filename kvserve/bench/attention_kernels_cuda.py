@@ -10,7 +10,7 @@ each KV format, in the same run and on the same inputs:
 
 * ``triton``  kvserve.attention.triton_kernels.paged_attention, reading the blocks in place;
 * ``paged``   the torch path: gather the blocks (index_select of every part) + codec.decode
-              to the compute dtype + scaled_dot_product_attention (what kvserve.model.attention
+              to the compute dtype + scaled_dot_product_attention (what kvserve.attention.paged
               does per decode step);
 * ``sdpa``    scaled_dot_product_attention on a contiguous bf16 cache [S, H, L, D] (the
               speed reference: FlashAttention where torch picks it), the group's query heads

@@ -150,7 +150,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kvserve.bench.common import find_text
+    from kvserve.bench import plots
+    from kvserve.bench.common import find_text, write_plot
     from kvserve.model.loader import load_model
 
     if args.threads:
@@ -188,6 +189,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"KV capacity: pool {args.kv_cache_gb} GiB, requests of {args.prompt_tokens} prompt + {args.max_tokens} "
           f"generated tokens, {args.max_num_batched_tokens} tokens per step, {loaded.source}, {engine_desc}")
     print(render(results))
+    write_plot(args.plot, lambda path: plots.plot_capacity(results, path))
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in results], indent=2))
     return 0

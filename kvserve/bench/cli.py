@@ -10,8 +10,8 @@ from kvserve.options import add_engine_args, engine_options
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from kvserve.bench import chat
-    from kvserve.bench.common import find_text
+    from kvserve.bench import chat, plots
+    from kvserve.bench.common import find_text, write_plot
     from kvserve.llm import LLM
     from kvserve.model.loader import load_model
 
@@ -28,12 +28,14 @@ def run_chat(args: argparse.Namespace) -> int:
     if later:
         print(f"\nturns with >= {args.target_tokens // 2} prompt tokens: TTFT speedup "
               f"min {min(later):.1f}x, mean {sum(later) / len(later):.1f}x")
+    write_plot(args.plot, lambda path: plots.plot_chat(results, path))
     _save(args, {"benchmark": "chat", "results": results})
     return 0
 
 
 def run_decode(args: argparse.Namespace) -> int:
-    from kvserve.bench import decode
+    from kvserve.bench import decode, plots
+    from kvserve.bench.common import write_plot
     from kvserve.llm import LLM
     from kvserve.model.loader import load_model
 
@@ -44,6 +46,9 @@ def run_decode(args: argparse.Namespace) -> int:
     print(f"decode throughput, {loaded.source}, device {llm.engine.device}, dtype {llm.engine.dtype}, "
           f"{args.new_tokens} new tokens per request, median of {args.repeats}")
     print(tbl)
+    numbers = [{"batch": float(r[0]), "kvserve_tok_s": float(r[1]), "transformers_tok_s": float(r[2])}  # type: ignore[arg-type]
+               for r in rows]
+    write_plot(args.plot, lambda path: plots.plot_decode(numbers, path))
     _save(args, {"benchmark": "decode", "rows": rows})
     return 0
 
@@ -60,6 +65,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--model", default=None)
     add_engine_args(common, ("device", "dtype"))
     common.add_argument("--json", default=None, help="also write the results to this JSON file")
+    common.add_argument("--plot", default=None, metavar="FILE",
+                        help="also draw the results as a PNG to this file (matplotlib, from the bench extra)")
 
     c = bsub.add_parser("chat", parents=[common], help="multi-turn chat TTFT, prefix cache on vs off")
     c.add_argument("--text", default=None, help="text for the user turns (default ../shared/data/botchan.txt)")
@@ -81,5 +88,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_capacity_parser(bsub, common)
     from kvserve.bench.tiers import add_tiers_parser
     add_tiers_parser(bsub, common)
+    from kvserve.bench.kv_decode import add_kv_decode_parser
+    add_kv_decode_parser(bsub, common)
     from kvserve.bench.structured import add_structured_parser
     add_structured_parser(bsub, common)

@@ -25,6 +25,12 @@ def find_text(path: str | None = None) -> str:
     raise ValueError(f"no text file found (tried {', '.join(candidates)}); pass --text PATH")
 
 
+def write_plot(path: str | None, draw: Callable[[str], Path]) -> None:
+    """``draw(path)`` (a function of kvserve/bench/plots.py) when ``--plot`` named a file."""
+    if path:
+        print(f"plot written to {draw(path)}")
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A Markdown table, so the output pastes into the docs as is."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]

@@ -236,7 +236,8 @@ def report(result: LoadResult, num_jobs: int, concurrency: int) -> str:
 def run_bench(args: argparse.Namespace) -> int:
     import httpx
 
-    from kvserve.bench.common import find_text
+    from kvserve.bench import plots
+    from kvserve.bench.common import find_text, write_plot
     from kvserve.model.loader import default_model_name, load_model
 
     tokenizer = load_model(args.model).tokenizer
@@ -265,6 +266,8 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"server {line}")
     for e in result.errors[:10]:
         print(f"error: {e}")
+    write_plot(args.plot, lambda path: plots.plot_serve(
+        result.ttft_s, result.e2e_s, path, f"kvserve bench serve: {result.num_ok} requests, {args.concurrency} clients"))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "benchmark": "serve", "num_requests": len(jobs), "concurrency": args.concurrency,

@@ -163,7 +163,8 @@ def engine_options(args: argparse.Namespace, scratch: str, redis_url: str | None
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvserve.bench.common import find_text
+    from kvserve.bench import plots
+    from kvserve.bench.common import find_text, write_plot
     from kvserve.model.loader import load_model
 
     if args.tiers is None:
@@ -214,6 +215,7 @@ def run_bench(args: argparse.Namespace) -> int:
     longest = max(t.prompt_tokens for t in plays[0].turns)
     print(f"prompts up to {longest} tokens; the device pool holds {plays[0].stats.kv_num_blocks} blocks")
     print(tables(results))
+    write_plot(args.plot, lambda path: plots.plot_tiers(results, path))
     if args.json:
         Path(args.json).write_text(json.dumps({"benchmark": "tiers", "results": results}, indent=2))
     return 0

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve.attention.backends import make_attention_backend
+from kvserve.cache_control import DEFAULT_PIN_TTL_S, NO_CACHE_CONTROL, CacheControl, PrefixPin
 from kvserve.config import EngineConfig
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.outputs import RequestOutput
@@ -20,6 +22,7 @@ from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import check_budget, get_policy
 from kvserve.kv.codecs import parse_kv_format
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pins import Clock, PinInfo, Pins
 from kvserve.kv.prefix import make_extra_key
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
@@ -58,9 +61,10 @@ def resolve_dtype(name: str, device: torch.device, model_dtype: str) -> torch.dt
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 tiers: Sequence[Transport] | None = None) -> None:
+                 tiers: Sequence[Transport] | None = None, clock: Clock = time.monotonic) -> None:
         """``tiers``: transports to use as the offload tiers, in lookup order, instead of
-        those ``config.tiers`` configure (tests, embedders with their own storage)."""
+        those ``config.tiers`` configure (tests, embedders with their own storage).
+        ``clock``: seconds, for the pins' retention times (tests step a fake one)."""
         config = config if config is not None else EngineConfig()
         self._check_names(config)
         self.config = config
@@ -73,6 +77,7 @@ class LLMEngine:
         mc = loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype)
+        self.attention = make_attention_backend(config.attention_backend, self.device)
 
         cc = config.cache
         self.kv_format = parse_kv_format(cc.kv_format, mc.num_layers, self.dtype, head_dim=mc.head_dim)
@@ -86,10 +91,11 @@ class LLMEngine:
         transports = list(tiers) if tiers is not None else open_transports(config.tiers, extra_key.hex()[:32])
         self.tiering = make_tiering(transports, self.block_mover, extra_key, cc.block_size)
         self.budgets = self._make_budgets(config)
+        self.pins = Pins(self.pool, int(cc.max_pinned_fraction * num_blocks), cc.max_pin_ttl_s, clock)
         self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, self.kv_cache.residual,
-                                 self.tiering, self.budgets)
+                                 self.tiering, self.budgets, self.pins)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.tiering)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.attention)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.sampler = Sampler(config.seed, sorted(self.eos_token_ids))
         self.grammars = GrammarCompiler(self.tokenizer.to_tokenizer_json() if self.tokenizer is not None else None,
@@ -97,9 +103,10 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_steps = 0
-        log.info("engine ready: %s on %s/%s, KV format %s, %d blocks of %d tokens (%.1f MiB), offload tiers: %s",
-                 loaded.source, self.device, self.dtype, self.kv_format.spec, num_blocks, cc.block_size,
-                 self.kv_cache.nbytes / 2**20, ", ".join(self.tiering.tier_names) or "none")
+        log.info("engine ready: %s on %s/%s, KV format %s, %d blocks of %d tokens (%.1f MiB), attention %s, "
+                 "offload tiers: %s", loaded.source, self.device, self.dtype, self.kv_format.spec, num_blocks,
+                 cc.block_size, self.kv_cache.nbytes / 2**20, self.attention.name,
+                 ", ".join(self.tiering.tier_names) or "none")
 
     @staticmethod
     def _check_names(config: EngineConfig) -> None:
@@ -164,9 +171,15 @@ class LLMEngine:
             self.grammars.check(params.structured)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Validate and queue a request; raises ValueError, changing nothing, on bad input."""
+                    request_id: str | None = None, priority: int = 0, cache: CacheControl | None = None) -> str:
+        """Validate and queue a request; raises ValueError, changing nothing, on bad input.
+
+        ``cache``: its retention class and the prefixes of its prompt to pin (pinned at once,
+        so later requests find them pinned too; a pin over the limit raises PinLimitError)."""
         params = params if params is not None else SamplingParams()
+        cache = cache if cache is not None else NO_CACHE_CONTROL
+        if not isinstance(cache, CacheControl):
+            raise TypeError(f"cache must be CacheControl, got {type(cache).__name__}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self.encode_prompt(prompt)
@@ -184,7 +197,9 @@ class LLMEngine:
             raise ValueError(
                 f"request needs up to {num_blocks} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) "
                 f"but the cache has {self.pool.num_blocks}; lower max_tokens or give the KV cache more memory")
-        req = Request(rid, ids, params, arrival_seq=seq, priority=priority, max_tokens=max_tokens)
+        self._pin_request_prefixes(ids, cache)
+        req = Request(rid, ids, params, arrival_seq=seq, priority=priority, max_tokens=max_tokens,
+                      retention_class=cache.retention_class)
         if params.structured is not None:
             req.constraint = self.grammars.matcher(params.structured)
         self._requests[rid] = req
@@ -195,6 +210,48 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req, FinishReason.ABORT)
+
+    def _pin_request_prefixes(self, ids: list[int], cache: CacheControl) -> None:
+        """A request's pins; a prefix shorter than one block pins nothing (as a prompt too short
+        to cache is not cached)."""
+        for p in cache.pins:
+            if p.num_tokens is not None and p.num_tokens > len(ids):
+                raise ValueError(f"a pin covers {p.num_tokens} tokens, but the prompt has {len(ids)}")
+        prefixes = [(p.num_tokens, p.ttl_s) for p in cache.pins
+                    if (len(ids) if p.num_tokens is None else p.num_tokens) >= self.pool.block_size]
+        if prefixes:
+            self.kv.pin(ids, prefixes)
+
+    # -- pins --------------------------------------------------------------
+    def pin(self, prompt: str | Sequence[int], ttl_s: float | None = None, num_tokens: int | None = None) -> PinInfo:
+        """Pin the full blocks of the prompt's first ``num_tokens`` tokens (all by default) for
+        ``ttl_s`` seconds (default 300), whether they are cached yet or not: on the device they
+        are evicted after every unpinned block. Pinning a pinned prefix again extends it.
+        ValueError (PinLimitError past the limit) for a prefix shorter than one block, a ttl over
+        ``max_pin_ttl_s``; nothing is pinned then."""
+        ids = self.encode_prompt(prompt)
+        spec = PrefixPin(num_tokens, DEFAULT_PIN_TTL_S if ttl_s is None else ttl_s)
+        n = len(ids) if num_tokens is None else num_tokens
+        if n > len(ids):
+            raise ValueError(f"num_tokens {n} is more than the prompt's {len(ids)} tokens")
+        if n < self.pool.block_size:
+            raise ValueError(f"nothing to pin: the prefix has {n} tokens, fewer than one block of "
+                             f"{self.pool.block_size}")
+        return self.kv.pin(ids, [(n, spec.ttl_s)])[0]
+
+    def unpin(self, prompt: str | Sequence[int], num_tokens: int | None = None) -> PinInfo:
+        """Remove the pin over exactly the full blocks of the prompt's first ``num_tokens``
+        tokens (all by default); PinNotFoundError if no pin covers exactly those."""
+        return self.kv.unpin(self.encode_prompt(prompt)[:num_tokens])
+
+    def unpin_all(self) -> list[PinInfo]:
+        """Remove every pin; returns them."""
+        return self.pins.unpin_all()
+
+    def list_pins(self) -> list[PinInfo]:
+        """Every pin, soonest to expire first."""
+        self.pins.expire()
+        return self.pins.infos()
 
     @property
     def has_unfinished(self) -> bool:
@@ -212,6 +269,7 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for each request that got a token."""
+        self.pins.expire()
         out = self.scheduler.schedule()
         if out.is_empty:
             # nothing to run: the only work left may be loads from slow tiers
@@ -341,7 +399,7 @@ class LLMEngine:
             prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_evicted_blocks=self.pool.num_evicted_blocks, tiers=self.tiering.metrics(),
             cost=self.tiering.cost_snapshot(), num_swapped_blocks=self.scheduler.num_swapped_blocks,
-            budgets=self.budgets.stats())
+            budgets=self.budgets.stats(), pins=self.pins.stats(), pin_hit_tokens=self.scheduler.num_pin_hit_tokens)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

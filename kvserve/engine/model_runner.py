@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.backends import AttentionBackend, TorchBackend
+from kvserve.attention.paged import AttentionMetadata, BudgetedChunk, DecodeGroup, PagedChunks, PrefillChunk
 from kvserve.kv.budget.budgets import BudgetStep
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import AttentionMetadata, BudgetedChunk, DecodeGroup, PrefillChunk
+from kvserve.kv.storage.layout import PagedBatch
 from kvserve.model.llama import LlamaModel
 from kvserve.request import Request, TokenLogprob
 from kvserve.sampling.sampler import top_logprobs
@@ -42,6 +44,8 @@ class _StepBuilder:
         self.decode_lens: list[int] = []
         self.prefills: list[PrefillChunk] = []
         self.budgeted: list[BudgetedChunk] = []
+        # sequences a backend reads in place: (flat start, new tokens, context length, block ids)
+        self.paged: list[tuple[int, int, int, list[int]]] = []
 
     def add(self, req: Request, n: int) -> None:
         r, bs = self.r, self.r.block_size
@@ -56,13 +60,16 @@ class _StepBuilder:
         if step is not None:
             self._add_budgeted(step, flat_start, start, n, block_ids)
             if step.is_compacted:
-                return      # attended on its own (model/attention.py)
+                return      # attended on its own (attention/paged.py)
         num_blocks = -(-end // bs)
-        if n == 1:
+        fresh = start == 0 and r.cache.reads_as_written     # attends to its own new keys and values
+        if r.backend.reads_in_place and not fresh:
+            self.paged.append((flat_start, n, end, block_ids[:num_blocks]))
+        elif n == 1:
             self.decode_idx.append(flat_start)
             self.decode_tables.append(block_ids[:num_blocks])
             self.decode_lens.append(end)
-        elif start == 0 and r.cache.reads_as_written:
+        elif fresh:
             self.prefills.append(PrefillChunk(flat_start, flat_start + n, 0, None, None))
         else:
             dev = r.device
@@ -85,11 +92,32 @@ class _StepBuilder:
     def build(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.r.device
         decode = self._decode_group() if self.decode_idx else None
+        paged = self._paged_chunks() if self.paged else None
         meta = AttentionMetadata(write=self.writes.build(), decode=decode, prefills=tuple(self.prefills),
-                                 budgeted=tuple(self.budgeted))
+                                 budgeted=tuple(self.budgeted), paged=paged, backend=self.r.backend)
         ids = torch.tensor(self.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(self.positions, dtype=torch.long, device=dev)
         return ids, pos, meta
+
+    def _paged_chunks(self) -> PagedChunks:
+        dev = self.r.device
+        max_blocks = max(len(ids) for _, _, _, ids in self.paged)
+        tables = [ids + [ids[-1]] * (max_blocks - len(ids)) for _, _, _, ids in self.paged]
+        starts = [0]
+        for _, n, _, _ in self.paged:
+            starts.append(starts[-1] + n)
+        token_idx = [i for flat, n, _, _ in self.paged for i in range(flat, flat + n)]
+
+        def int32(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=dev)
+
+        batch = PagedBatch(
+            block_tables=int32(tables), context_lens=int32([end for _, _, end, _ in self.paged]),
+            query_starts=int32(starts), open_rows=int32(self.writes.open_rows([ids[-1] for *_, ids in self.paged])),
+            block_size=self.r.block_size, max_query_len=max(n for _, n, _, _ in self.paged),
+            max_context_len=max(end for _, _, end, _ in self.paged))
+        return PagedChunks(torch.tensor(token_idx, dtype=torch.long, device=dev), batch,
+                           is_whole_batch=len(token_idx) == len(self.input_ids) and not self.budgeted)
 
     def _decode_group(self) -> DecodeGroup:
         bs, dev = self.r.block_size, self.r.device
@@ -106,10 +134,12 @@ class _StepBuilder:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVStorage, kv: KVCacheManager) -> None:
+    def __init__(self, model: LlamaModel, cache: KVStorage, kv: KVCacheManager,
+                 backend: AttentionBackend | None = None) -> None:
         self.model = model
         self.cache = cache
         self.kv = kv
+        self.backend = backend if backend is not None else TorchBackend()
         self.device = model.device
         self.block_size = cache.block_size
 

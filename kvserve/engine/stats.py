@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.kv.budget.budgets import BudgetStats
+from kvserve.kv.pins import NO_PIN_STATS, PinStats
 from kvserve.kv.tiering import TierMetrics
 from kvserve.offload.cost import CostSnapshot
 
@@ -29,6 +30,8 @@ class EngineStats:
     num_loading: int = 0                  # admitted requests waiting for their tier reads
     num_swapped_blocks: int = 0           # blocks of preempted requests demoted at once (swap)
     budgets: BudgetStats = NO_BUDGET_STATS   # KV budgets: compactions, ArkVale's host store
+    pins: PinStats = NO_PIN_STATS            # pinned prefixes (kv/pins.py)
+    pin_hit_tokens: int = 0                  # prompt tokens served from pinned device blocks, first admissions
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -8,12 +8,25 @@ A block is in exactly one of three states:
     free    ref_count == 0, no key, in the free queue
 
 ``free + cached + used == num_blocks`` always; ``check_integrity`` proves it.
+
+Blocks with ref_count 0 wait in one queue per eviction class; ``allocate`` takes from the
+first non-empty queue, each in LRU order:
+
+    class 0 (normal)   free blocks, and cached blocks last held by normal requests
+    class 1 (high)     cached blocks a ``high`` request held (kvserve/cache_control.py)
+    pinned             cached blocks whose key a pin covers (kv/pins.py)
+
+Every verb stays O(1) per block (allocate looks at a fixed number of queue heads). A
+block's class is the highest of the requests that held it since it was last free; a
+block without a key is always class 0 (it holds nothing worth keeping).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+from kvserve.cache_control import CACHE_PRIORITIES
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -28,6 +41,8 @@ class Block:
     ref_count: int = 0
     key: bytes | None = None
     token_ids: tuple[int, ...] = ()
+    retention: int = 0              # eviction class of the requests holding it (BlockPool.touch)
+    queue_index: int = 0            # which free queue holds it, while its ref_count is 0
     # intrusive links of the free queue; None when not queued (or at an end)
     prev_free: Block | None = None
     next_free: Block | None = None
@@ -84,7 +99,7 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_blocks += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Block]:
         block = self._head.next_free
         while block is not None and block is not self._tail:
             yield block
@@ -94,26 +109,77 @@ class FreeBlockQueue:
         return [b.block_id for b in self]
 
 
+class EvictionQueues:
+    """The blocks with ref_count 0, one ``FreeBlockQueue`` per eviction class; iteration and
+    ``popleft`` go lowest class first, so together they are the eviction order.
+
+    ``append`` puts a block at the tail of its class; ``remove`` finds the block's queue from
+    ``block.queue_index``: both O(1). ``popleft`` looks at most at one head per class.
+    """
+
+    def __init__(self, blocks: Iterable[Block], num_queues: int) -> None:
+        self.queues = [FreeBlockQueue(()) for _ in range(num_queues)]
+        self.num_blocks = 0
+        for block in blocks:
+            self.append(block, 0)
+
+    def popleft(self) -> Block:
+        for queue in self.queues:
+            if queue.num_blocks:
+                self.num_blocks -= 1
+                return queue.popleft()
+        raise NoFreeBlocksError("the free block queue is empty")
+
+    def remove(self, block: Block) -> None:
+        self.queues[block.queue_index].remove(block)
+        self.num_blocks -= 1
+
+    def append(self, block: Block, index: int) -> None:
+        self.queues[index].append(block)
+        block.queue_index = index
+        self.num_blocks += 1
+
+    def move(self, block: Block, index: int) -> None:
+        """To the tail of queue ``index`` (a block that is already there goes to its tail)."""
+        self.remove(block)
+        self.append(block, index)
+
+    def __iter__(self) -> Iterator[Block]:
+        for queue in self.queues:
+            yield from queue
+
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self]
+
+
 class BlockPool:
     """Owns every block of one KV cache.
 
-    Verbs: ``allocate`` takes blocks from the head of the free queue (evicting their
+    Verbs: ``allocate`` takes blocks from the head of the eviction order (evicting their
     cached keys), ``touch`` takes a reference on cached blocks found by a prefix match,
-    ``free`` drops references (a block whose count reaches 0 goes to the tail of the
-    free queue, keeping its key), ``cache`` gives a full block its content key.
+    ``free`` drops references (a block whose count reaches 0 goes to the tail of its
+    class's queue, keeping its key), ``cache`` gives a full block its content key,
+    ``pin_keys`` / ``unpin_keys`` count pins on keys (kv/pins.py holds the pins themselves).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_classes: int = len(CACHE_PRIORITIES)) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_classes = num_classes
+        self.pinned_queue = num_classes          # the last queue: evicted after every class
         self.blocks = [Block(block_id=i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = EvictionQueues(self.blocks, num_classes + 1)
         self._cached: dict[bytes, Block] = {}
+        self._pin_counts: dict[bytes, int] = {}  # key -> pins covering it
         self.num_evicted_blocks = 0
+        self.num_pinned_cached = 0      # blocks holding a pinned key (used or not)
+        self.num_pinned_evicted = 0     # pinned blocks evicted for room (demoted when a tier exists)
         self.peak_num_used = 0          # high-water mark of referenced blocks (see reset_peak)
 
     # -- queries -----------------------------------------------------------
@@ -125,6 +191,11 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    @property
+    def num_pinned_keys(self) -> int:
+        """Distinct keys some pin covers, on the device or not."""
+        return len(self._pin_counts)
 
     @property
     def usage(self) -> float:
@@ -141,6 +212,17 @@ class BlockPool:
             return None
         return block
 
+    def holds(self, key: bytes) -> bool:
+        """Whether a device block holds ``key``."""
+        return key in self._cached
+
+    def is_pinned(self, block: Block) -> bool:
+        return block.key is not None and block.key in self._pin_counts
+
+    def pin_count(self, key: bytes) -> int:
+        """How many pins cover ``key``."""
+        return self._pin_counts.get(key, 0)
+
     def peek_evictions(self, num_blocks: int) -> list[Block]:
         """The cached blocks that ``allocate(num_blocks)`` would evict, in eviction order.
 
@@ -156,25 +238,33 @@ class BlockPool:
         return out
 
     # -- verbs -------------------------------------------------------------
-    def allocate(self, num_blocks: int) -> list[Block]:
-        """Take ``num_blocks`` blocks (ref_count 1 each), evicting LRU cached ones."""
+    def allocate(self, num_blocks: int, retention: int = 0) -> list[Block]:
+        """Take ``num_blocks`` blocks (ref_count 1 each) for a request of class ``retention``,
+        evicting cached ones in eviction order."""
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(
                 f"asked for {num_blocks} blocks, only {self.num_free_blocks} are free")
+        self._check_class(retention)
         out = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             self._evict(block)
             block.ref_count = 1
+            block.retention = retention
             out.append(block)
         self._note_usage()
         return out
 
-    def touch(self, blocks: Iterable[Block]) -> None:
-        """Take one more reference on each block (a prefix-cache hit)."""
+    def touch(self, blocks: Iterable[Block], retention: int = 0) -> None:
+        """Take one more reference on each block (a prefix-cache hit) for a request of class
+        ``retention``; a block's class becomes the highest of its holders'."""
+        self._check_class(retention)
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
+                block.retention = retention
+            else:
+                block.retention = max(block.retention, retention)
             block.ref_count += 1
         self._note_usage()
 
@@ -189,7 +279,7 @@ class BlockPool:
                 raise ValueError(f"double free of {block}")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_queue.append(block)
+                self.free_queue.append(block, self._queue_of(block))
 
     def cache(self, block: Block, key: bytes, token_ids: tuple[int, ...]) -> bool:
         """Register a full block under its content key.
@@ -210,15 +300,52 @@ class BlockPool:
         block.key = key
         block.token_ids = token_ids
         self._cached[key] = block
+        if key in self._pin_counts:
+            self.num_pinned_cached += 1
+        if block.ref_count == 0 and block.queue_index != self._queue_of(block):
+            self.free_queue.move(block, self._queue_of(block))
         return True
 
+    def pin_keys(self, keys: Iterable[bytes]) -> None:
+        """Count one more pin on each key. A cached, unreferenced block whose key becomes
+        pinned moves to the pinned queue (keys in chain order: the tail ends nearer the head)."""
+        for key in reversed(list(keys)):
+            count = self._pin_counts.get(key, 0)
+            self._pin_counts[key] = count + 1
+            block = self._cached.get(key) if count == 0 else None
+            if block is not None:
+                self.num_pinned_cached += 1
+                if block.ref_count == 0:
+                    self.free_queue.move(block, self.pinned_queue)
+
+    def unpin_keys(self, keys: Iterable[bytes]) -> None:
+        """Drop one pin from each key. A cached, unreferenced block whose key is no longer
+        pinned goes to the tail of its class's queue: evictable again, after the blocks
+        released before it."""
+        for key in reversed(list(keys)):
+            count = self._pin_counts.get(key, 0)
+            if count <= 0:
+                raise ValueError(f"unpin of key {key.hex()[:8]}, which no pin covers")
+            if count > 1:
+                self._pin_counts[key] = count - 1
+                continue
+            del self._pin_counts[key]
+            block = self._cached.get(key)
+            if block is not None:
+                self.num_pinned_cached -= 1
+                if block.ref_count == 0:
+                    self.free_queue.move(block, self._queue_of(block))
+
     def evict_all_cached(self) -> int:
-        """Forget every cached key of unreferenced blocks (a cache reset)."""
+        """Forget every cached key of unreferenced blocks, pinned ones too (a cache reset;
+        the pins stay, and cover the blocks again once recomputed)."""
         dropped = 0
-        for block in self.free_queue:
+        for block in list(self.free_queue):
             if block.key is not None:
                 self._evict(block)
                 dropped += 1
+                if block.queue_index != 0:
+                    self.free_queue.move(block, 0)
         return dropped
 
     def reset_peak(self) -> None:
@@ -229,9 +356,23 @@ class BlockPool:
     def _note_usage(self) -> None:
         self.peak_num_used = max(self.peak_num_used, self.num_blocks - self.free_queue.num_blocks)
 
+    def _queue_of(self, block: Block) -> int:
+        if block.key is None:
+            return 0
+        if block.key in self._pin_counts:
+            return self.pinned_queue
+        return block.retention
+
+    def _check_class(self, retention: int) -> None:
+        if not 0 <= retention < self.num_classes:
+            raise ValueError(f"eviction class {retention} is outside 0..{self.num_classes - 1}")
+
     def _evict(self, block: Block) -> None:
         if block.key is None:
             return
+        if block.key in self._pin_counts:
+            self.num_pinned_cached -= 1
+            self.num_pinned_evicted += 1
         del self._cached[block.key]
         block.key = None
         block.token_ids = ()
@@ -243,12 +384,21 @@ class BlockPool:
         queued = list(self.free_queue)
         queued_ids = {b.block_id for b in queued}
         assert len(queued_ids) == len(queued) == self.free_queue.num_blocks, "free queue corrupt"
+        assert sum(q.num_blocks for q in self.free_queue.queues) == self.free_queue.num_blocks, "queue counts"
         used = [b for b in self.blocks if b.ref_count > 0]
         assert all(b.ref_count == 0 for b in queued), "a referenced block is in the free queue"
         assert all(b.ref_count >= 0 for b in self.blocks), "negative ref count"
         assert len(used) + len(queued) == self.num_blocks, (
             f"used {len(used)} + queued {len(queued)} != total {self.num_blocks}")
+        for index, queue in enumerate(self.free_queue.queues):
+            for block in queue:
+                assert block.queue_index == index, f"{block} in queue {index} says {block.queue_index}"
+                assert self._queue_of(block) == index, (
+                    f"{block} (class {block.retention}, pinned {self.is_pinned(block)}) waits in queue {index}")
         for key, block in self._cached.items():
             assert block.key == key, f"{block} indexed under a key it does not hold"
             assert len(block.token_ids) == self.block_size, f"{block} cached while not full"
         assert sum(b.key is not None for b in self.blocks) == len(self._cached), "stray keys"
+        assert all(count > 0 for count in self._pin_counts.values()), "a pinned key with no pin"
+        assert self.num_pinned_cached == sum(key in self._cached for key in self._pin_counts), (
+            f"{self.num_pinned_cached} pinned blocks counted")

@@ -20,6 +20,12 @@ manager holds the tiering for those two calls only (``lookup``, ``demote``); the
 scheduler drives the loads with the tiering itself and hands the loaded blocks back
 (``cache_loaded_blocks``).
 
+Blocks are queued for eviction by class (kv/block_pool.py): a request's
+``retention_class`` (its ``cache_priority``) goes to the blocks it holds, and keys that a
+pin covers (kv/pins.py) wait after every other class. Pinned blocks that an allocation
+must evict all the same are demoted through ``Tiering.demote_pinned``, which never drops
+them for a full queue.
+
 A request under a KV budget (kv/budget/) holds *slots*: after a compaction its table
 covers ``num_computed_tokens - num_evicted`` slots; the compaction writes the kept
 entries to the head of the table (fresh blocks in place of shared or cached ones, which
@@ -28,10 +34,12 @@ are never altered) and frees the tail; from then on its blocks are never cached.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.budget.budgets import Budgets, NoBudgets
+from kvserve.kv.pins import PinInfo, Pins
 from kvserve.kv.prefix import extend_block_keys
 from kvserve.kv.residual import NoResidual, ResidualRows
 from kvserve.kv.tiering import NoTiering, Promotion, Tiering
@@ -73,8 +81,10 @@ class Promoted(NamedTuple):
 class KVCacheManager:
     def __init__(self, pool: BlockPool, extra_key: bytes, enable_prefix_caching: bool = True,
                  residual: ResidualRows | None = None, tiering: Tiering | None = None,
-                 budgets: Budgets | None = None) -> None:
+                 budgets: Budgets | None = None, pins: Pins | None = None) -> None:
         self.pool = pool
+        # pinned prefixes (none allowed unless the engine gives a limit)
+        self.pins = pins if pins is not None else Pins(pool, max_pinned_blocks=0, max_ttl_s=1.0)
         # per-request KV budgets (null object when the engine cannot run them)
         self.budgets = budgets if budgets is not None else NoBudgets("no KV budgets configured")
         # the tiers below the device, for lookups and demotions (null object when none is configured)
@@ -161,11 +171,11 @@ class KVCacheManager:
                 del self._blocks[request.request_id]
             return False
         if match.blocks:
-            self.pool.touch(match.blocks)
+            self.pool.touch(match.blocks, request.retention_class)
             table.extend(match.blocks)
             self._num_cached_blocks[request.request_id] = len(table)
         if num_needed > 0:
-            table.extend(self._allocate(num_needed))
+            table.extend(self._allocate(num_needed, request.retention_class))
         self.budgets.start(request)
         return True
 
@@ -210,10 +220,14 @@ class KVCacheManager:
             self.pool.cache(table[i], keys[i], tuple(tokens[i * bs:(i + 1) * bs]))
         self._num_cached_blocks[request.request_id] = end
 
-    def _allocate(self, num_blocks: int) -> list[Block]:
+    def _allocate(self, num_blocks: int, retention: int) -> list[Block]:
         """Take free blocks, demoting to the tiers the cached ones this evicts first."""
-        self.tiering.demote(self.pool.peek_evictions(num_blocks))
-        return self.pool.allocate(num_blocks)
+        evicted = self.pool.peek_evictions(num_blocks)
+        pinned = [b for b in evicted if self.pool.is_pinned(b)]
+        self.tiering.demote([b for b in evicted if not self.pool.is_pinned(b)] if pinned else evicted)
+        if pinned:
+            self.tiering.demote_pinned(pinned)
+        return self.pool.allocate(num_blocks, retention)
 
     def apply_budget(self, request: Request) -> bool:
         """Compact a budgeted request whose context outgrew its budget (kv/budget/budgets.py).
@@ -241,7 +255,7 @@ class KVCacheManager:
         del table[num_kept:]
         for i, block in enumerate(head):
             if block.ref_count > 1 or block.is_cached:
-                table[i] = self._allocate(1)[0]
+                table[i] = self._allocate(1, request.retention_class)[0]
                 self.pool.free([block])
         self._num_cached_blocks.pop(rid, None)
         self.budgets.apply(request, plan, [b.block_id for b in table])
@@ -264,8 +278,31 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         return self.pool.evict_all_cached()
 
+    # -- pins --------------------------------------------------------------
+    def prefix_keys(self, token_ids: Sequence[int], num_tokens: int | None = None) -> list[bytes]:
+        """Keys of the full blocks among the first ``num_tokens`` tokens (all by default)."""
+        keys: list[bytes] = []
+        extend_block_keys(keys, token_ids[:num_tokens], self.block_size, self.extra_key)
+        return keys
+
+    def pin(self, token_ids: Sequence[int], prefixes: Sequence[tuple[int | None, float]]) -> list[PinInfo]:
+        """Pin the full blocks of each ``(num_tokens, ttl_s)`` prefix of ``token_ids`` (all or
+        none; Pins.pin's errors)."""
+        if not self.enable_prefix_caching:
+            raise ValueError("pinning needs prefix caching, which is off on this engine")
+        return self.pins.pin([(self.prefix_keys(token_ids, n), ttl_s) for n, ttl_s in prefixes])
+
+    def unpin(self, token_ids: Sequence[int]) -> PinInfo:
+        """Remove the pin over exactly the full blocks of ``token_ids`` (PinNotFoundError)."""
+        return self.pins.unpin(self.prefix_keys(token_ids))
+
+    def num_pinned_hits(self, request: Request, num_blocks: int) -> int:
+        """How many of the request's first ``num_blocks`` blocks hold pinned keys."""
+        return sum(self.pool.is_pinned(b) for b in self._blocks.get(request.request_id, ())[:num_blocks])
+
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        self.pins.check_integrity()
         self.residual.check_integrity()
         self.budgets.check_integrity()
         counted: dict[int, int] = {}

@@ -84,6 +84,11 @@ class Tiering(ABC):
         """Copy cached blocks off the device and submit them to the tiers; returns how many
         were copied (blocks without a key, or that a local first tier holds, are skipped)."""
 
+    def demote_pinned(self, blocks: Sequence[Block]) -> int:
+        """``demote`` for pinned blocks: their writes are queued even when a tier's queue is
+        full (never dropped for that; a tier that is down or full still refuses them)."""
+        return self.demote(blocks)
+
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> TierRun:
         """The leading run of ``keys`` that the tiers hold and that is worth loading rather
@@ -208,6 +213,12 @@ class OffloadTiering(Tiering):
         self._loads_synchronously = tuple(t.loads_synchronously for t in store.transports)
 
     def demote(self, blocks: Sequence[Block]) -> int:
+        return self._demote(blocks, required=False)
+
+    def demote_pinned(self, blocks: Sequence[Block]) -> int:
+        return self._demote(blocks, required=True)
+
+    def _demote(self, blocks: Sequence[Block], required: bool) -> int:
         todo = [(b.key, b.block_id) for b in blocks if b.key is not None]
         if self._first_is_local and todo:
             held = self.store.tiers[0].contains([key for key, _ in todo])
@@ -215,7 +226,7 @@ class OffloadTiering(Tiering):
         if not todo:
             return 0
         payloads = self.mover.read([block_id for _, block_id in todo])
-        self.store.demote([(key, p) for (key, _), p in zip(todo, payloads)])
+        self.store.demote([(key, p) for (key, _), p in zip(todo, payloads)], required=required)
         return len(todo)
 
     def swap_out(self, blocks: Sequence[Block]) -> int:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.paged import AttentionMetadata, paged_attention
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import AttentionMetadata, paged_attention
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ logged, and its future resolves to the harmless answer (0 blocks stored, all mis
 
 At most ``max_pending`` calls are queued or running; a submit beyond that is dropped
 (counted) and resolves at once, since a full queue means the tier is slower than the
-engine and waiting for it would stall decoding.
+engine and waiting for it would stall decoding. A ``required`` put (a pinned block being
+evicted: its only copy) is queued regardless.
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ class AsyncTier:
         """Caller holds the lock."""
         self._stats = replace(self._stats, **{k: getattr(self._stats, k) + v for k, v in deltas.items()})
 
-    def _submit(self, fn: Callable[[], T], fallback: T) -> cf.Future[T] | None:
-        """Queue ``fn``; None if max_pending are pending. Caller holds the lock."""
+    def _submit(self, fn: Callable[[], T], fallback: T, required: bool = False) -> cf.Future[T] | None:
+        """Queue ``fn``; None if max_pending are pending (unless ``required``). Caller holds the lock."""
         if self._closed:
             raise RuntimeError(f"the async {self.store.tier} tier is closed")
-        if len(self._pending) >= self._max_pending:
+        if len(self._pending) >= self._max_pending and not required:
             self._count(dropped=1)
             return None
 
@@ -93,10 +94,11 @@ class AsyncTier:
         with self._lock:
             self._pending.discard(future)
 
-    def submit_put(self, items: Sequence[tuple[bytes, Payload]]) -> cf.Future[int]:
+    def submit_put(self, items: Sequence[tuple[bytes, Payload]], required: bool = False) -> cf.Future[int]:
         """Write ``items`` in the background; the future gives how many the tier stored.
 
-        Payloads are copied before this returns (bytes objects are kept as they are).
+        Payloads are copied before this returns (bytes objects are kept as they are). A
+        ``required`` put is queued even when ``max_pending`` calls are pending.
         """
         owned = [(key, p if isinstance(p, bytes) else bytes(p)) for key, p in items]  # copied outside the lock
         with self._lock:
@@ -116,7 +118,7 @@ class AsyncTier:
                     with self._lock:
                         for key in fresh:
                             del self._inflight[key]
-            future = self._submit(put, 0)
+            future = self._submit(put, 0, required)
             if future is None:
                 return _done(0)
             self._inflight.update(fresh)

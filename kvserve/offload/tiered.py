@@ -102,11 +102,12 @@ class TieredStore:
     def num_tiers(self) -> int:
         return len(self.tiers)
 
-    def demote(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        """Submit ``items`` to every tier; returns at once (puts may be dropped, and are counted)."""
+    def demote(self, items: Sequence[tuple[bytes, bytes]], required: bool = False) -> None:
+        """Submit ``items`` to every tier; returns at once (puts may be dropped, and are counted;
+        ``required`` puts are queued even past a tier's ``max_pending``)."""
         if items:
             for tier in self.tiers:
-                tier.submit_put(items)
+                tier.submit_put(items, required=required)
 
     def lookup(self, keys: Sequence[bytes]) -> TierRun:
         """The longest leading run of ``keys`` held by some tier, each by the first that holds it.

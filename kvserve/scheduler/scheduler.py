@@ -70,6 +70,7 @@ class Scheduler:
         self.num_swapped_blocks = 0
         self.num_prefix_query_tokens = 0     # prompt tokens looked up at first admission
         self.num_prefix_hit_tokens = 0       # of which served from the device prefix cache
+        self.num_pin_hit_tokens = 0          # of those, served from pinned blocks
 
     @property
     def has_unfinished(self) -> bool:
@@ -163,6 +164,7 @@ class Scheduler:
             req.num_cached_tokens = num_hit
             self.num_prefix_query_tokens += req.num_tokens
             self.num_prefix_hit_tokens += promoted.num_device_blocks * self.kv.block_size
+            self.num_pin_hit_tokens += self.kv.num_pinned_hits(req, promoted.num_device_blocks) * self.kv.block_size
             self.tiering.record_hits(promotion)
         req.num_computed_tokens = num_hit
         req.status = RequestStatus.RUNNING

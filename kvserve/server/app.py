@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.async_engine import AsyncEngine, EngineError, RequestFailed
+from kvserve.server.cache_api import cache_router
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -117,6 +118,7 @@ def _v1_router(ctx: ServingContext) -> APIRouter:
         num_blocks = await ctx.engine.call(lambda engine: engine.reset_prefix_cache())
         return JSONResponse({"reset": True, "num_dropped_blocks": num_blocks})
 
+    router.include_router(cache_router(ctx))   # /cache/pin, /cache/unpin, /cache/pins
     return router
 
 

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
+from kvserve.cache_control import CacheControl
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
@@ -64,6 +65,7 @@ class NullObserver:
 class RequestSpec(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache: CacheControl | None = None      # retention class and pinned prefixes
 
 
 class StreamItem(NamedTuple):
@@ -275,7 +277,7 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for rid, spec in zip(cmd.request_ids, cmd.specs):
-                self.engine.add_request(spec.prompt_token_ids, spec.params, request_id=rid)
+                self.engine.add_request(spec.prompt_token_ids, spec.params, request_id=rid, cache=spec.cache)
                 added.append(rid)
         except Exception as e:
             for rid in added:

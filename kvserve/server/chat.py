@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvserve.engine.outputs import RequestOutput
 from kvserve.request import TokenLogprob
 from kvserve.server.async_engine import RequestSpec, RequestStream, StreamItem
+from kvserve.server.cache_api import chat_cache
 from kvserve.server.protocol import ChatCompletionRequest, bad_request, parse_body
 from kvserve.server.serving import DeltaText, ServingContext, now_s, response_id, sse_stream, usage
 from kvserve.server.tools import ToolPlan, parse_calls, plan_tools, template_messages
@@ -46,7 +47,8 @@ async def plan_chat(ctx: ServingContext, request: Request) -> _Plan:
     ctx.check_room(len(ids), req.max_new_tokens,
                    "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    specs = [RequestSpec(ids, req.sampling_params(j, req.max_new_tokens, logprobs, structured=structured))
+    cache = await chat_cache(ctx, req, ids)
+    specs = [RequestSpec(ids, req.sampling_params(j, req.max_new_tokens, logprobs, structured=structured), cache)
              for j in range(req.n)]
     await ctx.check_params(specs[0].params, param)
     return _Plan(req, ids, specs, tools)

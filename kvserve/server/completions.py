@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvserve.engine.outputs import RequestOutput
 from kvserve.request import TokenLogprob
 from kvserve.server.async_engine import RequestSpec, RequestStream, StreamItem
+from kvserve.server.cache_api import completion_cache
 from kvserve.server.protocol import MAX_BATCH_REQUESTS, CompletionRequest, bad_request, parse_body
 from kvserve.server.serving import DeltaText, ServingContext, now_s, response_id, sse_stream, usage
 
@@ -55,7 +56,8 @@ async def plan_completion(ctx: ServingContext, request: Request) -> _Plan:
     max_tokens = 1 if score_only else req.max_tokens
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     structured, param = req.structured()
-    specs = [RequestSpec(ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs, structured))
+    cache = completion_cache(req)
+    specs = [RequestSpec(ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs, structured), cache)
              for ids in prompt_ids for j in range(req.n)]
     await ctx.check_params(specs[0].params, param)
     return _Plan(req, texts, prompt_ids, specs, score_only)

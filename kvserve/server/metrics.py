@@ -68,7 +68,25 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("kvserve_kv_budget_host_evicted_blocks",
                                   "Blocks arkvale's host store dropped for room (no longer recallable)",
                                   b.num_host_evictions)
+        yield from _pin_metrics(s)
         yield from _tier_metrics(s)
+
+
+def _pin_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Pinned prefixes (docs/server.md, "Cache control")."""
+    p = s.pins
+    yield GaugeMetricFamily("kvserve_pins", "Pinned prefixes", p.num_pins)
+    yield GaugeMetricFamily("kvserve_pinned_blocks", "Device KV blocks holding a pinned key", p.num_pinned_blocks)
+    yield GaugeMetricFamily("kvserve_pin_covered_blocks", "Distinct block keys the pins cover (on the device or not)",
+                            p.num_pinned_keys)
+    yield GaugeMetricFamily("kvserve_pin_limit_blocks", "Most block keys pins may cover (max_pinned_fraction)",
+                            p.max_pinned_blocks)
+    yield CounterMetricFamily("kvserve_pin_hit_tokens", "Prompt tokens served from pinned device blocks",
+                              s.pin_hit_tokens)
+    yield CounterMetricFamily("kvserve_pin_expirations", "Pins whose retention time ran out", p.num_expired)
+    yield CounterMetricFamily("kvserve_pinned_evicted_blocks",
+                              "Pinned blocks evicted for room (demoted to the offload tiers when there are any)",
+                              p.num_evicted_blocks)
 
 
 def _tier_metrics(s: EngineStats) -> Iterator[Metric]:

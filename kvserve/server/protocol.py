@@ -44,6 +44,18 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class CachePin(_Body):
+    """kvserve's extension, in the spirit of Anthropic's ``cache_control`` breakpoints: pin the
+    prompt's prefix up to here for ``ttl`` seconds (default 300) (docs/server.md, "Cache control")."""
+
+    type: Literal["pin"]
+    ttl: float | None = Field(None, gt=0)
+
+
+class CompletionCachePin(CachePin):
+    num_tokens: int | None = Field(None, ge=1)      # the breakpoint; default: the whole prompt
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False   # vLLM's extension; accepted, usage comes at the end only
@@ -84,6 +96,7 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                        # vLLM's extension, for benchmarks
+    cache_priority: Literal["normal", "high"] | None = None   # kvserve's: the retention class of its blocks
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)      # vLLM's extension
@@ -177,6 +190,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    cache_control: CompletionCachePin | None = None   # kvserve's: pin the prompt (or its first num_tokens)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -222,6 +236,7 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None     # an assistant's earlier calls
     refusal: str | None = None
+    cache_control: CachePin | None = None            # kvserve's: pin the conversation up to this message
 
     @property
     def text(self) -> str:

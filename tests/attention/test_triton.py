@@ -391,3 +391,26 @@ def test_kernels_compile_for_the_gpu_without_spilling() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert len(lines) == 2 and all("STACK:0" in line for line in lines), done.stdout
+
+
+@pytest.mark.parametrize("fmt", ["native", "int8", "kivi2g8", "k=int4g8+had,v=fp8"])
+def test_the_engine_on_the_triton_backend_gives_the_torch_paths_tokens(fmt: str) -> None:
+    """The backend wired into the engine (on CPU through the interpreter): chunked prefills over
+    cached context, decodes, a prefix hit and open blocks, on the tiny random model."""
+    from tiny import tiny_model
+
+    from kvserve import LLM, SamplingParams
+
+    loaded = tiny_model()
+    device = DEVICE
+    prompts = [list(range(1, 40)), list(range(5, 25)), [3] * 17, list(range(1, 30))]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=32, max_num_batched_tokens=24, device=device,
+                  dtype="float32", attention_backend=backend)
+        assert llm.engine.attention.name == backend
+        outs[backend] = [(o.token_ids, o.num_cached_tokens) for o in llm.generate(prompts, params)]
+        llm.engine.check_integrity()
+    assert outs["triton"] == outs["torch"]
+    assert outs["triton"][3][1] == 16                   # the last prompt hit the first's leading block

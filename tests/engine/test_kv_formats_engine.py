@@ -27,10 +27,14 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [shared + [rng.randrange(128) for _ in range(n)] for n in (1, 9, 20, 31)] + [[3, 4, 5]]
 
 
+BACKENDS = ["torch", "cpu"]     # the reference and the in-place kernel (tests/attention for triton)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_prefix_hit_gives_the_tokens_of_a_cold_run_in_the_same_format(loaded, fmt):
-    cold = LLM(loaded=loaded, kv_format=fmt, enable_prefix_caching=False, num_kv_blocks=64)
-    warm = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=64)
+def test_prefix_hit_gives_the_tokens_of_a_cold_run_in_the_same_format(loaded, fmt, backend):
+    cold = LLM(loaded=loaded, kv_format=fmt, enable_prefix_caching=False, num_kv_blocks=64, attention_backend=backend)
+    warm = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=64, attention_backend=backend)
     ref = cold.generate(prompts(), GREEDY)
     warm.generate(prompts()[:2], GREEDY)
     got = warm.generate(prompts(), GREEDY)
@@ -40,15 +44,46 @@ def test_prefix_hit_gives_the_tokens_of_a_cold_run_in_the_same_format(loaded, fm
     assert warm.engine.kv.residual.num_free_rows == warm.engine.kv.residual.num_rows
 
 
-def test_preemption_under_a_quantized_format_keeps_the_tokens(loaded):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_preemption_under_a_quantized_format_keeps_the_tokens(loaded, backend):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    big = LLM(loaded=loaded, kv_format="kivi2g8", enable_prefix_caching=False)
+    big = LLM(loaded=loaded, kv_format="kivi2g8", enable_prefix_caching=False, attention_backend=backend)
     small = LLM(loaded=loaded, kv_format="kivi2g8", num_kv_blocks=12, enable_prefix_caching=False,
-                max_num_batched_tokens=64)
+                max_num_batched_tokens=64, attention_backend=backend)
     assert ([o.token_ids for o in small.generate(prompts(1), params)]
             == [o.token_ids for o in big.generate(prompts(1), params)])
     assert small.engine.scheduler.num_preemptions > 0
     small.engine.check_integrity()
+
+
+@pytest.mark.parametrize("fmt", ["native", *FORMATS])
+def test_the_cpu_kernel_gives_the_torch_paths_tokens(loaded, fmt):
+    # chunked prefills over cached context, decodes and a prefix hit, in one batch
+    torch_path = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=64, max_num_batched_tokens=24,
+                     attention_backend="torch")
+    kernel = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=64, max_num_batched_tokens=24, attention_backend="cpu")
+    assert kernel.engine.attention.name == "cpu" and kernel.engine.attention.reads_in_place
+    for llm in (torch_path, kernel):
+        llm.generate(prompts()[:1], GREEDY)
+    got, ref = kernel.generate(prompts(), GREEDY), torch_path.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.num_cached_tokens for o in got] == [o.num_cached_tokens for o in ref]
+    kernel.engine.check_integrity()
+
+
+def test_an_aborted_request_under_the_kernel_leaves_nothing_behind(loaded):
+    llm = LLM(loaded=loaded, kv_format="kivi2g8", num_kv_blocks=64, attention_backend="cpu")
+    e = llm.engine
+    rids = [e.add_request(p, GREEDY) for p in prompts()]
+    for _ in range(3):
+        e.step()
+    e.abort(rids[1])
+    e.abort(rids[3])
+    while e.has_unfinished:
+        e.step()
+        e.check_integrity()
+    assert e.kv.residual.num_free_rows == e.kv.residual.num_rows
+    assert e.pool.num_free_blocks == e.pool.num_blocks
 
 
 def test_formats_never_share_block_keys(loaded):

@@ -98,3 +98,16 @@ def test_a_full_queue_drops_instead_of_blocking_and_close_finishes_pending_work(
         tier.submit_put([(K[2], b"z")])
     with pytest.raises(ValueError, match="max_pending"):
         make(max_pending=0)
+
+
+def test_a_required_put_is_queued_past_a_full_queue():
+    """A pinned block being evicted has no other copy: its put is never dropped for a full queue."""
+    transport = GatedTransport()
+    tier = make(transport, num_workers=1, max_pending=1)
+    held = tier.submit_put([(K[0], b"x")])
+    required = tier.submit_put([(K[1], b"y")], required=True)
+    assert tier.stats().dropped == 0
+    transport.gate.set()
+    assert held.result(timeout=10) == 1 and required.result(timeout=10) == 1
+    assert tier.store.get([K[1]]) == [b"y"]
+    tier.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +53,11 @@ class Server:
 
 
 @contextmanager
-def running_server(loaded: LoadedModel, api_key: str | None = None, **options: Any) -> Iterator[Server]:
-    engine = LLMEngine(engine_config(None, **{**ENGINE_OPTIONS, **options}), loaded)
+def running_server(loaded: LoadedModel, api_key: str | None = None, clock: Callable[[], float] | None = None,
+                   **options: Any) -> Iterator[Server]:
+    """``clock``: the engine's, for pin retention times (default: monotonic)."""
+    config = engine_config(None, **{**ENGINE_OPTIONS, **options})
+    engine = LLMEngine(config, loaded) if clock is None else LLMEngine(config, loaded, clock=clock)
     app = create_app(engine, ServerSettings(model_name=MODEL, api_key=api_key))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))   # a free port, chosen now, never exposed beyond loopback

@@ -1,4 +1,10 @@
-"""Attention over the paged KV cache (the portable torch backend).
+"""Attention over the paged KV cache: the step's metadata, the dispatch to the engine's
+backend (backends.py), and the portable torch path.
+
+With a backend that reads in place (cpu, triton), every decode and every prefill chunk
+over cached context is one ``PagedChunks``: a single kernel call per layer over ragged
+sequences, each block read in its stored format. The torch path below is the reference
+and the fallback.
 
 A step's tokens are flattened into one batch: each request contributes a run of
 consecutive tokens. Requests with a single new token (decodes) are attended in
@@ -27,8 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.backends import AttentionBackend, TorchBackend
 from kvserve.kv.budget.state import BudgetState
 from kvserve.kv.storage import KVStorage, Overlay, StepWrites
+from kvserve.kv.storage.layout import PagedBatch
 
 
 @dataclass(frozen=True)
@@ -65,11 +73,26 @@ class BudgetedChunk:
 
 
 @dataclass(frozen=True)
+class PagedChunks:
+    """The step's tokens a backend attends in place: ``batch``'s queries are the rows
+    ``token_idx`` of the flat batch, in order."""
+
+    token_idx: torch.Tensor   # [num_tokens] positions in the flat batch
+    batch: PagedBatch
+    is_whole_batch: bool      # every token of the step is in here (skip the gather and scatter)
+
+
+TORCH = TorchBackend()
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     write: StepWrites             # where the step's new keys and values go (the storage's own plan)
     decode: DecodeGroup | None
     prefills: tuple[PrefillChunk, ...]
     budgeted: tuple[BudgetedChunk, ...] = ()
+    paged: PagedChunks | None = None      # read in place by ``backend`` (else decode/prefills above)
+    backend: AttentionBackend = TORCH
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -78,10 +101,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     cache.write(layer, k, v, meta.write)
     num_kv_heads = k.shape[1]
     group = q.shape[1] // num_kv_heads
-    d = meta.decode
+    d, paged = meta.decode, meta.paged
     if d is not None and d.is_whole_batch:
         return _decode(q, d, layer, cache, num_kv_heads, group, scale)
+    if paged is not None and paged.is_whole_batch:
+        return meta.backend.attend(q, *cache.half_stores(layer), paged.batch, scale)
     out = torch.empty_like(q)
+    if paged is not None:
+        out[paged.token_idx] = meta.backend.attend(q[paged.token_idx], *cache.half_stores(layer), paged.batch,
+                                                   scale)
     for p in meta.prefills:
         qs = q[p.start:p.end].transpose(0, 1).unsqueeze(0)            # [1, H, n, D]
         if p.block_table is None:

@@ -1,0 +1,115 @@
+"""Attention backends, chosen by the name users type (``--attention-backend``).
+
+    torch    the portable reference path: gather each request's blocks, decode them through
+             the codec into a full-precision copy, scaled_dot_product_attention (paged.py)
+    cpu      a C++ kernel that reads every block where it lies, in its stored format (cpu.py)
+    triton   the same in Triton, for CUDA GPUs (triton_kernels.py)
+    auto     the fastest one available on the device: cpu on CPUs, triton on CUDA, else torch
+
+A backend that reads in place gets one ``PagedBatch`` per step (every decode and every
+prefill chunk over cached context, ragged) and each layer's ``HalfStore`` pair from the
+storage. A chunk with no cached context in a storage that reads back what it was given
+(native) is attended to its own new keys and values by scaled_dot_product_attention in
+every backend, and a request whose KV budget has compacted its cache takes the torch path
+(its slots are no longer its positions; docs/budgets.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import ClassVar
+
+import torch
+
+from kvserve.kv.storage.layout import HalfStore, PagedBatch
+
+log = logging.getLogger(__name__)
+
+
+class AttentionBackend(ABC):
+    """Attends a step's queries over the paged cache. Contract of ``attend`` (backends that
+    read in place): exactly ``kvserve.attention.reference.reference_attention``'s result, to
+    float32 summation order, for q [T, Hq, D] on the storage's device."""
+
+    name: ClassVar[str]
+    #: False for the torch path, which reads through ``KVStorage.gather`` instead.
+    reads_in_place: ClassVar[bool] = True
+
+    @classmethod
+    @abstractmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        """Why this backend cannot run on ``device`` here, or None when it can."""
+
+    def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError(f"the {self.name} backend reads through the storage's gather")
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+    reads_in_place = False
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        return None
+
+
+class CpuBackend(AttentionBackend):
+    name = "cpu"
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return f"the cpu backend runs on CPU tensors, the engine is on {device}"
+        from kvserve.attention import cpu
+        return None if cpu.is_available() else "the C++ kernel could not be built or loaded (see the log)"
+
+    def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        from kvserve.attention import cpu
+        return cpu.paged_attention(q, key, value, batch, scale, out)
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        from kvserve.attention import triton_kernels
+        if triton_kernels.triton_jit is None:
+            return "triton is not installed"
+        if device.type == "cuda" or (device.type == "cpu" and triton_kernels.is_interpreted()):
+            return None
+        return f"triton kernels run on CUDA (or on CPU under TRITON_INTERPRET=1), the engine is on {device}"
+
+    def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        from kvserve.attention import triton_kernels
+        return triton_kernels.paged_attention(q, key, value, batch, scale, out)
+
+
+ATTENTION_BACKENDS: Mapping[str, type[AttentionBackend]] = MappingProxyType(
+    {b.name: b for b in (TorchBackend, CpuBackend, TritonBackend)})
+AUTO = "auto"
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend ``name`` on ``device``; ``auto`` falls back to torch (one log line says why)
+    where the fast one cannot run. ValueError for an unknown name or an unavailable backend."""
+    if name == AUTO:
+        choice = ATTENTION_BACKENDS["triton" if device.type == "cuda" else "cpu"]
+        reason = choice.unavailable_reason(device)
+        if reason is None:
+            return choice()
+        log.warning("attention backend auto: %s; using the torch backend", reason)
+        return TorchBackend()
+    backend = ATTENTION_BACKENDS.get(name)
+    if backend is None:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join([*ATTENTION_BACKENDS, AUTO])}")
+    reason = backend.unavailable_reason(device)
+    if reason is not None:
+        raise ValueError(f"attention backend {name!r} is not available: {reason}")
+    return backend()

@@ -1,0 +1,94 @@
+"""The CPU attention backend: a C++ kernel (csrc/) that reads every KV format in place.
+
+Same contract as ``reference.reference_attention`` (see layout.py for the storage): each
+block is read where it lies in its stored format and dequantized into a few L1-resident
+rows, the ``group`` query heads of a KV head share every K/V row read, softmax is online
+in float32, long contexts are split over the cores and merged. Compute is float32: q of
+another float dtype is converted and the result returned in q's dtype.
+
+The kernel is compiled on first use (cpu_extension.py); ``is_available()`` says whether
+that worked (when it did not, one log line said why, and the torch backend is the one to
+use). Shapes, dtypes and layouts are checked before anything is read: a layout the kernel
+cannot read raises ValueError.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.cpu_extension import load_extension
+from kvserve.kv.storage.layout import CodecKind, HalfLayout, HalfStore, PagedBatch
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_INNER_PARTS = {
+    CodecKind.PLAIN: ("data",),
+    CodecKind.INT8: ("codes", "scale"),
+    CodecKind.FP8: ("codes", "scale"),
+    CodecKind.ASYM_TOKEN: ("codes", "scale", "zero"),
+    CodecKind.ASYM_CHANNEL: ("codes", "scale", "zero"),
+}
+_OUTLIER_PARTS = ("outlier_values", "outlier_channels")
+_ABSENT = torch.empty(())   # stands for a part a layout does not have; never written
+
+
+def is_available() -> bool:
+    """Whether the C++ kernel is built (or can be built now) and loads."""
+    return load_extension() is not None
+
+
+def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D] in q's dtype (written into ``out`` when given). Rows of q
+    outside every sequence's ``query_starts`` range are left as they are in ``out``."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("the C++ CPU attention kernel is unavailable (see the log); use the torch backend")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_floating_point():
+        raise ValueError(f"q must be a float tensor [tokens, heads, head_dim], got {_describe(q)}")
+    if q.device.type != "cpu":
+        raise ValueError(f"the CPU attention backend needs CPU tensors, q is on {q.device}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, {out.dtype}")
+    d = q.shape[-1]
+    k_layout, k_parts = _half_args("key", key, d)
+    v_layout, v_parts = _half_args("value", value, d)
+    q32 = q.float().contiguous()
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+    result = out if direct else torch.empty(q.shape, dtype=torch.float32)
+    assert result is not None
+    ext.run(q32, result, k_layout, k_parts, v_layout, v_parts, batch.block_tables, batch.context_lens,
+            batch.query_starts, batch.open_rows, batch.block_size, float(scale))
+    if direct:
+        return result
+    if out is None:
+        return result if q.dtype == torch.float32 else result.to(q.dtype)
+    return out.copy_(result)
+
+
+def _half_args(name: str, store: HalfStore, head_dim: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The kernel's view of a half: (kind, dtype, bits, group, hadamard, outliers) and its
+    six tensors (data/codes, scale, zero, outlier values, outlier channels, residual)."""
+    layout = store.layout
+    if not isinstance(layout, HalfLayout) or layout.kind not in _INNER_PARTS:
+        raise ValueError(f"{name}: no CPU kernel reads layout {layout!r}")
+    wanted = _INNER_PARTS[layout.kind] + (_OUTLIER_PARTS if layout.num_outliers else ())
+    if set(store.parts) != set(wanted):
+        raise ValueError(f"{name}: layout {layout} stores parts {sorted(wanted)}, got {sorted(store.parts)}")
+    dtype = 0
+    if layout.kind == CodecKind.PLAIN:
+        if layout.plain_dtype not in _DTYPE_CODES:
+            raise ValueError(f"{name}: plain storage must be float32, float16 or bfloat16, got {layout.plain_dtype}")
+        dtype = _DTYPE_CODES[layout.plain_dtype]
+    if layout.hadamard and (head_dim & (head_dim - 1)):
+        raise ValueError(f"{name}: +had needs a power-of-two head_dim, got {head_dim}")
+    parts = store.parts
+    tensors = [parts[wanted[0]], parts.get("scale", _ABSENT), parts.get("zero", _ABSENT),
+               parts.get("outlier_values", _ABSENT), parts.get("outlier_channels", _ABSENT),
+               _ABSENT if store.residual is None else store.residual]
+    return [int(layout.kind), dtype, layout.bits, layout.group_size, int(layout.hadamard), layout.num_outliers], tensors
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__

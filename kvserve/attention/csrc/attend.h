@@ -1,0 +1,365 @@
+// One tile of query rows against one block of keys and values: logits, online softmax in
+// the log2 domain, accumulation of the values.
+//
+//   tile rows r = (query i, head g of the KV head's group): q[r] pre-scaled by scale*log2(e)
+//   row r sees keys t < visible[r] (causal: its position + 1)
+//   state per row: running max m[r] (log2 domain), sum l[r] (kept as W partial sums),
+//   accumulator acc[r][0..ld)
+//
+// Keys and values are read through Rows (dequant.h): in place in their stored format, each
+// vector converted once and used for every row of the tile held in registers (RQ rows for
+// logits, RC for values), or as float32 rows a decode pass wrote. This machine's cores
+// retire about one vector operation per cycle whatever its kind, so the kernels count
+// operations: no store / reload of converted rows for small tiles, no horizontal max or
+// sum per block when it can be avoided.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "dequant.h"
+#include "simd.h"
+
+namespace kvs {
+
+struct Tile {
+  int rows = 0;
+  int64_t ld = 0;            // floats per row of q / acc (head_dim rounded up to 16)
+  const float* q = nullptr;  // [rows, ld]
+  const int64_t* visible = nullptr;
+  float* m = nullptr;        // [rows]
+  float* l = nullptr;        // [rows, W] partial sums
+  float* acc = nullptr;      // [rows, ld]
+  float* p = nullptr;        // scratch [rows, pld]: logits, then weights
+  int64_t pld = 0;           // >= block_size rounded up to 16
+};
+
+#ifdef KVS_SIMD
+// Tiles of at most this many rows read keys (values) in place; larger ones decode first.
+constexpr int logit_rows(int nv) { return W == 16 ? (nv == 4 ? 3 : nv == 8 ? 2 : 0) : (nv == 8 ? 1 : 0); }
+constexpr int value_rows(int nv) { return W == 16 ? (nv == 4 ? 4 : nv == 8 ? 2 : 0) : (nv == 8 ? 1 : 0); }
+
+// Vector v (channels v*W ..) of key / value row j (at `row`), dequantized but for scale[j].
+template <int CODE>
+inline vf load_row(const Rows& s, const uint8_t* row, int v, int j, const int64_t* goff) {
+  if constexpr (CODE == C_F32) {
+    return vload(reinterpret_cast<const float*>(row) + v * W);
+  } else if constexpr (CODE == C_F16) {
+    return vload_f16(reinterpret_cast<const uint16_t*>(row) + v * W);
+  } else if constexpr (CODE == C_BF16) {
+    return vload_bf16(reinterpret_cast<const uint16_t*>(row) + v * W);
+  } else if constexpr (CODE == C_I8) {
+    return vload_i8(reinterpret_cast<const int8_t*>(row) + v * W);
+  } else if constexpr (CODE == C_FP8) {
+    return vload_fp8_div256(row + v * W);
+  } else if constexpr (CODE == C_U4C || CODE == C_U2C) {
+    return vfma(vcodes<CODE == C_U4C ? 4 : 2>(row, v * W), vload(s.cs + v * W), vload(s.cz + v * W));
+  } else {
+    return vfma(vcodes<CODE == C_U4G ? 4 : 2>(row, v * W), vset1(s.gs[goff[v] + j]), vset1(s.gz[goff[v] + j]));
+  }
+}
+
+template <int NV>
+inline void group_offsets(const Rows& s, int64_t* goff) {
+  for (int v = 0; v < NV; ++v) goff[v] = s.group ? (v * W / s.group) * s.pld : 0;
+}
+
+// out[r * pld + j] = q[r] . k_j for RQ rows and keys j < n, the rows' q in registers,
+// keys in groups of KG, each key vector converted once for all rows.
+template <int RQ, int NV, int KG, int CODE>
+inline void logits_rows(const float* q, int64_t ldq, const Rows& k, int n, float* out, int64_t pld, Prefetcher& pf) {
+  vf qv[RQ][NV];
+  #pragma GCC unroll 16
+  for (int r = 0; r < RQ; ++r) {
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) qv[r][v] = vload(q + r * ldq + v * W);
+  }
+  int64_t goff[NV];
+  group_offsets<NV>(k, goff);
+  int j = 0;
+  for (; j + KG <= n; j += KG) {
+    pf.pump();
+    vf a[RQ][KG];
+    const uint8_t* row = k.base + j * k.stride;
+    #pragma GCC unroll 16
+    for (int kk = 0; kk < KG; ++kk, row += k.stride) {
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        const vf x = load_row<CODE>(k, row, v, j + kk, goff);
+        #pragma GCC unroll 16
+        for (int r = 0; r < RQ; ++r) a[r][kk] = v == 0 ? vmul(qv[r][0], x) : vfma(qv[r][v], x, a[r][kk]);
+      }
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < RQ; ++r) {
+      __m256 f[KG];
+      #pragma GCC unroll 16
+      for (int kk = 0; kk < KG; ++kk) f[kk] = fold8(a[r][kk]);
+      if constexpr (KG == 8) {
+        _mm256_storeu_ps(out + r * pld + j, transpose_sum8(f));
+      } else {
+        _mm_storeu_ps(out + r * pld + j, transpose_sum4(f));
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    const uint8_t* row = k.base + j * k.stride;
+    vf a[RQ];
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      const vf x = load_row<CODE>(k, row, v, j, goff);
+      #pragma GCC unroll 16
+      for (int r = 0; r < RQ; ++r) a[r] = v == 0 ? vmul(qv[r][0], x) : vfma(qv[r][v], x, a[r]);
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < RQ; ++r) out[r * pld + j] = vhsum(a[r]);
+  }
+}
+
+// acc[r] += sum_j p[r * pld + j] * v_j for RC rows, each value vector converted once.
+template <int RC, int NV, int CODE>
+inline void accumulate_rows(float* acc, int64_t ld, const float* p, int64_t pld, const Rows& s, int n, Prefetcher& pf) {
+  vf a[RC][NV];
+  #pragma GCC unroll 16
+  for (int r = 0; r < RC; ++r) {
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) a[r][v] = vload(acc + r * ld + v * W);
+  }
+  int64_t goff[NV];
+  group_offsets<NV>(s, goff);
+  const uint8_t* row = s.base;
+  for (int j = 0; j < n; ++j, row += s.stride) {
+    if (j % 4 == 0) pf.pump();
+    vf pr[RC];
+    #pragma GCC unroll 16
+    for (int r = 0; r < RC; ++r) pr[r] = vset1(p[r * pld + j]);
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      const vf x = load_row<CODE>(s, row, v, j, goff);
+      #pragma GCC unroll 16
+      for (int r = 0; r < RC; ++r) a[r][v] = vfma(x, pr[r], a[r][v]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < RC; ++r) {
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) vstore(acc + r * ld + v * W, a[r][v]);
+  }
+}
+
+// Every row of the tile, RQ (RC) rows at a time: F32 rows may come in any number of chunks,
+// other codes only for tiles within logit_rows / value_rows (see kernel.h).
+template <int NV, int CODE>
+inline void logits_all(const Tile& t, const Rows& k, int n, Prefetcher& pf) {
+  constexpr int RQ = logit_rows(NV);
+  constexpr int KG = RQ == 1 && W == 16 ? 8 : 4;
+  int r = 0;
+  for (; r + RQ <= t.rows; r += RQ) logits_rows<RQ, NV, KG, CODE>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+  const int rest = t.rows - r;
+  if constexpr (RQ > 2) {
+    if (rest == 2) logits_rows<2, NV, 4, CODE>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+  }
+  if constexpr (RQ > 1) {
+    if (rest == 1) logits_rows<1, NV, 4, CODE>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+  }
+}
+
+template <int NV, int CODE>
+inline void accumulate_all(const Tile& t, const Rows& s, int n, Prefetcher& pf) {
+  constexpr int RC = value_rows(NV);
+  int r = 0;
+  for (; r + RC <= t.rows; r += RC) {
+    accumulate_rows<RC, NV, CODE>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
+  }
+  for (; r < t.rows; ++r) accumulate_rows<1, NV, CODE>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
+}
+
+template <int NV>
+inline void logits_code(const Tile& t, const Rows& k, int n, Prefetcher& pf) {
+  switch (k.code) {
+    case C_F32: logits_all<NV, C_F32>(t, k, n, pf); break;
+    case C_F16: logits_all<NV, C_F16>(t, k, n, pf); break;
+    case C_BF16: logits_all<NV, C_BF16>(t, k, n, pf); break;
+    case C_I8: logits_all<NV, C_I8>(t, k, n, pf); break;
+    case C_FP8: logits_all<NV, C_FP8>(t, k, n, pf); break;
+    case C_U4C: logits_all<NV, C_U4C>(t, k, n, pf); break;
+    case C_U2C: logits_all<NV, C_U2C>(t, k, n, pf); break;
+    case C_U4G: logits_all<NV, C_U4G>(t, k, n, pf); break;
+    default: logits_all<NV, C_U2G>(t, k, n, pf); break;
+  }
+}
+
+template <int NV>
+inline void accumulate_code(const Tile& t, const Rows& s, int n, Prefetcher& pf) {
+  switch (s.code) {
+    case C_F32: accumulate_all<NV, C_F32>(t, s, n, pf); break;
+    case C_F16: accumulate_all<NV, C_F16>(t, s, n, pf); break;
+    case C_BF16: accumulate_all<NV, C_BF16>(t, s, n, pf); break;
+    case C_I8: accumulate_all<NV, C_I8>(t, s, n, pf); break;
+    case C_FP8: accumulate_all<NV, C_FP8>(t, s, n, pf); break;
+    case C_U4C: accumulate_all<NV, C_U4C>(t, s, n, pf); break;
+    case C_U2C: accumulate_all<NV, C_U2C>(t, s, n, pf); break;
+    case C_U4G: accumulate_all<NV, C_U4G>(t, s, n, pf); break;
+    default: accumulate_all<NV, C_U2G>(t, s, n, pf); break;
+  }
+}
+#else
+constexpr int logit_rows(int) { return 0; }
+constexpr int value_rows(int) { return 0; }
+#endif
+
+// Prefetch pumps one head's attend_block makes (the kernels pump every few keys), so the
+// next block's lines can be spread evenly over them.
+inline int64_t attend_pumps(int rows, int n, int64_t ld) {
+  const int nv = static_cast<int>(ld / W);
+  const int rq = std::max(1, logit_rows(nv)), rc = std::max(1, value_rows(nv));
+  const int kg = logit_rows(nv) == 1 && W == 16 ? 8 : 4;
+  if (logit_rows(nv) == 0) return rows;  // logits_any: once per row
+  return (rows + rq - 1) / rq * (n / kg) + (rows + rc - 1) / rc * ((n + 3) / 4);
+}
+
+// Any head_dim, float32 rows only (the decode pass made them): one row at a time.
+inline void logits_any(const Tile& t, const Rows& k, int n, Prefetcher& pf) {
+  for (int r = 0; r < t.rows; ++r) {
+    const float* q = t.q + r * t.ld;
+    pf.pump();
+    for (int j = 0; j < n; ++j) {
+      const float* kj = reinterpret_cast<const float*>(k.base + j * k.stride);
+      float s = 0.0f;
+      int64_t d = 0;
+#ifdef KVS_SIMD
+      vf a = vzero();
+      for (; d < t.ld; d += W) a = vfma(vload(q + d), vload(kj + d), a);
+      s = vhsum(a);
+#endif
+      for (; d < t.ld; ++d) s += q[d] * kj[d];
+      t.p[r * t.pld + j] = s;
+    }
+  }
+}
+
+inline void accumulate_any(const Tile& t, const Rows& s, int n) {
+  for (int r = 0; r < t.rows; ++r) {
+    float* acc = t.acc + r * t.ld;
+    const float* p = t.p + r * t.pld;
+    for (int j = 0; j < n; ++j) {
+      const float* vj = reinterpret_cast<const float*>(s.base + j * s.stride);
+      int64_t d = 0;
+#ifdef KVS_SIMD
+      const vf pj = vset1(p[j]);
+      for (; d < t.ld; d += W) vstore(acc + d, vfma(vload(vj + d), pj, vload(acc + d)));
+#endif
+      for (; d < t.ld; ++d) acc[d] += p[j] * vj[d];
+    }
+  }
+}
+
+// Softmax step of row r over its logits p[0 .. np) (entries past the visible keys -inf):
+// p *= kscale; a new running max only when some logit exceeds the old one (then the sum and
+// the accumulator are rescaled); p = 2^(p - max), added to the sum, then times vscale.
+inline void softmax_row(const Tile& t, int r, float* p, int np, const float* kscale, const float* vscale) {
+  float m = t.m[r];
+  float* l = t.l + r * W;
+#ifdef KVS_SIMD
+  bool exceeds = false;
+  const vf vm = vset1(m);
+  for (int j = 0; j < np; j += W) {
+    vf x = vload(p + j);
+    if (kscale) {
+      x = vmul(x, vload(kscale + j));
+      vstore(p + j, x);
+    }
+    exceeds |= vany_gt(x, vm);
+  }
+  if (exceeds) {
+    vf mx = vload(p);
+    for (int j = W; j < np; j += W) mx = vmax(mx, vload(p + j));
+    const float m_new = vhmax(mx);
+    const float c = std::exp2(m - m_new);  // 0 for the first block (m = -inf)
+    vstore(l, vmul(vload(l), vset1(c)));
+    float* acc = t.acc + r * t.ld;
+    const vf vc = vset1(c);
+    for (int64_t d = 0; d < t.ld; d += W) vstore(acc + d, vmul(vload(acc + d), vc));
+    m = t.m[r] = m_new;
+  }
+  const vf vmn = vset1(m);
+  vf sum = vload(l);
+  for (int j = 0; j < np; j += W) {
+    const vf e = vexp2_neg(vsub(vload(p + j), vmn));
+    sum = vadd(sum, e);
+    vstore(p + j, vscale ? vmul(e, vload(vscale + j)) : e);
+  }
+  vstore(l, sum);
+#else
+  float mx = m;
+  for (int j = 0; j < np; ++j) {
+    if (kscale && p[j] != -std::numeric_limits<float>::infinity()) p[j] *= kscale[j];
+    mx = std::max(mx, p[j]);
+  }
+  if (mx > m) {
+    const float c = std::exp2(m - mx);
+    l[0] *= c;
+    for (int64_t d = 0; d < t.ld; ++d) t.acc[r * t.ld + d] *= c;
+    m = t.m[r] = mx;
+  }
+  for (int j = 0; j < np; ++j) {
+    const float e = std::exp2(p[j] - m);
+    l[0] += e;
+    p[j] = vscale ? e * vscale[j] : e;
+  }
+#endif
+}
+
+// The tile attends to keys key0 .. key0 + n - 1 (rows j of K and V, see Rows). Per-key
+// scales hold finite values up to n rounded up to 16.
+inline void attend_block(const Tile& t, const Rows& k, const Rows& v, int n, int64_t key0, Prefetcher& pf) {
+  const int np = (n + 15) / 16 * 16;
+  const int nv_max = static_cast<int>(std::min<int64_t>(n, t.visible[t.rows - 1] - key0));  // rows ascend
+#ifdef KVS_SIMD
+  switch (t.ld / W) {
+#if KVS_W == 16
+    case 4: logits_code<4>(t, k, nv_max, pf); break;
+    case 8: logits_code<8>(t, k, nv_max, pf); break;
+#else
+    case 8: logits_code<8>(t, k, nv_max, pf); break;
+#endif
+    default: logits_any(t, k, nv_max, pf);
+  }
+#else
+  logits_any(t, k, nv_max, pf);
+#endif
+  for (int r = 0; r < t.rows; ++r) {
+    float* p = t.p + r * t.pld;
+    const int64_t vis = std::min<int64_t>(n, t.visible[r] - key0);
+    if (vis <= 0) {  // every key of the block lies after this row's query
+      std::fill(p, p + np, 0.0f);
+      continue;
+    }
+    const int nv = static_cast<int>(vis);
+    const float* kscale = k.scale;
+    if (nv < np) {  // a partial block or a causal edge: scale the visible keys, mask the rest
+      if (kscale) {
+        for (int j = 0; j < nv; ++j) p[j] *= kscale[j];
+        kscale = nullptr;  // (-inf * a zero scale would be NaN)
+      }
+      std::fill(p + nv, p + np, -std::numeric_limits<float>::infinity());
+    }
+    softmax_row(t, r, p, np, kscale, v.scale);
+  }
+#ifdef KVS_SIMD
+  switch (t.ld / W) {
+#if KVS_W == 16
+    case 4: accumulate_code<4>(t, v, n, pf); return;
+    case 8: accumulate_code<8>(t, v, n, pf); return;
+#else
+    case 8: accumulate_code<8>(t, v, n, pf); return;
+#endif
+    default: accumulate_any(t, v, n);
+  }
+#else
+  accumulate_any(t, v, n);
+#endif
+}
+
+}  // namespace kvs

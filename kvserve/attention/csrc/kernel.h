@@ -1,0 +1,385 @@
+// The CPU paged attention kernel without torch: plan the work, run it over OpenMP.
+//
+// Work items are (sequence, query tile, chunk of KV heads, context split). An item walks its
+// blocks in order and reads each block's parts for all its heads at once (contiguous in the
+// pool), prefetching the next block while it works, since blocks lie in random order. Rows
+// of a tile are (query, query head of the KV head's group): the `group` heads sharing a KV
+// head use each decoded K/V row once, and a prefill chunk reuses each decoded block for all
+// of the tile's queries (up to kMaxRows rows over the item's heads). Long contexts are split
+// (split-K) so a single sequence still keeps every core busy; splits leave (max, sum,
+// accumulator) partials that a second pass merges. Items are handed out dynamically over
+// OpenMP (the runtime torch itself uses: same libgomp, so no second thread pool).
+//
+//   sequence s, tile t:  keys 0 ........................ nkeys-1      (nkeys = last query pos + 1)
+//                        | split 0 | split 1 | ... | split n-1 |      each a run of whole blocks
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attend.h"
+#include "dequant.h"
+
+namespace kvs {
+
+constexpr int kMaxRows = 128;         // query rows per item (acc + q: 2 x 64 KiB at head_dim 128)
+constexpr int kItemsPerThread = 8;    // split long contexts until there are this many items per thread
+constexpr int64_t kMinSplitKeys = 128;
+
+inline void require(bool ok, const std::string& msg) {
+  if (!ok) throw std::invalid_argument(msg);  // pybind11 raises ValueError
+}
+
+namespace detail {
+
+struct Group {  // (sequence, query tile, KV heads [h0, h1)): one run over the context
+  int64_t s, q0, q1, h0, h1, nkeys, nblocks, chunk, splits;
+  int64_t rows_per_head() const { return q1 - q0; }  // times `group`, see Batch
+};
+struct Item {
+  int64_t group, split, partial;  // partial: offset of its (m, l, acc) in the scratch, or -1 (final)
+};
+
+struct Batch {
+  const int32_t* tables;
+  int64_t max_blocks;
+  const int32_t* lens;
+  const int32_t* starts;
+  const int32_t* open;
+  int64_t B, group, Hq, D, ld;
+  float scale_log2;
+};
+
+inline bool in_residual(const HalfView& v, const Batch& b, int64_t s, int64_t kb) {
+  const int64_t len = b.lens[s];
+  return v.residual && b.open[s] >= 0 && len % b.B && kb == (len - 1) / b.B;
+}
+
+// Block kb of sequence s, head h of a half: read in place when the layout and the tile's
+// `rows` allow it (see attend.h), else decoded to float32 rows.
+inline Rows rows_of(const HalfView& v, int side, const Batch& b, int64_t s, int64_t kb, int64_t h, int n, int rows,
+                    HalfBuffers& hb, Prefetcher& pf) {
+  const int limit = side == KEY ? logit_rows(static_cast<int>(b.ld / W)) : value_rows(static_cast<int>(b.ld / W));
+  const bool convert = rows <= limit;
+  if (in_residual(v, b, s, kb)) {
+    const int64_t es = dtype_size(v.residual_dtype);
+    if (v.D % 16 == 0 && !v.rotated && (v.residual_dtype == F32 || convert)) {
+      Rows r;
+      r.base = v.residual + ((b.open[s] * v.B) * v.H + h) * v.D * es;
+      r.stride = v.H * v.D * es;
+      r.code = v.residual_dtype == F32 ? C_F32 : v.residual_dtype == F16 ? C_F16 : C_BF16;
+      return r;
+    }
+    decode_residual(v, b.open[s], h, n, hb.x, b.ld, pf);
+    return Rows{reinterpret_cast<const uint8_t*>(hb.x), b.ld * 4, C_F32};
+  }
+  const int64_t block = b.tables[s * b.max_blocks + kb];
+  const Rows r = rows_in_place(v, block, h, n, convert, hb);
+  if (r.code >= 0) return r;
+  return decode_block(v, block, h, n, b.ld, hb, pf);
+}
+
+// Whether rows_of decodes an encoded block of this half for a tile of `rows` rows.
+inline bool decodes_block(const HalfView& v, int side, const Batch& b, int64_t rows) {
+  if (v.num_outliers || v.D % 16) return true;
+  if (v.kind == PLAIN && v.dtype == F32) return false;
+  const int limit = side == KEY ? logit_rows(static_cast<int>(b.ld / W)) : value_rows(static_cast<int>(b.ld / W));
+  return rows > limit || (v.kind == ASYM_TOKEN && v.group % W);
+}
+
+// Queue block kb of both halves for prefetching, whole (head < 0) or one head's rows (the
+// parameters come with the item's first head `first`). A residual row is one per sequence:
+// not worth it.
+inline void queue(Prefetcher& pf, const HalfView& K, const HalfView& V, const Batch& b, int64_t s, int64_t kb,
+                  int64_t head, int64_t first) {
+  pf.clear();
+  for (const HalfView* v : {&K, &V}) {
+    if (in_residual(*v, b, s, kb)) continue;
+    const int64_t block = b.tables[s * b.max_blocks + kb];
+    if (head < 0) {
+      add_block(pf, *v, block);
+    } else {
+      add_head_rows(pf, *v, block, head);
+      if (head == first) add_params(pf, *v, block);
+    }
+  }
+}
+
+// Bytes of one block of both halves, all heads.
+inline int64_t block_bytes(const HalfView& v) {
+  int64_t params = 0;
+  if (v.kind == INT8 || v.kind == FP8) params = v.B * v.H;
+  if (v.kind == ASYM_TOKEN) params = v.B * v.H * (v.D / v.group);
+  if (v.kind == ASYM_CHANNEL) params = v.H * v.D;
+  return v.B * v.H * (v.row_bytes + 2 * v.num_outliers) + 2 * params * (v.zero ? 2 : 1) + v.H * v.num_outliers;
+}
+
+// How far ahead to prefetch: about this many bytes (more evicts L1 lines before their use).
+constexpr int64_t kPrefetchBytes = 12 * 1024;
+
+// out rows of head h (a tile of `rows` = queries x group rows) = acc / l, rotated back if
+// the values were read in the rotated domain.
+inline void write_rows(const Batch& b, const Group& g, int64_t h, const float* acc, const float* l, const HalfView& V,
+                float* out) {
+  for (int64_t i = g.q0; i < g.q1; ++i) {
+    for (int64_t k = 0; k < b.group; ++k) {
+      const int64_t r = (i - g.q0) * b.group + k;
+      float* dst = out + ((b.starts[g.s] + i) * b.Hq + h * b.group + k) * b.D;
+      const float inv = 1.0f / l[r];
+      for (int64_t d = 0; d < b.D; ++d) dst[d] = acc[r * b.ld + d] * inv;
+      if (V.rotated) fwht(dst, static_cast<int>(b.D));
+    }
+  }
+}
+
+struct Plan {
+  std::vector<Group> groups;
+  std::vector<Item> items;
+  int64_t scratch = 0;  // floats of partial results
+  int64_t max_rows = 1;  // rows of the largest item (all its heads)
+};
+
+// Validate each sequence; cut its queries into tiles and its KV heads into chunks so that a
+// tile has at most kMaxRows rows; split long contexts until there is enough work for every
+// thread (each split at least kMinSplitKeys keys).
+inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int64_t S, int64_t T, int threads) {
+  Plan plan;
+  const int64_t H = K.H, B = b.B;
+  const int64_t heads_per_group = std::max<int64_t>(1, std::min<int64_t>(H, kMaxRows / b.group));
+  const int64_t tile_queries = std::max<int64_t>(1, kMaxRows / (b.group * heads_per_group));
+  double total_cost = 0;
+  require(b.starts[0] >= 0, "query_starts[0] must be >= 0");
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = b.starts[s + 1] - b.starts[s], len = b.lens[s];
+    const std::string seq = "sequence " + std::to_string(s) + ": ";
+    require(n >= 0 && b.starts[s + 1] <= T, seq + "query_starts must be non-decreasing and within q's rows");
+    if (n == 0) continue;
+    require(n <= len, seq + std::to_string(n) + " queries but only " + std::to_string(len) + " context tokens");
+    const int64_t nblocks = (len + B - 1) / B;
+    require(nblocks <= b.max_blocks, seq + "context needs " + std::to_string(nblocks) + " blocks, the table holds " +
+                                         std::to_string(b.max_blocks));
+    for (int64_t kb = 0; kb < nblocks; ++kb) {
+      const int64_t id = b.tables[s * b.max_blocks + kb];
+      require(id >= 0 && id < K.num_blocks && id < V.num_blocks, seq + "block id " + std::to_string(id) +
+                                                                     " is outside the cache");
+    }
+    const int64_t open = b.open[s];
+    if (len % B) {
+      for (const HalfView* v : {&K, &V}) {
+        const bool whole = v->kind == ASYM_CHANNEL || v->num_outliers > 0;
+        require(!whole || (open >= 0 && v->residual), seq + "its open block is only in a residual row, and open_rows "
+                                                            "is -1 or the half has no residual rows");
+        require(!v->residual || open < v->residual_rows, seq + "open row " + std::to_string(open) +
+                                                             " is outside the residual rows");
+      }
+    }
+    for (int64_t q0 = 0; q0 < n; q0 += tile_queries) {
+      const int64_t q1 = std::min(n, q0 + tile_queries), nkeys = len - n + q1, nb = (nkeys + B - 1) / B;
+      for (int64_t h0 = 0; h0 < H; h0 += heads_per_group) {
+        const int64_t h1 = std::min(H, h0 + heads_per_group);
+        plan.groups.push_back({s, q0, q1, h0, h1, nkeys, nb, nb, 1});
+        total_cost += static_cast<double>(nb) * static_cast<double>((h1 - h0) * ((q1 - q0) * b.group + 4));
+      }
+    }
+  }
+  const double target = total_cost / (kItemsPerThread * threads);
+  const int64_t min_chunk = std::max<int64_t>(1, kMinSplitKeys / B);
+  for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
+    Group& g = plan.groups[gi];
+    const int64_t nh = g.h1 - g.h0, rows = nh * (g.q1 - g.q0) * b.group;
+    plan.max_rows = std::max(plan.max_rows, rows);
+    g.chunk = std::max<int64_t>(min_chunk, static_cast<int64_t>(std::ceil(target / (nh * ((g.q1 - g.q0) * b.group + 4)))));
+    g.splits = (g.nblocks + g.chunk - 1) / g.chunk;
+    g.chunk = (g.nblocks + g.splits - 1) / g.splits;  // even splits
+    for (int64_t sp = 0; sp < g.splits; ++sp) {
+      int64_t partial = -1;
+      if (g.splits > 1) {
+        partial = plan.scratch;
+        plan.scratch += rows * (2 + b.ld);
+      }
+      plan.items.push_back({static_cast<int64_t>(gi), sp, partial});
+    }
+  }
+  return plan;
+}
+
+// Per-thread buffers, allocated once per call (uninitialized, except what must be finite).
+class Scratch {
+ public:
+  Scratch(int64_t ld, int64_t B, int64_t max_rows)
+      : pld((B + 15) / 16 * 16),
+        arena_(new float[static_cast<size_t>(max_rows * (2 * ld + 2 + W + pld) + 2 * (B * ld + 2 * ld + pld * (1 + 2 * ld)) +
+                                             32 * 16)]),
+        visible(static_cast<size_t>(max_rows)) {
+    // every buffer on its own cache lines: vector loads must not straddle two
+    float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(arena_.get()) + 63) & ~uintptr_t{63});
+    auto take = [&at](int64_t n) {
+      float* p = at;
+      at += (n + 15) / 16 * 16;
+      return p;
+    };
+    q = take(max_rows * ld);
+    acc = take(max_rows * ld);
+    ml = take(max_rows);
+    l = take(max_rows);
+    lv = take(max_rows * W);
+    p = take(max_rows * pld);
+    for (HalfBuffers* hb : {&kb, &vb}) {
+      hb->x = take(B * ld);
+      hb->cs = take(ld);
+      hb->cz = take(ld);
+      hb->rs = take(pld);
+      hb->gs = take(ld * pld);
+      hb->gz = take(ld * pld);
+      hb->pld = pld;
+      std::fill(hb->rs, hb->rs + pld, 1.0f);
+    }
+  }
+  const int64_t pld;  // floats per row of p: block_size rounded up to 16
+
+ private:
+  std::unique_ptr<float[]> arena_;
+
+ public:
+  float *q, *acc, *ml, *l, *lv, *p;
+  HalfBuffers kb, vb;
+  std::vector<int64_t> visible;
+  Prefetcher pf;
+};
+
+// One item: the rows of its group's heads against its split of the context.
+inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const Group& g, const Item& item,
+              const float* qp, float* out, float* partials, Scratch& w) {
+  const int64_t s = g.s, n = b.starts[s + 1] - b.starts[s], len = b.lens[s], ld = b.ld, D = b.D;
+  const int64_t nh = g.h1 - g.h0, rows = (g.q1 - g.q0) * b.group;  // rows per head
+  for (int64_t i = g.q0; i < g.q1; ++i) {
+    for (int64_t k = 0; k < b.group; ++k) w.visible[(i - g.q0) * b.group + k] = len - n + i + 1;
+  }
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    for (int64_t i = g.q0; i < g.q1; ++i) {
+      for (int64_t k = 0; k < b.group; ++k) {
+        const float* src = qp + ((b.starts[s] + i) * b.Hq + (g.h0 + hh) * b.group + k) * D;
+        float* dst = w.q + (hh * rows + (i - g.q0) * b.group + k) * ld;
+        std::copy(src, src + D, dst);
+        std::fill(dst + D, dst + ld, 0.0f);
+        if (K.rotated) fwht(dst, static_cast<int>(D));
+        for (int64_t d = 0; d < D; ++d) dst[d] *= b.scale_log2;
+      }
+    }
+  }
+  const int64_t total = nh * rows;
+  float* m = w.ml;
+  float* lv = w.lv;
+  float* acc = w.acc;
+  std::fill(m, m + total, -std::numeric_limits<float>::infinity());
+  std::fill(lv, lv + total * W, 0.0f);
+  std::fill(acc, acc + total * ld, 0.0f);
+  const int64_t kb0 = item.split * g.chunk, kb1 = std::min(g.nblocks, kb0 + g.chunk);
+  // Prefetch the next block while this one is processed, or when a block is larger than
+  // kPrefetchBytes, the next head (of this block, else of the next).
+  Prefetcher& pf = w.pf;
+  const bool per_head = (block_bytes(K) + block_bytes(V)) * nh / K.H > kPrefetchBytes;
+  queue(pf, K, V, b, s, kb0, per_head ? g.h0 : -1, g.h0);
+  pf.drain();
+  const int64_t decodes = decodes_block(K, KEY, b, rows) + decodes_block(V, VALUE, b, rows);
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
+    const int n_keys = static_cast<int>(std::min<int64_t>(b.B, g.nkeys - kb * b.B));
+    const int64_t pumps = decodes * ((n_keys + 3) / 4) + attend_pumps(static_cast<int>(rows), n_keys, ld);
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t h = g.h0 + hh;
+      if (per_head) {
+        pf.clear();
+        if (hh + 1 < nh) {
+          queue(pf, K, V, b, s, kb, h + 1, g.h0);
+        } else if (kb + 1 < kb1) {
+          queue(pf, K, V, b, s, kb + 1, g.h0, g.h0);
+        }
+        pf.plan(pumps);
+      } else if (hh == 0) {
+        pf.clear();
+        if (kb + 1 < kb1) queue(pf, K, V, b, s, kb + 1, -1, g.h0);
+        pf.plan(pumps * nh);
+      }
+      const Rows kr = rows_of(K, KEY, b, s, kb, h, n_keys, static_cast<int>(rows), w.kb, pf);
+      const Rows vr = rows_of(V, VALUE, b, s, kb, h, n_keys, static_cast<int>(rows), w.vb, pf);
+      const Tile tile{static_cast<int>(rows), ld, w.q + hh * rows * ld, w.visible.data(), m + hh * rows,
+                      lv + hh * rows * W, acc + hh * rows * ld, w.p, w.pld};
+      attend_block(tile, kr, vr, n_keys, kb * b.B, pf);
+      if (per_head || hh + 1 == nh) pf.drain();
+    }
+  }
+  float* l = w.l;
+  for (int64_t r = 0; r < total; ++r) {
+    float sum = 0.0f;
+    for (int k = 0; k < W; ++k) sum += lv[r * W + k];
+    l[r] = sum;
+  }
+  if (item.partial >= 0) {  // (m, l, acc) for the merge
+    float* part = partials + item.partial;
+    std::copy(m, m + total, part);
+    std::copy(l, l + total, part + total);
+    std::copy(acc, acc + total * ld, part + 2 * total);
+    return;
+  }
+  for (int64_t hh = 0; hh < nh; ++hh) write_rows(b, g, g.h0 + hh, acc + hh * rows * ld, l + hh * rows, V, out);
+}
+
+// Combine the splits of a group: weights 2^(m_i - max m) on each split's sum and accumulator.
+inline void merge(const Batch& b, const HalfView& V, const Group& g, const float* first, float* out, Scratch& w) {
+  const int64_t nh = g.h1 - g.h0, rows = (g.q1 - g.q0) * b.group, total = nh * rows, ld = b.ld;
+  const int64_t stride = total * (2 + ld);
+  float* acc = w.acc;
+  float* l = w.l;
+  for (int64_t r = 0; r < total; ++r) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t sp = 0; sp < g.splits; ++sp) mx = std::max(mx, first[sp * stride + r]);
+    l[r] = 0.0f;
+    std::fill(acc + r * ld, acc + (r + 1) * ld, 0.0f);
+    for (int64_t sp = 0; sp < g.splits; ++sp) {
+      const float* p = first + sp * stride;
+      if (p[total + r] == 0.0f) continue;  // this split saw no key of this row
+      const float wt = std::exp2(p[r] - mx);
+      l[r] += wt * p[total + r];
+      const float* pa = p + 2 * total + r * ld;
+      for (int64_t d = 0; d < ld; ++d) acc[r * ld + d] += wt * pa[d];
+    }
+  }
+  for (int64_t hh = 0; hh < nh; ++hh) write_rows(b, g, g.h0 + hh, acc + hh * rows * ld, l + hh * rows, V, out);
+}
+
+}  // namespace detail
+
+// out[t] for every query row t of the batch (rows outside every sequence are not written).
+inline void attention(const detail::Batch& b, const HalfView& K, const HalfView& V, const float* q, float* out,
+                      int64_t S, int64_t T) {
+  using namespace detail;
+  const int threads = std::max(1, omp_get_max_threads());
+  const Plan plan = make_plan(b, K, V, S, T, threads);
+  std::vector<float> partials(static_cast<size_t>(plan.scratch));
+  const int64_t num_items = static_cast<int64_t>(plan.items.size());
+  const int use = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, num_items)));
+
+#pragma omp parallel num_threads(use)
+  {
+    Scratch w(b.ld, b.B, plan.max_rows);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < num_items; ++it) {
+      const Item& item = plan.items[it];
+      run_item(b, K, V, plan.groups[item.group], item, q, out, partials.data(), w);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < num_items; ++it) {
+      const Item& item = plan.items[it];
+      if (item.partial >= 0 && item.split == 0) merge(b, V, plan.groups[item.group], partials.data() + item.partial, out, w);
+    }
+  }
+}
+
+}  // namespace kvs

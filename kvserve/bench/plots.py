@@ -1,0 +1,130 @@
+"""PNG plots of the benchmarks' results (``kvserve bench ... --plot FILE``).
+
+Each function takes the results a benchmark already returns (the rows of its table) and
+writes one PNG. Figures are drawn with matplotlib's object API on an Agg canvas: no pyplot,
+no global backend switch, no display needed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+DPI = 120
+
+
+def _figure(ncols: int, title: str) -> tuple[Figure, list[Axes]]:
+    fig = Figure(figsize=(6.0 * ncols, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = list(fig.subplots(1, ncols, squeeze=False)[0])
+    fig.suptitle(title)
+    return fig, axes
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    fig.savefig(path, dpi=DPI, format="png")
+    return path
+
+
+def _bars(ax: Axes, labels: Sequence[str], series: Mapping[str, Sequence[float]], ylabel: str) -> None:
+    """Grouped bars: one group per label, one bar per series, each bar marked with its value."""
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
+        bars = ax.bar(xs, values, width, label=name)
+        ax.bar_label(bars, fmt="%.3g", fontsize=7)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    ax.margins(y=0.2)                  # room above the bars for their values and the legend
+    if len(series) > 1:
+        ax.legend(loc="upper left")
+
+
+def plot_chat(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """``bench chat``: time to first token per turn with the prefix cache on and off."""
+    fig, (ttft, speedup) = _figure(2, "Multi-turn chat: time to first token, prefix cache on vs off")
+    tokens = [r["prompt_tokens"] for r in results]
+    ttft.plot(tokens, [r["ttft_off_s"] * 1e3 for r in results], "o-", label="cache off (recompute)")
+    ttft.plot(tokens, [r["ttft_on_s"] * 1e3 for r in results], "o-", label="cache on")
+    ttft.set_xlabel("prompt tokens (history)")
+    ttft.set_ylabel("TTFT (ms)")
+    ttft.grid(alpha=0.3)
+    ttft.legend()
+    _bars(speedup, [str(r["turn"]) for r in results], {"speedup": [r["speedup"] for r in results]},
+          "TTFT off / on (x)")
+    speedup.set_xlabel("turn")
+    return _save(fig, path)
+
+
+def plot_tiers(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """``bench tiers``: TTFT per turn (mean over the conversations) for each configuration."""
+    fig, (per_turn, mean) = _figure(2, "Conversations beyond the device pool: offload tiers vs recompute")
+    for r in results:
+        by_turn: dict[int, list[float]] = {}
+        for t in r["turns"]:
+            by_turn.setdefault(t["turn"], []).append(t["ttft_s"] * 1e3)
+        turns = sorted(by_turn)
+        per_turn.plot([t + 1 for t in turns], [statistics.fmean(by_turn[t]) for t in turns], "o-", label=r["config"])
+    per_turn.xaxis.set_major_locator(MaxNLocator(integer=True))
+    per_turn.set_xlabel("turn")
+    per_turn.set_ylabel("TTFT, mean over conversations (ms)")
+    per_turn.grid(alpha=0.3)
+    per_turn.legend()
+    _bars(mean, [r["config"] for r in results], {"mean TTFT": [r["ttft_mean_s"] * 1e3 for r in results]},
+          "mean TTFT (ms)")
+    return _save(fig, path)
+
+
+def plot_capacity(results: Iterable[Any], path: str | Path) -> Path:
+    """``bench capacity``: requests held at once and decode throughput per KV format
+    (``CapacityResult``s)."""
+    rows = list(results)
+    fig, (held, speed) = _figure(2, "KV capacity per format (same pool in bytes)")
+    labels = [f"{r.kv_format}\n{r.bytes_per_token:,.0f} B/token" for r in rows]
+    _bars(held, labels, {"fit (by blocks)": [r.fit for r in rows],
+                         "peak concurrent": [r.peak_concurrent for r in rows]}, "requests at once")
+    _bars(speed, labels, {"decode tok/s": [r.decode_tok_s for r in rows]}, "decode tokens / s at the peak batch")
+    return _save(fig, path)
+
+
+def plot_decode(rows: Sequence[Mapping[str, float]], path: str | Path) -> Path:
+    """``bench decode``: tokens / s per batch size, kvserve vs transformers ``generate``."""
+    fig, (ax,) = _figure(1, "Decode throughput vs transformers generate")
+    _bars(ax, [str(int(r["batch"])) for r in rows],
+          {"kvserve": [r["kvserve_tok_s"] for r in rows], "transformers": [r["transformers_tok_s"] for r in rows]},
+          "tokens / s")
+    ax.set_xlabel("batch size")
+    return _save(fig, path)
+
+
+def plot_serve(ttft_s: Sequence[float], e2e_s: Sequence[float], path: str | Path, title: str = "") -> Path:
+    """``bench serve``: the distribution (CDF) of time to first token and end-to-end latency."""
+    fig, (ax,) = _figure(1, title or "HTTP server under load: latency distribution")
+    for name, values in (("time to first token", ttft_s), ("end to end", e2e_s)):
+        ordered = sorted(values)
+        if ordered:
+            ax.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post", label=name)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_structured(rows: Sequence[Mapping[str, float]], path: str | Path) -> Path:
+    """ms per generated token, unconstrained vs JSON-schema constrained, per batch size."""
+    fig, (ax,) = _figure(1, "JSON-schema constraint cost per generated token")
+    _bars(ax, [f"batch {int(r['batch'])}" for r in rows],
+          {"unconstrained": [r["baseline_ms"] for r in rows], "JSON schema": [r["constrained_ms"] for r in rows]},
+          "ms per generated token")
+    return _save(fig, path)

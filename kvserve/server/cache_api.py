@@ -1,0 +1,176 @@
+"""Cache control over HTTP: the request fields (``cache_priority``, ``cache_control``) and the
+``/v1/cache/pin``, ``/v1/cache/unpin`` and ``/v1/cache/pins`` routes.
+
+A breakpoint on a chat message pins the conversation up to the end of that message: the
+messages up to it are rendered without the generation prompt and tokenized, and the pin
+covers the full blocks of the tokens that rendering shares with the whole prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvserve.cache_control import DEFAULT_PIN_TTL_S, MAX_PINS_PER_REQUEST, CacheControl, PrefixPin
+from kvserve.kv.pins import PinInfo, PinLimitError, PinNotFoundError
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.async_engine import RequestSpec
+from kvserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _Body,
+    bad_request,
+    parse_body,
+)
+from kvserve.server.serving import ServingContext
+from kvserve.server.tools import template_messages
+
+PIN_LIMIT_EXCEEDED = "pin_limit_exceeded"
+
+
+# -- the request fields -----------------------------------------------------------
+def completion_cache(req: CompletionRequest) -> CacheControl | None:
+    """The retention class and pin of every prompt of a completions call."""
+    pins: tuple[PrefixPin, ...] = ()
+    if req.cache_control is not None:
+        pins = (_prefix_pin(req.cache_control.num_tokens, req.cache_control.ttl, "cache_control"),)
+    return _cache_control(req.cache_priority, pins)
+
+
+async def chat_cache(ctx: ServingContext, req: ChatCompletionRequest, prompt_ids: list[int]) -> CacheControl | None:
+    """The retention class and the pins of a chat call: a breakpoint per marked message."""
+    marked = [i for i, m in enumerate(req.messages) if m.cache_control is not None]
+    if len(marked) > MAX_PINS_PER_REQUEST:
+        raise bad_request(f"at most {MAX_PINS_PER_REQUEST} messages may carry cache_control, got {len(marked)}",
+                          "messages")
+    pins = []
+    for i in marked:
+        ids = await _encode_messages(ctx, req.messages[:i + 1], f"messages.{i}.cache_control")
+        n = _common_prefix(ids, prompt_ids)
+        cache_pin = req.messages[i].cache_control
+        assert cache_pin is not None
+        if n:
+            pins.append(_prefix_pin(n, cache_pin.ttl, f"messages.{i}.cache_control"))
+    return _cache_control(req.cache_priority, tuple(pins))
+
+
+def _cache_control(priority: str | None, pins: tuple[PrefixPin, ...]) -> CacheControl | None:
+    if priority is None and not pins:
+        return None
+    return CacheControl(priority=priority or "normal", pins=pins)
+
+
+def _prefix_pin(num_tokens: int | None, ttl: float | None, param: str) -> PrefixPin:
+    try:
+        return PrefixPin(num_tokens, DEFAULT_PIN_TTL_S if ttl is None else ttl)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+async def _encode_messages(ctx: ServingContext, messages: list[ChatMessage], param: str) -> list[int]:
+    """Token ids of ``messages`` rendered without the generation prompt (a conversation prefix)."""
+    try:
+        text = ctx.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=False)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    return await ctx.encode(text, param)
+
+
+# -- the routes ---------------------------------------------------------------------
+class _PrefixBody(_Body):
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    num_tokens: int | None = Field(None, ge=1)
+
+
+class PinBody(_PrefixBody):
+    ttl: float | None = Field(None, gt=0)
+    warm: bool = True            # compute the blocks that are not cached yet
+
+
+class UnpinBody(_PrefixBody):
+    all: bool = False            # every pin, instead of the one over the prefix given
+
+
+def cache_router(ctx: ServingContext) -> APIRouter:
+    """``/cache/pin``, ``/cache/unpin``, ``/cache/pins`` (mounted under ``/v1``)."""
+    router = APIRouter()
+    block_size = ctx.engine.engine.pool.block_size
+
+    @router.post("/cache/pin")
+    async def pin(request: Request) -> Response:
+        body = parse_body(PinBody, await ctx.read_body(request))
+        ids = await _prefix_ids(ctx, body)
+        info = await _pin(ctx, ids, body)
+        if body.warm and info.num_device_blocks < len(info.block_keys) and info.num_tokens < ctx.max_model_len:
+            # a one-token request over the pinned blocks computes (and so caches) them
+            warm = RequestSpec(ids[:info.num_tokens], SamplingParams(max_tokens=1, temperature=0.0))
+            await ctx.collect(await ctx.submit([warm], "pin"), request)
+            info = await _pin(ctx, ids, body)   # the same pin again: its blocks on the device now
+        return JSONResponse(_pin_body(info, block_size, pinned=True))
+
+    @router.post("/cache/unpin")
+    async def unpin(request: Request) -> Response:
+        body = parse_body(UnpinBody, await ctx.read_body(request))
+        if body.all:
+            if body.prompt is not None or body.messages is not None or body.num_tokens is not None:
+                raise bad_request("all: true unpins every pin; give no prompt, messages or num_tokens with it", "all")
+            infos = await ctx.engine.call(lambda engine: engine.unpin_all())
+            return JSONResponse({"object": "list", "data": [_pin_body(i, block_size, pinned=False) for i in infos]})
+        ids = await _prefix_ids(ctx, body)
+        try:
+            info = await ctx.engine.call(lambda engine: engine.unpin(ids, body.num_tokens))
+        except PinNotFoundError as e:
+            raise APIError(404, str(e), type="not_found_error", code="pin_not_found") from None
+        return JSONResponse(_pin_body(info, block_size, pinned=False))
+
+    @router.get("/cache/pins")
+    async def list_pins() -> Response:
+        infos = await ctx.engine.call(lambda engine: engine.list_pins())
+        return JSONResponse({"object": "list", "data": [_pin_body(i, block_size, pinned=True) for i in infos]})
+
+    return router
+
+
+async def _prefix_ids(ctx: ServingContext, body: _PrefixBody) -> list[int]:
+    ctx.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt (text or token ids) and messages", "prompt")
+    if body.messages is not None:
+        if not body.messages:
+            raise bad_request("messages must hold at least one message", "messages")
+        return await _encode_messages(ctx, body.messages, "messages")
+    assert body.prompt is not None
+    return await ctx.encode(body.prompt, "prompt")
+
+
+async def _pin(ctx: ServingContext, ids: list[int], body: PinBody) -> PinInfo:
+    try:
+        return await ctx.engine.call(lambda engine: engine.pin(ids, body.ttl, body.num_tokens))
+    except PinLimitError as e:
+        raise APIError(400, str(e), code=PIN_LIMIT_EXCEEDED) from None
+    except ValueError as e:
+        raise bad_request(str(e), "ttl" if "ttl" in str(e) else "prompt") from None
+
+
+def _pin_body(info: PinInfo, block_size: int, pinned: bool) -> dict[str, Any]:
+    return {"object": "cache.pin", "pinned": pinned, "num_tokens": info.num_tokens,
+            "block_keys": [k.hex() for k in info.block_keys], "expires_in": round(info.expires_in_s, 3),
+            "device_tokens": info.num_device_blocks * block_size}
+
