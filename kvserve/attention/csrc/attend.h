@@ -41,7 +41,9 @@ constexpr int logit_rows(int nv) { return W == 16 ? (nv == 4 ? 3 : nv == 8 ? 2 :
 constexpr int value_rows(int nv) { return W == 16 ? (nv == 4 ? 4 : nv == 8 ? 2 : 0) : (nv == 8 ? 1 : 0); }
 
 // Vector v (channels v*W ..) of key / value row j (at `row`), dequantized but for scale[j].
-template <int CODE>
+// Group codes: VPG vectors per group when known at compile time (then the group's scale
+// and zero are loaded once per row), else goff[v] is the offset of v's group in gs / gz.
+template <int CODE, int VPG>
 inline vf load_row(const Rows& s, const uint8_t* row, int v, int j, const int64_t* goff) {
   if constexpr (CODE == C_F32) {
     return vload(reinterpret_cast<const float*>(row) + v * W);
@@ -56,7 +58,8 @@ inline vf load_row(const Rows& s, const uint8_t* row, int v, int j, const int64_
   } else if constexpr (CODE == C_U4C || CODE == C_U2C) {
     return vfma(vcodes<CODE == C_U4C ? 4 : 2>(row, v * W), vload(s.cs + v * W), vload(s.cz + v * W));
   } else {
-    return vfma(vcodes<CODE == C_U4G ? 4 : 2>(row, v * W), vset1(s.gs[goff[v] + j]), vset1(s.gz[goff[v] + j]));
+    const int64_t at = (VPG ? (v / (VPG ? VPG : 1)) * s.pld : goff[v]) + j;
+    return vfma(vcodes<CODE == C_U4G ? 4 : 2>(row, v * W), vset1(s.gs[at]), vset1(s.gz[at]));
   }
 }
 
@@ -67,7 +70,7 @@ inline void group_offsets(const Rows& s, int64_t* goff) {
 
 // out[r * pld + j] = q[r] . k_j for RQ rows and keys j < n, the rows' q in registers,
 // keys in groups of KG, each key vector converted once for all rows.
-template <int RQ, int NV, int KG, int CODE>
+template <int RQ, int NV, int KG, int CODE, int VPG>
 inline void logits_rows(const float* q, int64_t ldq, const Rows& k, int n, float* out, int64_t pld, Prefetcher& pf) {
   vf qv[RQ][NV];
   #pragma GCC unroll 16
@@ -86,7 +89,7 @@ inline void logits_rows(const float* q, int64_t ldq, const Rows& k, int n, float
     for (int kk = 0; kk < KG; ++kk, row += k.stride) {
       #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) {
-        const vf x = load_row<CODE>(k, row, v, j + kk, goff);
+        const vf x = load_row<CODE, VPG>(k, row, v, j + kk, goff);
         #pragma GCC unroll 16
         for (int r = 0; r < RQ; ++r) a[r][kk] = v == 0 ? vmul(qv[r][0], x) : vfma(qv[r][v], x, a[r][kk]);
       }
@@ -108,7 +111,7 @@ inline void logits_rows(const float* q, int64_t ldq, const Rows& k, int n, float
     vf a[RQ];
     #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
-      const vf x = load_row<CODE>(k, row, v, j, goff);
+      const vf x = load_row<CODE, VPG>(k, row, v, j, goff);
       #pragma GCC unroll 16
       for (int r = 0; r < RQ; ++r) a[r] = v == 0 ? vmul(qv[r][0], x) : vfma(qv[r][v], x, a[r]);
     }
@@ -118,7 +121,7 @@ inline void logits_rows(const float* q, int64_t ldq, const Rows& k, int n, float
 }
 
 // acc[r] += sum_j p[r * pld + j] * v_j for RC rows, each value vector converted once.
-template <int RC, int NV, int CODE>
+template <int RC, int NV, int CODE, int VPG>
 inline void accumulate_rows(float* acc, int64_t ld, const float* p, int64_t pld, const Rows& s, int n, Prefetcher& pf) {
   vf a[RC][NV];
   #pragma GCC unroll 16
@@ -136,7 +139,7 @@ inline void accumulate_rows(float* acc, int64_t ld, const float* p, int64_t pld,
     for (int r = 0; r < RC; ++r) pr[r] = vset1(p[r * pld + j]);
     #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
-      const vf x = load_row<CODE>(s, row, v, j, goff);
+      const vf x = load_row<CODE, VPG>(s, row, v, j, goff);
       #pragma GCC unroll 16
       for (int r = 0; r < RC; ++r) a[r][v] = vfma(x, pr[r], a[r][v]);
     }
@@ -150,58 +153,81 @@ inline void accumulate_rows(float* acc, int64_t ld, const float* p, int64_t pld,
 
 // Every row of the tile, RQ (RC) rows at a time: F32 rows may come in any number of chunks,
 // other codes only for tiles within logit_rows / value_rows (see kernel.h).
-template <int NV, int CODE>
+template <int NV, int CODE, int VPG>
 inline void logits_all(const Tile& t, const Rows& k, int n, Prefetcher& pf) {
   constexpr int RQ = logit_rows(NV);
   constexpr int KG = RQ == 1 && W == 16 ? 8 : 4;
   int r = 0;
-  for (; r + RQ <= t.rows; r += RQ) logits_rows<RQ, NV, KG, CODE>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+  for (; r + RQ <= t.rows; r += RQ) {
+    logits_rows<RQ, NV, KG, CODE, VPG>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+  }
   const int rest = t.rows - r;
   if constexpr (RQ > 2) {
-    if (rest == 2) logits_rows<2, NV, 4, CODE>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+    if (rest == 2) logits_rows<2, NV, 4, CODE, VPG>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
   }
   if constexpr (RQ > 1) {
-    if (rest == 1) logits_rows<1, NV, 4, CODE>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+    if (rest == 1) logits_rows<1, NV, 4, CODE, VPG>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
   }
 }
 
-template <int NV, int CODE>
+template <int NV, int CODE, int VPG>
 inline void accumulate_all(const Tile& t, const Rows& s, int n, Prefetcher& pf) {
   constexpr int RC = value_rows(NV);
   int r = 0;
   for (; r + RC <= t.rows; r += RC) {
-    accumulate_rows<RC, NV, CODE>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
+    accumulate_rows<RC, NV, CODE, VPG>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
   }
-  for (; r < t.rows; ++r) accumulate_rows<1, NV, CODE>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
+  for (; r < t.rows; ++r) accumulate_rows<1, NV, CODE, VPG>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
+}
+
+// Group codes with 1, 2 or 4 vectors per group get their own instances.
+template <int NV, int CODE>
+inline void logits_groups(const Tile& t, const Rows& k, int n, Prefetcher& pf) {
+  switch (k.group / W) {
+    case 1: logits_all<NV, CODE, 1>(t, k, n, pf); break;
+    case 2: logits_all<NV, CODE, 2>(t, k, n, pf); break;
+    case 4: logits_all<NV, CODE, 4>(t, k, n, pf); break;
+    default: logits_all<NV, CODE, 0>(t, k, n, pf); break;
+  }
+}
+
+template <int NV, int CODE>
+inline void accumulate_groups(const Tile& t, const Rows& s, int n, Prefetcher& pf) {
+  switch (s.group / W) {
+    case 1: accumulate_all<NV, CODE, 1>(t, s, n, pf); break;
+    case 2: accumulate_all<NV, CODE, 2>(t, s, n, pf); break;
+    case 4: accumulate_all<NV, CODE, 4>(t, s, n, pf); break;
+    default: accumulate_all<NV, CODE, 0>(t, s, n, pf); break;
+  }
 }
 
 template <int NV>
 inline void logits_code(const Tile& t, const Rows& k, int n, Prefetcher& pf) {
   switch (k.code) {
-    case C_F32: logits_all<NV, C_F32>(t, k, n, pf); break;
-    case C_F16: logits_all<NV, C_F16>(t, k, n, pf); break;
-    case C_BF16: logits_all<NV, C_BF16>(t, k, n, pf); break;
-    case C_I8: logits_all<NV, C_I8>(t, k, n, pf); break;
-    case C_FP8: logits_all<NV, C_FP8>(t, k, n, pf); break;
-    case C_U4C: logits_all<NV, C_U4C>(t, k, n, pf); break;
-    case C_U2C: logits_all<NV, C_U2C>(t, k, n, pf); break;
-    case C_U4G: logits_all<NV, C_U4G>(t, k, n, pf); break;
-    default: logits_all<NV, C_U2G>(t, k, n, pf); break;
+    case C_F32: logits_all<NV, C_F32, 0>(t, k, n, pf); break;
+    case C_F16: logits_all<NV, C_F16, 0>(t, k, n, pf); break;
+    case C_BF16: logits_all<NV, C_BF16, 0>(t, k, n, pf); break;
+    case C_I8: logits_all<NV, C_I8, 0>(t, k, n, pf); break;
+    case C_FP8: logits_all<NV, C_FP8, 0>(t, k, n, pf); break;
+    case C_U4C: logits_all<NV, C_U4C, 0>(t, k, n, pf); break;
+    case C_U2C: logits_all<NV, C_U2C, 0>(t, k, n, pf); break;
+    case C_U4G: logits_groups<NV, C_U4G>(t, k, n, pf); break;
+    default: logits_groups<NV, C_U2G>(t, k, n, pf); break;
   }
 }
 
 template <int NV>
 inline void accumulate_code(const Tile& t, const Rows& s, int n, Prefetcher& pf) {
   switch (s.code) {
-    case C_F32: accumulate_all<NV, C_F32>(t, s, n, pf); break;
-    case C_F16: accumulate_all<NV, C_F16>(t, s, n, pf); break;
-    case C_BF16: accumulate_all<NV, C_BF16>(t, s, n, pf); break;
-    case C_I8: accumulate_all<NV, C_I8>(t, s, n, pf); break;
-    case C_FP8: accumulate_all<NV, C_FP8>(t, s, n, pf); break;
-    case C_U4C: accumulate_all<NV, C_U4C>(t, s, n, pf); break;
-    case C_U2C: accumulate_all<NV, C_U2C>(t, s, n, pf); break;
-    case C_U4G: accumulate_all<NV, C_U4G>(t, s, n, pf); break;
-    default: accumulate_all<NV, C_U2G>(t, s, n, pf); break;
+    case C_F32: accumulate_all<NV, C_F32, 0>(t, s, n, pf); break;
+    case C_F16: accumulate_all<NV, C_F16, 0>(t, s, n, pf); break;
+    case C_BF16: accumulate_all<NV, C_BF16, 0>(t, s, n, pf); break;
+    case C_I8: accumulate_all<NV, C_I8, 0>(t, s, n, pf); break;
+    case C_FP8: accumulate_all<NV, C_FP8, 0>(t, s, n, pf); break;
+    case C_U4C: accumulate_all<NV, C_U4C, 0>(t, s, n, pf); break;
+    case C_U2C: accumulate_all<NV, C_U2C, 0>(t, s, n, pf); break;
+    case C_U4G: accumulate_groups<NV, C_U4G>(t, s, n, pf); break;
+    default: accumulate_groups<NV, C_U2G>(t, s, n, pf); break;
   }
 }
 #else

@@ -153,7 +153,9 @@ void run(const at::Tensor& q, at::Tensor out, const std::vector<int64_t>& k_layo
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvserve paged attention over compressed KV blocks (CPU)";
   m.def("run", &kvs::run, "paged attention: see kvserve/attention/cpu.py");
-#if KVS_W == 16
+#if KVS_W == 16 && defined(__AVX512VBMI__)
+  m.attr("isa") = "avx512vbmi";
+#elif KVS_W == 16
   m.attr("isa") = "avx512";
 #elif KVS_W == 8
   m.attr("isa") = "avx2";
