@@ -177,7 +177,16 @@ inline void accumulate_all(const Tile& t, const Rows& s, int n, Prefetcher& pf) 
   for (; r + RC <= t.rows; r += RC) {
     accumulate_rows<RC, NV, CODE, VPG>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
   }
-  for (; r < t.rows; ++r) accumulate_rows<1, NV, CODE, VPG>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
+  const int rest = t.rows - r;
+  if constexpr (RC > 3) {
+    if (rest == 3) accumulate_rows<3, NV, CODE, VPG>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
+  }
+  if constexpr (RC > 2) {
+    if (rest == 2) accumulate_rows<2, NV, CODE, VPG>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
+  }
+  if constexpr (RC > 1) {
+    if (rest == 1) accumulate_rows<1, NV, CODE, VPG>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
+  }
 }
 
 // Group codes with 1, 2 or 4 vectors per group get their own instances.

@@ -33,9 +33,11 @@ constexpr int kMaxRows = 128;         // query rows per item (acc + q: 2 x 64 Ki
 constexpr int kItemsPerThread = 8;    // split long contexts until there are this many items per thread
 constexpr int64_t kMinSplitKeys = 128;
 
-inline void require(bool ok, const std::string& msg) {
-  if (!ok) throw std::invalid_argument(msg);  // pybind11 raises ValueError
-}
+// Throws std::invalid_argument (pybind11 raises ValueError); the message is only built on failure.
+#define KVS_REQUIRE(ok, msg)                                  \
+  do {                                                    \
+    if (!(ok)) throw std::invalid_argument(std::string(msg)); \
+  } while (0)
 
 namespace detail {
 
@@ -155,28 +157,28 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
   const int64_t heads_per_group = std::max<int64_t>(1, std::min<int64_t>(H, kMaxRows / b.group));
   const int64_t tile_queries = std::max<int64_t>(1, kMaxRows / (b.group * heads_per_group));
   double total_cost = 0;
-  require(b.starts[0] >= 0, "query_starts[0] must be >= 0");
+  KVS_REQUIRE(b.starts[0] >= 0, "query_starts[0] must be >= 0");
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = b.starts[s + 1] - b.starts[s], len = b.lens[s];
-    const std::string seq = "sequence " + std::to_string(s) + ": ";
-    require(n >= 0 && b.starts[s + 1] <= T, seq + "query_starts must be non-decreasing and within q's rows");
+    const auto seq = [s] { return "sequence " + std::to_string(s) + ": "; };
+    KVS_REQUIRE(n >= 0 && b.starts[s + 1] <= T, seq() + "query_starts must be non-decreasing and within q's rows");
     if (n == 0) continue;
-    require(n <= len, seq + std::to_string(n) + " queries but only " + std::to_string(len) + " context tokens");
+    KVS_REQUIRE(n <= len, seq() + std::to_string(n) + " queries but only " + std::to_string(len) + " context tokens");
     const int64_t nblocks = (len + B - 1) / B;
-    require(nblocks <= b.max_blocks, seq + "context needs " + std::to_string(nblocks) + " blocks, the table holds " +
+    KVS_REQUIRE(nblocks <= b.max_blocks, seq() + "context needs " + std::to_string(nblocks) + " blocks, the table holds " +
                                          std::to_string(b.max_blocks));
     for (int64_t kb = 0; kb < nblocks; ++kb) {
       const int64_t id = b.tables[s * b.max_blocks + kb];
-      require(id >= 0 && id < K.num_blocks && id < V.num_blocks, seq + "block id " + std::to_string(id) +
+      KVS_REQUIRE(id >= 0 && id < K.num_blocks && id < V.num_blocks, seq() + "block id " + std::to_string(id) +
                                                                      " is outside the cache");
     }
     const int64_t open = b.open[s];
     if (len % B) {
       for (const HalfView* v : {&K, &V}) {
         const bool whole = v->kind == ASYM_CHANNEL || v->num_outliers > 0;
-        require(!whole || (open >= 0 && v->residual), seq + "its open block is only in a residual row, and open_rows "
+        KVS_REQUIRE(!whole || (open >= 0 && v->residual), seq() + "its open block is only in a residual row, and open_rows "
                                                             "is -1 or the half has no residual rows");
-        require(!v->residual || open < v->residual_rows, seq + "open row " + std::to_string(open) +
+        KVS_REQUIRE(!v->residual || open < v->residual_rows, seq() + "open row " + std::to_string(open) +
                                                              " is outside the residual rows");
       }
     }
