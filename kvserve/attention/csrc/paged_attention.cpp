@@ -23,11 +23,23 @@ std::string shape_str(const at::Tensor& t) {
 
 bool present(const at::Tensor& t) { return t.defined() && t.dim() > 0; }
 
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    default: return std::string(c10::toString(t));
+  }
+}
+
 void check_tensor(const at::Tensor& t, at::ScalarType dtype, std::vector<int64_t> shape, const std::string& name) {
   KVS_REQUIRE(present(t), name + " is missing");
   KVS_REQUIRE(t.device().is_cpu(), name + " must be a CPU tensor");
-  KVS_REQUIRE(t.scalar_type() == dtype, name + " must be " + std::string(c10::toString(dtype)) + ", got " +
-                                        std::string(c10::toString(t.scalar_type())));
+  KVS_REQUIRE(t.scalar_type() == dtype, name + " must be " + dtype_name(dtype) + ", got " + dtype_name(t.scalar_type()));
   bool same = t.dim() == static_cast<int64_t>(shape.size());
   for (size_t i = 0; same && i < shape.size(); ++i) same = shape[i] < 0 || t.size(i) == shape[i];
   std::string want = "[";
