@@ -42,7 +42,7 @@ constexpr int value_rows(int nv) { return W == 16 ? (nv == 4 ? 4 : nv == 8 ? 2 :
 
 // Vector v (channels v*W ..) of key / value row j (at `row`), dequantized but for scale[j].
 // Group codes: VPG vectors per group when known at compile time (then the group's scale
-// and zero are loaded once per row), else goff[v] is the offset of v's group in gs / gz.
+// and zero are loaded once per row), else goff[v] is v's group index.
 template <int CODE, int VPG>
 inline vf load_row(const Rows& s, const uint8_t* row, int v, int j, const int64_t* goff) {
   if constexpr (CODE == C_F32) {
@@ -58,14 +58,14 @@ inline vf load_row(const Rows& s, const uint8_t* row, int v, int j, const int64_
   } else if constexpr (CODE == C_U4C || CODE == C_U2C) {
     return vfma(vcodes<CODE == C_U4C ? 4 : 2>(row, v * W), vload(s.cs + v * W), vload(s.cz + v * W));
   } else {
-    const int64_t at = (VPG ? (v / (VPG ? VPG : 1)) * s.pld : goff[v]) + j;
+    const int64_t at = j * s.gstride + (VPG ? v / (VPG ? VPG : 1) : goff[v]);
     return vfma(vcodes<CODE == C_U4G ? 4 : 2>(row, v * W), vset1(s.gs[at]), vset1(s.gz[at]));
   }
 }
 
 template <int NV>
 inline void group_offsets(const Rows& s, int64_t* goff) {
-  for (int v = 0; v < NV; ++v) goff[v] = s.group ? (v * W / s.group) * s.pld : 0;
+  for (int v = 0; v < NV; ++v) goff[v] = s.group ? v * W / s.group : 0;
 }
 
 // out[r * pld + j] = q[r] . k_j for RQ rows and keys j < n, the rows' q in registers,

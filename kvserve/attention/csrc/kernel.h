@@ -215,10 +215,10 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
 // Per-thread buffers, allocated once per call (uninitialized, except what must be finite).
 class Scratch {
  public:
-  Scratch(int64_t ld, int64_t B, int64_t max_rows)
+  Scratch(int64_t ld, int64_t B, int64_t heads, int64_t max_rows)
       : pld((B + 15) / 16 * 16),
-        arena_(new float[static_cast<size_t>(max_rows * (2 * ld + 2 + W + pld) + 2 * (B * ld + 2 * ld + pld * (1 + 2 * ld)) +
-                                             32 * 16)]),
+        arena_(new float[static_cast<size_t>(max_rows * (2 * ld + 2 + W + pld) + 2 * (B * ld + 2 * ld + pld) +
+                                             4 * B * heads * ld + 32 * 16)]),
         visible(static_cast<size_t>(max_rows)) {
     // every buffer on its own cache lines: vector loads must not straddle two
     float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(arena_.get()) + 63) & ~uintptr_t{63});
@@ -238,8 +238,8 @@ class Scratch {
       hb->cs = take(ld);
       hb->cz = take(ld);
       hb->rs = take(pld);
-      hb->gs = take(ld * pld);
-      hb->gz = take(ld * pld);
+      hb->gs = take(B * heads * ld);  // groups <= ld
+      hb->gz = take(B * heads * ld);
       hb->pld = pld;
       std::fill(hb->rs, hb->rs + pld, 1.0f);
     }
@@ -370,7 +370,7 @@ inline void attention(const detail::Batch& b, const HalfView& K, const HalfView&
 
 #pragma omp parallel num_threads(use)
   {
-    Scratch w(b.ld, b.B, plan.max_rows);
+    Scratch w(b.ld, b.B, K.H, plan.max_rows);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item& item = plan.items[it];
