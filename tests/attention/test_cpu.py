@@ -32,10 +32,11 @@ FORMATS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int4g16", "int4g64", 
            "int8+had", "kivi2+had", "int8+out4", "kivi2+out4", "int4+had+out4", "fp8+had+out2", "k=int8,v=int4",
            "k=kivi4+had,v=bf16"]
 
-# Ragged: 1 token, an exact multiple of both block sizes, open last blocks.
-LENS = [1, 64, 37, 129]
-DECODE = [1, 1, 1, 1]
-PREFILL = [1, 9, 37, 16]   # chunks over cached context, a whole-sequence chunk, a decode beside them
+# One step of an engine: decodes and prefill chunks side by side, ragged. Decodes of 1 token,
+# of an exact multiple of both block sizes and of an open block; a prefill chunk over cached
+# context ending in an open block, one ending on a block boundary, a whole-prompt chunk.
+LENS = [1, 64, 37, 129, 96, 37]
+QUERIES = [1, 1, 1, 16, 9, 37]
 
 
 def halves(spec: str) -> tuple[str, str | None]:
@@ -54,11 +55,10 @@ def check(case: Case, out: torch.Tensor | None = None) -> None:
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
-@pytest.mark.parametrize("queries", [DECODE, PREFILL], ids=["decode", "prefill"])
 @pytest.mark.parametrize("spec", FORMATS)
-def test_matches_reference(spec: str, queries: list[int], group: int, head_dim: int, block_size: int) -> None:
+def test_decodes_and_prefill_chunks_match_reference(spec: str, group: int, head_dim: int, block_size: int) -> None:
     k, v = halves(spec)
-    check(make_case(k, v, lens=LENS, num_queries=queries, group=group, head_dim=head_dim, block_size=block_size,
+    check(make_case(k, v, lens=LENS, num_queries=QUERIES, group=group, head_dim=head_dim, block_size=block_size,
                     seed=group + head_dim + block_size))
 
 
@@ -79,7 +79,7 @@ def test_prefill_longer_than_a_tile() -> None:
 
 
 def test_residual_and_plain_halves_in_one_call() -> None:
-    case = make_case("kivi2", lens=LENS, num_queries=PREFILL, group=3)
+    case = make_case("kivi2", lens=LENS, num_queries=QUERIES, group=3)
     assert case.key.residual is not None and case.value.residual is None
     assert (case.batch.open_rows >= 0).any()
     check(case)
@@ -178,7 +178,7 @@ def test_narrower_builds_match_the_reference(isa: str, spec: str) -> None:
     ext = load_extension(isa)
     assert ext is not None and ext.isa == isa
     for group, head_dim in ((1, 64), (3, 64), (8, 128)):
-        case = make_case(spec, lens=LENS + [1000], num_queries=PREFILL + [1], group=group, head_dim=head_dim)
+        case = make_case(spec, lens=LENS + [1000], num_queries=QUERIES + [1], group=group, head_dim=head_dim)
         got = cpu.run(ext, case.q, case.key, case.value, case.batch, case.scale)
         torch.testing.assert_close(got, case.reference(), atol=ATOL, rtol=RTOL)
 
