@@ -43,7 +43,6 @@ namespace detail {
 
 struct Group {  // (sequence, query tile, KV heads [h0, h1)): one run over the context
   int64_t s, q0, q1, h0, h1, nkeys, nblocks, chunk, splits;
-  int64_t rows_per_head() const { return q1 - q0; }  // times `group`, see Batch
 };
 struct Item {
   int64_t group, split, partial;  // partial: offset of its (m, l, acc) in the scratch, or -1 (final)
@@ -96,21 +95,20 @@ inline bool decodes_block(const HalfView& v, int side, const Batch& b, int64_t r
   return rows > limit || (v.kind == ASYM_TOKEN && v.group % W);
 }
 
-// Queue block kb of both halves for prefetching, whole (head < 0) or one head's rows (the
-// parameters come with the item's first head `first`). A residual row is one per sequence:
-// not worth it.
+// Queue heads [h0, h1) of block kb of both halves for prefetching (the parameters come with
+// the item's first head `first`). A residual row is one per sequence: not worth it.
 inline void queue(Prefetcher& pf, const HalfView& K, const HalfView& V, const Batch& b, int64_t s, int64_t kb,
-                  int64_t head, int64_t first) {
+                  int64_t h0, int64_t h1, int64_t first) {
   pf.clear();
   for (const HalfView* v : {&K, &V}) {
     if (in_residual(*v, b, s, kb)) continue;
     const int64_t block = b.tables[s * b.max_blocks + kb];
-    if (head < 0) {
+    if (h0 == 0 && h1 == v->H) {
       add_block(pf, *v, block);
-    } else {
-      add_head_rows(pf, *v, block, head);
-      if (head == first) add_params(pf, *v, block);
+      continue;
     }
+    for (int64_t h = h0; h < h1; ++h) add_head_rows(pf, *v, block, h);
+    if (h0 == first) add_params(pf, *v, block);
   }
 }
 
@@ -154,8 +152,6 @@ struct Plan {
 inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int64_t S, int64_t T, int threads) {
   Plan plan;
   const int64_t H = K.H, B = b.B;
-  const int64_t heads_per_group = std::max<int64_t>(1, std::min<int64_t>(H, kMaxRows / b.group));
-  const int64_t tile_queries = std::max<int64_t>(1, kMaxRows / (b.group * heads_per_group));
   double total_cost = 0;
   KVS_REQUIRE(b.starts[0] >= 0, "query_starts[0] must be >= 0");
   for (int64_t s = 0; s < S; ++s) {
@@ -182,6 +178,10 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
                                                              " is outside the residual rows");
       }
     }
+    // Decodes: all heads in one item (each block read once, contiguously). Prefill chunks:
+    // as many queries per item as fit, so each decoded block serves many rows.
+    const int64_t heads_per_group = std::max<int64_t>(1, std::min<int64_t>(H, kMaxRows / (n * b.group)));
+    const int64_t tile_queries = std::max<int64_t>(1, std::min<int64_t>(n, kMaxRows / (b.group * heads_per_group)));
     for (int64_t q0 = 0; q0 < n; q0 += tile_queries) {
       const int64_t q1 = std::min(n, q0 + tile_queries), nkeys = len - n + q1, nb = (nkeys + B - 1) / B;
       for (int64_t h0 = 0; h0 < H; h0 += heads_per_group) {
@@ -288,7 +288,7 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
   // kPrefetchBytes, the next head (of this block, else of the next).
   Prefetcher& pf = w.pf;
   const bool per_head = (block_bytes(K) + block_bytes(V)) * nh / K.H > kPrefetchBytes;
-  queue(pf, K, V, b, s, kb0, per_head ? g.h0 : -1, g.h0);
+  queue(pf, K, V, b, s, kb0, g.h0, per_head ? g.h0 + 1 : g.h1, g.h0);
   pf.drain();
   const int64_t decodes = decodes_block(K, KEY, b, rows) + decodes_block(V, VALUE, b, rows);
   for (int64_t kb = kb0; kb < kb1; ++kb) {
@@ -299,14 +299,14 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
       if (per_head) {
         pf.clear();
         if (hh + 1 < nh) {
-          queue(pf, K, V, b, s, kb, h + 1, g.h0);
+          queue(pf, K, V, b, s, kb, h + 1, h + 2, g.h0);
         } else if (kb + 1 < kb1) {
-          queue(pf, K, V, b, s, kb + 1, g.h0, g.h0);
+          queue(pf, K, V, b, s, kb + 1, g.h0, g.h0 + 1, g.h0);
         }
         pf.plan(pumps);
       } else if (hh == 0) {
         pf.clear();
-        if (kb + 1 < kb1) queue(pf, K, V, b, s, kb + 1, -1, g.h0);
+        if (kb + 1 < kb1) queue(pf, K, V, b, s, kb + 1, g.h0, g.h1, g.h0);
         pf.plan(pumps * nh);
       }
       const Rows kr = rows_of(K, KEY, b, s, kb, h, n_keys, static_cast<int>(rows), w.kb, pf);
