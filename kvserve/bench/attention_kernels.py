@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                          f"{t.median / k.median:.1f}x", f"{native / k.median:.2f}x", f"{nbytes / 1e6:.2f}",
                          f"{nbytes / k.median / 1e9:.1f}", f"{nbytes / k.median / 1e9 / bandwidth.median:.0%}",
                          f"{r['diff']:.1e}"])
-    print(table(["shape", "format", "kernel us (min-max)", "torch us (min-max)", "vs torch", "vs first",
+    first = args.formats.split(",")[0].strip()
+    print(table(["shape", "format", "kernel us (min-max)", "torch us (min-max)", "vs torch", f"vs {first}",
                  "KV MB/call", "kernel GB/s", "of read bw", "max |diff|"], rows))
     load_after = os.getloadavg()
     print(f"\nload average after: {load_after[0]:.2f} (1 min); per call = one layer's attention, "

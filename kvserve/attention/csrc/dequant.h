@@ -1,9 +1,9 @@
-// Reading one block of one head of a half (K or V) into float32 rows, in its stored format.
-//
-// A block's rows land in a small buffer (block_size x ld floats, ld = head_dim rounded up
-// to 16, padding zero) that stays in L1 while every query row of the tile uses it. Plain
-// float32 rows are not copied at all (`direct_rows`). Layouts are those of
-// kvserve/attention/layout.py; all part tensors are contiguous [num_blocks, ...].
+// Reading one block of one head of a half (K or V) in its stored format: a HalfView of the
+// part tensors (layouts of kvserve/attention/layout.py, each contiguous [num_blocks, ...]),
+// the prefetcher that asks for the next block ahead, `rows_in_place` (the block's rows as
+// the attention reads them where they lie) and `decode_block` (float32 rows in a small L1
+// buffer, block_size x ld floats, ld = head_dim rounded up to 16, padding zero) for layouts
+// and tiles that cannot be read in place.
 #pragma once
 
 #include <algorithm>
