@@ -139,8 +139,9 @@ def _build(name: str, isa: str, target: Path) -> ModuleType:
         return module
     except _BUILD_ERRORS as e:
         log_path.write_text(str(e))
-        raise RuntimeError(f"building {name} failed: {str(e).strip().splitlines()[0] if str(e).strip() else e!r} "
-                           f"(full output in {log_path})") from e
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        first = next((line for line in lines if "error" in line.lower() and len(line) < 300), type(e).__name__)
+        raise RuntimeError(f"building {name} failed: {first} (full output in {log_path})") from e
     finally:
         os.environ["PATH"] = path
         shutil.rmtree(work, ignore_errors=True)

@@ -249,3 +249,12 @@ def test_bad_inputs_raise() -> None:
     with pytest.raises(ValueError, match="Hadamard|power-of-two"):
         odd = make_case("int8", lens=[5], num_queries=[1], head_dim=48)
         run_small(odd, key=replace_layout(odd.key, hadamard=True))
+
+
+def test_without_a_compiler_the_kernel_is_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path, caplog) -> None:
+    """One log line and None (the engine then uses the torch backend), never an exception."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level("WARNING"):
+        assert load_extension.__wrapped__("scalar") is None
+    assert len(caplog.records) == 1 and "no C++ compiler" in caplog.records[0].getMessage()
