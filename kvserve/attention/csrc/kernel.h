@@ -284,12 +284,16 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
   std::fill(lv, lv + total * W, 0.0f);
   std::fill(acc, acc + total * ld, 0.0f);
   const int64_t kb0 = item.split * g.chunk, kb1 = std::min(g.nblocks, kb0 + g.chunk);
-  // Prefetch the next block while this one is processed, or when a block is larger than
-  // kPrefetchBytes, the next head (of this block, else of the next).
+  // Prefetch about kPrefetchBytes ahead: the block `ahead` blocks on (quantized blocks are a
+  // few KiB), or when a block is larger (float32 SmolLM2: 24 KiB) the next head's rows.
   Prefetcher& pf = w.pf;
-  const bool per_head = (block_bytes(K) + block_bytes(V)) * nh / K.H > kPrefetchBytes;
-  queue(pf, K, V, b, s, kb0, g.h0, per_head ? g.h0 + 1 : g.h1, g.h0);
-  pf.drain();
+  const int64_t item_block_bytes = std::max<int64_t>(1, (block_bytes(K) + block_bytes(V)) * nh / K.H);
+  const bool per_head = item_block_bytes > kPrefetchBytes;
+  const int64_t ahead = per_head ? 1 : kPrefetchBytes / item_block_bytes;
+  for (int64_t kb = kb0; kb < std::min(kb1, kb0 + ahead); ++kb) {
+    queue(pf, K, V, b, s, kb, g.h0, per_head ? g.h0 + 1 : g.h1, g.h0);
+    pf.drain();
+  }
   const int64_t decodes = decodes_block(K, KEY, b, rows) + decodes_block(V, VALUE, b, rows);
   for (int64_t kb = kb0; kb < kb1; ++kb) {
     const int n_keys = static_cast<int>(std::min<int64_t>(b.B, g.nkeys - kb * b.B));
@@ -306,7 +310,7 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
         pf.plan(pumps);
       } else if (hh == 0) {
         pf.clear();
-        if (kb + 1 < kb1) queue(pf, K, V, b, s, kb + 1, g.h0, g.h1, g.h0);
+        if (kb + ahead < kb1) queue(pf, K, V, b, s, kb + ahead, g.h0, g.h1, g.h0);
         pf.plan(pumps * nh);
       }
       const Rows kr = rows_of(K, KEY, b, s, kb, h, n_keys, static_cast<int>(rows), w.kb, pf);
