@@ -13,6 +13,9 @@ The limit: a decode step reads every weight once and every request's KV once, so
 
 with the read bandwidth measured in the same run (a sum over a buffer much larger than the
 caches). Weights dominate a small model; KV bytes dominate long contexts and many requests.
+Per configuration the table also gives the median decode step and, for a backend that
+reads in place, the part of it spent in the backend's ``attend`` (every layer's calls): the
+rest of the step is the weights, the per-layer work and the writes of new tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,6 +46,8 @@ class DecodeResult:
     kv_bytes_per_step: int
     weight_bytes: int
     tok_s: list[float]            # one per repeat
+    step_ms: float = 0.0          # median decode step
+    attention_ms: float | None = None   # of which in the backend's attend (None: the torch path, not timed apart)
 
     @property
     def median(self) -> float:
@@ -79,25 +85,52 @@ def kv_bytes_per_step(llm: LLM, context_tokens: int, num_seqs: int) -> int:
     return num_seqs * -(-context_tokens // bs) * per_block
 
 
-def run_one(llm: LLM, prompts: list[list[int]], steps: int, repeats: int) -> list[float]:
+class AttendTimer:
+    """Wall time spent in a backend's ``attend`` (set on the instance), per engine step."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.seconds = 0.0
+        backend = llm.engine.attention
+        self.active = backend.reads_in_place
+        if self.active:
+            attend = backend.attend
+
+            def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
+                t = time.perf_counter()
+                try:
+                    return attend(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - t
+            backend.attend = timed        # type: ignore[method-assign]
+
+
+def run_one(llm: LLM, prompts: list[list[int]], steps: int, repeats: int
+            ) -> tuple[list[float], list[float], list[float]]:
+    """Decode tok/s per repeat, and every timed step's wall time and time in ``attend``."""
     engine = llm.engine
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    rates = []
+    timer = AttendTimer(llm)
+    rates: list[float] = []
+    step_s: list[float] = []
+    attend_s: list[float] = []
     for _ in range(repeats + 1):            # the first play prefills the cache (not counted)
         for p in prompts:
             engine.add_request(p, params)
         decode_time, decode_tokens = 0.0, 0
         while engine.has_unfinished:
             before = engine.stats()
+            timer.seconds = 0.0
             t = time.perf_counter()
             outputs = engine.step()
             dt = time.perf_counter() - t
             if len(outputs) == len(prompts) == before.num_running and all(len(o.token_ids) > 1 for o in outputs):
                 decode_time += dt
                 decode_tokens += len(outputs)
+                step_s.append(dt)
+                attend_s.append(timer.seconds)
         rates.append(decode_tokens / decode_time if decode_time else 0.0)
         engine.check_integrity()
-    return rates[1:]
+    return rates[1:], step_s, attend_s
 
 
 def run(loaded: LoadedModel, text_ids: list[int], formats: list[str], backends: list[str], num_seqs: int,
@@ -108,9 +141,11 @@ def run(loaded: LoadedModel, text_ids: list[int], formats: list[str], backends: 
         for backend in backends:
             llm = LLM(loaded=loaded, kv_format=fmt, attention_backend=backend, kv_cache_memory_gb=kv_cache_gb,
                       max_num_seqs=max(8, num_seqs), max_num_batched_tokens=512)
-            rates = run_one(llm, prompts, steps, repeats)
+            rates, step_s, attend_s = run_one(llm, prompts, steps, repeats)
             result = DecodeResult(fmt, llm.engine.attention.name, kv_bytes_per_step(llm, context + steps // 2, num_seqs),
-                                  weight_bytes(llm), rates)
+                                  weight_bytes(llm), rates, statistics.median(step_s) * 1e3 if step_s else 0.0,
+                                  statistics.median(attend_s) * 1e3 if attend_s and llm.engine.attention.reads_in_place
+                                  else None)
             log(f"{fmt} / {result.backend}: {result.median:.2f} tok/s ({', '.join(f'{r:.2f}' for r in rates)})")
             results.append(result)
             del llm
@@ -125,11 +160,13 @@ def render(results: list[DecodeResult], num_seqs: int, bandwidth: float) -> str:
         reference = by.get((r.kv_format, "torch"))
         limit = num_seqs * bandwidth / (r.weight_bytes + r.kv_bytes_per_step)
         rows.append([r.kv_format, r.backend, f"{r.kv_bytes_per_step / 2**20:,.0f}",
-                     f"{r.median:.2f}", f"{min(r.tok_s):.2f}-{max(r.tok_s):.2f}",
+                     f"{r.median:.2f}", f"{min(r.tok_s):.2f}-{max(r.tok_s):.2f}", f"{r.step_ms:.1f}",
+                     "-" if r.attention_ms is None else f"{r.attention_ms:.1f}",
                      f"{r.median / native.median:.2f}x" if native else "-",
                      f"{r.median / reference.median:.2f}x" if reference and reference is not r else "-",
                      f"{limit:.2f}", f"{r.median / limit:.0%}"])
-    return table(["format", "attention", "KV MiB/step", "tok/s (median)", "spread", "vs native",
+    return table(["format", "attention", "KV MiB/step", "tok/s (median)", "spread", "step ms", "of which attend ms",
+                  "vs native",
                   "vs torch path", "limit tok/s", "of limit"], rows)
 
 

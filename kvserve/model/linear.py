@@ -8,9 +8,9 @@
 
 Why: on the project's CPU box (AMD EPYC, 2 cores, torch 2.13's MKL 2024.2) ``F.linear``
 streams SmolLM2-135M's layer weights at about 10 GB/s for decode batches of 1-16 rows,
-a quarter of the memory bandwidth; the packed oneDNN product reads them at about 37 GB/s:
-2.0-3.1x faster at 1-16 rows, 2.2x at 512-row prefill chunks, and 1.5-3.4x for the LM head
-(``python -m kvserve.bench.linear``). Decode of a small model is bound by reading the
+a quarter of the memory bandwidth; the packed oneDNN product reads them at 26-39 GB/s:
+2.0-3.4x faster at 1-16 rows, 2.2-2.3x at 64-512 (prefill chunks), 1.3-3.3x for the LM
+head (``python -m kvserve.bench.linear``, docs/benchmarks.md). Decode of a small model is bound by reading the
 weights, so this is most of a decode step. Results differ from ``F.linear`` only in float32
 summation order.
 """
