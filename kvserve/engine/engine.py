@@ -84,11 +84,12 @@ class LLMEngine:
         num_blocks = self.kv_cache.num_blocks
         self.pool = BlockPool(num_blocks, cc.block_size)
         extra_key = make_extra_key(loaded.fingerprint, f"{self.kv_format.spec}:{self.dtype}", cc.cache_salt)
+        self.extra_key = extra_key   # the block keys' non-token inputs: a router computes the same keys with it
         # the engine owns the mover; the tiering copies blocks through it. Redis keys are
         # namespaced by the extra key (model, format, dtype, salt), as blocks are tagged by it
         self.block_mover = BlockMover(self.kv_cache.block_tensors())
         transports = list(tiers) if tiers is not None else open_transports(config.tiers, extra_key.hex()[:32])
-        self.tiering = make_tiering(transports, self.block_mover, extra_key, cc.block_size)
+        self.tiering = make_tiering(transports, self.block_mover, extra_key, cc.block_size, config.write_through)
         self.budgets = self._make_budgets(config)
         self.pins = Pins(self.pool, int(cc.max_pinned_fraction * num_blocks), cc.max_pin_ttl_s, clock)
         self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, self.kv_cache.residual,
