@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from kvserve.cache_control import CacheControl
 from kvserve.engine.engine import LLMEngine
+from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.sampling_params import SamplingParams
@@ -55,6 +56,12 @@ class NullObserver:
 
     def on_abort(self, request_id: str) -> None:
         pass
+
+
+class Aborter(Protocol):
+    """Whoever runs a stream's requests: ``abort`` is thread-safe and ignores finished ids."""
+
+    def abort(self, request_ids: list[str]) -> None: ...
 
 
 class RequestSpec(NamedTuple):
@@ -124,7 +131,7 @@ class RequestStream:
     in a ``finally``) aborts those that have not, e.g. when the client went away.
     """
 
-    engine: AsyncEngine
+    engine: Aborter            # the AsyncEngine, or a cluster's client (kvserve/cluster/client.py)
     request_ids: list[str]
     queue: asyncio.Queue[StreamItem | BaseException]
     finished: set[int] = field(default_factory=set)
@@ -179,6 +186,10 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def model_card(self) -> ModelCard:
+        return self.engine.model_card
 
     # -- verbs for the event loop ------------------------------------------
     async def submit(self, specs: list[RequestSpec], prefix: str = "req") -> RequestStream:

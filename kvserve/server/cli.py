@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvserve.cluster.cli import add_cluster_args
 from kvserve.options import add_engine_args, engine_config, engine_options
 
 API_KEY_ENV = "KVSERVE_API_KEY"
@@ -24,6 +25,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs each request)")
     add_engine_args(s)
+    add_cluster_args(s)
     s.set_defaults(run=run_serve)
 
 
@@ -38,6 +40,9 @@ def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     settings = ServerSettings(model_name=args.served_model_name or default_model_name(args.model),
                               api_key=api_key, max_body_bytes=args.max_request_bytes)
+    if args.replicas is not None:     # engine replicas on Ray Serve (kvserve/cluster/)
+        from kvserve.cluster.cli import run_cluster
+        return run_cluster(args, settings)
     engine = LLMEngine(engine_config(args.model, **engine_options(args)))
     app = create_app(engine, settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -148,6 +148,10 @@ class ServerMetrics:
 
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None:
         self._stats.stats = stats
+        self.observe_outputs(outputs, now)
+
+    def observe_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        """Request-level series from outputs (a cluster's ingress feeds those it relays)."""
         for out in outputs:
             seen = self._progress.get(out.request_id)
             new_tokens = len(out.token_ids) - (seen.num_tokens if seen else 0)
