@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from offload.redis_server import RedisServer
+
+# the single server's test helpers and bad-input cases, to compare the ingress with it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 
 @pytest.fixture
