@@ -90,3 +90,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_tiers_parser(bsub, common)
     from kvserve.bench.kv_decode import add_kv_decode_parser
     add_kv_decode_parser(bsub, common)
+    from kvserve.bench.cluster import add_cluster_bench_parser
+    add_cluster_bench_parser(bsub, common)

@@ -13,12 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.options import engine_options
+from kvserve.server.cli import run_serve as serve_one
+from kvserve.server.cli import server_settings
 from kvserve.server.serving import ServerSettings
 
 ROUTINGS = ("kv", "pow2")
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    """The cluster flags of ``kvserve serve``; its command runs the cluster when ``--replicas`` is given,
+    else the single server as before."""
     g = parser.add_argument_group("cluster: engine replicas on Ray Serve behind a KV-aware router (docs/cluster.md)")
     g.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="serve N engine replicas on Ray Serve (default: one engine in this process, no Ray)")
@@ -40,6 +44,13 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                    help="CPUs of a local Ray cluster (default: the machine's)")
     g.add_argument("--ray-object-store-mb", type=int, default=256,
                    help="object store of a local Ray cluster, MiB (default 256; outputs are small)")
+    parser.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if args.replicas is None:
+        return serve_one(args)
+    return run_cluster(args, server_settings(args))
 
 
 def run_cluster(args: argparse.Namespace, settings: ServerSettings) -> int:
@@ -52,7 +63,12 @@ def run_cluster(args: argparse.Namespace, settings: ServerSettings) -> int:
                             replica_gpus=args.replica_gpus, ingress_replicas=args.ingress_replicas,
                             routing=args.routing, max_imbalance=args.max_load_imbalance,
                             stats_period_s=args.routing_stats_period_s, max_ongoing_requests=args.max_ongoing_requests)
-    app = build_application(args.model, engine_options(args), settings, cluster)
+    options = engine_options(args)
+    if options.get("disk_cache_dir") and cluster.num_replicas > 1:
+        # a disk tier directory belongs to one engine (it holds a lock); replicas would share it
+        raise ValueError("--disk-cache cannot be given to several replicas (one engine per directory); "
+                         "share blocks through --redis-url and --write-through instead")
+    app = build_application(args.model, options, settings, cluster)
     started_ray = args.ray_address is None
     if started_ray:
         ray.init(**local_ray_options(args.ray_num_cpus, args.ray_object_store_mb))

@@ -16,6 +16,7 @@ old); the router's outcomes and the ingress's retries are counted here as they h
 | `kvserve_cluster_routed_to_holder_ratio` | holder / (holder + away) |
 | `kvserve_cluster_retries_total`, `kvserve_cluster_replica_failures_total{replica}` | requests sent again after a replica failed before their first output; failures seen |
 | `kvserve_cluster_time_to_first_output_seconds` | at the ingress: routing, queueing and prefill |
+| `kvserve_cluster_replica_write_through_blocks_total{replica,tier}` | blocks written through |
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ class _FleetCollector(Collector):
                                    "Prompt tokens served from a cache tier", labels=["replica", "tier"])
         rates = GaugeMetricFamily("kvserve_cluster_prefix_hit_rate", "Prompt tokens served from a cache tier "
                                   "over those looked up; replica=fleet sums every replica", labels=["replica", "tier"])
+        written = CounterMetricFamily("kvserve_cluster_replica_write_through_blocks",
+                                      "Computed blocks a replica wrote through to a shared tier",
+                                      labels=["replica", "tier"])
         fleet_query = 0
         fleet_hits: Tally[str] = Tally()
         for replica, s in stats.items():
@@ -123,11 +127,13 @@ class _FleetCollector(Collector):
                 hits.add_metric([replica, tier], n)
                 rates.add_metric([replica, tier], n / e.prefix_query_tokens if e.prefix_query_tokens else 0.0)
                 fleet_hits[tier] += n
+            for t in e.tiers:
+                written.add_metric([replica, t.tier], t.write_through_blocks)
             fleet_query += e.prefix_query_tokens
         for tier, n in fleet_hits.items():
             rates.add_metric([FLEET, tier], n / fleet_query if fleet_query else 0.0)
         rates.add_metric([FLEET, "all"], sum(fleet_hits.values()) / fleet_query if fleet_query else 0.0)
-        yield from (queues, queries, hits, rates)
+        yield from (queues, queries, hits, rates, written)
         routed = CounterMetricFamily("kvserve_cluster_routed_requests", "Requests by the replica that served them "
                                      "and the routing outcome (holder, away, cold)", labels=["replica", "outcome"])
         for (replica, outcome), n in sorted(self.fleet.outcomes.items()):

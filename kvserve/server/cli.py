@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
-from kvserve.cluster.cli import add_cluster_args
 from kvserve.options import add_engine_args, engine_config, engine_options
+
+if TYPE_CHECKING:
+    from kvserve.server.serving import ServerSettings
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 
 
-def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -25,26 +28,28 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs each request)")
     add_engine_args(s)
-    add_cluster_args(s)
     s.set_defaults(run=run_serve)
+    return s
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.engine import LLMEngine
-    from kvserve.model.loader import default_model_name
     from kvserve.server.app import create_app
-    from kvserve.server.serving import ServerSettings
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    settings = ServerSettings(model_name=args.served_model_name or default_model_name(args.model),
-                              api_key=api_key, max_body_bytes=args.max_request_bytes)
-    if args.replicas is not None:     # engine replicas on Ray Serve (kvserve/cluster/)
-        from kvserve.cluster.cli import run_cluster
-        return run_cluster(args, settings)
     engine = LLMEngine(engine_config(args.model, **engine_options(args)))
-    app = create_app(engine, settings)
+    app = create_app(engine, server_settings(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The HTTP settings of the server flags (also the cluster ingress's)."""
+    from kvserve.model.loader import default_model_name
+    from kvserve.server.serving import ServerSettings
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return ServerSettings(model_name=args.served_model_name or default_model_name(args.model),
+                          api_key=api_key, max_body_bytes=args.max_request_bytes)
