@@ -2,7 +2,10 @@
 Serve's default, with and without write-through, against one engine (docs/cluster.md).
 
 ``num_conversations`` chats share one system prompt and run at once, each sending its
-turns one after another, so turns of different chats interleave. Each configuration is a
+turns one after another, so turns of different chats interleave. Each replica's device
+pool (``--num-kv-blocks``) holds about its share of the conversations, not all of them;
+the single engine gets the replicas' pools together (the same KV memory). So the fleet's
+cache holds everything only when each conversation stays on one replica. Each configuration is a
 fresh ``kvserve serve`` (a local Ray cluster for the replicated ones) and a flushed Redis;
 every one replays the same messages (the replies of the first, single-engine run), so all
 prefill the same prompts. Per configuration: time to first token as the client sees it
@@ -136,9 +139,11 @@ def run_config(name: str, args: argparse.Namespace, redis_url: str, system: str,
     client.close()
     extra = [*(["--model", args.model] if args.model else []), "--device", args.device, "--dtype", args.dtype,
              "--redis-url", redis_url, *CONFIGS[name], *args.server_arg]
-    if name != "single":
-        extra += ["--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus),
-                  "--ray-num-cpus", str(args.ray_num_cpus)]
+    if name == "single":      # one engine with the replicas' KV memory together
+        extra += ["--num-kv-blocks", str(args.num_kv_blocks * args.replicas)]
+    else:
+        extra += ["--num-kv-blocks", str(args.num_kv_blocks), "--replicas", str(args.replicas),
+                  "--replica-cpus", str(args.replica_cpus), "--ray-num-cpus", str(args.ray_num_cpus)]
     port = free_port()
     run = Run(name, load_before=os.getloadavg()[0])
     proc = start_server(port, extra, timeout_s=300)
@@ -165,7 +170,8 @@ def report(runs: list[Run]) -> str:
         split = ", ".join(f"{t} {v:,.0f}" for t, v in sorted(r.tier_hit_tokens.items()))
         rows.append([r.name, ms(statistics.fmean(r.ttft_s or [0.0])), ms(percentile(r.ttft_s, 0.5)),
                      ms(percentile(r.ttft_s, 0.95)), f"{r.hit_rate:.1%}", split or "-",
-                     "-" if r.routed_to_holder is None else f"{r.routed_to_holder:.0%}", f"{r.wall_s:.1f}",
+                     "-" if r.routed_to_holder is None or "pow2" in r.name else f"{r.routed_to_holder:.0%}",
+                     f"{r.wall_s:.1f}",
                      f"{r.load_before:.1f} / {r.load_after:.1f}"])
     lines = [table(["config", "TTFT mean ms", "p50", "p95", "prefix hits", "hit tokens by tier",
                     "to holder", "wall s", "load before/after"], rows)]
@@ -208,8 +214,9 @@ def run_bench(args: argparse.Namespace) -> int:
                   f"hits {run.hit_rate:.1%}, {len(run.errors)} errors, {run.wall_s:.1f} s", flush=True)
             runs.append(run)
     print(f"kvserve bench cluster: {args.conversations} conversations x {args.turns} turns at once, shared system "
-          f"prompt, {args.max_tokens} tokens per reply; {args.replicas} replicas at {args.replica_cpus} CPU each "
-          f"on a {args.ray_num_cpus}-CPU Ray; load average (1 min) before/after each run")
+          f"prompt, {args.max_tokens} tokens per reply, {runs[0].prompt_tokens:,} prompt tokens; {args.replicas} "
+          f"replicas of {args.num_kv_blocks} KV blocks at {args.replica_cpus} CPU each on a {args.ray_num_cpus}-CPU "
+          f"Ray (single engine: {args.replicas * args.num_kv_blocks} blocks); load average (1 min) before/after")
     print(report(runs))
     for r in runs:
         for e in r.errors[:5]:
@@ -225,12 +232,14 @@ def add_cluster_bench_parser(bsub: argparse._SubParsersAction, common: argparse.
     c = bsub.add_parser("cluster", parents=[common],
                         help="multi-turn chats on engine replicas: KV-aware vs default routing, write-through")
     c.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
-    c.add_argument("--conversations", type=int, default=6)
+    c.add_argument("--conversations", type=int, default=8)
     c.add_argument("--turns", type=int, default=6)
-    c.add_argument("--words-per-turn", type=int, default=40)
+    c.add_argument("--words-per-turn", type=int, default=120)
     c.add_argument("--system-words", type=int, default=150, help="words of the shared system prompt's notes")
     c.add_argument("--max-tokens", type=int, default=16, help="reply length per turn")
     c.add_argument("--replicas", type=int, default=2)
+    c.add_argument("--num-kv-blocks", type=int, default=320,
+                   help="device KV blocks per replica (the single engine gets replicas x this)")
     c.add_argument("--replica-cpus", type=float, default=0.5)
     c.add_argument("--ray-num-cpus", type=float, default=2)
     c.add_argument("--redis-url", default=None, help="default: a throwaway redis-server on loopback")

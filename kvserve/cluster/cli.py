@@ -33,9 +33,9 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per engine replica (default 1)")
     g.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per engine replica (default 0)")
     g.add_argument("--ingress-replicas", type=int, default=1, help="HTTP ingress replicas (default 1)")
-    g.add_argument("--max-load-imbalance", type=int, default=8, metavar="REQUESTS",
-                   help="ongoing requests the prefix holder may have beyond the least loaded replica "
-                        "before the router sends elsewhere (default 8)")
+    g.add_argument("--max-load-imbalance", type=int, default=2, metavar="REQUESTS",
+                   help="ongoing requests the prefix holder may have beyond the least loaded replica (or a "
+                        "quarter of that replica's, if more) before the router sends elsewhere (default 2)")
     g.add_argument("--routing-stats-period-s", type=float, default=1.0,
                    help="how often replicas publish the block keys they hold (default 1 s)")
     g.add_argument("--max-ongoing-requests", type=int, default=64,

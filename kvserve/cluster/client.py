@@ -76,7 +76,11 @@ class ReplicaClient:
         task = asyncio.ensure_future(self._run(hint, specs, prefix, queue, accepted))
         for rid in ids:
             self._tasks[rid] = task
-        task.add_done_callback(lambda _: [self._tasks.pop(rid, None) for rid in ids])
+
+        def forget(_: asyncio.Task[None]) -> None:
+            for rid in ids:
+                self._tasks.pop(rid, None)
+        task.add_done_callback(forget)
         try:
             await accepted
         except BaseException:

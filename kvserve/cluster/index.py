@@ -93,11 +93,26 @@ class Choice(NamedTuple):
     holder_blocks: int
 
 
+LOAD_SLACK_RATIO = 0.25   # the bound grows with load: a quarter of the least loaded replica's requests
+
+
+def load_bound(max_imbalance: int, min_load: int) -> float:
+    """How many more ongoing requests than the least loaded replica the holder may have:
+    ``max_imbalance``, or a quarter of the least loaded replica's load when that is more
+    (a fixed count would turn a busy fleet's routing into plain load balancing)."""
+    return max(max_imbalance, LOAD_SLACK_RATIO * min_load)
+
+
 def choose(matches: Mapping[str, int], loads: Mapping[str, int], max_imbalance: int,
            rng: random.Random) -> Choice:
     """The replica holding the longest prefix, unless its load exceeds the least loaded
-    replica's by more than ``max_imbalance`` requests; else (and after it) two random
-    replicas, of which Serve takes the less loaded (power of two choices)."""
+    replica's by more than ``load_bound``; else (and after it) two random replicas, of
+    which Serve takes the less loaded (power of two choices).
+
+    The bound is what keeps a prefix every request shares (a system prompt) from piling
+    every conversation onto the first replica that computed it: past the bound a new
+    conversation goes elsewhere, that replica computes the prefix once, and from then on
+    both hold it and the tie goes to the less loaded."""
     replicas = list(matches)
     if not replicas:
         return Choice([], None, 0)
@@ -106,6 +121,7 @@ def choose(matches: Mapping[str, int], loads: Mapping[str, int], max_imbalance: 
     if best == 0:
         return Choice([pair], None, 0)
     holder = min((r for r in replicas if matches[r] == best), key=lambda r: loads.get(r, 0))
-    if loads.get(holder, 0) - min(loads.get(r, 0) for r in replicas) > max_imbalance:
+    min_load = min(loads.get(r, 0) for r in replicas)
+    if loads.get(holder, 0) - min_load > load_bound(max_imbalance, min_load):
         return Choice([pair], holder, best)
     return Choice([[holder], pair], holder, best)

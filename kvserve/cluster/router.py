@@ -21,7 +21,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from kvserve.cluster.index import PrefixIndex, choose
 from kvserve.cluster.wire import Published, RouteHint, unpack
 
-DEFAULT_MAX_IMBALANCE = 8        # ongoing requests a holder may carry beyond the least loaded replica
+DEFAULT_MAX_IMBALANCE = 2        # ongoing requests a holder may carry beyond the least loaded replica (index.load_bound)
 
 
 def published_of(stats: dict[str, Any]) -> Published | None:

@@ -164,6 +164,19 @@ def test_metrics_per_replica_and_fleet(cluster):
     assert m['kvserve_requests_total{finish_reason="length"}'] >= 3     # the single server's series, too
 
 
+def test_cache_routes_run_on_every_replica(cluster):
+    system = [{"role": "system", "content": "[pins] A pinned system prompt for every replica. " * 4}]
+    pin = httpx.post(f"{cluster}/v1/cache/pin", json={"messages": system, "ttl": 60}, timeout=60)
+    assert pin.status_code == 200 and pin.json()["pinned"] and pin.json()["block_keys"], pin.text
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
+    assert [s.engine.pins.num_pins for s in handle.broadcast("stats").results()] == [1, 1]
+    pins = httpx.get(f"{cluster}/v1/cache/pins", timeout=30).json()["data"]
+    assert [p["block_keys"] for p in pins] == [pin.json()["block_keys"]]
+    assert httpx.post(f"{cluster}/v1/cache/unpin", json={"all": True}, timeout=30).status_code == 200
+    reset = httpx.post(f"{cluster}/v1/cache/reset", timeout=30).json()
+    assert reset["reset"] is True and reset["num_dropped_blocks"] >= len(pin.json()["block_keys"])
+
+
 def test_redis_down_leaves_the_cluster_serving(cluster, redis_url):
     redis_url.stop()
     try:
