@@ -2,7 +2,9 @@
 Serve's default, with and without write-through, against one engine (docs/cluster.md).
 
 ``num_conversations`` chats share one system prompt and run at once, each sending its
-turns one after another, so turns of different chats interleave. Each replica's device
+turns one after another, so turns of different chats interleave. Each chat is about its
+own document (the first user turn, ``doc_words`` words), then short questions: the
+history is long and each turn adds little, as in chats over a document or a code base. Each replica's device
 pool (``--num-kv-blocks``) holds about its share of the conversations, not all of them;
 the single engine gets the replicas' pools together (the same KV memory). So the fleet's
 cache holds everything only when each conversation stays on one replica. Each configuration is a
@@ -28,9 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.bench.chat import passages
 from kvserve.bench.common import table
 from kvserve.bench.serve import free_port, percentile, start_server
-from kvserve.bench.tiers import SYSTEM, user_turns
+from kvserve.bench.tiers import SYSTEM
 
 CONFIGS = {   # name -> kvserve serve flags (the replicated ones get --replicas and the CPU split too)
     "single": [],
@@ -61,6 +64,18 @@ class Run:
     def summary(self) -> dict[str, Any]:
         return {**asdict(self), "hit_rate": self.hit_rate, "ttft_mean_s": statistics.fmean(self.ttft_s or [0.0]),
                 "ttft_p50_s": percentile(self.ttft_s, 0.5), "ttft_p95_s": percentile(self.ttft_s, 0.95)}
+
+
+def user_turns(text: str, num_conversations: int, num_turns: int, doc_words: int, words: int) -> list[list[str]]:
+    """Per conversation: a document of its own, then ``num_turns - 1`` short questions."""
+    docs = passages(text, doc_words)[1:]     # the first passage is the system prompt's notes
+    all_words = text.split()
+    questions = passages(" ".join(all_words[len(all_words) // 3:]), words)    # from later in the book
+    if len(docs) < num_conversations or len(questions) < num_conversations * num_turns:
+        raise ValueError("the text is too short for this many conversations and turns")
+    return [[f"Here is a document to discuss:\n{docs[c]}\nWhat is it about?",
+             *(f"Question {t}: what about '{questions[c * num_turns + t]}'?" for t in range(1, num_turns))]
+            for c in range(num_conversations)]
 
 
 def system_prompt(text: str, words: int) -> str:
@@ -196,7 +211,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from kvserve.offload.measure import throwaway_redis
 
     text = find_text(args.text)
-    turns = user_turns(text, args.conversations, args.turns, args.words_per_turn)
+    turns = user_turns(text, args.conversations, args.turns, args.doc_words, args.words_per_turn)
     system = system_prompt(text, args.system_words)
     replies: dict[tuple[int, int], str] = {}
     names = args.configs.split(",")
@@ -234,11 +249,12 @@ def add_cluster_bench_parser(bsub: argparse._SubParsersAction, common: argparse.
     c.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     c.add_argument("--conversations", type=int, default=8)
     c.add_argument("--turns", type=int, default=6)
-    c.add_argument("--words-per-turn", type=int, default=120)
+    c.add_argument("--doc-words", type=int, default=400, help="words of each conversation's document")
+    c.add_argument("--words-per-turn", type=int, default=12, help="words quoted in each later question")
     c.add_argument("--system-words", type=int, default=150, help="words of the shared system prompt's notes")
     c.add_argument("--max-tokens", type=int, default=16, help="reply length per turn")
     c.add_argument("--replicas", type=int, default=2)
-    c.add_argument("--num-kv-blocks", type=int, default=320,
+    c.add_argument("--num-kv-blocks", type=int, default=240,
                    help="device KV blocks per replica (the single engine gets replicas x this)")
     c.add_argument("--replica-cpus", type=float, default=0.5)
     c.add_argument("--ray-num-cpus", type=float, default=2)
