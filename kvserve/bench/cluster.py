@@ -1,8 +1,11 @@
 """``kvserve bench cluster``: multi-turn chats on engine replicas, KV-aware routing vs Ray
 Serve's default, with and without write-through, against one engine (docs/cluster.md).
 
-``num_conversations`` chats share one system prompt and run at once, each sending its
-turns one after another, so turns of different chats interleave. Each chat is about its
+``num_conversations`` chats share one system prompt; each sends its turns one after
+another, and at most ``concurrency`` turns are in flight (a FIFO semaphore): with 1 (the
+default) the turns interleave round-robin (turn 1 of every chat, then turn 2, ...), one
+request at a time, so a turn's time to first token is its own prefill, not a queue
+behind other chats; with ``--concurrency`` as high as the chats, they all run at once. Each chat is about its
 own document (the first user turn, ``doc_words`` words), then short questions: the
 history is long and each turn adds little, as in chats over a document or a code base. Each replica's device
 pool (``--num-kv-blocks``) holds about its share of the conversations, not all of them;
@@ -108,16 +111,19 @@ async def _turn(client: Any, model: str, messages: list[dict[str, str]], max_tok
 
 
 async def play(url: str, run: Run, model: str, system: str, turns: list[list[str]], max_tokens: int,
-               replies: dict[tuple[int, int], str]) -> None:
-    """Every conversation at once, each turn after the previous one's answer."""
+               replies: dict[tuple[int, int], str], concurrency: int) -> None:
+    """Each conversation's turns in order, at most ``concurrency`` turns of all at once."""
     import httpx
+
+    slots = asyncio.Semaphore(concurrency)    # FIFO: with 1 the conversations take turns round-robin
 
     async def conversation(client: httpx.AsyncClient, c: int) -> None:
         history = [{"role": "system", "content": system}]
         for t, user in enumerate(turns[c]):
             history.append({"role": "user", "content": user})
             try:
-                ttft, text, usage = await _turn(client, model, history, max_tokens)
+                async with slots:
+                    ttft, text, usage = await _turn(client, model, history, max_tokens)
             except Exception as e:  # noqa: BLE001 - reported, and the run fails
                 run.errors.append(f"conversation {c} turn {t}: {e}")
                 return
@@ -164,7 +170,8 @@ def run_config(name: str, args: argparse.Namespace, redis_url: str, system: str,
     proc = start_server(port, extra, timeout_s=300)
     try:
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(play(url, run, args.served_model_name, system, turns, args.max_tokens, replies))
+        asyncio.run(play(url, run, args.served_model_name, system, turns, args.max_tokens, replies,
+                         args.concurrency))
         time.sleep(2.5)      # the replicas' stats reach the ingress's /metrics within a poll
         scrape(url, run)
     finally:
@@ -228,7 +235,8 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"{name}: {len(run.ttft_s)} turns, mean TTFT {statistics.fmean(run.ttft_s or [0]) * 1000:,.0f} ms, "
                   f"hits {run.hit_rate:.1%}, {len(run.errors)} errors, {run.wall_s:.1f} s", flush=True)
             runs.append(run)
-    print(f"kvserve bench cluster: {args.conversations} conversations x {args.turns} turns at once, shared system "
+    print(f"kvserve bench cluster: {args.conversations} conversations x {args.turns} turns, {args.concurrency} at "
+          f"once, {args.doc_words}-word document each, shared system "
           f"prompt, {args.max_tokens} tokens per reply, {runs[0].prompt_tokens:,} prompt tokens; {args.replicas} "
           f"replicas of {args.num_kv_blocks} KV blocks at {args.replica_cpus} CPU each on a {args.ray_num_cpus}-CPU "
           f"Ray (single engine: {args.replicas * args.num_kv_blocks} blocks); load average (1 min) before/after")
@@ -248,13 +256,14 @@ def add_cluster_bench_parser(bsub: argparse._SubParsersAction, common: argparse.
                         help="multi-turn chats on engine replicas: KV-aware vs default routing, write-through")
     c.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     c.add_argument("--conversations", type=int, default=8)
+    c.add_argument("--concurrency", type=int, default=1, help="turns in flight at once (1: round-robin)")
     c.add_argument("--turns", type=int, default=6)
     c.add_argument("--doc-words", type=int, default=400, help="words of each conversation's document")
     c.add_argument("--words-per-turn", type=int, default=12, help="words quoted in each later question")
     c.add_argument("--system-words", type=int, default=150, help="words of the shared system prompt's notes")
     c.add_argument("--max-tokens", type=int, default=16, help="reply length per turn")
     c.add_argument("--replicas", type=int, default=2)
-    c.add_argument("--num-kv-blocks", type=int, default=240,
+    c.add_argument("--num-kv-blocks", type=int, default=256,
                    help="device KV blocks per replica (the single engine gets replicas x this)")
     c.add_argument("--replica-cpus", type=float, default=0.5)
     c.add_argument("--ray-num-cpus", type=float, default=2)
