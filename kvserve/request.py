@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -26,6 +26,24 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"        # eos, a stop token id or a stop string
     LENGTH = "length"    # max_tokens or the context window
     ABORT = "abort"      # cancelled by the caller
+    ERROR = "error"      # failed while running (``Request.error`` says why); other requests go on
+
+
+class TokenConstraint(Protocol):
+    """A request's grammar state (kvserve/sampling/structured.py): which tokens may come next.
+
+    Owned by its request; only the sampler (masks) and the engine (accepted tokens) call it.
+    """
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32, one bit per token id)."""
+
+    def accept(self, token_id: int) -> None:
+        """Advance past ``token_id``; ValueError when the grammar does not allow it."""
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar is complete and allows nothing more: the output ends here."""
 
 
 class TokenLogprob(NamedTuple):
@@ -61,6 +79,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
+    constraint: TokenConstraint | None = None   # set by the engine for structured outputs
+    error: str | None = None                     # why it finished with FinishReason.ERROR
     # text produced so far (kept only when stop strings need it)
     output_text: str = ""
 

@@ -14,6 +14,8 @@ cannot read raises ValueError.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from kvserve.attention.cpu_extension import load_extension
@@ -43,6 +45,12 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
     ext = load_extension()
     if ext is None:
         raise RuntimeError("the C++ CPU attention kernel is unavailable (see the log); use the torch backend")
+    return run(ext, q, key, value, batch, scale, out)
+
+
+def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
+        out: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_attention`` with a given build of the kernel (``load_extension(isa)``)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_floating_point():
         raise ValueError(f"q must be a float tensor [tokens, heads, head_dim], got {_describe(q)}")
     if q.device.type != "cpu":

@@ -8,8 +8,9 @@ starting at once) each compile in a private directory and atomically rename the 
 into place: no lock that a killed build could leave behind.
 
 The instruction set is chosen at run time, from /proc/cpuinfo (else torch's CPU capability):
-AVX-512 (F/BW/VL/DQ) when this CPU has it, else AVX2 + FMA + F16C, else a portable scalar
-build. ``KVSERVE_CPU_ISA=avx2|scalar`` forces one (tests build all three).
+AVX-512 (F/BW/VL/DQ, and VBMI when present) when this CPU has it, else AVX2 + FMA + F16C,
+else a portable scalar build. ``KVSERVE_CPU_ISA`` forces one this CPU runs (tests build the
+narrower ones too).
 """
 
 from __future__ import annotations
@@ -35,13 +36,18 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.cpp", "kernel.h", "attend.h", "dequant.h", "simd.h")
 BASE_FLAGS = ("-O3", "-DNDEBUG", "-fopenmp")
+_AVX512 = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 ISA_FLAGS = {
-    "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    "avx512vbmi": (*_AVX512, "-mavx512vbmi"),
+    "avx512": _AVX512,
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "scalar": (),
 }
-_ISA_CPU_FLAGS = {"avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
-                  "avx2": {"avx2", "fma", "f16c"}}
+_ISA_CPU_FLAGS = {  # widest first
+    "avx512vbmi": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi"},
+    "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx2": {"avx2", "fma", "f16c"},
+}
 _BUILD_ERRORS = (OSError, ImportError, RuntimeError, subprocess.SubprocessError)
 
 
@@ -55,20 +61,28 @@ def cache_dir() -> Path:
 
 
 def detect_isa() -> str:
-    """The widest of ``avx512``, ``avx2``, ``scalar`` this CPU runs (``KVSERVE_CPU_ISA`` overrides)."""
+    """The widest instruction set in ISA_FLAGS this CPU runs, or ``KVSERVE_CPU_ISA`` when set
+    (ValueError if this CPU cannot run it)."""
+    supported = supported_isas()
     forced = os.environ.get("KVSERVE_CPU_ISA", "").strip().lower()
     if forced:
-        if forced not in ISA_FLAGS:
-            raise ValueError(f"KVSERVE_CPU_ISA must be one of {sorted(ISA_FLAGS)}, got {forced!r}")
+        if forced not in supported:
+            raise ValueError(f"KVSERVE_CPU_ISA={forced!r}: this CPU runs {', '.join(supported)}")
         return forced
+    return supported[0]
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets of ISA_FLAGS this CPU runs, widest first (``scalar`` always last)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "scalar"
+        return ["scalar"]
     try:
         text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "scalar")
+    except OSError:  # no /proc: what torch detected
+        widest = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "scalar")
+        return list(ISA_FLAGS)[list(ISA_FLAGS).index(widest):]
     flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    return next((isa for isa, needs in _ISA_CPU_FLAGS.items() if needs <= flags), "scalar")
+    return [isa for isa, needs in _ISA_CPU_FLAGS.items() if needs <= flags] + ["scalar"]
 
 
 def extension_name(isa: str) -> str:
@@ -125,8 +139,9 @@ def _build(name: str, isa: str, target: Path) -> ModuleType:
         return module
     except _BUILD_ERRORS as e:
         log_path.write_text(str(e))
-        raise RuntimeError(f"building {name} failed: {str(e).strip().splitlines()[0] if str(e).strip() else e!r} "
-                           f"(full output in {log_path})") from e
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        first = next((line for line in lines if "error" in line.lower() and len(line) < 300), type(e).__name__)
+        raise RuntimeError(f"building {name} failed: {first} (full output in {log_path})") from e
     finally:
         os.environ["PATH"] = path
         shutil.rmtree(work, ignore_errors=True)

@@ -88,19 +88,22 @@ def read_bandwidth(nbytes: int, repeats: int) -> Stat:
     return Stat.of(rates)
 
 
-def sweep_times(fns: list[Callable[[int], object]], num_layers: int, repeats: int) -> list[Stat]:
-    """Per-call seconds of each fn(layer): each sample is one sweep of every layer; the fns
-    take turns so drift in machine load falls on all of them."""
+def sweep_times(fns: list[Callable[[int], object]], num_layers: int, repeats: int) -> list[tuple[Stat, Stat]]:
+    """Per-call (wall, CPU) seconds of each fn(layer): each sample is one sweep of every layer;
+    the fns take turns so drift in machine load falls on all of them. CPU time is this
+    process's, all threads: it does not grow when other processes take the cores away."""
     for fn in fns:
         fn(0)
-    samples: list[list[float]] = [[] for _ in fns]
+    walls: list[list[float]] = [[] for _ in fns]
+    cpus: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, xs in zip(fns, samples):
-            t = time.perf_counter()
+        for fn, wall, cpu_ in zip(fns, walls, cpus):
+            t, c = time.perf_counter(), time.process_time()
             for i in range(num_layers):
                 fn(i)
-            xs.append((time.perf_counter() - t) / num_layers)
-    return [Stat.of(xs) for xs in samples]
+            wall.append((time.perf_counter() - t) / num_layers)
+            cpu_.append((time.process_time() - c) / num_layers)
+    return [(Stat.of(w), Stat.of(c)) for w, c in zip(walls, cpus)]
 
 
 def bench_format(token: str, num_seqs: int, context: int, num_layers: int, repeats: int,
@@ -130,10 +133,10 @@ def bench_format(token: str, num_seqs: int, context: int, num_layers: int, repea
         return torch_path(q, kc, vc, layers[i], table_long, mask, scale)
 
     diff = (kernel(0) - baseline(0)).abs().max().item()  # type: ignore[operator]
-    t_kernel, t_torch = sweep_times([kernel, baseline], num_layers, repeats)
+    (t_kernel, c_kernel), (t_torch, _) = sweep_times([kernel, baseline], num_layers, repeats)
     nbytes = num_blocks * (kc.nbytes_per_block(BLOCK, HEADS, HEAD_DIM) + vc.nbytes_per_block(BLOCK, HEADS, HEAD_DIM))
     return {"format": kc.name if kc.name == vc.name else f"k={kc.name},v={vc.name}", "kernel": t_kernel,
-            "torch": t_torch, "nbytes": nbytes, "diff": diff}
+            "kernel_cpu": c_kernel, "torch": t_torch, "nbytes": nbytes, "diff": diff}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,20 +163,24 @@ def main(argv: list[str] | None = None) -> None:
         native = None
         for token in args.formats.split(","):
             r = bench_format(token.strip(), num_seqs, context, args.layers, args.repeats)
-            k, t = r["kernel"], r["torch"]
-            assert isinstance(k, Stat) and isinstance(t, Stat)
+            k, t, kc = r["kernel"], r["torch"], r["kernel_cpu"]
+            assert isinstance(k, Stat) and isinstance(t, Stat) and isinstance(kc, Stat)
             nbytes = int(r["nbytes"])  # type: ignore[call-overload]
             native = native or k.median
             rows.append([shape, r["format"], f"{k.median * 1e6:.0f} ({k.low * 1e6:.0f}-{k.high * 1e6:.0f})",
+                         f"{kc.median * 1e6:.0f}",
                          f"{t.median * 1e6:.0f} ({t.low * 1e6:.0f}-{t.high * 1e6:.0f})",
                          f"{t.median / k.median:.1f}x", f"{native / k.median:.2f}x", f"{nbytes / 1e6:.2f}",
                          f"{nbytes / k.median / 1e9:.1f}", f"{nbytes / k.median / 1e9 / bandwidth.median:.0%}",
                          f"{r['diff']:.1e}"])
-    print(table(["shape", "format", "kernel us (min-max)", "torch us (min-max)", "vs torch", "vs first",
+    first = args.formats.split(",")[0].strip()
+    print(table(["shape", "format", "kernel us (min-max)", "kernel CPU us", "torch us (min-max)", "vs torch",
+                 f"vs {first}",
                  "KV MB/call", "kernel GB/s", "of read bw", "max |diff|"], rows))
     load_after = os.getloadavg()
     print(f"\nload average after: {load_after[0]:.2f} (1 min); per call = one layer's attention, "
-          f"median over {args.repeats} sweeps of {args.layers} layers")
+          f"median over {args.repeats} sweeps of {args.layers} layers; kernel CPU us = CPU time of all threads "
+          "per call (about threads x wall when the cores are not shared)")
 
 
 if __name__ == "__main__":

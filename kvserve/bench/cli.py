@@ -92,3 +92,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_kv_decode_parser(bsub, common)
     from kvserve.bench.cluster import add_cluster_bench_parser
     add_cluster_bench_parser(bsub, common)
+    from kvserve.bench.structured import add_structured_parser
+    add_structured_parser(bsub, common)

@@ -119,3 +119,14 @@ def plot_serve(ttft_s: Sequence[float], e2e_s: Sequence[float], path: str | Path
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)
+
+
+def plot_structured(rows: Sequence[Mapping[str, float]], path: str | Path) -> Path:
+    """``bench structured``: sampling ms per generated token, unconstrained vs JSON-schema
+    constrained, per batch size (the part of a step the constraint changes)."""
+    fig, (ax,) = _figure(1, "JSON-schema constraint: sampling cost per generated token")
+    _bars(ax, [f"batch {int(r['batch'])}" for r in rows],
+          {"unconstrained": [r["baseline_sampling_ms"] for r in rows],
+           "JSON schema": [r["constrained_sampling_ms"] for r in rows]},
+          "ms per generated token")
+    return _save(fig, path)

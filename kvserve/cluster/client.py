@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
@@ -96,9 +96,15 @@ class ReplicaClient:
                 self.fleet.server.on_abort(rid)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """``fn(engine)`` on every replica (pins, resets: the fleet stays alike). An int answer
-        (a count of blocks) is summed over the fleet; any other is the first replica's."""
-        results = await self._handle.broadcast("call", fn).results_async()
+        """``fn(engine)`` on every replica (pins, resets, checks: the fleet stays alike). An int
+        answer (a count of blocks) is summed over the fleet; any other is the first replica's.
+        An error ``fn`` raises is raised here as itself, not as Ray's wrapper."""
+        try:
+            results = await self._handle.broadcast("call", fn).results_async()
+        except RayTaskError as e:        # fn's own error (a ValueError is the client's 400), unwrapped
+            if isinstance(e.cause, Exception):
+                raise e.cause from None
+            raise
         if not results:
             raise EngineError("no engine replica is running")
         if all(isinstance(r, int) and not isinstance(r, bool) for r in results):

@@ -57,7 +57,7 @@ class EngineReplica:
             return
         yield Accepted(self.replica_id)
         try:
-            async for item in stream:
+            async for item in stream.outputs():      # failed requests too: the ingress fails them alone
                 yield StreamItem(item.choice, item.output)
         finally:
             stream.close()               # cancelled (client gone, ingress gave up): abort what is left

@@ -34,6 +34,7 @@ from kvserve.offload.base import Transport
 from kvserve.offload.tiered import open_transports
 from kvserve.request import FinishReason, Request
 from kvserve.sampling.sampler import Sampler, top_logprobs
+from kvserve.sampling.structured import GrammarCompiler
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.policies import policy_class
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -98,8 +99,10 @@ class LLMEngine:
                                  self.tiering, self.budgets, self.pins)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.tiering)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.attention)
-        self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.sampler = Sampler(config.seed, sorted(self.eos_token_ids))
+        self.grammars = GrammarCompiler(self.tokenizer.to_tokenizer_json() if self.tokenizer is not None else None,
+                                        mc.vocab_size, sorted(self.eos_token_ids))
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_steps = 0
@@ -139,10 +142,16 @@ class LLMEngine:
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError for parameters this engine cannot run (an unknown KV budget policy, a
-        KV budget it cannot apply)."""
+        KV budget it cannot apply, a token id outside the vocabulary, a grammar that does not compile)."""
         if params.kv_policy is not None:
             get_policy(params.kv_policy)
         self.budgets.check(params)
+        vocab = self.model_config.vocab_size
+        for token_id, _ in params.logit_bias:
+            if token_id >= vocab:
+                raise ValueError(f"logit_bias: token id {token_id} is out of range for a vocabulary of {vocab}")
+        if params.structured is not None:
+            self.grammars.check(params.structured)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, cache: CacheControl | None = None) -> str:
@@ -174,6 +183,8 @@ class LLMEngine:
         self._pin_request_prefixes(ids, cache)
         req = Request(rid, ids, params, arrival_seq=seq, priority=priority, max_tokens=max_tokens,
                       retention_class=cache.retention_class)
+        if params.structured is not None:
+            req.constraint = self.grammars.matcher(params.structured)
         self._requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -249,7 +260,12 @@ class LLMEngine:
             return []
         self.num_steps += 1
         start = time.perf_counter()
-        result = self.runner.execute(out)
+        try:
+            result = self.runner.execute(out)
+        except Exception as e:
+            # not attributable to one request: fail the step's requests, keep the engine going
+            log.exception("step %d failed; failing its %d requests", self.num_steps, len(out.chunks))
+            return [self._fail(c.request, f"the model step failed: {type(e).__name__}: {e}") for c in out.chunks]
         self._observe_step(out, time.perf_counter() - start)
         self.scheduler.update(out)
         for rid, lps in result.prompt_logprobs.items():
@@ -259,24 +275,52 @@ class LLMEngine:
             req.prompt_logprobs.extend(lps)
         if not result.sample_requests:
             return []
-        token_ids = self.sampler.sample(result.logits, result.sample_requests)
-        want_logprobs = [i for i, r in enumerate(result.sample_requests) if r.params.logprobs is not None]
-        if want_logprobs:
-            logprobs = torch.log_softmax(result.logits[want_logprobs], dim=-1)
-            for row, i in enumerate(want_logprobs):
-                req = result.sample_requests[i]
-                req.output_logprobs.extend(
-                    top_logprobs(logprobs[row:row + 1], [token_ids[i]], req.params.logprobs or 0))
+        return self._sample(result.logits, result.sample_requests)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[RequestOutput]:
+        """Draw a token for each request and apply it. A failure that belongs to one request
+        (its row could give no token, its grammar rejected the token) fails that request only."""
+        try:
+            token_ids, errors = self.sampler.sample(logits, requests)
+        except Exception as e:
+            log.exception("sampling failed; failing its %d requests", len(requests))
+            return [self._fail(r, f"sampling failed: {type(e).__name__}: {e}") for r in requests]
+        # logprobs are the model's own (before penalties, bias and grammar), as in vLLM
+        wanted = [i for i, t in enumerate(token_ids) if t is not None and requests[i].params.logprobs is not None]
+        logprob_row = {i: k for k, i in enumerate(wanted)}
+        logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
         outputs = []
-        for req, token_id in zip(result.sample_requests, token_ids):
-            req.append_token(token_id)
-            reason = self._check_stop(req, token_id)
+        for i, (req, token_id) in enumerate(zip(requests, token_ids)):
+            if token_id is None:
+                outputs.append(self._fail(req, errors[i]))
+                continue
+            try:
+                if logprobs is not None and i in logprob_row:
+                    k = logprob_row[i]
+                    req.output_logprobs.extend(top_logprobs(logprobs[k:k + 1], [token_id], req.params.logprobs or 0))
+                if req.constraint is not None:
+                    req.constraint.accept(token_id)
+                req.append_token(token_id)
+                reason = self._check_stop(req, token_id)
+            except Exception as e:
+                log.exception("request %s failed after sampling", req.request_id)
+                outputs.append(self._fail(req, f"{type(e).__name__}: {e}"))
+                continue
             if reason is not None:
-                self.scheduler.finish(req, reason)
-                req.finish_time = time.monotonic()
-                del self._requests[req.request_id]
+                self._retire(req, reason)
             outputs.append(self.make_output(req))
         return outputs
+
+    def _retire(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason)
+        req.finish_time = time.monotonic()
+        del self._requests[req.request_id]
+
+    def _fail(self, req: Request, error: str) -> RequestOutput:
+        """Finish ``req`` with FinishReason.ERROR (its blocks freed), as an output naming ``error``."""
+        req.error = error
+        self._retire(req, FinishReason.ERROR)
+        return self.make_output(req)
 
     def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Feed the load-or-recompute cost model with steps that are mostly prefill."""
@@ -286,12 +330,15 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
         p = req.params
-        if not p.ignore_eos and token_id in self.eos_token_ids:
+        if req.constraint is not None and req.constraint.is_finished:
+            return FinishReason.STOP   # the grammar allows nothing more
+        can_stop = req.num_output_tokens >= p.min_tokens
+        if can_stop and not p.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.STOP
-        if token_id in p.stop_token_ids:
+        if can_stop and token_id in p.stop_token_ids:
             req.stop_reason = token_id
             return FinishReason.STOP
-        if p.stop and self.tokenizer is not None:
+        if can_stop and p.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
             # only the tail can hold a new match
             tail_from = max(0, len(req.output_text) - max(len(s) for s in p.stop))
@@ -323,7 +370,7 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
-            ttft=ttft, e2e_latency=e2e, num_preemptions=req.num_preemptions)
+            ttft=ttft, e2e_latency=e2e, num_preemptions=req.num_preemptions, error=req.error)
 
     def stats(self) -> EngineStats:
         return EngineStats(

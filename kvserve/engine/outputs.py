@@ -15,13 +15,14 @@ class RequestOutput:
     token_ids: list[int]
     num_cached_tokens: int          # prompt tokens served from the prefix cache
     finished: bool
-    finish_reason: str | None       # "stop", "length", "abort"; None while running
+    finish_reason: str | None       # "stop", "length", "abort", "error"; None while running
     stop_reason: str | int | None   # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] | None
     prompt_logprobs: list[TokenLogprob | None] | None   # first entry is None (no context)
     ttft: float | None              # seconds from arrival to the first token
     e2e_latency: float | None       # seconds from arrival to finish
     num_preemptions: int
+    error: str | None = None        # with finish_reason "error": what failed (this request only)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,7 +35,7 @@ from kvserve.kv.budget.policies import get_policy
 from kvserve.llm import LLM
 from kvserve.model.loader import LoadedModel
 from kvserve.request import Request
-from kvserve.sampling.sampler import Sampler
+from kvserve.sampling.sampler import Sampled, Sampler
 from kvserve.sampling_params import SamplingParams
 
 WARM_GAP = 48          # prompt tokens left out of the shared warm-up
@@ -110,14 +110,15 @@ class ForcedSampler(Sampler):
         self.targets = targets
         self.logprobs: dict[str, list[float]] = {rid: [] for rid in targets}
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         out = super().sample(logits, requests)
         for row, req in enumerate(requests):
             forced = self.targets.get(req.request_id)
             if forced is not None:
                 token = forced[req.num_output_tokens]
                 self.logprobs[req.request_id].append(float(torch.log_softmax(logits[row], -1)[token]))
-                out[row] = token
+                out.token_ids[row] = token
+                out.errors.pop(row, None)
         return out
 
 

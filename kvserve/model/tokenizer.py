@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import (
     AddedToken,
@@ -123,6 +124,14 @@ def _compile_chat_template(source: str) -> jinja2.Template:
         raise ValueError(f"The model's chat template does not compile: {e}") from e
 
 
+def _template_reads(source: str | None, name: str) -> bool:
+    """Whether the template reads the variable ``name`` (e.g. ``tools``)."""
+    if not source:
+        return False
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    return name in jinja2.meta.find_undeclared_variables(env.parse(source))
+
+
 class Tokenizer:
     """Wraps a ``tokenizers.Tokenizer`` with the model's special ids and chat template."""
 
@@ -136,6 +145,7 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
         self._template = _compile_chat_template(chat_template) if chat_template else None
+        self.template_declares_tools = _template_reads(chat_template, "tools")
 
     @classmethod
     def from_gguf_fields(cls, fields: GGUFTokenizerFields) -> Tokenizer:
@@ -192,10 +202,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """Render ``messages`` to the prompt text (not ids); ValueError on malformed messages,
-        a model without a template, or a conversation the template rejects."""
+        a model without a template, or a conversation the template rejects. ``tools`` (OpenAI
+        tool definitions) reach templates that read them (``template_declares_tools``)."""
         if self._template is None:
             raise ValueError("This model has no chat template; send a plain prompt instead.")
         _validate_messages(messages)
@@ -203,7 +214,7 @@ class Tokenizer:
         strings = {k: (self.id_to_token(v) or "") if v is not None else "" for k, v in special.items()}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **strings)
+                                         tools=tools, **strings)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"The chat template rejected the messages: {e}") from e
 

@@ -1,10 +1,19 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+A row that cannot give a token (NaN logits, every token masked, a grammar that failed)
+fails its own request: ``sample`` reports it by row and draws the other rows as usual.
+"""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import NamedTuple
 
 import torch
 
 from kvserve.request import Request, TokenLogprob
+from kvserve.sampling.processors import process_logits
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
@@ -21,29 +30,59 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[T
     return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
 
 
-class Sampler:
-    def __init__(self, seed: int) -> None:
-        self._generator = torch.Generator().manual_seed(seed)
+class Sampled(NamedTuple):
+    token_ids: list[int | None]     # None for a row that failed
+    errors: dict[int, str]          # row -> why it has no token
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """One token per row of ``logits`` ([n, vocab], float32, on CPU)."""
-        token_ids = logits.argmax(dim=-1).tolist()
+
+class Sampler:
+    def __init__(self, seed: int, eos_token_ids: Collection[int] = ()) -> None:
+        self._generator = torch.Generator().manual_seed(seed)
+        self._eos_token_ids = tuple(eos_token_ids)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
+        """One token per row of ``logits`` ([n, vocab], float32, on CPU), after each request's
+        penalties, bias and grammar (kvserve/sampling/processors.py)."""
+        logits, errors = process_logits(logits, requests, self._eos_token_ids)
+        # one pass over the vocabulary finds every odd row: a row's max is NaN when it holds
+        # a NaN, +inf when it holds +inf, -inf when every token is masked
+        top, argmax = logits.max(dim=-1)
+        odd = (~torch.isfinite(top)).nonzero()[:, 0].tolist()
+        if odd:
+            logits = logits.clone()   # the caller's logits stay the model's (logprobs read them)
+        for i in odd:
+            value = top[i].item()
+            if math.isnan(value):
+                errors.setdefault(i, "the model produced NaN logits")
+            elif value < 0:
+                errors.setdefault(i, "no token is allowed at this position"
+                                     + (" by the grammar" if requests[i].constraint is not None else ""))
+            else:   # +inf is the limit of a logit: the tokens holding it share all the probability
+                logits[i] = torch.where(torch.isposinf(logits[i]), 0.0, float("-inf"))
+        token_ids: list[int | None] = list(argmax.tolist())
         for row, req in enumerate(requests):
-            if not req.params.is_greedy:
-                token_ids[row] = self._sample_row(logits[row], req)
-        return token_ids
+            if row in errors:
+                token_ids[row] = None
+            elif not req.params.is_greedy:
+                try:
+                    token_ids[row] = self._sample_row(logits[row], req)
+                except RuntimeError as e:   # torch's complaint about this row's distribution
+                    errors[row], token_ids[row] = f"sampling failed: {e}", None
+        return Sampled(token_ids, errors)
 
     def _sample_row(self, logits: torch.Tensor, req: Request) -> int:
         p = req.params
         scaled = logits / p.temperature
-        if p.top_k > 0 and p.top_k < scaled.shape[-1]:
+        if 0 < p.top_k < scaled.shape[-1]:
             kth = scaled.topk(p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         if p.top_p < 1.0:
             sorted_logits, order = scaled.sort(descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            # drop a token when the mass before it already reaches top_p (the first always stays)
-            drop = (cum - sorted_logits.softmax(-1)) >= p.top_p
+            probs = sorted_logits.softmax(-1)
+            # drop a token when the mass before it already reaches top_p; the first always stays
+            # (a tiny top_p rounds to 0 in float32, which would otherwise drop every token)
+            drop = (probs.cumsum(-1) - probs) >= p.top_p
+            drop[0] = False
             scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = scaled.softmax(-1)
         gen = req.generator if req.generator is not None else self._generator

@@ -2,8 +2,12 @@
 
 Every failure leaves as ``{"error": {"message", "type", "param", "code"}}``: bad input as
 a 4xx naming the problem, an engine failure as 503, anything unexpected as 500 (and
-logged). ``/health`` and ``/metrics`` stay open; everything under ``/v1`` (the cache
-reset included) needs the API key when one is set.
+logged). ``/health``, ``/metrics`` and ``/openapi.json`` stay open; everything under ``/v1``
+(the cache reset included) needs the API key when one is set.
+
+Handlers read and validate their bodies themselves (a size limit while reading, strict
+models, errors naming the field), so the OpenAPI schema gets the request models from
+``_openapi``, not from FastAPI's signature inspection.
 """
 
 from __future__ import annotations
@@ -12,20 +16,24 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvserve.engine.engine import LLMEngine
-from kvserve.server.async_engine import AsyncEngine, EngineError
+from kvserve.server.async_engine import AsyncEngine, EngineError, RequestFailed
 from kvserve.server.cache_api import cache_router
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvserve.server.protocol import APIError
+from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import ClientGone, ServerSettings, ServingContext, now_s
 
 log = logging.getLogger("kvserve.server")
@@ -53,7 +61,9 @@ def build_app(ctx: ServingContext, start: Callable[[], None], stop: Callable[[],
         finally:
             stop()
 
-    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server with a prefix-cached, tiered KV cache",
+                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.state.ctx = ctx
     _add_error_handlers(app, metrics)
 
@@ -66,6 +76,10 @@ def build_app(ctx: ServingContext, start: Callable[[], None], stop: Callable[[],
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    # HEAD answers as GET does, without the body (load balancers probe with it)
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+    app.add_api_route("/metrics", prometheus, methods=["HEAD"], include_in_schema=False)
 
     app.include_router(_v1_router(ctx))
     return app
@@ -97,11 +111,11 @@ def _v1_router(ctx: ServingContext) -> APIRouter:
         ctx.check_model(model)
         return JSONResponse(model_card())
 
-    @router.post("/completions")
+    @router.post("/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await create_completion(ctx, request)
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
 
@@ -112,6 +126,26 @@ def _v1_router(ctx: ServingContext) -> APIRouter:
 
     router.include_router(cache_router(ctx))   # /cache/pin, /cache/unpin, /cache/pins
     return router
+
+
+_BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest)
+_REF = "#/components/schemas/{model}"
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    schema = {"$ref": _REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema of the routes, with the request models (and the models they use)
+    added to its components; built once."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version="1", summary=app.summary, routes=app.routes)
+        _, defs = models_json_schema([(m, "validation") for m in _BODY_MODELS], ref_template=_REF)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
@@ -134,6 +168,9 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def engine_error(request: Request, exc: Exception) -> Response:
         return reply(APIError(503, str(exc), type="server_error"))
 
+    async def request_failed(request: Request, exc: Exception) -> Response:
+        return reply(APIError(500, str(exc), type="server_error"))
+
     async def client_gone(request: Request, exc: Exception) -> Response:
         return reply(APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection"))
 
@@ -145,5 +182,6 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(EngineError, engine_error)
+    app.add_exception_handler(RequestFailed, request_failed)
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(Exception, internal_error)

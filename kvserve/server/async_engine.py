@@ -41,6 +41,11 @@ class EngineError(RuntimeError):
     """The engine failed (or stopped) while running a request; not the client's fault."""
 
 
+class RequestFailed(RuntimeError):
+    """One request failed while generating (``RequestOutput.error``); the engine and the
+    other requests go on. Not the client's fault."""
+
+
 class EngineObserver(Protocol):
     """Called on the engine thread only, once per step (and after a batch of commands
     when the engine is idle). Must be quick: it delays the next step."""
@@ -137,6 +142,14 @@ class RequestStream:
     finished: set[int] = field(default_factory=set)
 
     async def __aiter__(self) -> AsyncIterator[StreamItem]:
+        async for item in self.outputs():
+            if item.output.finished and item.output.error is not None:
+                raise RequestFailed(f"the request failed while generating: {item.output.error}")
+            yield item
+
+    async def outputs(self) -> AsyncIterator[StreamItem]:
+        """Every item, a failed request's last output (``error`` set) included: what an
+        engine replica forwards, so that the ingress's stream fails that request alone."""
         while len(self.finished) < len(self.request_ids):
             batch = [await self.queue.get()]
             while not self.queue.empty():

@@ -29,6 +29,7 @@ from kvserve.server.protocol import (
     parse_body,
 )
 from kvserve.server.serving import ServingContext
+from kvserve.server.tools import template_messages
 
 PIN_LIMIT_EXCEEDED = "pin_limit_exceeded"
 
@@ -84,8 +85,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 async def _encode_messages(ctx: ServingContext, messages: list[ChatMessage], param: str) -> list[int]:
     """Token ids of ``messages`` rendered without the generation prompt (a conversation prefix)."""
     try:
-        text = ctx.tokenizer.apply_chat_template([m.as_template_dict() for m in messages],
-                                                 add_generation_prompt=False)
+        text = ctx.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=False)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     return await ctx.encode(text, param)

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: messages through the model's chat template, streaming, logprobs."""
+"""``POST /v1/chat/completions``: messages through the model's chat template, streaming, logprobs,
+structured outputs and tool calls (kvserve/server/tools.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvserve.server.async_engine import RequestSpec, RequestStream, StreamItem
 from kvserve.server.cache_api import chat_cache
 from kvserve.server.protocol import ChatCompletionRequest, bad_request, parse_body
 from kvserve.server.serving import DeltaText, ServingContext, now_s, response_id, sse_stream, usage
+from kvserve.server.tools import ToolPlan, parse_calls, plan_tools, template_messages
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class _Plan:
     req: ChatCompletionRequest
     prompt_ids: list[int]
     specs: list[RequestSpec]
+    tools: ToolPlan
 
 
 async def plan_chat(ctx: ServingContext, request: Request) -> _Plan:
@@ -29,9 +32,15 @@ async def plan_chat(ctx: ServingContext, request: Request) -> _Plan:
     ctx.check_model(req.model)
     req.check_unsupported()
     req.stop_strings()   # a bad stop list is reported before the prompt is looked at
+    tools = plan_tools(req, ctx.tokenizer.template_declares_tools)
+    structured, param = req.structured()
+    if tools.makes_calls:
+        if structured is not None:
+            raise bad_request(f"tool_choice {tools.mode} constrains the output; drop {param}", param)
+        structured, param = tools.structured, "tools"
     try:
-        prompt = ctx.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages],
-                                                   add_generation_prompt=True)
+        prompt = ctx.tokenizer.apply_chat_template(template_messages(req.messages), add_generation_prompt=True,
+                                                   tools=tools.template_tools)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     ids = await ctx.encode(prompt, "messages")
@@ -39,8 +48,10 @@ async def plan_chat(ctx: ServingContext, request: Request) -> _Plan:
                    "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     cache = await chat_cache(ctx, req, ids)
-    specs = [RequestSpec(ids, req.sampling_params(j, req.max_new_tokens, logprobs), cache) for j in range(req.n)]
-    return _Plan(req, ids, specs)
+    specs = [RequestSpec(ids, req.sampling_params(j, req.max_new_tokens, logprobs, structured=structured), cache)
+             for j in range(req.n)]
+    await ctx.check_params(specs[0].params, param)
+    return _Plan(req, ids, specs, tools)
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -50,12 +61,22 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if plan.req.stream:
         return StreamingResponse(_stream(ctx, plan, stream, rid, created), media_type="text/event-stream")
     outs = await ctx.collect(stream, request)
-    choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
-                "logprobs": _logprobs(ctx, plan, out.logprobs or []), "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason}
-               for i, out in enumerate(outs)]
+    choices = []
+    for i, out in enumerate(outs):
+        message, finish_reason = _message(plan, out)
+        choices.append({"index": i, "message": message, "logprobs": _logprobs(ctx, plan, out.logprobs or []),
+                        "finish_reason": finish_reason, "stop_reason": out.stop_reason})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                          "model": ctx.settings.model_name, "choices": choices, "usage": _usage(plan, outs)})
+
+
+def _message(plan: _Plan, out: RequestOutput) -> tuple[dict[str, Any], str | None]:
+    """The assistant message and finish reason: tool calls when the output holds them."""
+    parsed = parse_calls(plan.tools, out.text) if plan.tools.reads_calls and out.finish_reason != "length" else None
+    if parsed is None:
+        return {"role": "assistant", "content": out.text}, out.finish_reason
+    content, calls = parsed
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
 def _logprobs(ctx: ServingContext, plan: _Plan, entries: list[TokenLogprob]) -> dict[str, Any] | None:
@@ -83,6 +104,8 @@ def _stream(ctx: ServingContext, plan: _Plan, stream: RequestStream, rid: str, c
     def chunk(item: StreamItem) -> dict[str, Any] | None:
         i, out = item.choice, item.output
         last[i] = out
+        if plan.tools.reads_calls:
+            return _tool_chunk(i, out)
         text = deltas[i].next(out.text, out.finished)
         new_logprobs = (out.logprobs or [])[num_logprobs_sent[i]:]
         num_logprobs_sent[i] += len(new_logprobs)
@@ -92,6 +115,18 @@ def _stream(ctx: ServingContext, plan: _Plan, stream: RequestStream, rid: str, c
         return _chunk(ctx, rid, created, [{"index": i, "delta": delta,
                                            "logprobs": _logprobs(ctx, plan, new_logprobs),
                                            "finish_reason": out.finish_reason if out.finished else None}])
+
+    def _tool_chunk(i: int, out: RequestOutput) -> dict[str, Any] | None:
+        # a reply that may hold calls is sent whole, as one delta, once it is complete
+        if not out.finished:
+            return None
+        message, finish_reason = _message(plan, out)
+        delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        logprobs = _logprobs(ctx, plan, out.logprobs or [])
+        return _chunk(ctx, rid, created, [{"index": i, "delta": delta, "logprobs": logprobs,
+                                           "finish_reason": finish_reason}])
 
     def tail() -> list[dict[str, Any]]:
         if not plan.req.include_usage:

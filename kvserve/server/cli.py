@@ -20,7 +20,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}; unset = open)")
+                   help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}; "
+                        "unset or empty = no authentication)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model's name)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20,
@@ -30,6 +31,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     add_engine_args(s)
     s.set_defaults(run=run_serve)
     return s
+
+
+def resolve_api_key(flag: str | None) -> str | None:
+    """The key to require: the flag's, else the environment's; empty means none (no
+    authentication), so ``--api-key ""`` also turns off a key set in the environment."""
+    key = flag if flag is not None else os.environ.get(API_KEY_ENV)
+    return key or None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -50,6 +58,5 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     from kvserve.model.loader import default_model_name
     from kvserve.server.serving import ServerSettings
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return ServerSettings(model_name=args.served_model_name or default_model_name(args.model),
-                          api_key=api_key, max_body_bytes=args.max_request_bytes)
+                          api_key=resolve_api_key(args.api_key), max_body_bytes=args.max_request_bytes)

@@ -55,9 +55,11 @@ async def plan_completion(ctx: ServingContext, request: Request) -> _Plan:
     score_only = req.max_tokens == 0
     max_tokens = 1 if score_only else req.max_tokens
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    structured, param = req.structured()
     cache = completion_cache(req)
-    specs = [RequestSpec(ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs), cache)
+    specs = [RequestSpec(ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs, structured), cache)
              for ids in prompt_ids for j in range(req.n)]
+    await ctx.check_params(specs[0].params, param)
     return _Plan(req, texts, prompt_ids, specs, score_only)
 
 

@@ -2,8 +2,9 @@
 
 Request models are strict (no "5" for 5, no true for 1) and forbid unknown fields, as the
 OpenAI API does ("Unrecognized request argument"): a typo such as ``max_token`` is an error,
-not a silently ignored option. Fields that clients commonly send but this server cannot
-honour are accepted only at their neutral value (``presence_penalty=0``, no ``tools``).
+not a silently ignored option. OpenAI fields that do not change the output (``user``,
+``metadata``, ``store``, ``service_tier``, ...) are accepted and ignored; fields this server
+cannot honour (``suffix``, ``best_of != n``) are accepted only at their neutral value.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
 MAX_CHOICES = 16          # n: each choice is one engine request
 MAX_STOP_STRINGS = 4      # as the OpenAI API
@@ -60,6 +61,28 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False   # vLLM's extension; accepted, usage comes at the end only
 
 
+class JSONSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs`` (its current name for the ``guided_*`` fields)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Body):
     """What completions and chat share."""
 
@@ -74,14 +97,20 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                        # vLLM's extension, for benchmarks
     cache_priority: Literal["normal", "high"] | None = None   # kvserve's: the retention class of its blocks
-    # accepted at their neutral value only
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)      # vLLM's extension
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)                             # vLLM's extension
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None      # vLLM's extension
+    # OpenAI fields that do not change the output: accepted, ignored
     user: str | None = None
     service_tier: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -92,11 +121,6 @@ class _SamplingFields(_Body):
         return tuple(stop)
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise bad_request(f"{name} is not supported by this server; leave it at 0", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -104,16 +128,57 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise bad_request(f"logit_bias keys must be token ids (strings of digits), got {key!r:.40}",
+                                  "logit_bias")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for {key}", "logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
+        """The output constraint asked for, and the field that asked; 400 when more than one does."""
+        asked: list[tuple[StructuredOutputs, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append((StructuredOutputs(json_object=True), "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+            asked.append((self._spec("response_format", json=rf.json_schema.schema_), "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            asked.append((self._spec("structured_outputs", json=so.json_, regex=so.regex, choice=so.choice,
+                                     grammar=so.grammar, json_object=bool(so.json_object)), "structured_outputs"))
+        if len(asked) > 1:
+            raise bad_request(f"give one output constraint, not {' and '.join(p for _, p in asked)}", asked[1][1])
+        return asked[0] if asked else (None, None)
+
+    @staticmethod
+    def _spec(param: str, **fields: Any) -> StructuredOutputs:
+        try:
+            return StructuredOutputs(**fields)
+        except ValueError as e:
+            raise bad_request(f"{param}: {e}", param) from None
+
     def sampling_params(self, choice: int, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutputs | None = None) -> SamplingParams:
         """The parameters of choice ``choice`` (its seed is ``seed + choice``), with the
-        endpoint's own token limit and logprobs; APIError(400) for values they refuse."""
+        endpoint's own token limit, logprobs and output constraint; APIError(400) for values
+        they refuse."""
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                 seed=None if self.seed is None else self.seed + choice, stop=self.stop_strings(),
-                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, logit_bias=tuple(self.logit_bias_ids().items()),
+                min_tokens=self.min_tokens, structured=structured)
         except ValueError as e:
             raise bad_request(str(e)) from None
 
@@ -153,23 +218,51 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None     # an assistant's earlier calls
+    refusal: str | None = None
     cache_control: CachePin | None = None            # kvserve's: pin the conversation up to this message
 
-    def as_template_dict(self) -> dict[str, str]:
+    @property
+    def text(self) -> str:
         content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        # "developer" is OpenAI's newer name for the system role
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        return "".join(part.text for part in content) if isinstance(content, list) else content or ""
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"]
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -178,19 +271,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if not self.messages:
             raise bad_request("messages must hold at least one message", "messages")
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported by this server", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
 
@@ -204,6 +292,8 @@ _HINTS = {
     "stop": "must be a string or a list of strings",
     "messages": "must be a list of {'role', 'content'} objects",
     "content": "must be a string or a list of {'type': 'text', 'text': ...} parts",
+    "tools": "must be a list of {'type': 'function', 'function': {'name', 'description', 'parameters'}} objects",
+    "tool_choice": "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
 }
 
 

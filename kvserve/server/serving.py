@@ -16,7 +16,14 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.server.async_engine import EngineError, RequestSpec, RequestStream, StreamItem
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.async_engine import (
+    EngineError,
+    RequestFailed,
+    RequestSpec,
+    RequestStream,
+    StreamItem,
+)
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError, bad_request
 
@@ -115,6 +122,19 @@ class ServingContext:
                                 f"prompt, {param} {max_tokens}); shorten the prompt or lower {param}",
                            param=param, code=CONTEXT_LENGTH_EXCEEDED)
 
+    async def check_params(self, params: SamplingParams, structured_param: str | None) -> None:
+        """What only the engine can check (token ids in ``logit_bias``, whether a schema,
+        regex or grammar compiles), on the engine thread; 400 naming the field."""
+        if params.structured is None and not params.logit_bias:
+            return
+        try:
+            await self.engine.call(lambda engine: engine.check_params(params))
+        except ValueError as e:
+            message = str(e)
+            if message.startswith("logit_bias"):
+                raise bad_request(message, "logit_bias") from None
+            raise bad_request(f"{structured_param}: {message}", structured_param) from None
+
     # -- running -----------------------------------------------------------
     async def submit(self, specs: list[RequestSpec], prefix: str) -> RequestStream:
         try:
@@ -210,7 +230,8 @@ async def sse_stream(stream: RequestStream, head: list[dict[str, Any]],
                      tail: Callable[[], list[dict[str, Any]]]) -> AsyncIterator[str]:
     """Server-sent events: ``head``, a chunk per output (None skips it), ``tail``, [DONE].
 
-    An engine failure mid-stream ends it with an error event. The ``finally`` runs when
+    A failure mid-stream ends it with an error event: 500 ``server_error`` when this
+    request failed (the others go on), 503 when the engine did. The ``finally`` runs when
     the client disconnects too (the response task is cancelled), aborting what is left.
     """
     try:
@@ -223,6 +244,8 @@ async def sse_stream(stream: RequestStream, head: list[dict[str, Any]],
         for c in tail():
             yield sse(c)
         yield SSE_DONE
+    except RequestFailed as e:
+        yield sse(APIError(500, str(e), type="server_error").body())
     except EngineError as e:
         yield sse(APIError(503, str(e), type="server_error").body())
     finally:

@@ -52,6 +52,9 @@ def capacity_results() -> list[CapacityResult]:
     ("decode", lambda p: plots.plot_decode([{"batch": 1, "kvserve_tok_s": 17.6, "transformers_tok_s": 15.9},
                                             {"batch": 8, "kvserve_tok_s": 60.4, "transformers_tok_s": 63.7}], p), 1),
     ("serve", lambda p: plots.plot_serve([0.2, 1.5, 0.7, 4.0], [6.0, 7.5, 9.1, 10.8], p), 1),
+    ("structured", lambda p: plots.plot_structured(
+        [{"batch": 1, "baseline_sampling_ms": 0.29, "constrained_sampling_ms": 1.06},
+         {"batch": 8, "baseline_sampling_ms": 0.15, "constrained_sampling_ms": 0.8}], p), 1),
 ])
 def test_each_bench_draws_a_png(tmp_path, name, draw, ncols):
     path = tmp_path / f"{name}.png"
@@ -64,6 +67,6 @@ def test_each_bench_draws_a_png(tmp_path, name, draw, ncols):
 def test_every_bench_takes_plot(tmp_path):
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
-    for bench in ("chat", "decode", "serve", "capacity", "tiers"):
+    for bench in ("chat", "decode", "serve", "capacity", "tiers", "structured"):
         args = parser.parse_args(["bench", bench, "--plot", str(tmp_path / "x.png")])
         assert args.plot == str(tmp_path / "x.png"), bench

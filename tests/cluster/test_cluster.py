@@ -17,6 +17,7 @@ import httpx
 import pytest
 from live_server import running_server
 from offload.redis_server import RedisServer, free_port
+from poison import POISON, install_poison
 from test_bad_input import CASES
 
 from kvserve.llm import LLM
@@ -153,6 +154,21 @@ def test_a_bad_request_gets_the_single_servers_4xx(cluster, default_model):
     assert "KV blocks" in answers[1].json()["error"]["message"]
     r = httpx.get(f"{cluster}/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_a_request_that_fails_while_generating_fails_alone(cluster):
+    import poison
+    ray.cloudpickle.register_pickle_by_value(poison)       # the replicas cannot import tests/
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
+    handle.broadcast("call", install_poison).results()
+    url = f"{cluster}/v1/completions"
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 8, "temperature": 0}
+    poisoned = httpx.post(url, json={**body, **POISON}, timeout=60)
+    assert poisoned.status_code == 500, poisoned.text      # as on one server: the request's own error
+    error = poisoned.json()["error"]
+    assert error["type"] == "server_error" and "poisoned grammar" in error["message"]
+    ok = httpx.post(url, json=body, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
 
 
 def test_metrics_per_replica_and_fleet(cluster):

@@ -8,10 +8,11 @@
 //
 // Keys and values are read through Rows (dequant.h): in place in their stored format, each
 // vector converted once and used for every row of the tile held in registers (RQ rows for
-// logits, RC for values), or as float32 rows a decode pass wrote. This machine's cores
-// retire about one vector operation per cycle whatever its kind, so the kernels count
-// operations: no store / reload of converted rows for small tiles, no horizontal max or
-// sum per block when it can be avoided.
+// logits, RC for values), or as float32 rows a decode pass wrote (large prefill tiles,
+// outlier layouts). Measured on the development machine (AMD EPYC, 2 vCPUs), vector
+// operations of every kind retire at about the same rate (2.5-3 per ns), so what counts is
+// the number of operations per key: no store and reload of converted rows for small tiles,
+// no horizontal max or sum per block where it can be avoided.
 #pragma once
 
 #include <algorithm>
@@ -36,13 +37,20 @@ struct Tile {
 };
 
 #ifdef KVS_SIMD
-// Tiles of at most this many rows read keys (values) in place; larger ones decode first.
-constexpr int logit_rows(int nv) { return W == 16 ? (nv == 4 ? 3 : nv == 8 ? 2 : 0) : (nv == 8 ? 1 : 0); }
-constexpr int value_rows(int nv) { return W == 16 ? (nv == 4 ? 4 : nv == 8 ? 2 : 0) : (nv == 8 ? 1 : 0); }
+// Head dims with their own instances: NV vectors of W channels.
+constexpr bool fast_width(int nv) { return nv == 4 || nv == 8 || nv == 16; }
+// Rows whose accumulators the registers hold (16 registers with AVX2, 32 with AVX-512):
+// logits RQ rows x 4 keys; values RC rows x kValueVectors vectors (+ RC broadcasts). Tiles
+// of at most this many rows read keys and values in place; larger ones decode first.
+constexpr int kValueVectors = 4;
+constexpr int logit_rows(int nv) { return fast_width(nv) ? (W == 16 ? (nv == 4 ? 3 : 4) : 3) : 0; }
+constexpr int value_rows(int nv) { return fast_width(nv) ? (W == 16 ? 4 : 3) : 0; }
 
 // Vector v (channels v*W ..) of key / value row j (at `row`), dequantized but for scale[j].
-template <int CODE>
-inline vf load_row(const Rows& s, const uint8_t* row, int v, int j, const int64_t* goff) {
+// Group codes: VPG vectors per group when known at compile time (then the group's scale
+// and zero are loaded once per row), else `g` is v's group index.
+template <int CODE, int VPG>
+inline vf load_row(const Rows& s, const uint8_t* row, int v, int j, int64_t g) {
   if constexpr (CODE == C_F32) {
     return vload(reinterpret_cast<const float*>(row) + v * W);
   } else if constexpr (CODE == C_F16) {
@@ -56,27 +64,34 @@ inline vf load_row(const Rows& s, const uint8_t* row, int v, int j, const int64_
   } else if constexpr (CODE == C_U4C || CODE == C_U2C) {
     return vfma(vcodes<CODE == C_U4C ? 4 : 2>(row, v * W), vload(s.cs + v * W), vload(s.cz + v * W));
   } else {
-    return vfma(vcodes<CODE == C_U4G ? 4 : 2>(row, v * W), vset1(s.gs[goff[v] + j]), vset1(s.gz[goff[v] + j]));
+    const int64_t at = j * s.gstride + (VPG ? v / (VPG ? VPG : 1) : g);
+    return vfma(vcodes<CODE == C_U4G ? 4 : 2>(row, v * W), vset1(s.gs[at]), vset1(s.gz[at]));
   }
 }
 
+// Group index of vectors v0 .. v0 + NV (runtime group sizes).
 template <int NV>
-inline void group_offsets(const Rows& s, int64_t* goff) {
-  for (int v = 0; v < NV; ++v) goff[v] = s.group ? (v * W / s.group) * s.pld : 0;
+inline void group_offsets(const Rows& s, int v0, int64_t* goff) {
+  for (int v = 0; v < NV; ++v) goff[v] = s.group ? (v0 + v) * W / s.group : 0;
 }
 
-// out[r * pld + j] = q[r] . k_j for RQ rows and keys j < n, the rows' q in registers,
-// keys in groups of KG, each key vector converted once for all rows.
-template <int RQ, int NV, int KG, int CODE>
+// out[r * pld + j] = q[r] . k_j for RQ rows and keys j < n, keys in groups of KG, each key
+// vector converted once for all rows; q comes from memory as the FMAs' operand (no extra
+// operation), so the registers hold only the RQ x KG accumulators.
+template <int RQ, int NV, int KG, int CODE, int VPG>
 inline void logits_rows(const float* q, int64_t ldq, const Rows& k, int n, float* out, int64_t pld, Prefetcher& pf) {
-  vf qv[RQ][NV];
-  #pragma GCC unroll 16
-  for (int r = 0; r < RQ; ++r) {
+  // With 32 registers (AVX-512) small tiles keep q in registers after all: fewer loads.
+  constexpr bool kQinRegs = W == 16 && RQ * NV + RQ * KG <= 28;
+  vf qr[kQinRegs ? RQ : 1][kQinRegs ? NV : 1];
+  if constexpr (kQinRegs) {
     #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) qv[r][v] = vload(q + r * ldq + v * W);
+    for (int r = 0; r < RQ; ++r) {
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) qr[r][v] = vload(q + r * ldq + v * W);
+    }
   }
   int64_t goff[NV];
-  group_offsets<NV>(k, goff);
+  group_offsets<NV>(k, 0, goff);
   int j = 0;
   for (; j + KG <= n; j += KG) {
     pf.pump();
@@ -86,9 +101,12 @@ inline void logits_rows(const float* q, int64_t ldq, const Rows& k, int n, float
     for (int kk = 0; kk < KG; ++kk, row += k.stride) {
       #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) {
-        const vf x = load_row<CODE>(k, row, v, j + kk, goff);
+        const vf x = load_row<CODE, VPG>(k, row, v, j + kk, goff[v]);
         #pragma GCC unroll 16
-        for (int r = 0; r < RQ; ++r) a[r][kk] = v == 0 ? vmul(qv[r][0], x) : vfma(qv[r][v], x, a[r][kk]);
+        for (int r = 0; r < RQ; ++r) {
+          const vf qv = kQinRegs ? qr[kQinRegs ? r : 0][kQinRegs ? v : 0] : vload(q + r * ldq + v * W);
+          a[r][kk] = v == 0 ? vmul(qv, x) : vfma(qv, x, a[r][kk]);
+        }
       }
     }
     #pragma GCC unroll 16
@@ -108,26 +126,30 @@ inline void logits_rows(const float* q, int64_t ldq, const Rows& k, int n, float
     vf a[RQ];
     #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
-      const vf x = load_row<CODE>(k, row, v, j, goff);
+      const vf x = load_row<CODE, VPG>(k, row, v, j, goff[v]);
       #pragma GCC unroll 16
-      for (int r = 0; r < RQ; ++r) a[r] = v == 0 ? vmul(qv[r][0], x) : vfma(qv[r][v], x, a[r]);
+      for (int r = 0; r < RQ; ++r) {
+        const vf qv = kQinRegs ? qr[kQinRegs ? r : 0][kQinRegs ? v : 0] : vload(q + r * ldq + v * W);
+        a[r] = v == 0 ? vmul(qv, x) : vfma(qv, x, a[r]);
+      }
     }
     #pragma GCC unroll 16
     for (int r = 0; r < RQ; ++r) out[r * pld + j] = vhsum(a[r]);
   }
 }
 
-// acc[r] += sum_j p[r * pld + j] * v_j for RC rows, each value vector converted once.
-template <int RC, int NV, int CODE>
+// acc[r][channels of vectors V0 .. V0 + VC) += sum_j p[r * pld + j] * v_j for RC rows, each
+// value vector converted once for all rows; the accumulators stay in registers.
+template <int RC, int VC, int V0, int CODE, int VPG>
 inline void accumulate_rows(float* acc, int64_t ld, const float* p, int64_t pld, const Rows& s, int n, Prefetcher& pf) {
-  vf a[RC][NV];
+  vf a[RC][VC];
   #pragma GCC unroll 16
   for (int r = 0; r < RC; ++r) {
     #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) a[r][v] = vload(acc + r * ld + v * W);
+    for (int v = 0; v < VC; ++v) a[r][v] = vload(acc + r * ld + (V0 + v) * W);
   }
-  int64_t goff[NV];
-  group_offsets<NV>(s, goff);
+  int64_t goff[VC];
+  group_offsets<VC>(s, V0, goff);
   const uint8_t* row = s.base;
   for (int j = 0; j < n; ++j, row += s.stride) {
     if (j % 4 == 0) pf.pump();
@@ -135,8 +157,8 @@ inline void accumulate_rows(float* acc, int64_t ld, const float* p, int64_t pld,
     #pragma GCC unroll 16
     for (int r = 0; r < RC; ++r) pr[r] = vset1(p[r * pld + j]);
     #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) {
-      const vf x = load_row<CODE>(s, row, v, j, goff);
+    for (int v = 0; v < VC; ++v) {
+      const vf x = load_row<CODE, VPG>(s, row, V0 + v, j, goff[v]);
       #pragma GCC unroll 16
       for (int r = 0; r < RC; ++r) a[r][v] = vfma(x, pr[r], a[r][v]);
     }
@@ -144,64 +166,104 @@ inline void accumulate_rows(float* acc, int64_t ld, const float* p, int64_t pld,
   #pragma GCC unroll 16
   for (int r = 0; r < RC; ++r) {
     #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) vstore(acc + r * ld + v * W, a[r][v]);
+    for (int v = 0; v < VC; ++v) vstore(acc + r * ld + (V0 + v) * W, a[r][v]);
   }
 }
 
-// Every row of the tile, RQ (RC) rows at a time: F32 rows may come in any number of chunks,
-// other codes only for tiles within logit_rows / value_rows (see kernel.h).
-template <int NV, int CODE>
+// Every row of the tile, RQ rows at a time: F32 rows may come in any number of chunks,
+// other codes only for tiles within logit_rows (see kernel.h).
+template <int NV, int CODE, int VPG>
 inline void logits_all(const Tile& t, const Rows& k, int n, Prefetcher& pf) {
   constexpr int RQ = logit_rows(NV);
-  constexpr int KG = RQ == 1 && W == 16 ? 8 : 4;
   int r = 0;
-  for (; r + RQ <= t.rows; r += RQ) logits_rows<RQ, NV, KG, CODE>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
-  const int rest = t.rows - r;
-  if constexpr (RQ > 2) {
-    if (rest == 2) logits_rows<2, NV, 4, CODE>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+  if (t.rows == 1) {
+    logits_rows<1, NV, 8, CODE, VPG>(t.q, t.ld, k, n, t.p, t.pld, pf);
+    return;
   }
-  if constexpr (RQ > 1) {
-    if (rest == 1) logits_rows<1, NV, 4, CODE>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+  for (; r + RQ <= t.rows; r += RQ) {
+    logits_rows<RQ, NV, 4, CODE, VPG>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+  }
+  const int rest = t.rows - r;
+  if constexpr (RQ > 3) {
+    if (rest == 3) logits_rows<3, NV, 4, CODE, VPG>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+  }
+  if (rest == 2) logits_rows<2, NV, 4, CODE, VPG>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+  if (rest == 1) logits_rows<1, NV, 4, CODE, VPG>(t.q + r * t.ld, t.ld, k, n, t.p + r * t.pld, t.pld, pf);
+}
+
+// Every row, RC rows at a time, for the channels of vectors V0 .. V0 + kValueVectors, then
+// the next chunk of channels.
+template <int NV, int V0, int CODE, int VPG>
+inline void accumulate_chunk(const Tile& t, const Rows& s, int n, Prefetcher& pf) {
+  constexpr int RC = value_rows(NV), VC = kValueVectors;
+  int r = 0;
+  for (; r + RC <= t.rows; r += RC) {
+    accumulate_rows<RC, VC, V0, CODE, VPG>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
+  }
+  const int rest = t.rows - r;
+  float* acc = t.acc + r * t.ld;
+  const float* p = t.p + r * t.pld;
+  if constexpr (RC > 3) {
+    if (rest == 3) accumulate_rows<3, VC, V0, CODE, VPG>(acc, t.ld, p, t.pld, s, n, pf);
+  }
+  if (rest == 2) accumulate_rows<2, VC, V0, CODE, VPG>(acc, t.ld, p, t.pld, s, n, pf);
+  if (rest == 1) accumulate_rows<1, VC, V0, CODE, VPG>(acc, t.ld, p, t.pld, s, n, pf);
+  if constexpr (V0 + VC < NV) accumulate_chunk<NV, V0 + VC, CODE, VPG>(t, s, n, pf);
+}
+
+template <int NV, int CODE, int VPG>
+inline void accumulate_all(const Tile& t, const Rows& s, int n, Prefetcher& pf) {
+  accumulate_chunk<NV, 0, CODE, VPG>(t, s, n, pf);
+}
+
+// Group codes with 1, 2 or 4 vectors per group get their own instances.
+template <int NV, int CODE>
+inline void logits_groups(const Tile& t, const Rows& k, int n, Prefetcher& pf) {
+  switch (k.group / W) {
+    case 1: logits_all<NV, CODE, 1>(t, k, n, pf); break;
+    case 2: logits_all<NV, CODE, 2>(t, k, n, pf); break;
+    case 4: logits_all<NV, CODE, 4>(t, k, n, pf); break;
+    default: logits_all<NV, CODE, 0>(t, k, n, pf); break;
   }
 }
 
 template <int NV, int CODE>
-inline void accumulate_all(const Tile& t, const Rows& s, int n, Prefetcher& pf) {
-  constexpr int RC = value_rows(NV);
-  int r = 0;
-  for (; r + RC <= t.rows; r += RC) {
-    accumulate_rows<RC, NV, CODE>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
+inline void accumulate_groups(const Tile& t, const Rows& s, int n, Prefetcher& pf) {
+  switch (s.group / W) {
+    case 1: accumulate_all<NV, CODE, 1>(t, s, n, pf); break;
+    case 2: accumulate_all<NV, CODE, 2>(t, s, n, pf); break;
+    case 4: accumulate_all<NV, CODE, 4>(t, s, n, pf); break;
+    default: accumulate_all<NV, CODE, 0>(t, s, n, pf); break;
   }
-  for (; r < t.rows; ++r) accumulate_rows<1, NV, CODE>(t.acc + r * t.ld, t.ld, t.p + r * t.pld, t.pld, s, n, pf);
 }
 
 template <int NV>
 inline void logits_code(const Tile& t, const Rows& k, int n, Prefetcher& pf) {
   switch (k.code) {
-    case C_F32: logits_all<NV, C_F32>(t, k, n, pf); break;
-    case C_F16: logits_all<NV, C_F16>(t, k, n, pf); break;
-    case C_BF16: logits_all<NV, C_BF16>(t, k, n, pf); break;
-    case C_I8: logits_all<NV, C_I8>(t, k, n, pf); break;
-    case C_FP8: logits_all<NV, C_FP8>(t, k, n, pf); break;
-    case C_U4C: logits_all<NV, C_U4C>(t, k, n, pf); break;
-    case C_U2C: logits_all<NV, C_U2C>(t, k, n, pf); break;
-    case C_U4G: logits_all<NV, C_U4G>(t, k, n, pf); break;
-    default: logits_all<NV, C_U2G>(t, k, n, pf); break;
+    case C_F32: logits_all<NV, C_F32, 0>(t, k, n, pf); break;
+    case C_F16: logits_all<NV, C_F16, 0>(t, k, n, pf); break;
+    case C_BF16: logits_all<NV, C_BF16, 0>(t, k, n, pf); break;
+    case C_I8: logits_all<NV, C_I8, 0>(t, k, n, pf); break;
+    case C_FP8: logits_all<NV, C_FP8, 0>(t, k, n, pf); break;
+    case C_U4C: logits_all<NV, C_U4C, 0>(t, k, n, pf); break;
+    case C_U2C: logits_all<NV, C_U2C, 0>(t, k, n, pf); break;
+    case C_U4G: logits_groups<NV, C_U4G>(t, k, n, pf); break;
+    default: logits_groups<NV, C_U2G>(t, k, n, pf); break;
   }
 }
 
 template <int NV>
 inline void accumulate_code(const Tile& t, const Rows& s, int n, Prefetcher& pf) {
   switch (s.code) {
-    case C_F32: accumulate_all<NV, C_F32>(t, s, n, pf); break;
-    case C_F16: accumulate_all<NV, C_F16>(t, s, n, pf); break;
-    case C_BF16: accumulate_all<NV, C_BF16>(t, s, n, pf); break;
-    case C_I8: accumulate_all<NV, C_I8>(t, s, n, pf); break;
-    case C_FP8: accumulate_all<NV, C_FP8>(t, s, n, pf); break;
-    case C_U4C: accumulate_all<NV, C_U4C>(t, s, n, pf); break;
-    case C_U2C: accumulate_all<NV, C_U2C>(t, s, n, pf); break;
-    case C_U4G: accumulate_all<NV, C_U4G>(t, s, n, pf); break;
-    default: accumulate_all<NV, C_U2G>(t, s, n, pf); break;
+    case C_F32: accumulate_all<NV, C_F32, 0>(t, s, n, pf); break;
+    case C_F16: accumulate_all<NV, C_F16, 0>(t, s, n, pf); break;
+    case C_BF16: accumulate_all<NV, C_BF16, 0>(t, s, n, pf); break;
+    case C_I8: accumulate_all<NV, C_I8, 0>(t, s, n, pf); break;
+    case C_FP8: accumulate_all<NV, C_FP8, 0>(t, s, n, pf); break;
+    case C_U4C: accumulate_all<NV, C_U4C, 0>(t, s, n, pf); break;
+    case C_U2C: accumulate_all<NV, C_U2C, 0>(t, s, n, pf); break;
+    case C_U4G: accumulate_groups<NV, C_U4G>(t, s, n, pf); break;
+    default: accumulate_groups<NV, C_U2G>(t, s, n, pf); break;
   }
 }
 #else
@@ -212,11 +274,17 @@ constexpr int value_rows(int) { return 0; }
 // Prefetch pumps one head's attend_block makes (the kernels pump every few keys), so the
 // next block's lines can be spread evenly over them.
 inline int64_t attend_pumps(int rows, int n, int64_t ld) {
+#ifdef KVS_SIMD
   const int nv = static_cast<int>(ld / W);
-  const int rq = std::max(1, logit_rows(nv)), rc = std::max(1, value_rows(nv));
-  const int kg = logit_rows(nv) == 1 && W == 16 ? 8 : 4;
-  if (logit_rows(nv) == 0) return rows;  // logits_any: once per row
-  return (rows + rq - 1) / rq * (n / kg) + (rows + rc - 1) / rc * ((n + 3) / 4);
+  if (!fast_width(nv)) return rows;  // logits_any: once per row
+  const int rq = logit_rows(nv), rc = value_rows(nv);
+  const int64_t logit_calls = rows == 1 ? 1 : (rows + rq - 1) / rq, kg = rows == 1 ? 8 : 4;
+  return logit_calls * (n / kg) + (rows + rc - 1) / rc * (nv / kValueVectors) * ((n + 3) / 4);
+#else
+  (void)n;
+  (void)ld;
+  return rows;
+#endif
 }
 
 // Any head_dim, float32 rows only (the decode pass made them): one row at a time.
@@ -318,12 +386,9 @@ inline void attend_block(const Tile& t, const Rows& k, const Rows& v, int n, int
   const int nv_max = static_cast<int>(std::min<int64_t>(n, t.visible[t.rows - 1] - key0));  // rows ascend
 #ifdef KVS_SIMD
   switch (t.ld / W) {
-#if KVS_W == 16
     case 4: logits_code<4>(t, k, nv_max, pf); break;
     case 8: logits_code<8>(t, k, nv_max, pf); break;
-#else
-    case 8: logits_code<8>(t, k, nv_max, pf); break;
-#endif
+    case 16: logits_code<16>(t, k, nv_max, pf); break;
     default: logits_any(t, k, nv_max, pf);
   }
 #else
@@ -349,12 +414,9 @@ inline void attend_block(const Tile& t, const Rows& k, const Rows& v, int n, int
   }
 #ifdef KVS_SIMD
   switch (t.ld / W) {
-#if KVS_W == 16
     case 4: accumulate_code<4>(t, v, n, pf); return;
     case 8: accumulate_code<8>(t, v, n, pf); return;
-#else
-    case 8: accumulate_code<8>(t, v, n, pf); return;
-#endif
+    case 16: accumulate_code<16>(t, v, n, pf); return;
     default: accumulate_any(t, v, n);
   }
 #else

@@ -1,9 +1,9 @@
-// Reading one block of one head of a half (K or V) into float32 rows, in its stored format.
-//
-// A block's rows land in a small buffer (block_size x ld floats, ld = head_dim rounded up
-// to 16, padding zero) that stays in L1 while every query row of the tile uses it. Plain
-// float32 rows are not copied at all (`direct_rows`). Layouts are those of
-// kvserve/kv/storage/layout.py; all part tensors are contiguous [num_blocks, ...].
+// Reading one block of one head of a half (K or V) in its stored format: a HalfView of the
+// part tensors (layouts of kvserve/kv/storage/layout.py, each contiguous [num_blocks, ...]),
+// the prefetcher that asks for the next block ahead, `rows_in_place` (the block's rows as
+// the attention reads them where they lie) and `decode_block` (float32 rows in a small L1
+// buffer, block_size x ld floats, ld = head_dim rounded up to 16, padding zero) for layouts
+// and tiles that cannot be read in place.
 #pragma once
 
 #include <algorithm>
@@ -46,7 +46,7 @@ inline int64_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
 // base + j * stride bytes, W channels at a time in format `code`, and is multiplied by
 // scale[j] when given (int8 / fp8: their per-token scale is applied once per key, not per
 // element). Packed 4/2-bit codes are dequantized as they are read, with per-channel
-// (cs, cz: the block's parameters of KIVI keys) or per-(group, key) (gs, gz [g * pld + j])
+// (cs, cz: the block's parameters of KIVI keys) or per-(key, group) (gs, gz [j * gstride + g])
 // scale and zero. Codes other than F32 are read straight from the cache; a layout without
 // a code (outliers, +had with outliers, odd sizes) is decoded to float32 rows first.
 enum Code : int { C_F32 = 0, C_F16, C_BF16, C_I8, C_FP8, C_U4C, C_U2C, C_U4G, C_U2G };
@@ -60,8 +60,8 @@ struct Rows {
   const float* cz = nullptr;
   const float* gs = nullptr;
   const float* gz = nullptr;
-  int64_t pld = 0;   // gs / gz row stride
-  int group = 0;     // channels per gs / gz entry
+  int64_t gstride = 0;   // gs / gz floats from one key to the next
+  int group = 0;         // channels per gs / gz entry
 };
 
 enum Side : int { KEY = 0, VALUE = 1 };
@@ -72,9 +72,10 @@ struct HalfBuffers {
   float* rs;       // [pld] per-key scales (finite everywhere)
   float* cs;       // [ld] per-channel scale, zero
   float* cz;
-  float* gs;       // [groups, pld] per (group, key) scale, zero
-  float* gz;
+  float* gs;       // [block_size, heads, groups] per (key, head, group) scale, zero of one block,
+  float* gz;       //   converted once for all the heads that read it
   int64_t pld;     // block_size rounded up to 16
+  int64_t gs_block = -1;  // the block gs / gz hold
 };
 
 // int8 / fp8 rows decoded without their per-token scale: the attention applies it once per key.
@@ -340,18 +341,16 @@ inline Rows rows_in_place(const HalfView& v, int64_t block, int64_t head, int n,
     }
     default: {  // ASYM_TOKEN: a vector must not straddle two groups
       if (v.group % W) return out;
-      const int64_t groups = v.D / v.group;
-      for (int j = 0; j < n; ++j) {
-        const int64_t th = (first + j * v.H) * groups;
-        for (int64_t g = 0; g < groups; ++g) {
-          hb.gs[g * hb.pld + j] = f16_to_f32(v.scale[th + g]);
-          hb.gz[g * hb.pld + j] = f16_to_f32(v.zero[th + g]);
-        }
+      const int64_t groups = v.D / v.group, per_block = v.B * v.H * groups;
+      if (hb.gs_block != block) {
+        f16_array(v.scale + block * per_block, static_cast<int>(per_block), hb.gs);
+        f16_array(v.zero + block * per_block, static_cast<int>(per_block), hb.gz);
+        hb.gs_block = block;
       }
       out.code = v.bits == 4 ? C_U4G : C_U2G;
-      out.gs = hb.gs;
-      out.gz = hb.gz;
-      out.pld = hb.pld;
+      out.gs = hb.gs + head * groups;
+      out.gz = hb.gz + head * groups;
+      out.gstride = v.H * groups;
       out.group = v.group;
     }
   }

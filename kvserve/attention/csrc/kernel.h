@@ -33,15 +33,16 @@ constexpr int kMaxRows = 128;         // query rows per item (acc + q: 2 x 64 Ki
 constexpr int kItemsPerThread = 8;    // split long contexts until there are this many items per thread
 constexpr int64_t kMinSplitKeys = 128;
 
-inline void require(bool ok, const std::string& msg) {
-  if (!ok) throw std::invalid_argument(msg);  // pybind11 raises ValueError
-}
+// Throws std::invalid_argument (pybind11 raises ValueError); the message is only built on failure.
+#define KVS_REQUIRE(ok, msg)                                  \
+  do {                                                    \
+    if (!(ok)) throw std::invalid_argument(std::string(msg)); \
+  } while (0)
 
 namespace detail {
 
 struct Group {  // (sequence, query tile, KV heads [h0, h1)): one run over the context
   int64_t s, q0, q1, h0, h1, nkeys, nblocks, chunk, splits;
-  int64_t rows_per_head() const { return q1 - q0; }  // times `group`, see Batch
 };
 struct Item {
   int64_t group, split, partial;  // partial: offset of its (m, l, acc) in the scratch, or -1 (final)
@@ -94,21 +95,20 @@ inline bool decodes_block(const HalfView& v, int side, const Batch& b, int64_t r
   return rows > limit || (v.kind == ASYM_TOKEN && v.group % W);
 }
 
-// Queue block kb of both halves for prefetching, whole (head < 0) or one head's rows (the
-// parameters come with the item's first head `first`). A residual row is one per sequence:
-// not worth it.
+// Queue heads [h0, h1) of block kb of both halves for prefetching (the parameters come with
+// the item's first head `first`). A residual row is one per sequence: not worth it.
 inline void queue(Prefetcher& pf, const HalfView& K, const HalfView& V, const Batch& b, int64_t s, int64_t kb,
-                  int64_t head, int64_t first) {
+                  int64_t h0, int64_t h1, int64_t first) {
   pf.clear();
   for (const HalfView* v : {&K, &V}) {
     if (in_residual(*v, b, s, kb)) continue;
     const int64_t block = b.tables[s * b.max_blocks + kb];
-    if (head < 0) {
+    if (h0 == 0 && h1 == v->H) {
       add_block(pf, *v, block);
-    } else {
-      add_head_rows(pf, *v, block, head);
-      if (head == first) add_params(pf, *v, block);
+      continue;
     }
+    for (int64_t h = h0; h < h1; ++h) add_head_rows(pf, *v, block, h);
+    if (h0 == first) add_params(pf, *v, block);
   }
 }
 
@@ -152,34 +152,36 @@ struct Plan {
 inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int64_t S, int64_t T, int threads) {
   Plan plan;
   const int64_t H = K.H, B = b.B;
-  const int64_t heads_per_group = std::max<int64_t>(1, std::min<int64_t>(H, kMaxRows / b.group));
-  const int64_t tile_queries = std::max<int64_t>(1, kMaxRows / (b.group * heads_per_group));
   double total_cost = 0;
-  require(b.starts[0] >= 0, "query_starts[0] must be >= 0");
+  KVS_REQUIRE(b.starts[0] >= 0, "query_starts[0] must be >= 0");
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = b.starts[s + 1] - b.starts[s], len = b.lens[s];
-    const std::string seq = "sequence " + std::to_string(s) + ": ";
-    require(n >= 0 && b.starts[s + 1] <= T, seq + "query_starts must be non-decreasing and within q's rows");
+    const auto seq = [s] { return "sequence " + std::to_string(s) + ": "; };
+    KVS_REQUIRE(n >= 0 && b.starts[s + 1] <= T, seq() + "query_starts must be non-decreasing and within q's rows");
     if (n == 0) continue;
-    require(n <= len, seq + std::to_string(n) + " queries but only " + std::to_string(len) + " context tokens");
+    KVS_REQUIRE(n <= len, seq() + std::to_string(n) + " queries but only " + std::to_string(len) + " context tokens");
     const int64_t nblocks = (len + B - 1) / B;
-    require(nblocks <= b.max_blocks, seq + "context needs " + std::to_string(nblocks) + " blocks, the table holds " +
+    KVS_REQUIRE(nblocks <= b.max_blocks, seq() + "context needs " + std::to_string(nblocks) + " blocks, the table holds " +
                                          std::to_string(b.max_blocks));
     for (int64_t kb = 0; kb < nblocks; ++kb) {
       const int64_t id = b.tables[s * b.max_blocks + kb];
-      require(id >= 0 && id < K.num_blocks && id < V.num_blocks, seq + "block id " + std::to_string(id) +
+      KVS_REQUIRE(id >= 0 && id < K.num_blocks && id < V.num_blocks, seq() + "block id " + std::to_string(id) +
                                                                      " is outside the cache");
     }
     const int64_t open = b.open[s];
     if (len % B) {
       for (const HalfView* v : {&K, &V}) {
         const bool whole = v->kind == ASYM_CHANNEL || v->num_outliers > 0;
-        require(!whole || (open >= 0 && v->residual), seq + "its open block is only in a residual row, and open_rows "
+        KVS_REQUIRE(!whole || (open >= 0 && v->residual), seq() + "its open block is only in a residual row, and open_rows "
                                                             "is -1 or the half has no residual rows");
-        require(!v->residual || open < v->residual_rows, seq + "open row " + std::to_string(open) +
+        KVS_REQUIRE(!v->residual || open < v->residual_rows, seq() + "open row " + std::to_string(open) +
                                                              " is outside the residual rows");
       }
     }
+    // Decodes: all heads in one item (each block read once, contiguously). Prefill chunks:
+    // as many queries per item as fit, so each decoded block serves many rows.
+    const int64_t heads_per_group = std::max<int64_t>(1, std::min<int64_t>(H, kMaxRows / (n * b.group)));
+    const int64_t tile_queries = std::max<int64_t>(1, std::min<int64_t>(n, kMaxRows / (b.group * heads_per_group)));
     for (int64_t q0 = 0; q0 < n; q0 += tile_queries) {
       const int64_t q1 = std::min(n, q0 + tile_queries), nkeys = len - n + q1, nb = (nkeys + B - 1) / B;
       for (int64_t h0 = 0; h0 < H; h0 += heads_per_group) {
@@ -213,10 +215,10 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
 // Per-thread buffers, allocated once per call (uninitialized, except what must be finite).
 class Scratch {
  public:
-  Scratch(int64_t ld, int64_t B, int64_t max_rows)
+  Scratch(int64_t ld, int64_t B, int64_t heads, int64_t max_rows)
       : pld((B + 15) / 16 * 16),
-        arena_(new float[static_cast<size_t>(max_rows * (2 * ld + 2 + W + pld) + 2 * (B * ld + 2 * ld + pld * (1 + 2 * ld)) +
-                                             32 * 16)]),
+        arena_(new float[static_cast<size_t>(max_rows * (2 * ld + 2 + W + pld) + 2 * (B * ld + 2 * ld + pld) +
+                                             4 * B * heads * ld + 32 * 16)]),
         visible(static_cast<size_t>(max_rows)) {
     // every buffer on its own cache lines: vector loads must not straddle two
     float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(arena_.get()) + 63) & ~uintptr_t{63});
@@ -236,8 +238,8 @@ class Scratch {
       hb->cs = take(ld);
       hb->cz = take(ld);
       hb->rs = take(pld);
-      hb->gs = take(ld * pld);
-      hb->gz = take(ld * pld);
+      hb->gs = take(B * heads * ld);  // groups <= ld
+      hb->gz = take(B * heads * ld);
       hb->pld = pld;
       std::fill(hb->rs, hb->rs + pld, 1.0f);
     }
@@ -282,12 +284,16 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
   std::fill(lv, lv + total * W, 0.0f);
   std::fill(acc, acc + total * ld, 0.0f);
   const int64_t kb0 = item.split * g.chunk, kb1 = std::min(g.nblocks, kb0 + g.chunk);
-  // Prefetch the next block while this one is processed, or when a block is larger than
-  // kPrefetchBytes, the next head (of this block, else of the next).
+  // Prefetch about kPrefetchBytes ahead: the block `ahead` blocks on (quantized blocks are a
+  // few KiB), or when a block is larger (float32 SmolLM2: 24 KiB) the next head's rows.
   Prefetcher& pf = w.pf;
-  const bool per_head = (block_bytes(K) + block_bytes(V)) * nh / K.H > kPrefetchBytes;
-  queue(pf, K, V, b, s, kb0, per_head ? g.h0 : -1, g.h0);
-  pf.drain();
+  const int64_t item_block_bytes = std::max<int64_t>(1, (block_bytes(K) + block_bytes(V)) * nh / K.H);
+  const bool per_head = item_block_bytes > kPrefetchBytes;
+  const int64_t ahead = per_head ? 1 : kPrefetchBytes / item_block_bytes;
+  for (int64_t kb = kb0; kb < std::min(kb1, kb0 + ahead); ++kb) {
+    queue(pf, K, V, b, s, kb, g.h0, per_head ? g.h0 + 1 : g.h1, g.h0);
+    pf.drain();
+  }
   const int64_t decodes = decodes_block(K, KEY, b, rows) + decodes_block(V, VALUE, b, rows);
   for (int64_t kb = kb0; kb < kb1; ++kb) {
     const int n_keys = static_cast<int>(std::min<int64_t>(b.B, g.nkeys - kb * b.B));
@@ -297,14 +303,14 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
       if (per_head) {
         pf.clear();
         if (hh + 1 < nh) {
-          queue(pf, K, V, b, s, kb, h + 1, g.h0);
+          queue(pf, K, V, b, s, kb, h + 1, h + 2, g.h0);
         } else if (kb + 1 < kb1) {
-          queue(pf, K, V, b, s, kb + 1, g.h0, g.h0);
+          queue(pf, K, V, b, s, kb + 1, g.h0, g.h0 + 1, g.h0);
         }
         pf.plan(pumps);
       } else if (hh == 0) {
         pf.clear();
-        if (kb + 1 < kb1) queue(pf, K, V, b, s, kb + 1, -1, g.h0);
+        if (kb + ahead < kb1) queue(pf, K, V, b, s, kb + ahead, g.h0, g.h1, g.h0);
         pf.plan(pumps * nh);
       }
       const Rows kr = rows_of(K, KEY, b, s, kb, h, n_keys, static_cast<int>(rows), w.kb, pf);
@@ -368,7 +374,7 @@ inline void attention(const detail::Batch& b, const HalfView& K, const HalfView&
 
 #pragma omp parallel num_threads(use)
   {
-    Scratch w(b.ld, b.B, plan.max_rows);
+    Scratch w(b.ld, b.B, K.H, plan.max_rows);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item& item = plan.items[it];

@@ -23,17 +23,29 @@ std::string shape_str(const at::Tensor& t) {
 
 bool present(const at::Tensor& t) { return t.defined() && t.dim() > 0; }
 
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    default: return std::string(c10::toString(t));
+  }
+}
+
 void check_tensor(const at::Tensor& t, at::ScalarType dtype, std::vector<int64_t> shape, const std::string& name) {
-  require(present(t), name + " is missing");
-  require(t.device().is_cpu(), name + " must be a CPU tensor");
-  require(t.scalar_type() == dtype, name + " must be " + std::string(c10::toString(dtype)) + ", got " +
-                                        std::string(c10::toString(t.scalar_type())));
+  KVS_REQUIRE(present(t), name + " is missing");
+  KVS_REQUIRE(t.device().is_cpu(), name + " must be a CPU tensor");
+  KVS_REQUIRE(t.scalar_type() == dtype, name + " must be " + dtype_name(dtype) + ", got " + dtype_name(t.scalar_type()));
   bool same = t.dim() == static_cast<int64_t>(shape.size());
   for (size_t i = 0; same && i < shape.size(); ++i) same = shape[i] < 0 || t.size(i) == shape[i];
   std::string want = "[";
   for (size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + (shape[i] < 0 ? "*" : std::to_string(shape[i]));
-  require(same, name + " must have shape " + want + "], got " + shape_str(t));
-  require(t.is_contiguous(), name + " must be contiguous");
+  KVS_REQUIRE(same, name + " must have shape " + want + "], got " + shape_str(t));
+  KVS_REQUIRE(t.is_contiguous(), name + " must be contiguous");
 }
 
 int dtype_code(at::ScalarType t, const std::string& name) {
@@ -47,7 +59,7 @@ int dtype_code(at::ScalarType t, const std::string& name) {
 // parts = (data | codes, scale, zero, outlier_values, outlier_channels, residual), absent ones 0-dim.
 HalfView make_half(const std::string& name, const std::vector<int64_t>& layout, const std::vector<at::Tensor>& parts,
                    int64_t B, int64_t D) {
-  require(layout.size() == 6 && parts.size() == 6, name + ": internal error (layout / parts arity)");
+  KVS_REQUIRE(layout.size() == 6 && parts.size() == 6, name + ": internal error (layout / parts arity)");
   HalfView v;
   v.kind = static_cast<int>(layout[0]);
   v.bits = static_cast<int>(layout[2]);
@@ -58,17 +70,17 @@ HalfView make_half(const std::string& name, const std::vector<int64_t>& layout, 
   v.B = B;
   v.D = D;
   const at::Tensor& main = parts[0];
-  require(present(main) && main.dim() == 4, name + ": the data/codes part must be [num_blocks, B, H, *], got " +
+  KVS_REQUIRE(present(main) && main.dim() == 4, name + ": the data/codes part must be [num_blocks, B, H, *], got " +
                                                 (present(main) ? shape_str(main) : std::string("none")));
   v.num_blocks = main.size(0);
   v.H = main.size(2);
   const int64_t NB = v.num_blocks, H = v.H;
-  require(main.size(1) == B, name + ": parts hold blocks of " + std::to_string(main.size(1)) +
+  KVS_REQUIRE(main.size(1) == B, name + ": parts hold blocks of " + std::to_string(main.size(1)) +
                                  " tokens, the batch says block_size " + std::to_string(B));
   switch (v.kind) {
     case PLAIN:
       v.dtype = static_cast<int>(layout[1]);
-      require(v.dtype == dtype_code(main.scalar_type(), name + " data"), name + ": data dtype differs from the layout");
+      KVS_REQUIRE(v.dtype == dtype_code(main.scalar_type(), name + " data"), name + ": data dtype differs from the layout");
       check_tensor(main, main.scalar_type(), {NB, B, H, D}, name + " data");
       v.row_bytes = D * dtype_size(v.dtype);
       break;
@@ -80,12 +92,12 @@ HalfView make_half(const std::string& name, const std::vector<int64_t>& layout, 
       break;
     case ASYM_TOKEN:
     case ASYM_CHANNEL: {
-      require(v.bits == 2 || v.bits == 4, name + ": asymmetric codes are 2 or 4 bits, got " + std::to_string(v.bits));
-      require(D % (8 / v.bits) == 0, name + ": head_dim must be a multiple of " + std::to_string(8 / v.bits));
+      KVS_REQUIRE(v.bits == 2 || v.bits == 4, name + ": asymmetric codes are 2 or 4 bits, got " + std::to_string(v.bits));
+      KVS_REQUIRE(D % (8 / v.bits) == 0, name + ": head_dim must be a multiple of " + std::to_string(8 / v.bits));
       check_tensor(main, at::kByte, {NB, B, H, D * v.bits / 8}, name + " codes");
       std::vector<int64_t> param{NB, H, D};
       if (v.kind == ASYM_TOKEN) {
-        require(v.group > 0 && D % v.group == 0, name + ": group size " + std::to_string(v.group) +
+        KVS_REQUIRE(v.group > 0 && D % v.group == 0, name + ": group size " + std::to_string(v.group) +
                                                      " does not divide head_dim " + std::to_string(D));
         param = {NB, B, H, D / v.group};
       }
@@ -100,11 +112,11 @@ HalfView make_half(const std::string& name, const std::vector<int64_t>& layout, 
   }
   v.main = reinterpret_cast<const uint8_t*>(main.data_ptr());
   if (v.kind != PLAIN) v.scale = reinterpret_cast<const uint16_t*>(parts[1].data_ptr());
-  if (v.hadamard) require(D > 0 && (D & (D - 1)) == 0, name + ": +had needs a power-of-two head_dim, got " +
+  if (v.hadamard) KVS_REQUIRE(D > 0 && (D & (D - 1)) == 0, name + ": +had needs a power-of-two head_dim, got " +
                                                        std::to_string(D));
   if (v.num_outliers) {
     const int64_t N = v.num_outliers;
-    require(N > 0 && N < D && D <= 256, name + ": +out" + std::to_string(N) + " needs N < head_dim <= 256");
+    KVS_REQUIRE(N > 0 && N < D && D <= 256, name + ": +out" + std::to_string(N) + " needs N < head_dim <= 256");
     check_tensor(parts[3], at::kHalf, {NB, B, H, N}, name + " outlier_values");
     check_tensor(parts[4], at::kByte, {NB, H, N}, name + " outlier_channels");
     v.out_values = reinterpret_cast<const uint16_t*>(parts[3].data_ptr());
@@ -126,17 +138,17 @@ void run(const at::Tensor& q, at::Tensor out, const std::vector<int64_t>& k_layo
          const std::vector<at::Tensor>& k_parts, const std::vector<int64_t>& v_layout,
          const std::vector<at::Tensor>& v_parts, const at::Tensor& block_tables, const at::Tensor& context_lens,
          const at::Tensor& query_starts, const at::Tensor& open_rows, int64_t block_size, double scale) {
-  require(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
+  KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), B = block_size;
   check_tensor(q, at::kFloat, {T, Hq, D}, "q");
   check_tensor(out, at::kFloat, {T, Hq, D}, "out");
-  require(B > 0, "block_size must be positive");
+  KVS_REQUIRE(B > 0, "block_size must be positive");
   const HalfView K = make_half("key", k_layout, k_parts, B, D);
   const HalfView V = make_half("value", v_layout, v_parts, B, D);
-  require(K.H == V.H && K.H > 0 && Hq % K.H == 0, "query heads (" + std::to_string(Hq) +
+  KVS_REQUIRE(K.H == V.H && K.H > 0 && Hq % K.H == 0, "query heads (" + std::to_string(Hq) +
                                                       ") must be a multiple of the KV heads (" + std::to_string(K.H) +
                                                       ", keys and values alike)");
-  require(block_tables.dim() == 2, "block_tables must be [num_seqs, max_blocks]");
+  KVS_REQUIRE(block_tables.dim() == 2, "block_tables must be [num_seqs, max_blocks]");
   const int64_t S = block_tables.size(0), MB = block_tables.size(1);
   check_tensor(block_tables, at::kInt, {S, MB}, "block_tables");
   check_tensor(context_lens, at::kInt, {S}, "context_lens");
@@ -153,7 +165,9 @@ void run(const at::Tensor& q, at::Tensor out, const std::vector<int64_t>& k_layo
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvserve paged attention over compressed KV blocks (CPU)";
   m.def("run", &kvs::run, "paged attention: see kvserve/attention/cpu.py");
-#if KVS_W == 16
+#if KVS_W == 16 && defined(__AVX512VBMI__)
+  m.attr("isa") = "avx512vbmi";
+#elif KVS_W == 16
   m.attr("isa") = "avx512";
 #elif KVS_W == 8
   m.attr("isa") = "avx2";
