@@ -267,6 +267,7 @@ class RedisConfig:
 TierConfig = HostConfig | DiskConfig | RedisConfig
 TIER_CONFIGS: tuple[type[TierConfig], ...] = (HostConfig, DiskConfig, RedisConfig)   # lookup order
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")   # kvserve/model/linear.py
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,9 @@ class EngineConfig:
         "how attention reads the KV cache: torch (gather and decode, the reference), cpu (C++ kernel "
         "reading every format in place), triton (CUDA), auto (the fastest available)",
         registry="attention backends"))
+    linear_backend: str = field(default="auto", metadata=opt(
+        "how the dense layers multiply: onednn (weights packed once into oneDNN's layout; CPU float32), "
+        "torch (F.linear), auto (onednn where it runs, else torch)", choices=LINEAR_BACKENDS))
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     tiers: tuple[TierConfig, ...] = ()
@@ -298,5 +302,7 @@ class EngineConfig:
             raise ValueError("write_through needs a shared offload tier to write to: give redis_url (--redis-url)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {self.linear_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

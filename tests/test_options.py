@@ -22,6 +22,7 @@ SAMPLES = {
     "max_model_len": (["100"], 100, 100),
     "seed": (["7"], 7, 7),
     "attention_backend": (["torch"], "torch", "torch"),
+    "linear_backend": (["torch"], "torch", "torch"),
     "block_size": (["32"], 32, 32),
     "kv_cache_memory_gb": (["0.5"], 0.5, 1 << 29),
     "num_kv_blocks": (["12"], 12, 12),

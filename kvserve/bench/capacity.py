@@ -12,7 +12,10 @@ Per step we record the requests that got a token (their whole sequence is in the
 cache) and the engine's running count. *Peak concurrent* is the most requests that
 got a token in one step. *Decode tok/s* is measured over pure decode steps (every
 running request got exactly one token, nobody was admitted or preempted) at the peak
-batch: tokens / wall time of those steps.
+batch: tokens / wall time of those steps. *End-to-end tok/s* is every generated token
+over the whole run's wall time (prefills, admissions and the tail included), compared
+with native's on the same attention backend (``--backend``, repeatable). *Default seats*
+says whether the format's engine starts on this pool with the default ``max_num_seqs``.
 
 ``max_tokens`` must outlast the prefill of the whole first wave, or requests finish
 before the pool fills (with 512 tokens per step, ~70 steps for 36 prompts of 1,000).
@@ -25,17 +28,19 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.bench.common import table
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
-MakeLLM = Callable[[int], LLM]   # max_num_seqs -> an engine with that many seats
+MakeLLM = Callable[[int | None], LLM]   # max_num_seqs (None: the default) -> an engine with that many seats
 
 
 @dataclass(frozen=True)
 class CapacityResult:
     kv_format: str
+    backend: str
     spec: str
     bytes_per_token: float
     num_blocks: int
@@ -49,6 +54,12 @@ class CapacityResult:
     decode_tok_s: float
     num_preemptions: int
     wall_s: float
+    generated_tokens: int = 0
+    default_seats: str = ""      # "yes", or why the engine refused the default max_num_seqs
+
+    @property
+    def e2e_tok_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
 
     @property
     def fit(self) -> int:
@@ -94,7 +105,7 @@ def distinct_prompts(token_ids: list[int], count: int, prompt_tokens: int, seed:
 
 
 def run_format(llm: LLM, kv_format: str, max_num_seqs: int, prompts: list[list[int]], max_tokens: int,
-               request_blocks: int) -> CapacityResult:
+               request_blocks: int, default_seats: str = "") -> CapacityResult:
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -121,22 +132,29 @@ def run_format(llm: LLM, kv_format: str, max_num_seqs: int, prompts: list[list[i
     mc = engine.model_config
     bs = engine.pool.block_size
     return CapacityResult(
-        kv_format=kv_format, spec=engine.kv_format.spec,
+        kv_format=kv_format, backend=engine.attention.name, spec=engine.kv_format.spec,
         bytes_per_token=engine.kv_format.nbytes_per_block(bs, mc.num_kv_heads, mc.head_dim) / bs,
         num_blocks=engine.pool.num_blocks, max_num_seqs=max_num_seqs, blocks_per_request=request_blocks,
         num_requests=len(prompts), peak_concurrent=peak_concurrent, peak_running=peak_running,
         decode_batch=batch, decode_steps=len(times),
         decode_tok_s=batch * len(times) / sum(times) if times else 0.0,
-        num_preemptions=engine.stats().num_preemptions, wall_s=wall)
+        num_preemptions=engine.stats().num_preemptions, wall_s=wall,
+        generated_tokens=len(prompts) * max_tokens, default_seats=default_seats)
 
 
 def render(results: list[CapacityResult]) -> str:
-    headers = ["format", "bytes/token", "max_num_seqs", "blocks in pool", "fit (blocks / request)",
-               "peak concurrent", "peak running", "decode batch", "decode tok/s", "preemptions", "wall (s)"]
-    rows = [[r.kv_format, f"{r.bytes_per_token:,.0f}", r.max_num_seqs, f"{r.num_blocks:,}",
-             r.fit, r.peak_concurrent, r.peak_running, r.decode_batch,
-             f"{r.decode_tok_s:.1f}" if r.decode_steps else "—", r.num_preemptions, f"{r.wall_s:.0f}"]
-            for r in results]
+    native = {r.backend: r for r in results if r.kv_format == "native"}
+    headers = ["format", "attention", "bytes/token", "max_num_seqs", "default seats", "blocks in pool",
+               "fit (blocks / request)", "peak concurrent", "decode batch", "decode tok/s", "end-to-end tok/s",
+               "vs native", "preemptions", "wall (s)"]
+    rows = []
+    for r in results:
+        base = native.get(r.backend)
+        rows.append([r.kv_format, r.backend, f"{r.bytes_per_token:,.0f}", r.max_num_seqs, r.default_seats,
+                     f"{r.num_blocks:,}", r.fit, r.peak_concurrent, r.decode_batch,
+                     f"{r.decode_tok_s:.1f}" if r.decode_steps else "—", f"{r.e2e_tok_s:.1f}",
+                     f"{r.e2e_tok_s / base.e2e_tok_s:.2f}x" if base and base.e2e_tok_s else "-",
+                     r.num_preemptions, f"{r.wall_s:.0f}"])
     return table(headers, rows)
 
 
@@ -165,11 +183,20 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("bench capacity needs a model with a tokenizer (the prompts are text)")
     text_ids = loaded.tokenizer.encode(find_text(args.text))
     results = []
-    for fmt in args.format or list(DEFAULT_FORMATS):
-        def make(max_num_seqs: int, fmt: str = fmt) -> LLM:
+    configs = [(fmt, backend) for backend in args.backend or ["auto"] for fmt in args.format or list(DEFAULT_FORMATS)]
+    for fmt, backend in configs:
+        def make(max_num_seqs: int | None, fmt: str = fmt, backend: str = backend) -> LLM:
+            seats: dict[str, Any] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
             return LLM(loaded=loaded, kv_format=fmt, kv_cache_memory_gb=args.kv_cache_gb,
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                       device=args.device, dtype=args.dtype)
+                       max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=backend,
+                       device=args.device, dtype=args.dtype, **seats)
+
+        try:
+            default_engine = make(None)
+            default_seats = "yes"
+            del default_engine
+        except ValueError as e:
+            default_seats = f"no: {e}"
 
         request_blocks = blocks_per_request(make(1), args.prompt_tokens, args.max_tokens)
         seqs, llm = fitting_max_num_seqs(make, request_blocks, log)
@@ -180,9 +207,9 @@ def run_bench(args: argparse.Namespace) -> int:
         count = args.num_requests or fit + max(2, fit // 4)
         prompts = distinct_prompts(text_ids, count, args.prompt_tokens, args.seed)
         log(f"{fmt}: {count} requests of {args.prompt_tokens} tokens + {args.max_tokens} new")
-        result = run_format(llm, fmt, seqs, prompts, args.max_tokens, request_blocks)
-        log(f"{fmt}: peak {result.peak_concurrent} concurrent, decode {result.decode_tok_s:.1f} tok/s "
-            f"at batch {result.decode_batch}, {result.wall_s:.0f} s")
+        result = run_format(llm, fmt, seqs, prompts, args.max_tokens, request_blocks, default_seats)
+        log(f"{fmt} / {result.backend}: peak {result.peak_concurrent} concurrent, decode {result.decode_tok_s:.1f} "
+            f"tok/s at batch {result.decode_batch}, end to end {result.e2e_tok_s:.1f} tok/s, {result.wall_s:.0f} s")
         results.append(result)
         del llm
     engine_desc = f"device {args.device}, dtype {args.dtype}"
@@ -200,6 +227,8 @@ def add_capacity_parser(bsub: argparse._SubParsersAction, common: argparse.Argum
                         help="requests of 1,000 tokens held at once per KV format, and decode tok/s at that batch")
     c.add_argument("--format", action="append", default=None,
                    help=f"KV format spec (repeatable; default: {', '.join(DEFAULT_FORMATS)})")
+    c.add_argument("--backend", action="append", default=None,
+                   help="attention backend (repeatable; default auto)")
     c.add_argument("--kv-cache-gb", type=float, default=0.25, help="the fixed KV pool, GiB")
     c.add_argument("--prompt-tokens", type=int, default=1000)
     c.add_argument("--max-tokens", type=int, default=128,

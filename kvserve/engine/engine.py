@@ -28,6 +28,7 @@ from kvserve.kv.prefix import make_extra_key
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
 from kvserve.kv.tiering import make_tiering
+from kvserve.model.linear import make_linear
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.offload.base import Transport
@@ -77,7 +78,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, loaded.config.torch_dtype)
         mc = loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype)
+        self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype,
+                                make_linear(config.linear_backend, self.device, self.dtype))
         self.attention = make_attention_backend(config.attention_backend, self.device)
 
         cc = config.cache

@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama, SmolLM, Qwen2, Mistral) over a paged KV cache.
 
 Plain tensors, no nn.Module: the weights of Q, K and V are fused into one matrix,
-gate and up into another, so a layer is four matmuls.
+gate and up into another, so a layer is four matmuls, each through ``linear``
+(kvserve/model/linear.py: the matrices are stored in the form it reads).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from kvserve.attention.paged import AttentionMetadata, paged_attention
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.kv.storage import KVStorage
+from kvserve.model.linear import Linear, TorchLinear
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,12 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, linear: Linear | None = None) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.linear = linear if linear is not None else TorchLinear()
+        pack = self.linear.prepare
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -62,7 +66,7 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = pack(self.embed if config.tie_word_embeddings else w("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
@@ -73,12 +77,12 @@ class LlamaModel:
                 bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
             self.layers.append(LayerWeights(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                qkv=pack(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")])),
                 qkv_bias=bias,
-                o=w(a + "o_proj.weight"),
+                o=pack(w(a + "o_proj.weight")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=pack(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                down=pack(w(p + "mlp.down_proj.weight")),
             ))
         inv_freq = rope_inv_freq(config)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
@@ -108,24 +112,27 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        linear = self.linear
         for i, lw in enumerate(self.layers):
             x = self._rms_norm(h, lw.input_norm)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            qkv = linear(x, lw.qkv, lw.qkv_bias)
             q = qkv[:, :q_end].view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_end:k_end].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             q = self._rope(q, cos, sin)
             k = self._rope(k, cos, sin)
             attn = paged_attention(q, k, v, i, cache, meta, self.scale)
-            h = h + F.linear(attn.reshape(num_tokens, cfg.q_size), lw.o)
+            h = h + linear(attn.reshape(num_tokens, cfg.q_size), lw.o)
             x = self._rms_norm(h, lw.post_norm)
-            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.down)
+            gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, lw.down)
         return self._rms_norm(h, self.final_norm)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # (W @ h^T)^T rather than h @ W^T: for a few rows against the 49k-row
-        # vocabulary, MKL runs this orientation about 1.6x faster on CPU (measured
-        # at 8 and 16 rows; equal at 1).
-        return torch.mm(self.lm_head, hidden.t()).t().float()
+        if isinstance(self.linear, TorchLinear):
+            # (W @ h^T)^T rather than h @ W^T: for a few rows against the 49k-row
+            # vocabulary, MKL runs this orientation about 1.6x faster on CPU (measured
+            # at 8 and 16 rows; equal at 1).
+            return torch.mm(self.lm_head, hidden.t()).t().float()
+        return self.linear(hidden, self.lm_head).float()

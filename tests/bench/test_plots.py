@@ -38,7 +38,7 @@ def tier_results() -> list[dict]:
 
 
 def capacity_results() -> list[CapacityResult]:
-    return [CapacityResult(kv_format=f, spec=f, bytes_per_token=b, num_blocks=n, max_num_seqs=s,
+    return [CapacityResult(kv_format=f, backend="cpu", spec=f, bytes_per_token=b, num_blocks=n, max_num_seqs=s,
                            blocks_per_request=71, num_requests=s + 2, peak_concurrent=s, peak_running=s,
                            decode_batch=s, decode_steps=20, decode_tok_s=t, num_preemptions=1, wall_s=60.0)
             for f, b, n, s, t in (("native", 36864, 455, 6, 30.5), ("int8", 9792, 1713, 24, 70.1),

@@ -92,11 +92,15 @@ def test_cli_generate_and_bad_input(capsys):
     assert "temperature must be in [0, 100]" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["int8", "kivi2"])
-def test_quantized_hits_match_cold_runs_on_the_real_model(default_model, fmt):
+@pytest.mark.parametrize(("fmt", "backend"), [("int8", "torch"), ("int8", "cpu"), ("kivi2", "torch")])
+def test_quantized_hits_match_cold_runs_on_the_real_model(default_model, fmt, backend):
+    """Not kivi2 on the cpu kernel: its float32 sums for a prompt token depend on how the
+    prompt was cut (a chunk from 0 or over cached context), and 2-bit per-channel keys turn
+    those last-bit differences into other codes: logprobs of a hit differ from a cold run's
+    by up to 0.3 nats there (docs/attention.md, "Known gaps")."""
     params = SamplingParams(max_tokens=16, temperature=0.0)
     convs = conversations()[:4]
-    opts = {"kv_format": fmt, "kv_cache_memory_gb": 0.1, "max_num_seqs": 8}
+    opts = {"kv_format": fmt, "kv_cache_memory_gb": 0.1, "max_num_seqs": 8, "attention_backend": backend}
     cold = LLM(loaded=default_model, enable_prefix_caching=False, **opts)
     warm = LLM(loaded=default_model, **opts)
     ref = cold.chat(convs, params)

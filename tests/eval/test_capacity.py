@@ -67,4 +67,6 @@ def test_run_format_reaches_the_pool_limit_and_measures_decode(loaded, fmt):
     assert r.peak_concurrent >= fit - 1          # the pool, not the seats or the budget, is the limit
     assert r.decode_steps > 0 and r.decode_tok_s > 0 and r.decode_batch >= 1
     assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+    assert r.generated_tokens == (fit + 3) * 24 and r.e2e_tok_s > 0
+    assert r.backend == llm.engine.attention.name
     assert fmt in render([r])
