@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
     from kvserve.server.cli import add_serve_parser
-    add_serve_parser(sub)
+    serve = add_serve_parser(sub)
+    from kvserve.cluster.cli import add_cluster_args
+    add_cluster_args(serve)      # --replicas N: engine replicas on Ray Serve instead of one engine
     from kvserve.plan.cli import add_plan_parser
     add_plan_parser(sub)
     from kvserve.eval.cli import add_eval_budget_parser, add_eval_parser

@@ -292,8 +292,14 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     tiers: tuple[TierConfig, ...] = ()
+    write_through: bool = field(default=False, metadata=opt(
+        "write every computed full KV block to the shared tiers (Redis) at once, in the background, not only "
+        "when the device evicts it: engine replicas then find each other's history (docs/cluster.md)",
+        flag="--write-through", group="offload"))
 
     def __post_init__(self) -> None:
+        if self.write_through and not self.tiers:
+            raise ValueError("write_through needs a shared offload tier to write to: give redis_url (--redis-url)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.linear_backend not in LINEAR_BACKENDS:

@@ -48,6 +48,7 @@ SAMPLES = {
     "redis_timeout_s": (["0.25"], 0.25, 0.25),
     "redis_backoff_s": (["2"], 2.0, 2.0),
     "redis_max_backoff_s": (["30"], 30.0, 30.0),
+    "write_through": ([], True, True),
 }
 
 

@@ -90,5 +90,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_tiers_parser(bsub, common)
     from kvserve.bench.kv_decode import add_kv_decode_parser
     add_kv_decode_parser(bsub, common)
+    from kvserve.bench.cluster import add_cluster_bench_parser
+    add_cluster_bench_parser(bsub, common)
     from kvserve.bench.structured import add_structured_parser
     add_structured_parser(bsub, common)

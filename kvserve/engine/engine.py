@@ -12,6 +12,7 @@ import torch
 from kvserve.attention.backends import make_attention_backend
 from kvserve.cache_control import DEFAULT_PIN_TTL_S, NO_CACHE_CONTROL, CacheControl, PrefixPin
 from kvserve.config import EngineConfig
+from kvserve.engine.model_card import ModelCard
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
@@ -87,11 +88,13 @@ class LLMEngine:
         num_blocks = self.kv_cache.num_blocks
         self.pool = BlockPool(num_blocks, cc.block_size)
         extra_key = make_extra_key(loaded.fingerprint, f"{self.kv_format.spec}:{self.dtype}", cc.cache_salt)
+        # what a front end needs to parse requests for this engine (a cluster's ingress gets it over the wire)
+        self.model_card = ModelCard(self.tokenizer, mc.vocab_size, self.max_model_len, cc.block_size, extra_key)
         # the engine owns the mover; the tiering copies blocks through it. Redis keys are
         # namespaced by the extra key (model, format, dtype, salt), as blocks are tagged by it
         self.block_mover = BlockMover(self.kv_cache.block_tensors())
         transports = list(tiers) if tiers is not None else open_transports(config.tiers, extra_key.hex()[:32])
-        self.tiering = make_tiering(transports, self.block_mover, extra_key, cc.block_size)
+        self.tiering = make_tiering(transports, self.block_mover, extra_key, cc.block_size, config.write_through)
         self.budgets = self._make_budgets(config)
         self.pins = Pins(self.pool, int(cc.max_pinned_fraction * num_blocks), cc.max_pin_ttl_s, clock)
         self.kv = KVCacheManager(self.pool, extra_key, cc.enable_prefix_caching, self.kv_cache.residual,
@@ -136,28 +139,8 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt, with a clear error for anything unusable."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
-                raise ValueError("a token-id prompt must be a list of integers")
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"token id {bad[0]} is out of range for a vocabulary of {self.model_config.vocab_size}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the context window is {self.max_model_len} tokens "
-                "and at least one must be left to generate")
-        return ids
+        """Token ids of a prompt, with a clear error for anything unusable (ModelCard.encode_prompt)."""
+        return self.model_card.encode_prompt(prompt)
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError for parameters this engine cannot run (an unknown KV budget policy, a

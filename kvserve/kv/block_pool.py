@@ -216,6 +216,10 @@ class BlockPool:
         """Whether a device block holds ``key``."""
         return key in self._cached
 
+    def cached_keys(self) -> list[bytes]:
+        """Every key a device block holds, oldest cached first (what a cluster's router indexes)."""
+        return list(self._cached)
+
     def is_pinned(self, block: Block) -> bool:
         return block.key is not None and block.key in self._pin_counts
 

@@ -209,6 +209,7 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(rid, 0)
         if num_full > start:
             self._cache_blocks(request, start, num_full)
+            self.tiering.write_through(self._blocks[rid][start:num_full])   # a no-op unless it is on
 
     def _cache_blocks(self, request: Request, start: int, end: int) -> None:
         """Register the request's full blocks [start, end) under their content keys."""

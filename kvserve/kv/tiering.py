@@ -2,6 +2,8 @@
 
     KV manager  --demote(blocks)-->      BlockMover.read (device -> bytes, synchronous: the
                                          blocks are about to be reused) -> TieredStore.demote
+                --write_through(blocks)  newly computed full blocks -> the shared tiers at once
+                                         (write-through: other engines find them; off by default)
                 --lookup(keys)-->        TieredStore.lookup: the run of keys some tier holds,
                                          cut by the cost model where recomputing is faster
     scheduler   --load(run, blocks)-->   reads now, BlockMover.write (bytes -> device blocks)
@@ -61,6 +63,7 @@ class TierMetrics:
     load_seconds: float      # engine-thread time waiting for and writing loads, split by blocks
     store: TierStats         # the tier's own counters: writes (demotions), misses, corrupt, bandwidth
     dropped_calls: int       # submits refused because the tier's queue was full
+    write_through_blocks: int = 0   # computed blocks submitted to this (shared) tier at once
 
 
 class Tiering(ABC):
@@ -88,6 +91,12 @@ class Tiering(ABC):
         """``demote`` for pinned blocks: their writes are queued even when a tier's queue is
         full (never dropped for that; a tier that is down or full still refuses them)."""
         return self.demote(blocks)
+
+    def write_through(self, blocks: Sequence[Block]) -> int:
+        """With write-through on, copy newly computed full blocks off the device and submit
+        them to the shared tiers (in the background, skipping keys a tier already holds);
+        returns how many were copied. Off (the default): nothing."""
+        return 0
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> TierRun:
@@ -194,7 +203,7 @@ class NoTiering(Tiering):
 class OffloadTiering(Tiering):
     """Blocks between the device (through ``mover``) and the tiers of ``store``."""
 
-    def __init__(self, store: TieredStore, mover: BlockMover, block_size: int) -> None:
+    def __init__(self, store: TieredStore, mover: BlockMover, block_size: int, write_through: bool = False) -> None:
         super().__init__()
         self.store = store
         self.mover = mover
@@ -211,6 +220,11 @@ class OffloadTiering(Tiering):
         self._first_is_local = first.is_local
         self._first_is_swap_target = first.is_swap_target
         self._loads_synchronously = tuple(t.loads_synchronously for t in store.transports)
+        self._shared = tuple(i for i, t in enumerate(store.transports) if t.is_shared) if write_through else ()
+        if write_through and not self._shared:
+            raise ValueError(f"write_through needs a shared tier (such as Redis, --redis-url); the tiers are "
+                             f"{', '.join(self.tier_names)}")
+        self._write_through_blocks = [0] * n
 
     def demote(self, blocks: Sequence[Block]) -> int:
         return self._demote(blocks, required=False)
@@ -227,6 +241,18 @@ class OffloadTiering(Tiering):
             return 0
         payloads = self.mover.read([block_id for _, block_id in todo])
         self.store.demote([(key, p) for (key, _), p in zip(todo, payloads)], required=required)
+        return len(todo)
+
+    def write_through(self, blocks: Sequence[Block]) -> int:
+        if not self._shared:
+            return 0
+        todo = [(b.key, b.block_id) for b in blocks if b.key is not None]
+        if not todo:
+            return 0
+        payloads = self.mover.read([block_id for _, block_id in todo])
+        self.store.write_through([(key, p) for (key, _), p in zip(todo, payloads)], self._shared)
+        for t in self._shared:
+            self._write_through_blocks[t] += len(todo)
         return len(todo)
 
     def swap_out(self, blocks: Sequence[Block]) -> int:
@@ -289,7 +315,7 @@ class OffloadTiering(Tiering):
         return tuple(
             TierMetrics(tier=name, hit_tokens=self._hit_blocks[t] * bs, loaded_tokens=self._loaded_blocks[t] * bs,
                         bytes_loaded=self._loaded_blocks[t] * nb, load_seconds=self._load_seconds[t],
-                        store=stats, dropped_calls=astats.dropped)
+                        store=stats, dropped_calls=astats.dropped, write_through_blocks=self._write_through_blocks[t])
             for t, (name, stats, astats) in enumerate(zip(self.tier_names, self.store.stats(),
                                                           self.store.async_stats())))
 
@@ -304,12 +330,17 @@ class OffloadTiering(Tiering):
         self.store.check_integrity()
 
 
-def make_tiering(transports: Sequence[Transport], mover: BlockMover, extra_key: bytes, block_size: int) -> Tiering:
+def make_tiering(transports: Sequence[Transport], mover: BlockMover, extra_key: bytes, block_size: int,
+                 write_through: bool = False) -> Tiering:
     """Tiering over ``transports`` in lookup order (``NoTiering`` when there are none).
 
     Blocks are tagged with the extra key (model, format, dtype, salt) as the store's format
-    tag, so engines that cannot use each other's blocks never read them.
+    tag, so engines that cannot use each other's blocks never read them. ``write_through``:
+    computed full blocks also go to the shared tiers at once (ValueError without one).
     """
     if not transports:
+        if write_through:
+            raise ValueError("write_through needs a shared offload tier (such as Redis, --redis-url)")
         return NoTiering()
-    return OffloadTiering(make_tiered_store(transports, extra_key.hex()), mover, block_size)
+    return OffloadTiering(make_tiered_store(transports, extra_key.hex(), write_through), mover, block_size,
+                          write_through)

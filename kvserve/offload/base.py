@@ -46,6 +46,9 @@ class Transport(ABC):
       and a rewrite is costly here, e.g. an fsync).
     * ``is_swap_target``: as the first tier, it takes a preempted request's blocks at once
       when the cost model says a round trip beats recomputing them.
+    * ``is_shared``: other engines read what this tier holds (a server many engines use), so
+      with write-through (``EngineConfig.write_through``) every computed full block is
+      written here at once rather than when the device evicts it.
     * ``prior_read_latency_s``, ``prior_read_bytes_per_s``: the cost model's estimate of a
       read call until the tier's own reads are measured (the defaults, 0 and infinity,
       make an unknown tier look free, so its first use measures it).
@@ -56,6 +59,7 @@ class Transport(ABC):
     loads_synchronously: ClassVar[bool] = False
     is_write_once: ClassVar[bool] = False
     is_swap_target: ClassVar[bool] = False
+    is_shared: ClassVar[bool] = False
     prior_read_latency_s: ClassVar[float] = 0.0
     prior_read_bytes_per_s: ClassVar[float] = math.inf
 

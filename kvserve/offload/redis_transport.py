@@ -38,6 +38,7 @@ _DOWN_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 class RedisTransport(Transport):
     name = "redis"
+    is_shared = True           # every engine on the server reads it: the tier write-through feeds
     # measured in docs/offload.md (int8 SmolLM2 blocks, loopback server)
     prior_read_latency_s = 0.3e-3
     prior_read_bytes_per_s = 300e6

@@ -109,6 +109,12 @@ class TieredStore:
             for tier in self.tiers:
                 tier.submit_put(items, required=required)
 
+    def write_through(self, items: Sequence[tuple[bytes, bytes]], tiers: Sequence[int]) -> None:
+        """Submit ``items`` (newly computed blocks) to the tiers at indices ``tiers``; returns at once."""
+        if items:
+            for t in tiers:
+                self.tiers[t].submit_put(items)
+
     def lookup(self, keys: Sequence[bytes]) -> TierRun:
         """The longest leading run of ``keys`` held by some tier, each by the first that holds it.
 
@@ -172,7 +178,11 @@ def open_transports(tiers: Sequence[TierConfig], namespace: str) -> list[Transpo
     return opened
 
 
-def make_tiered_store(transports: Sequence[Transport], fmt_tag: str) -> TieredStore:
-    """Tiers over ``transports`` (in lookup order) for blocks tagged ``fmt_tag``."""
-    return TieredStore([AsyncTier((_WriteOnceStore if t.is_write_once else BlockStore)(t, fmt_tag))
+def make_tiered_store(transports: Sequence[Transport], fmt_tag: str, write_through: bool = False) -> TieredStore:
+    """Tiers over ``transports`` (in lookup order) for blocks tagged ``fmt_tag``. With
+    ``write_through`` the shared tiers are written once per key: a put skips keys the server
+    already holds, so engines writing the same blocks send each over the wire once."""
+    def write_once(t: Transport) -> bool:
+        return t.is_write_once or (write_through and t.is_shared)
+    return TieredStore([AsyncTier((_WriteOnceStore if write_once(t) else BlockStore)(t, fmt_tag))
                         for t in transports])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -45,15 +45,21 @@ def create_app(llm_engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     shutdown. ``app.state.ctx`` is the ``ServingContext`` (tests reach the engine through it)."""
     metrics = ServerMetrics()
     engine = AsyncEngine(llm_engine, metrics)
-    ctx = ServingContext(engine, settings, metrics)
+    return build_app(ServingContext(engine, settings, metrics), engine.start, engine.stop)
+
+
+def build_app(ctx: ServingContext, start: Callable[[], None], stop: Callable[[], None]) -> FastAPI:
+    """The routes, authentication and errors over ``ctx``, whatever engine client it holds (the
+    cluster's ingress uses this too); ``start`` and ``stop`` run in the app's lifespan."""
+    metrics = ctx.metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        start()
         try:
             yield
         finally:
-            engine.stop()
+            stop()
 
     app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server with a prefix-cached, tiered KV cache",
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
@@ -63,7 +69,7 @@ def create_app(llm_engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine.is_running:
+        if not ctx.engine.is_running:
             raise APIError(503, "the engine is not running", type="server_error")
         return JSONResponse({"status": "ok"})
 

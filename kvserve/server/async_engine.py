@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from kvserve.cache_control import CacheControl
 from kvserve.engine.engine import LLMEngine
+from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.sampling_params import SamplingParams
@@ -60,6 +61,12 @@ class NullObserver:
 
     def on_abort(self, request_id: str) -> None:
         pass
+
+
+class Aborter(Protocol):
+    """Whoever runs a stream's requests: ``abort`` is thread-safe and ignores finished ids."""
+
+    def abort(self, request_ids: list[str]) -> None: ...
 
 
 class RequestSpec(NamedTuple):
@@ -129,12 +136,20 @@ class RequestStream:
     in a ``finally``) aborts those that have not, e.g. when the client went away.
     """
 
-    engine: AsyncEngine
+    engine: Aborter            # the AsyncEngine, or a cluster's client (kvserve/cluster/client.py)
     request_ids: list[str]
     queue: asyncio.Queue[StreamItem | BaseException]
     finished: set[int] = field(default_factory=set)
 
     async def __aiter__(self) -> AsyncIterator[StreamItem]:
+        async for item in self.outputs():
+            if item.output.finished and item.output.error is not None:
+                raise RequestFailed(f"the request failed while generating: {item.output.error}")
+            yield item
+
+    async def outputs(self) -> AsyncIterator[StreamItem]:
+        """Every item, a failed request's last output (``error`` set) included: what an
+        engine replica forwards, so that the ingress's stream fails that request alone."""
         while len(self.finished) < len(self.request_ids):
             batch = [await self.queue.get()]
             while not self.queue.empty():
@@ -149,8 +164,6 @@ class RequestStream:
             for item in latest.values():
                 if item.output.finished:
                     self.finished.add(item.choice)
-                    if item.output.error is not None:
-                        raise RequestFailed(f"the request failed while generating: {item.output.error}")
                 yield item
 
     def close(self) -> None:
@@ -186,6 +199,10 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def model_card(self) -> ModelCard:
+        return self.engine.model_card
 
     # -- verbs for the event loop ------------------------------------------
     async def submit(self, specs: list[RequestSpec], prefix: str = "req") -> RequestStream:

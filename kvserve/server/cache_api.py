@@ -111,7 +111,7 @@ class UnpinBody(_PrefixBody):
 def cache_router(ctx: ServingContext) -> APIRouter:
     """``/cache/pin``, ``/cache/unpin``, ``/cache/pins`` (mounted under ``/v1``)."""
     router = APIRouter()
-    block_size = ctx.engine.engine.pool.block_size
+    block_size = ctx.block_size
 
     @router.post("/cache/pin")
     async def pin(request: Request) -> Response:

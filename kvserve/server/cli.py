@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from kvserve.options import add_engine_args, engine_config, engine_options
+
+if TYPE_CHECKING:
+    from kvserve.server.serving import ServerSettings
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 
 
-def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -26,6 +30,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="uvicorn's log level (info logs each request)")
     add_engine_args(s)
     s.set_defaults(run=run_serve)
+    return s
 
 
 def resolve_api_key(flag: str | None) -> str | None:
@@ -39,14 +44,19 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.engine import LLMEngine
-    from kvserve.model.loader import default_model_name
     from kvserve.server.app import create_app
-    from kvserve.server.serving import ServerSettings
 
-    settings = ServerSettings(model_name=args.served_model_name or default_model_name(args.model),
-                              api_key=resolve_api_key(args.api_key), max_body_bytes=args.max_request_bytes)
     engine = LLMEngine(engine_config(args.model, **engine_options(args)))
-    app = create_app(engine, settings)
+    app = create_app(engine, server_settings(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The HTTP settings of the server flags (also the cluster ingress's)."""
+    from kvserve.model.loader import default_model_name
+    from kvserve.server.serving import ServerSettings
+
+    return ServerSettings(model_name=args.served_model_name or default_model_name(args.model),
+                          api_key=resolve_api_key(args.api_key), max_body_bytes=args.max_request_bytes)

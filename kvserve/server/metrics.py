@@ -103,6 +103,9 @@ def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
                                   "Blocks that failed verification (removed, recomputed)", labels=["tier"])
     dropped = CounterMetricFamily("kvserve_offload_dropped_writes",
                                   "Blocks a tier did not store (full queue, tier down, too large)", labels=["tier"])
+    written_through = CounterMetricFamily("kvserve_offload_write_through_blocks",
+                                          "Computed blocks written to a shared tier at once (write-through)",
+                                          labels=["tier"])
     yield GaugeMetricFamily("kvserve_num_requests_loading", "Admitted requests waiting for their tier reads",
                             s.num_loading)
     yield CounterMetricFamily("kvserve_offload_swapped_blocks", "Blocks of preempted requests demoted at once",
@@ -116,7 +119,8 @@ def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
         seconds.add_metric([t.tier], t.load_seconds)
         corrupt.add_metric([t.tier], t.store.corrupt)
         dropped.add_metric([t.tier], t.store.puts_dropped)
-    yield from (loaded, moved, seconds, corrupt, dropped)
+        written_through.add_metric([t.tier], t.write_through_blocks)
+    yield from (loaded, moved, seconds, corrupt, dropped, written_through)
 
 
 class ServerMetrics:
@@ -144,6 +148,10 @@ class ServerMetrics:
 
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None:
         self._stats.stats = stats
+        self.observe_outputs(outputs, now)
+
+    def observe_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        """Request-level series from outputs (a cluster's ingress feeds those it relays)."""
         for out in outputs:
             seen = self._progress.get(out.request_id)
             new_tokens = len(out.token_ids) - (seen.num_tokens if seen else 0)

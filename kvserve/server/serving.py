@@ -8,15 +8,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
 
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import (
-    AsyncEngine,
     EngineError,
     RequestFailed,
     RequestSpec,
@@ -27,6 +28,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError, bad_request
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,21 +50,39 @@ class ClientGone(Exception):
     """The client disconnected before its response was ready."""
 
 
-class ServingContext:
-    """The state every handler reads. The engine's tokenizer, config and pool size never
-    change after construction, so handlers read them directly; everything that mutates
-    goes through ``engine`` (the engine thread)."""
+class EngineClient(Protocol):
+    """What the handlers run requests through: ``AsyncEngine`` (the engine in this process) or
+    a cluster's client (engine replicas behind a router, kvserve/cluster/client.py)."""
 
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    @property
+    def model_card(self) -> ModelCard: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    async def submit(self, specs: list[RequestSpec], prefix: str = "req") -> RequestStream: ...
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+
+class ServingContext:
+    """The state every handler reads. The model card (tokenizer, limits) never changes after
+    construction, so handlers read it directly; everything that mutates goes through
+    ``engine``."""
+
+    def __init__(self, engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
-        core = engine.engine
-        if core.tokenizer is None:
+        card = engine.model_card
+        if card.tokenizer is None:
             raise ValueError("the server needs a model with a tokenizer")
-        self.tokenizer: Tokenizer = core.tokenizer
-        self.max_model_len = core.max_model_len
-        self._encode_prompt = core.encode_prompt   # reads only the tokenizer and config
+        self.tokenizer: Tokenizer = card.tokenizer
+        self.max_model_len = card.max_model_len
+        self.block_size = card.block_size
+        self._encode_prompt = card.encode_prompt   # reads only the tokenizer and limits
         self._token_text: dict[int, str] = {}
         self._byte_of_char = _byte_level_decoder()
 

@@ -1,8 +1,8 @@
 """One request's failure never fails another: three streams survive a poisoned neighbour.
 
-The poison is injected, not found: requests asking for the regex "poison" get a grammar
-that breaks on its third token, so the test keeps proving isolation whatever the sampler
-fixes. The issue's original crashers (tiny temperature / top_p) are checked too.
+The poison is injected, not found (tests/server/poison.py), so the test keeps proving
+isolation whatever the sampler fixes. The issue's original crashers (tiny temperature /
+top_p) are checked too.
 """
 
 from __future__ import annotations
@@ -13,39 +13,18 @@ import time
 
 import httpx
 import pytest
-import torch
 from live_server import MODEL, running_server
+from poison import POISON, install_poison
 
 from kvserve.server.cli import resolve_api_key
 
-POISON = {"structured_outputs": {"regex": "poison"}}
 STREAM = {"model": MODEL, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
-
-
-class PoisonedGrammar:
-    def __init__(self) -> None:
-        self.num_masks = 0
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self.num_masks += 1
-        if self.num_masks == 3:
-            raise RuntimeError("poisoned grammar")
-
-    def accept(self, token_id: int) -> None:
-        pass
-
-    @property
-    def is_finished(self) -> bool:
-        return False
 
 
 @pytest.fixture(scope="module")
 def server(default_model):
     with running_server(default_model, num_kv_blocks=128) as s:
-        grammars = s.ctx.engine.engine.grammars
-        real_check, real_matcher = grammars.check, grammars.matcher
-        grammars.check = lambda spec: None if spec.regex == "poison" else real_check(spec)
-        grammars.matcher = lambda spec: PoisonedGrammar() if spec.regex == "poison" else real_matcher(spec)
+        install_poison(s.ctx.engine.engine)
         yield s
 
 

@@ -1,0 +1,106 @@
+"""``kvserve serve --replicas N``: the flags of the cluster and its launch (docs/cluster.md).
+
+Only ``run_cluster`` imports Ray: ``kvserve serve`` without ``--replicas`` never needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from kvserve.options import engine_options
+from kvserve.server.cli import run_serve as serve_one
+from kvserve.server.cli import server_settings
+from kvserve.server.serving import ServerSettings
+
+ROUTINGS = ("kv", "pow2")
+
+
+def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    """The cluster flags of ``kvserve serve``; its command runs the cluster when ``--replicas`` is given,
+    else the single server as before."""
+    g = parser.add_argument_group("cluster: engine replicas on Ray Serve behind a KV-aware router (docs/cluster.md)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N engine replicas on Ray Serve (default: one engine in this process, no Ray)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of starting a local one")
+    g.add_argument("--routing", choices=ROUTINGS, default="kv",
+                   help="kv: to the replica holding the longest cached prefix (default); pow2: Serve's default")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per engine replica (default 1)")
+    g.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per engine replica (default 0)")
+    g.add_argument("--ingress-replicas", type=int, default=1, help="HTTP ingress replicas (default 1)")
+    g.add_argument("--max-load-imbalance", type=int, default=2, metavar="REQUESTS",
+                   help="ongoing requests the prefix holder may have beyond the least loaded replica (or a "
+                        "quarter of that replica's, if more) before the router sends elsewhere (default 2)")
+    g.add_argument("--routing-stats-period-s", type=float, default=1.0,
+                   help="how often replicas publish the block keys they hold (default 1 s)")
+    g.add_argument("--max-ongoing-requests", type=int, default=64,
+                   help="requests one engine replica takes at once (default 64)")
+    g.add_argument("--ray-num-cpus", type=float, default=None,
+                   help="CPUs of a local Ray cluster (default: the machine's)")
+    g.add_argument("--ray-object-store-mb", type=int, default=256,
+                   help="object store of a local Ray cluster, MiB (default 256; outputs are small)")
+    parser.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if args.replicas is None:
+        return serve_one(args)
+    return run_cluster(args, server_settings(args))
+
+
+def run_cluster(args: argparse.Namespace, settings: ServerSettings) -> int:
+    import ray
+    from ray import serve
+
+    from kvserve.cluster.app import APP_NAME, ClusterConfig, build_application
+
+    cluster = ClusterConfig(num_replicas=args.replicas, replica_cpus=args.replica_cpus,
+                            replica_gpus=args.replica_gpus, ingress_replicas=args.ingress_replicas,
+                            routing=args.routing, max_imbalance=args.max_load_imbalance,
+                            stats_period_s=args.routing_stats_period_s, max_ongoing_requests=args.max_ongoing_requests)
+    options = engine_options(args)
+    if options.get("disk_cache_dir") and cluster.num_replicas > 1:
+        # a disk tier directory belongs to one engine (it holds a lock); replicas would share it
+        raise ValueError("--disk-cache cannot be given to several replicas (one engine per directory); "
+                         "share blocks through --redis-url and --write-through instead")
+    app = build_application(args.model, options, settings, cluster)
+    started_ray = args.ray_address is None
+    if started_ray:
+        ray.init(**local_ray_options(args.ray_num_cpus, args.ray_object_store_mb))
+    else:
+        ray.init(address=args.ray_address)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        print(f"kvserve: {cluster.num_replicas} engine replicas ({cluster.routing} routing) serving on "
+              f"http://{args.host}:{args.port}", flush=True)
+        wait_for_signal()
+    finally:
+        serve.delete(APP_NAME)
+        if started_ray:
+            serve.shutdown()
+            ray.shutdown()
+    return 0
+
+
+def local_ray_options(num_cpus: float | None, object_store_mb: int) -> dict[str, Any]:
+    """A one-machine Ray cluster: loopback node address, no dashboard, a small object store,
+    and this kvserve on the workers' path (the replicas import it)."""
+    import kvserve
+
+    source = str(Path(kvserve.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
+    return {"num_cpus": num_cpus, "object_store_memory": object_store_mb << 20, "include_dashboard": False,
+            "_node_ip_address": "127.0.0.1", "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
+
+
+def wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()

@@ -1,0 +1,29 @@
+"""``kvserve serve --replicas``: its flags, and that the single server never imports Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.cli import build_parser, main
+
+
+def test_the_single_server_path_does_not_import_ray():
+    code = "import sys, kvserve.cli; kvserve.cli.build_parser(); print('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_cluster_flags_parse():
+    args = build_parser().parse_args(["serve", "--replicas", "3", "--ray-address", "auto", "--routing", "pow2",
+                                      "--replica-cpus", "0.5", "--write-through", "--redis-url", "redis://h:1/0"])
+    assert (args.replicas, args.ray_address, args.routing, args.replica_cpus) == (3, "auto", "pow2", 0.5)
+    assert args.write_through is True
+    assert build_parser().parse_args(["serve"]).replicas is None
+
+
+def test_replicas_cannot_share_a_disk_directory(tmp_path, capsys):
+    pytest.importorskip("ray")
+    assert main(["serve", "--replicas", "2", "--disk-cache", str(tmp_path)]) == 2
+    assert "one engine per directory" in capsys.readouterr().err
