@@ -92,12 +92,16 @@ def test_cli_generate_and_bad_input(capsys):
     assert "temperature must be in [0, 100]" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("fmt", "backend"), [("int8", "torch"), ("int8", "cpu"), ("kivi2", "torch")])
-def test_quantized_hits_match_cold_runs_on_the_real_model(default_model, fmt, backend):
-    """Not kivi2 on the cpu kernel: its float32 sums for a prompt token depend on how the
-    prompt was cut (a chunk from 0 or over cached context), and 2-bit per-channel keys turn
-    those last-bit differences into other codes: logprobs of a hit differ from a cold run's
-    by up to 0.3 nats there (docs/attention.md, "Known gaps")."""
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_int8_hits_match_cold_runs_on_the_real_model(default_model, backend):
+    """int8 only: with 2-bit per-channel keys (kivi2) the real model's hit and cold runs are
+    not bit-identical on either backend. Attention sums a prompt token in an order that
+    depends on how the prompt was cut (one chunk from 0, or a chunk over cached context),
+    and a last-bit difference before quantization becomes another code: first-token
+    logprobs differ by up to 2e-5 on the torch path and 0.11-0.31 nats on the cpu kernel
+    (docs/attention.md, "Known gaps"). The tiny-model tests hold hit == cold for every
+    format on every backend (tests/engine/test_kv_formats_engine.py)."""
+    fmt = "int8"
     params = SamplingParams(max_tokens=16, temperature=0.0)
     convs = conversations()[:4]
     opts = {"kv_format": fmt, "kv_cache_memory_gb": 0.1, "max_num_seqs": 8, "attention_backend": backend}
