@@ -230,6 +230,14 @@ class KVCacheManager:
             self.tiering.demote_pinned(pinned)
         return self.pool.allocate(num_blocks, retention)
 
+    def allocate_unowned(self, num_blocks: int) -> list[Block]:
+        """``num_blocks`` blocks (ref 1 each) that no request's table holds, taken as a request's
+        are (evicted blocks demoted first): for KV written outside a request, such as a segment's
+        (kvserve/blend/). The caller caches and frees them itself (``pool``) before the next
+        ``check_integrity``, which counts only the references of tables. Raises
+        NoFreeBlocksError when the pool cannot supply them."""
+        return self._allocate(num_blocks, 0)
+
     def apply_budget(self, request: Request) -> bool:
         """Compact a budgeted request whose context outgrew its budget (kv/budget/budgets.py).
 

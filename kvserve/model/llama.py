@@ -51,6 +51,28 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, blended, out)
 
 
+def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's rotation angles, [max_position_embeddings, head_dim / 2]
+    float32 on the CPU: the angles in float64, their cos and sin in float32, as Hugging Face
+    computes them (so logits match it closely)."""
+    inv_freq = rope_inv_freq(config)
+    pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+    freqs = torch.outer(pos, inv_freq).float()
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [..., D] by angles given as ``cos``/``sin`` [..., D / 2] (broadcast).
+
+    The half-split layout (GPT-NeoX, Hugging Face Llama): channel j pairs with j + D / 2.
+    GGUF checkpoints store Q and K rows interleaved; the loader undoes that, so every
+    model here rotates this way and anything that re-rotates keys calls this.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, linear: Linear | None = None) -> None:
@@ -84,12 +106,9 @@ class LlamaModel:
                 gate_up=pack(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
                 down=pack(w(p + "mlp.down_proj.weight")),
             ))
-        inv_freq = rope_inv_freq(config)
-        pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
-        freqs = torch.outer(pos, inv_freq)
-        # computed in float32 as Hugging Face does, so logits match it closely
-        self.cos = freqs.float().cos().to(device=device, dtype=dtype)
-        self.sin = freqs.float().sin().to(device=device, dtype=dtype)
+        cos, sin = rope_tables(config)
+        self.cos = cos.to(device=device, dtype=dtype)
+        self.sin = sin.to(device=device, dtype=dtype)
         self.scale = config.head_dim ** -0.5
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -97,35 +116,44 @@ class LlamaModel:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
         return weight * normed.to(x.dtype)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVStorage,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
-        cfg = self.config
-        num_tokens = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
-        linear = self.linear
-        for i, lw in enumerate(self.layers):
-            x = self._rms_norm(h, lw.input_norm)
-            qkv = linear(x, lw.qkv, lw.qkv_bias)
-            q = qkv[:, :q_end].view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_end:k_end].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, k_end:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
+        for i in range(self.config.num_layers):
+            q, k, v = self.layer_qkv(i, h, cos, sin)
             attn = paged_attention(q, k, v, i, cache, meta, self.scale)
-            h = h + linear(attn.reshape(num_tokens, cfg.q_size), lw.o)
-            x = self._rms_norm(h, lw.post_norm)
-            gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, lw.down)
+            h = self.layer_output(i, h, attn)
+        return self._rms_norm(h, self.final_norm)
+
+    # The two halves of a layer, around its attention; ``forward`` is the paged composition
+    # and kvserve/blend/ composes them with its own attention.
+    def layer_qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [T, H, D], keys and values [T, Hkv, D] of ``layer`` for hidden states ``h``
+        [T, hidden]; queries and keys rotated by ``cos``/``sin`` ([T, 1, D / 2], the rows of
+        ``self.cos``/``self.sin`` at the tokens' positions)."""
+        cfg, lw = self.config, self.layers[layer]
+        num_tokens = h.shape[0]
+        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        qkv = self.linear(self._rms_norm(h, lw.input_norm), lw.qkv, lw.qkv_bias)
+        q = qkv[:, :q_end].view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, q_end:k_end].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, k_end:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def layer_output(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Hidden states after ``layer``, from those before it and its attention output [T, H, D]."""
+        lw = self.layers[layer]
+        h = h + self.linear(attn.reshape(h.shape[0], self.config.q_size), lw.o)
+        gate, up = self.linear(self._rms_norm(h, lw.post_norm), lw.gate_up).chunk(2, dim=-1)
+        return h + self.linear(F.silu(gate) * up, lw.down)
+
+    def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm, the step between the last layer and ``compute_logits``."""
         return self._rms_norm(h, self.final_norm)
 
     @torch.inference_mode()

@@ -1,0 +1,199 @@
+"""Blending: a prompt's KV from its segments' cached KV plus a partial recompute (CacheBlend).
+
+A prompt is a prefix, segments and a suffix. A segment whose standalone KV is cached is
+*reused*: its keys are moved to its place, but they never saw the text before it, so the
+attention across segments is missing. Layers below ``select_layer`` are computed for every
+token (cheap: one or two layers). At ``select_layer`` each reused token's fresh keys and
+values are compared with the cached ones; per segment, the ``blend_fraction`` of tokens that
+deviate most are *selected*, and from that layer on only they and the computed tokens (the
+prefix, the suffix, segment tails that were not cached) are computed; the other reused
+tokens keep their cached KV.
+
+    positions    | prefix | segment 1      | segment 2   | suffix |
+    layers < s   |  all computed                                  |
+    layers >= s  |  comp. | c c S c c S c  | c S c c c c |  comp. |   c: cached KV, S: selected
+
+With ``blend_fraction`` 1.0 every token is computed in every layer: a full prefill.
+
+This is the dense reference on one sequence (tensors of the whole prompt, no paged cache);
+the engine would run the same selection inside its step (docs: kvserve/blend/__init__.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.blend.rope import RopeTables
+from kvserve.blend.segment import SegmentKV
+from kvserve.model.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class BlendPrompt:
+    prefix: tuple[int, ...]
+    segments: tuple[tuple[int, ...], ...]
+    suffix: tuple[int, ...]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [*self.prefix, *(t for s in self.segments for t in s), *self.suffix]
+
+    @property
+    def segment_starts(self) -> list[int]:
+        """Position of each segment's first token."""
+        starts, at = [], len(self.prefix)
+        for segment in self.segments:
+            starts.append(at)
+            at += len(segment)
+        return starts
+
+
+@dataclass(frozen=True)
+class Blended:
+    keys: tuple[torch.Tensor, ...]      # per layer [num_tokens, kv_heads, head_dim], the prompt's KV
+    values: tuple[torch.Tensor, ...]
+    logits: torch.Tensor                # [vocab] float32: the next token after the prompt
+    selected: torch.Tensor              # positions of the reused tokens recomputed from select_layer on
+    num_reused_tokens: int              # tokens whose cached KV was taken (those selected included)
+    num_computed_tokens: int            # tokens not cached at all: computed in every layer
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        return int(self.selected.numel())
+
+
+@torch.inference_mode()
+def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
+                  blend_fraction: float = 0.15, select_layer: int = 1) -> Blended:
+    """The prompt's KV and next-token logits from ``cached[i]``, the standalone KV of segment
+    i's leading tokens (None: computed in full), recomputing ``blend_fraction`` of them."""
+    num_layers = model.config.num_layers
+    if not 0.0 <= blend_fraction <= 1.0:
+        raise ValueError(f"blend_fraction must be in [0, 1], got {blend_fraction}")
+    if not 1 <= select_layer < num_layers:
+        raise ValueError(f"select_layer must be in 1..{num_layers - 1}, got {select_layer}")
+    if len(cached) != len(prompt.segments):
+        raise ValueError(f"{len(cached)} cached entries for {len(prompt.segments)} segments")
+    token_ids = prompt.token_ids
+    n, dev = len(token_ids), model.device
+    runs, cached_keys, cached_values = _place(prompt, cached, rope, n)
+    reused = torch.tensor([p for start, length in runs for p in range(start, start + length)],
+                          dtype=torch.long, device=dev)
+    is_reused = torch.zeros(n, dtype=torch.bool, device=dev)
+    is_reused[reused] = True
+    positions = torch.arange(n, device=dev)
+    cos, sin = model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1)
+    h = F.embedding(torch.tensor(token_ids, dtype=torch.long, device=dev), model.embed)
+    rows = positions                       # the positions whose hidden states ``h`` holds
+    selected = reused[:0]
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for layer in range(num_layers):
+        q, k, v = model.layer_qkv(layer, h, cos[rows], sin[rows])
+        if layer == select_layer and reused.numel():
+            selected = _select(k[reused], v[reused], cached_keys[layer], cached_values[layer], runs, blend_fraction)
+            keep = ~is_reused
+            keep[selected] = True
+            rows = positions[keep]
+            q, k, v, h = q[rows], k[rows], v[rows], h[rows]
+        if rows.numel() < n:
+            # the layer's KV: cached where reused, fresh where computed (selected tokens included)
+            k_all = torch.empty((n, *k.shape[1:]), dtype=k.dtype, device=dev)
+            v_all = torch.empty_like(k_all)
+            k_all[reused], v_all[reused] = cached_keys[layer], cached_values[layer]
+            k_all[rows], v_all[rows] = k, v
+            k, v = k_all, v_all
+        keys.append(k)
+        values.append(v)
+        h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
+    logits = model.compute_logits(model.final_norm_of(h[-1:]))[0]
+    return Blended(tuple(keys), tuple(values), logits, selected, int(reused.numel()),
+                   n - int(reused.numel()))
+
+
+def _place(prompt: BlendPrompt, cached: Sequence[SegmentKV | None], rope: RopeTables,
+           num_tokens: int) -> tuple[list[tuple[int, int]], list[torch.Tensor], list[torch.Tensor]]:
+    """Each reused run (start, length) and, per layer, the runs' cached keys (moved to their
+    places) and values, concatenated in position order. The prompt's last token is never
+    reused: its hidden state gives the logits."""
+    runs: list[tuple[int, int]] = []
+    moved: list[SegmentKV] = []
+    for segment, start, kv in zip(prompt.segments, prompt.segment_starts, cached):
+        if kv is None or not kv.num_tokens:
+            continue
+        if kv.first_position != 0 or kv.token_ids != segment[:kv.num_tokens]:
+            raise ValueError("cached KV must be a standalone computation of the segment's leading tokens")
+        length = min(kv.num_tokens, num_tokens - 1 - start)
+        if length > 0:
+            runs.append((start, length))
+            moved.append(kv.head(length).moved_to(start, rope))
+    if not moved:
+        return runs, [], []
+    num_layers = moved[0].num_layers
+    keys = [torch.cat([m.keys[layer] for m in moved]) for layer in range(num_layers)]
+    values = [torch.cat([m.values[layer] for m in moved]) for layer in range(num_layers)]
+    return runs, keys, values
+
+
+def _select(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,
+            runs: list[tuple[int, int]], fraction: float) -> torch.Tensor:
+    """Positions of each run's ``ceil(fraction * length)`` tokens whose KV deviates most
+    (squared L2 distance of keys and values together), sorted."""
+    deviation = ((fresh_k.float() - cached_k.float()) ** 2).sum((1, 2)) + \
+        ((fresh_v.float() - cached_v.float()) ** 2).sum((1, 2))
+    picked, offset = [], 0
+    for start, length in runs:
+        count = math.ceil(fraction * length - 1e-9)     # 0.1 * 30 is 3.0000000000000004
+        top = torch.topk(deviation[offset:offset + length], count).indices if count else deviation[:0].long()
+        picked.append(top + start)
+        offset += length
+    return torch.sort(torch.cat(picked)).values
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Queries ``q`` [r, H, D] at positions ``rows`` over keys and values [n, Hkv, D] of
+    positions 0..n-1, causally. Every position computed: the plain causal prefill."""
+    group = q.shape[1] // k.shape[1]
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.to(q.dtype), v.to(q.dtype)))
+    if rows.numel() == k.shape[0]:
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
+    else:
+        mask = torch.arange(k.shape[0], device=k.device)[None, :] <= rows[:, None]
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+    return out[0].transpose(0, 1)
+
+
+@torch.inference_mode()
+def extend(model: LlamaModel, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+           token_ids: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Compute ``token_ids`` after the KV ``keys``/``values`` (per layer [n, kv_heads, head_dim]):
+    the last token's logits and the KV grown by them. Continues a blended prompt (tests, the
+    accuracy checks of a benchmark)."""
+    n, dev = keys[0].shape[0], model.device
+    rows = torch.arange(n, n + len(token_ids), device=dev)
+    cos, sin = model.cos[rows].unsqueeze(1), model.sin[rows].unsqueeze(1)
+    h = F.embedding(torch.tensor(list(token_ids), dtype=torch.long, device=dev), model.embed)
+    new_keys, new_values = [], []
+    for layer in range(model.config.num_layers):
+        q, k, v = model.layer_qkv(layer, h, cos, sin)
+        k, v = torch.cat([keys[layer], k]), torch.cat([values[layer], v])
+        new_keys.append(k)
+        new_values.append(v)
+        h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
+    return model.compute_logits(model.final_norm_of(h[-1:]))[0], new_keys, new_values
+
+
+def greedy_tokens(model: LlamaModel, blended: Blended, max_tokens: int) -> list[int]:
+    """``max_tokens`` greedy tokens after a blended prompt."""
+    out: list[int] = []
+    logits, keys, values = blended.logits, list(blended.keys), list(blended.values)
+    for _ in range(max_tokens):
+        out.append(int(torch.argmax(logits)))
+        if len(out) < max_tokens:
+            logits, keys, values = extend(model, keys, values, out[-1:])
+    return out

@@ -1,0 +1,134 @@
+"""Blending on a tiny model: cached segments plus a partial recompute (the dense reference)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+from tiny import TINY, tiny_model
+
+from kvserve import LLM, SamplingParams
+from kvserve.blend.blending import BlendPrompt, blend_prefill, greedy_tokens
+from kvserve.blend.rope import RopeTables
+from kvserve.blend.segment import compute_kv
+from kvserve.blend.store import SegmentStore
+from kvserve.model.llama import LlamaModel
+
+DEEP = dataclasses.replace(TINY, num_layers=4)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def tokens(n: int, seed: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(TINY.vocab_size) for _ in range(n))
+
+
+def rag_prompt(seed: int = 0) -> BlendPrompt:
+    """A system text, three documents, a question."""
+    return BlendPrompt(prefix=tokens(11, seed), segments=(tokens(40, seed + 1), tokens(33, seed + 2),
+                                                          tokens(48, seed + 3)), suffix=tokens(9, seed + 4))
+
+
+@pytest.fixture(scope="module", params=["tiny", "deep"])
+def setup(request):
+    loaded = tiny_model(DEEP if request.param == "deep" else TINY)
+    model = LlamaModel(loaded.config, loaded.weights, torch.device("cpu"), torch.float32)
+    return loaded, model, RopeTables(loaded.config)
+
+
+def standalone(model: LlamaModel, prompt: BlendPrompt):
+    return [compute_kv(model, s) for s in prompt.segments]
+
+
+def test_blend_fraction_one_gives_the_full_prefill(setup):
+    loaded, model, rope = setup
+    prompt = rag_prompt()
+    want = LLM(loaded=loaded, enable_prefix_caching=False).generate([prompt.token_ids], GREEDY)[0].token_ids
+    blended = blend_prefill(model, rope, prompt, standalone(model, prompt), blend_fraction=1.0)
+    assert blended.num_reused_tokens == 40 + 33 + 48 and blended.num_computed_tokens == 11 + 9
+    assert blended.selected.tolist() == list(range(11, 11 + 121))     # every reused token recomputed
+    assert greedy_tokens(model, blended, 8) == want
+    full = compute_kv(model, prompt.token_ids)
+    for layer in range(model.config.num_layers):
+        torch.testing.assert_close(blended.keys[layer], full.keys[layer], atol=1e-6, rtol=0)
+        torch.testing.assert_close(blended.values[layer], full.values[layer], atol=1e-6, rtol=0)
+
+
+def test_a_partial_blend_recomputes_the_fraction_asked_per_segment(setup):
+    _, model, rope = setup
+    prompt = rag_prompt(1)
+    full = compute_kv(model, prompt.token_ids)
+    blended = blend_prefill(model, rope, prompt, standalone(model, prompt), blend_fraction=0.15)
+    picked = blended.selected.tolist()
+    starts = prompt.segment_starts
+    for start, segment in zip(starts, prompt.segments):
+        inside = [p for p in picked if start <= p < start + len(segment)]
+        assert len(inside) == math.ceil(0.15 * len(segment) - 1e-9)
+    assert blended.num_recomputed_tokens == 6 + 5 + 8
+    # below the selecting layer every token is computed, so the KV is the full prefill's
+    torch.testing.assert_close(blended.keys[0], full.keys[0], atol=1e-6, rtol=0)
+    # at it, the selected and computed tokens have their full-prefill KV, the others the cached KV
+    computed = [p for p in range(len(prompt.token_ids)) if p < 11 or p >= 132 or p in picked]
+    torch.testing.assert_close(blended.keys[1][computed], full.keys[1][computed], atol=1e-6, rtol=0)
+    reused_only = [p for p in range(11, 132) if p not in picked]
+    assert (blended.keys[1][reused_only] - full.keys[1][reused_only]).abs().max() > 1e-3
+
+
+def test_more_recompute_comes_closer_to_the_full_prefill(setup):
+    _, model, rope = setup
+    errors = []
+    for seed in range(4):
+        prompt = rag_prompt(10 * seed)
+        cached = standalone(model, prompt)
+        ref = blend_prefill(model, rope, prompt, cached, blend_fraction=1.0).logits
+        errors.append([float((blend_prefill(model, rope, prompt, cached, blend_fraction=f).logits - ref).norm())
+                       for f in (0.0, 0.3, 1.0)])
+    mean = [sum(e[i] for e in errors) / len(errors) for i in range(3)]
+    assert mean[0] > mean[1] > mean[2] == 0.0
+
+
+def test_a_leading_segment_reused_as_it_is_gives_the_full_prefill(setup):
+    # nothing comes before it, so its standalone KV is the prompt's: no recompute needed
+    loaded, model, rope = setup
+    prompt = BlendPrompt(prefix=(), segments=(tokens(50, 7),), suffix=tokens(6, 8))
+    want = LLM(loaded=loaded, enable_prefix_caching=False).generate([prompt.token_ids], GREEDY)[0].token_ids
+    blended = blend_prefill(model, rope, prompt, standalone(model, prompt), blend_fraction=0.0)
+    assert blended.num_recomputed_tokens == 0 and blended.num_reused_tokens == 50
+    assert greedy_tokens(model, blended, 8) == want
+
+
+def test_blending_from_the_segment_store(setup):
+    # the store keeps full blocks only: the tails are computed with the prefix and suffix
+    loaded, _, rope = setup
+    llm = LLM(loaded=loaded, num_kv_blocks=32)
+    engine = llm.engine
+    store = SegmentStore(engine.kv, engine.kv_cache)
+    prompt = rag_prompt(2)
+    for segment in prompt.segments:
+        store.put(compute_kv(engine.model, segment))
+    cached = [store.get(segment, 0, rope) for segment in prompt.segments]
+    assert [c.num_tokens if c else 0 for c in cached] == [32, 32, 48]
+    blended = blend_prefill(engine.model, rope, prompt, cached, blend_fraction=1.0)
+    assert blended.num_reused_tokens == 112 and blended.num_computed_tokens == 20 + 8 + 1
+    want = LLM(loaded=loaded, enable_prefix_caching=False).generate([prompt.token_ids], GREEDY)[0].token_ids
+    assert greedy_tokens(engine.model, blended, 8) == want
+    engine.check_integrity()
+
+
+def test_bad_blends_are_refused(setup):
+    _, model, rope = setup
+    prompt = rag_prompt()
+    cached = standalone(model, prompt)
+    with pytest.raises(ValueError, match="blend_fraction must be in"):
+        blend_prefill(model, rope, prompt, cached, blend_fraction=1.5)
+    with pytest.raises(ValueError, match="select_layer must be in"):
+        blend_prefill(model, rope, prompt, cached, select_layer=0)
+    with pytest.raises(ValueError, match="3 segments"):
+        blend_prefill(model, rope, prompt, cached[:2])
+    with pytest.raises(ValueError, match="standalone computation"):
+        blend_prefill(model, rope, prompt, [cached[1], cached[0], cached[2]])
+    with pytest.raises(ValueError, match="standalone computation"):
+        blend_prefill(model, rope, prompt, [cached[0].moved_to(3, rope), None, None])
