@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import pytest
+from offload.redis_server import RedisServer
 
 from kvserve.model.loader import LoadedModel, default_model_path, load_model
 
@@ -34,3 +36,13 @@ def hf_gguf_reference() -> HFReference:
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return HFReference(model=model.eval(), tokenizer=tokenizer)
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> Iterator[RedisServer]:
+    """A throwaway redis-server on a free loopback port (skips when none is installed): the
+    offload tests' Redis tier and the cluster's shared one."""
+    srv = RedisServer(tmp_path)
+    srv.start()
+    yield srv
+    srv.stop()

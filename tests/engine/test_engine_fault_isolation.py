@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from poison import PoisonedGrammar
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
@@ -11,25 +11,6 @@ from kvserve.sampling_params import StructuredOutputs
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 POISON = StructuredOutputs(regex="poison")
-
-
-class PoisonedGrammar:
-    """A grammar that fails on its third mask, as a broken grammar library would."""
-
-    def __init__(self) -> None:
-        self.num_masks = 0
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self.num_masks += 1
-        if self.num_masks == 3:
-            raise RuntimeError("poisoned grammar")
-
-    def accept(self, token_id: int) -> None:
-        pass
-
-    @property
-    def is_finished(self) -> bool:
-        return False
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """One request's failure never fails another: three streams survive a poisoned neighbour.
 
-The poison is injected, not found (tests/server/poison.py), so the test keeps proving
+The poison is injected, not found (tests/poison.py), so the test keeps proving
 isolation whatever the sampler fixes. The issue's original crashers (tiny temperature /
 top_p) are checked too.
 """
