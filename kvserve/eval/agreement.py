@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvserve.kv.prefix import common_prefix_len
+
 # Varied, short chat turns (questions, instructions, code, lists); applied through
 # the model's chat template.
 CHAT_PROMPTS: tuple[str, ...] = (
@@ -27,16 +29,6 @@ CHAT_PROMPTS: tuple[str, ...] = (
     "Describe a busy morning at a train station.",
     "What should I pack for a weekend hiking trip?",
 )
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Number of leading positions where ``a`` and ``b`` hold the same token."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def agreement(outputs: Sequence[Sequence[int]], references: Sequence[Sequence[int]], max_tokens: int) -> float:

@@ -56,3 +56,13 @@ def segment_block_keys(token_ids: Sequence[int], block_size: int, extra_key: byt
     keys: list[bytes] = []
     extend_block_keys(keys, token_ids, block_size, extra_key, root=SEGMENT_ROOT)
     return keys
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading positions where ``a`` and ``b`` hold the same token."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

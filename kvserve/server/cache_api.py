@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvserve.cache_control import DEFAULT_PIN_TTL_S, MAX_PINS_PER_REQUEST, CacheControl, PrefixPin
 from kvserve.kv.pins import PinInfo, PinLimitError, PinNotFoundError
+from kvserve.kv.prefix import common_prefix_len
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import RequestSpec
 from kvserve.server.protocol import (
@@ -52,7 +53,7 @@ async def chat_cache(ctx: ServingContext, req: ChatCompletionRequest, prompt_ids
     pins = []
     for i in marked:
         ids = await _encode_messages(ctx, req.messages[:i + 1], f"messages.{i}.cache_control")
-        n = _common_prefix(ids, prompt_ids)
+        n = common_prefix_len(ids, prompt_ids)
         cache_pin = req.messages[i].cache_control
         assert cache_pin is not None
         if n:
@@ -71,15 +72,6 @@ def _prefix_pin(num_tokens: int | None, ttl: float | None, param: str) -> Prefix
         return PrefixPin(num_tokens, DEFAULT_PIN_TTL_S if ttl is None else ttl)
     except ValueError as e:
         raise bad_request(str(e), param) from None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 async def _encode_messages(ctx: ServingContext, messages: list[ChatMessage], param: str) -> list[int]:
