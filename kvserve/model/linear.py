@@ -40,6 +40,10 @@ class Linear(ABC):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] -> [rows, out]; ``weight`` as ``prepare`` returned it."""
 
+    def head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The LM head's product: a few rows against the whole vocabulary."""
+        return self(x, weight)
+
 
 class TorchLinear(Linear):
     name = "torch"
@@ -49,6 +53,12 @@ class TorchLinear(Linear):
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # (W @ x^T)^T rather than x @ W^T: for a few rows against the 49k-row vocabulary,
+        # MKL runs this orientation about 1.6x faster on CPU (measured at 8 and 16 rows;
+        # equal at 1).
+        return torch.mm(weight, x.t()).t()
 
 
 class OneDnnLinear(Linear):
