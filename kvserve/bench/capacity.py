@@ -163,25 +163,13 @@ DEFAULT_FORMATS = ("native", "fp16", "int8", "int4", "kivi4", "kivi2")
 
 def run_bench(args: argparse.Namespace) -> int:
     import json
-    import sys
     from pathlib import Path
 
-    import torch
-
     from kvserve.bench import plots
-    from kvserve.bench.common import find_text, write_plot
-    from kvserve.model.loader import load_model
+    from kvserve.bench.common import load_text_model, stderr_log, write_plot
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    def log(message: str) -> None:
-        print(f"[capacity {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-    loaded = load_model(args.model)
-    if loaded.tokenizer is None:
-        raise ValueError("bench capacity needs a model with a tokenizer (the prompts are text)")
-    text_ids = loaded.tokenizer.encode(find_text(args.text))
+    log = stderr_log("capacity")
+    loaded, text_ids = load_text_model(args.model, args.text, args.threads, "capacity")
     results = []
     configs = [(fmt, backend) for backend in args.backend or ["auto"] for fmt in args.format or list(DEFAULT_FORMATS)]
     for fmt, backend in configs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvserve.model.loader import LoadedModel
+from kvserve.model.loader import LoadedModel, load_model
 
 TEXT_CANDIDATES = ("../shared/data/botchan.txt", "shared/data/botchan.txt")
 
@@ -23,6 +24,25 @@ def find_text(path: str | None = None) -> str:
         if p.is_file():
             return p.read_text(encoding="utf-8")
     raise ValueError(f"no text file found (tried {', '.join(candidates)}); pass --text PATH")
+
+
+def stderr_log(name: str) -> Callable[[str], None]:
+    """Progress lines ``[name HH:MM:SS] message`` on stderr, apart from the table on stdout."""
+    def log(message: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    return log
+
+
+def load_text_model(model: str | None, text: str | None, threads: int | None,
+                    bench: str) -> tuple[LoadedModel, list[int]]:
+    """For benchmarks whose prompts are slices of a text: torch's threads (when given), the
+    model, and the text's token ids; ValueError when the model has no tokenizer."""
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = load_model(model)
+    if loaded.tokenizer is None:
+        raise ValueError(f"bench {bench} needs a model with a tokenizer (the prompts are text)")
+    return loaded, loaded.tokenizer.encode(find_text(text))
 
 
 def write_plot(path: str | None, draw: Callable[[str], Path]) -> None:

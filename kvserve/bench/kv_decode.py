@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 
 from kvserve.bench.capacity import distinct_prompts
-from kvserve.bench.common import find_text, table
+from kvserve.bench.common import load_text_model, stderr_log, table
 from kvserve.llm import LLM
 from kvserve.model.loader import LoadedModel
 from kvserve.sampling_params import SamplingParams
@@ -171,18 +170,8 @@ def render(results: list[DecodeResult], num_seqs: int, bandwidth: float) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvserve.model.loader import load_model
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    def log(message: str) -> None:
-        print(f"[kv-decode {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-    loaded = load_model(args.model)
-    if loaded.tokenizer is None:
-        raise ValueError("bench kv-decode needs a model with a tokenizer (the prompts are text)")
-    text_ids = loaded.tokenizer.encode(find_text(args.text))
+    log = stderr_log("kv-decode")
+    loaded, text_ids = load_text_model(args.model, args.text, args.threads, "kv-decode")
     bandwidth = read_bandwidth()
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
     results = run(loaded, text_ids, args.format or list(DEFAULT_FORMATS), args.backend or list(DEFAULT_BACKENDS),
