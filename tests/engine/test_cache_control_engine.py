@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from fake_clock import FakeClock
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
@@ -23,20 +24,12 @@ OTHER = [random.Random(8).randrange(128) for _ in range(48)]           # an unpi
 QUESTION = [5, 6, 7, 8, 9, 10, 11]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(scope="module")
 def loaded():
     return tiny_model()
 
 
-def make_llm(loaded, clock: Clock, **options) -> LLM:
+def make_llm(loaded, clock: FakeClock, **options) -> LLM:
     return LLM(loaded=loaded, num_kv_blocks=POOL, max_pinned_fraction=0.25, max_pin_ttl_s=600, clock=clock,
                **options)
 
@@ -60,7 +53,7 @@ def device_block_ids(llm: LLM, tokens: list[int]) -> list[int | None]:
 
 
 def test_a_pinned_system_prompt_stays_a_device_hit_under_a_flood(loaded):
-    clock = Clock()
+    clock = FakeClock()
     llm = make_llm(loaded, clock)
     info = llm.pin(SYSTEM, ttl_s=60)
     assert (info.num_tokens, info.num_device_blocks, info.expires_in_s) == (48, 3, 60)
@@ -82,7 +75,7 @@ def test_a_pinned_system_prompt_stays_a_device_hit_under_a_flood(loaded):
 
 
 def test_an_expired_pin_is_evictable_again(loaded):
-    clock = Clock()
+    clock = FakeClock()
     llm = make_llm(loaded, clock)
     llm.pin(SYSTEM, ttl_s=60)
     clock.now += 60
@@ -94,7 +87,7 @@ def test_an_expired_pin_is_evictable_again(loaded):
 
 
 def test_pinning_again_extends_and_unpin_releases(loaded):
-    clock = Clock()
+    clock = FakeClock()
     llm = make_llm(loaded, clock)
     llm.pin(SYSTEM, ttl_s=60)
     clock.now += 50
@@ -111,7 +104,7 @@ def test_pinning_again_extends_and_unpin_releases(loaded):
 
 
 def test_pins_over_the_limit_are_refused_and_change_nothing(loaded):
-    llm = make_llm(loaded, Clock())
+    llm = make_llm(loaded, FakeClock())
     llm.pin(SYSTEM)                                         # 3 of the 4 blocks allowed
     with pytest.raises(PinLimitError, match="pinning 2 more blocks would make 5 pinned, over this engine's "
                                             "limit of 4 of 16 blocks"):
@@ -131,7 +124,7 @@ def test_pins_over_the_limit_are_refused_and_change_nothing(loaded):
 
 
 def test_a_request_field_pins_its_prefix_up_to_the_breakpoint(loaded):
-    clock = Clock()
+    clock = FakeClock()
     llm = make_llm(loaded, clock)
     cache = CacheControl(pins=(PrefixPin(num_tokens=50, ttl_s=30),))   # 50 tokens: the 3 full blocks
     first = llm.generate(SYSTEM + [1, 2] + QUESTION, GREEDY, cache=cache)[0]
@@ -148,7 +141,7 @@ def test_a_request_field_pins_its_prefix_up_to_the_breakpoint(loaded):
 
 
 def test_a_high_priority_prefix_outlives_normal_traffic(loaded):
-    llm = make_llm(loaded, Clock())
+    llm = make_llm(loaded, FakeClock())
     llm.generate(SYSTEM + QUESTION, GREEDY, cache=CacheControl(priority="high"))
     llm.generate(OTHER + QUESTION, GREEDY)
     flood(llm)
@@ -161,7 +154,7 @@ def test_a_high_priority_prefix_outlives_normal_traffic(loaded):
 
 def test_greedy_tokens_are_those_of_a_cold_run(loaded):
     cold = LLM(loaded=loaded, enable_prefix_caching=False).generate(SYSTEM + QUESTION, GREEDY)[0]
-    llm = make_llm(loaded, Clock())
+    llm = make_llm(loaded, FakeClock())
     llm.pin(SYSTEM)
     flood(llm)
     hit = llm.generate(SYSTEM + QUESTION, GREEDY)[0]
@@ -169,7 +162,7 @@ def test_greedy_tokens_are_those_of_a_cold_run(loaded):
 
 
 def test_a_pinned_block_that_must_go_is_demoted_and_comes_back_from_the_host_tier(loaded):
-    clock = Clock()
+    clock = FakeClock()
     with LLM(loaded=loaded, num_kv_blocks=8, max_pinned_fraction=0.5, host_cache_gb=1 / 1024, clock=clock) as llm:
         cold = llm.generate(SYSTEM + QUESTION, GREEDY)[0]
         llm.reset_prefix_cache()

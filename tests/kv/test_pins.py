@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fake_clock import FakeClock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,14 +20,6 @@ HIGH = 1
 
 def key(i: int) -> bytes:
     return block_key(None, [i] * 4, EXTRA)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def cached_pool(num_blocks: int, num_cached: int) -> tuple[BlockPool, list]:
@@ -123,7 +116,7 @@ def test_a_cache_reset_drops_pinned_blocks_but_keeps_the_pins():
 
 # -- the pin table -------------------------------------------------------------
 def pins_on(num_blocks: int = 8, limit: int = 4, max_ttl_s: float = 600.0) -> tuple[Pins, FakeClock, list]:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     pool, blocks = cached_pool(num_blocks, num_blocks)
     return Pins(pool, limit, max_ttl_s, clock), clock, blocks
 
@@ -187,7 +180,7 @@ def prefill(kv: KVCacheManager, req: Request) -> int:
 
 
 def manager(num_blocks: int = 8, limit: int = 4) -> tuple[KVCacheManager, FakeClock]:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     pool = BlockPool(num_blocks, 4)
     return KVCacheManager(pool, EXTRA, pins=Pins(pool, limit, 600.0, clock)), clock
 
@@ -264,7 +257,7 @@ ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "cache", "touch", "pi
 @settings(max_examples=150, deadline=None)
 @given(ops)
 def test_random_operations_keep_pin_and_class_invariants(sequence):
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     pool = BlockPool(9, 2)
     pins = Pins(pool, 5, 100.0, clock)
     keys = [key(i) for i in range(12)]

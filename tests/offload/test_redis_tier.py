@@ -1,6 +1,7 @@
 import time
 
 import pytest
+from fake_clock import FakeClock
 from redis_server import RedisServer
 
 from kvserve.offload import BlockStore, RedisConfig, make_store
@@ -19,19 +20,6 @@ def payload(i: int) -> bytes:
 @pytest.fixture
 def server(redis_server: RedisServer) -> RedisServer:
     return redis_server
-
-
-class FakeClock:
-    """Seconds that move only when a test says so: the backoff is stepped, never slept."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def open_store(url: str, namespace: str = "m1", clock: FakeClock | None = None, **options) -> BlockStore:
@@ -106,7 +94,7 @@ def test_password_from_the_url(tmp_path):
 
 
 def test_a_dead_server_answers_misses_fast_and_the_tier_recovers(server):
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     store = open_store(server.url, clock=clock)      # backoff 0.2 s, doubling up to 0.4 s
     store.put([(KEYS[0], payload(0))])
     raw = redis.Redis.from_url(server.url)
@@ -136,7 +124,7 @@ def test_a_dead_server_answers_misses_fast_and_the_tier_recovers(server):
 
 
 def test_a_stalled_server_times_out_instead_of_hanging(server):
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     store = open_store(server.url, clock=clock, timeout_s=0.3)
     store.put([(KEYS[0], payload(0))])
     server.pause()

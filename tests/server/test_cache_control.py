@@ -8,6 +8,7 @@ import random
 
 import httpx
 import pytest
+from fake_clock import FakeClock
 from live_server import MODEL, running_server
 
 CHAT = "/v1/chat/completions"
@@ -16,17 +17,9 @@ SYSTEM = ("You are the assistant of a small bookshop by the harbour. Answer ques
           "orders and recommendations, politely and briefly.")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(scope="module")
 def clock():
-    return Clock()
+    return FakeClock()
 
 
 @pytest.fixture(scope="module")
