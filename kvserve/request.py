@@ -46,6 +46,24 @@ class TokenConstraint(Protocol):
         """The grammar is complete and allows nothing more: the output ends here."""
 
 
+@dataclass(frozen=True)
+class BlendSpec:
+    """A prompt's segments (documents whose KV may be reused from a standalone computation,
+    at any position; kvserve/blend/) and the share of their tokens to recompute."""
+
+    spans: tuple[tuple[int, int], ...]      # (first token, num_tokens) per segment, in order, disjoint
+    fraction: float                         # blend_fraction: 0.0 reuses all, 1.0 recomputes all
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"blend_fraction must be in [0, 1], got {self.fraction}")
+        end = 0
+        for start, length in self.spans:
+            if start < end or length < 1:
+                raise ValueError(f"segment spans must be non-empty, in order and disjoint: {self.spans}")
+            end = start + length
+
+
 class TokenLogprob(NamedTuple):
     """A token's logprob and the top alternatives at its position (best first)."""
 
@@ -80,6 +98,7 @@ class Request:
     finish_time: float | None = None
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None   # set by the engine for structured outputs
+    blend: BlendSpec | None = None               # segments to blend at first admission (kvserve/blend/)
     error: str | None = None                     # why it finished with FinishReason.ERROR
     # text produced so far (kept only when stop strings need it)
     output_text: str = ""
