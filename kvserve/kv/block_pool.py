@@ -89,14 +89,22 @@ class FreeBlockQueue:
         self.num_blocks -= 1
 
     def append(self, block: Block) -> None:
-        if block.prev_free is not None or block.next_free is not None:
-            raise ValueError(f"{block} is already in the free queue")
         last = self._tail.prev_free
         assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._insert(block, last, self._tail)
+
+    def appendleft(self, block: Block) -> None:
+        first = self._head.next_free
+        assert first is not None
+        self._insert(block, self._head, first)
+
+    def _insert(self, block: Block, prev: Block, nxt: Block) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        prev.next_free = block
+        block.prev_free = prev
+        block.next_free = nxt
+        nxt.prev_free = block
         self.num_blocks += 1
 
     def __iter__(self) -> Iterator[Block]:
@@ -137,6 +145,12 @@ class EvictionQueues:
     def append(self, block: Block, index: int) -> None:
         self.queues[index].append(block)
         block.queue_index = index
+        self.num_blocks += 1
+
+    def appendleft(self, block: Block) -> None:
+        """To the head of the first queue: the next block ``popleft`` gives."""
+        self.queues[0].appendleft(block)
+        block.queue_index = 0
         self.num_blocks += 1
 
     def move(self, block: Block, index: int) -> None:
@@ -276,13 +290,17 @@ class BlockPool:
         """Drop one reference on each block, in the order given.
 
         Callers pass a request's blocks tail first, so its last blocks reach the
-        free queue (and so eviction) before the shared head of the prefix.
+        free queue (and so eviction) before the shared head of the prefix. A block with no
+        key (never filled, or holding KV no prefix may reuse) goes to the head of the queue
+        instead: reusing it evicts nothing.
         """
         for block in blocks:
             if block.ref_count <= 0:
                 raise ValueError(f"double free of {block}")
             block.ref_count -= 1
-            if block.ref_count == 0:
+            if block.ref_count == 0 and block.key is None:
+                self.free_queue.appendleft(block)     # holds nothing to find again: reused first
+            elif block.ref_count == 0:
                 self.free_queue.append(block, self._queue_of(block))
 
     def cache(self, block: Block, key: bytes, token_ids: tuple[int, ...]) -> bool:

@@ -19,8 +19,22 @@ def test_allocate_takes_lowest_ids_first_and_free_appends_to_tail():
     a = pool.allocate(3)
     assert [b.block_id for b in a] == [0, 1, 2]
     assert pool.free_queue.block_ids() == list(range(3, 11))
-    pool.free(reversed(a))  # tail first
-    assert pool.free_queue.block_ids() == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1, 0]
+    pool.cache(a[0], key(0), (0, 0, 0, 0))
+    pool.cache(a[1], key(1), (1, 1, 1, 1))
+    pool.free(reversed(a))  # tail first: cached blocks to the tail, block 2 (no key) to the head
+    assert pool.free_queue.block_ids() == [2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 0]
+    pool.check_integrity()
+
+
+def test_a_freed_block_without_a_key_is_reused_before_any_cached_block_is_evicted():
+    pool = BlockPool(4, 4)
+    blocks = pool.allocate(4)
+    pool.cache(blocks[0], key(0), (0, 0, 0, 0))
+    pool.free([blocks[0]])
+    pool.free([blocks[3], blocks[2]])       # hold nothing: to the head, the last freed first
+    assert pool.free_queue.block_ids() == [2, 3, 0]
+    assert [b.block_id for b in pool.allocate(2)] == [2, 3]
+    assert pool.num_evicted_blocks == 0 and pool.lookup(key(0), (0, 0, 0, 0)) is blocks[0]
     pool.check_integrity()
 
 
@@ -31,9 +45,10 @@ def test_freed_cached_block_stays_a_hit_until_reused():
     pool.free([b1, b0])
     assert pool.lookup(key(0), (0, 0, 0, 0)) is b0
     assert pool.num_free_blocks == 4
-    # free order is [2, 3, 1, 0]: three allocations leave the cached block 0 alone
+    # free order is [1, 2, 3, 0] (block 1 holds nothing: the head): three allocations leave
+    # the cached block 0 alone
     got = pool.allocate(3)
-    assert [b.block_id for b in got] == [2, 3, 1]
+    assert [b.block_id for b in got] == [1, 2, 3]
     assert pool.lookup(key(0), (0, 0, 0, 0)) is b0
     # the fourth evicts it
     [b] = pool.allocate(1)
@@ -48,14 +63,14 @@ def test_touch_removes_a_cached_block_from_the_middle_of_the_free_queue():
     blocks = pool.allocate(5)
     pool.cache(blocks[2], key(2), (2, 2, 2, 2))
     pool.free(blocks)
-    assert pool.free_queue.block_ids() == [0, 1, 2, 3, 4]
+    assert pool.free_queue.block_ids() == [4, 3, 1, 0, 2]     # blocks without a key at the head
     pool.touch([blocks[2]])
-    assert pool.free_queue.block_ids() == [0, 1, 3, 4]
+    assert pool.free_queue.block_ids() == [4, 3, 1, 0]
     assert blocks[2].ref_count == 1
     pool.touch([blocks[2]])
     assert blocks[2].ref_count == 2
     pool.free([blocks[2], blocks[2]])
-    assert pool.free_queue.block_ids() == [0, 1, 3, 4, 2]
+    assert pool.free_queue.block_ids() == [4, 3, 1, 0, 2]
     pool.check_integrity()
 
 

@@ -66,22 +66,22 @@ def test_a_block_without_a_key_is_always_class_zero():
     pool.cache(blocks[0], key(0), (0,) * 4)
     pool.free(reversed(blocks))
     assert [b.queue_index for b in blocks] == [HIGH, 0, 0]
-    assert pool.free_queue.block_ids() == [2, 1, 0]
+    assert pool.free_queue.block_ids() == [1, 2, 0]     # keyless blocks at the head, the last freed first
     pool.check_integrity()
 
 
 def test_pinned_blocks_wait_after_every_class_and_go_back_when_unpinned():
-    pool, blocks = cached_pool(6, 4)                        # queue: 0 1 2 3 4 5 (0-3 cached)
+    pool, blocks = cached_pool(6, 4)                        # queue: 5 4 0 1 2 3 (0-3 cached)
     pool.touch([blocks[3]], retention=HIGH)
     pool.free([blocks[3]])                                  # 3 is high now
     pool.pin_keys([key(0), key(1)])                         # a chain: its tail waits nearer the head
-    assert pool.free_queue.block_ids() == [2, 4, 5, 3, 1, 0]
+    assert pool.free_queue.block_ids() == [5, 4, 2, 3, 1, 0]
     assert (pool.num_pinned_keys, pool.num_pinned_cached) == (2, 2)
     pool.pin_keys([key(0)])                                 # a second pin on key 0
     pool.unpin_keys([key(0), key(1)])                       # key 1 is free again, key 0 still pinned
-    assert pool.free_queue.block_ids() == [2, 4, 5, 1, 3, 0]
+    assert pool.free_queue.block_ids() == [5, 4, 2, 1, 3, 0]
     pool.unpin_keys([key(0)])
-    assert pool.free_queue.block_ids() == [2, 4, 5, 1, 0, 3]
+    assert pool.free_queue.block_ids() == [5, 4, 2, 1, 0, 3]
     assert pool.num_pinned_keys == 0
     with pytest.raises(ValueError, match="no pin covers"):
         pool.unpin_keys([key(0)])
@@ -99,7 +99,7 @@ def test_a_pinned_block_is_evicted_last_and_counted():
     pool.cache(got[2], key(0), (0,) * 4)
     pool.free(got)
     assert pool.num_pinned_cached == 1
-    assert pool.free_queue.block_ids() == [1, 2, 0, 3]
+    assert pool.free_queue.block_ids() == [0, 2, 1, 3]      # keyless 1, 2, 0 to the head in turn
     pool.check_integrity()
 
 
@@ -109,7 +109,7 @@ def test_a_cache_reset_drops_pinned_blocks_but_keeps_the_pins():
     pool.touch([blocks[2]], retention=HIGH)
     pool.free([blocks[2]])
     assert pool.evict_all_cached() == 3
-    assert pool.free_queue.block_ids() == [0, 3, 2, 1]
+    assert pool.free_queue.block_ids() == [3, 0, 2, 1]
     assert (pool.num_pinned_keys, pool.num_pinned_cached) == (1, 0)
     pool.check_integrity()
 

@@ -79,11 +79,11 @@ def test_peek_evictions_lists_the_cached_blocks_allocate_would_take():
     a, b, c = pool.allocate(3)
     pool.cache(a, b"a" * 32, (0, 1, 2, 3))
     pool.cache(c, b"c" * 32, (4, 5, 6, 7))
-    pool.free([c, b, a])                            # queue: 3, 4, c, b, a
-    assert pool.peek_evictions(2) == []
-    assert pool.peek_evictions(3) == [c]
+    pool.free([c, b, a])                            # queue: b (no key: the head), 3, 4, c, a
+    assert pool.peek_evictions(3) == []
+    assert pool.peek_evictions(4) == [c]
     assert pool.peek_evictions(9) == [c, a]
-    assert pool.free_queue.block_ids() == [3, 4, 2, 1, 0]   # unchanged
+    assert pool.free_queue.block_ids() == [1, 3, 4, 2, 0]   # unchanged
     pool.check_integrity()
 
 
@@ -135,7 +135,7 @@ def test_a_prefetched_load_is_held_by_the_tiering_until_the_scheduler_finishes_o
     admit(kv, a)
     keys_a = list(kv.block_keys(a))
     kv.forget(a)
-    kv.reset_prefix_cache()                      # off the device (free queue: 4 5 6 7 3 2 1 0) ...
+    kv.reset_prefix_cache()                      # off the device (free queue: 3 4 5 6 7 2 1 0) ...
     tier.held.update(keys_a)                     # ... and in the tier
     a2, doomed = make("a2", list(range(12)) + [7]), make("doomed", list(range(8)) + [5])
     sched.add(a2)
@@ -143,7 +143,7 @@ def test_a_prefetched_load_is_held_by_the_tiering_until_the_scheduler_finishes_o
     out = sched.schedule()
     assert out.is_empty and sched.loading == [a2, doomed]
     assert tier.loading_request_ids() == {"a2", "doomed"}
-    assert kv.block_ids("a2") == [4, 5, 6] and kv.block_ids("doomed") == [7, 3]   # blocks for the hits only
+    assert kv.block_ids("a2") == [3, 4, 5] and kv.block_ids("doomed") == [6, 7]   # blocks for the hits only
     sched.check_integrity()
     sched.finish(doomed, FinishReason.ABORT)     # its load is dropped with its blocks
     assert tier.loading_request_ids() == {"a2"}
@@ -151,7 +151,7 @@ def test_a_prefetched_load_is_held_by_the_tiering_until_the_scheduler_finishes_o
     out = sched.schedule()                       # the fake's reads are done: a2 starts after its hits
     assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("a2", 1)]
     assert a2.status is RequestStatus.RUNNING and a2.num_cached_tokens == 12
-    assert tier.loaded == list(zip([4, 5, 6], keys_a))
+    assert tier.loaded == list(zip([3, 4, 5], keys_a))
     assert tier.loading_request_ids() == frozenset() and sched.loading == []
     assert (sched.num_prefix_query_tokens, sched.num_prefix_hit_tokens) == (13, 0)
     sched.check_integrity()
