@@ -133,6 +133,13 @@ class CacheConfig:
         "host memory in GiB for the blocks arkvale moves off the device; least recently stashed go first "
         "when full (docs/budgets.md)", name="kv_budget_host_gb", flag="--kv-budget-host-gb", unit="GiB"))
 
+    blend_cost_model: bool = field(default=True, metadata=opt(
+        "blend a segmented prompt only when loading plus the partial recompute is estimated to beat a full "
+        "prefill; off: blend every one (quality studies; docs/blend.md)", flag="--blend-always"))
+    blend_select_layer: int = field(default=1, metadata=opt(
+        "the layer where blending compares fresh and cached KV to pick the tokens it recomputes; layers "
+        "below it run for every token (docs/blend.md)"))
+
     max_pinned_fraction: float = field(default=0.5, metadata=opt(
         "most of the device KV blocks that pinned prefixes may cover; 0 turns pinning off (docs/server.md)"))
     max_pin_ttl_s: float = field(default=3600.0, metadata=opt("longest retention a pin may ask for, in seconds"))
@@ -147,6 +154,8 @@ class CacheConfig:
             raise ValueError(f"KV cache memory must be positive, got {self.memory_bytes} bytes")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.blend_select_layer < 1:
+            raise ValueError(f"blend_select_layer must be >= 1, got {self.blend_select_layer}")
         if self.budget_host_bytes < 0:
             raise ValueError(f"budget host memory must be >= 0 bytes, got {self.budget_host_bytes}")
 

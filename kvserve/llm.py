@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Self
 
+from kvserve.blend.prompt import DEFAULT_BLEND_FRACTION, SegmentedPrompt
 from kvserve.cache_control import CacheControl
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
@@ -14,7 +15,7 @@ from kvserve.offload.base import Transport
 from kvserve.options import engine_config
 from kvserve.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | SegmentedPrompt
 Message = dict[str, str]
 
 
@@ -44,10 +45,11 @@ class LLM:
 
         All prompts are validated before any is queued, so a bad one raises
         ValueError and leaves the engine untouched. ``cache``: every prompt's retention
-        class and pinned prefixes (kvserve/cache_control.py).
+        class and pinned prefixes (kvserve/cache_control.py). A ``SegmentedPrompt``'s
+        segments are reused by blending (kvserve/blend/prompt.py; lossy, opt-in).
         """
         prompt_list: list[Prompt]
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, SegmentedPrompt)) or (prompts and isinstance(prompts[0], int)):
             prompt_list = [prompts]  # type: ignore[list-item]
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -61,7 +63,7 @@ class LLM:
                 raise ValueError(f"{len(param_list)} SamplingParams for {len(prompt_list)} prompts")
         prios = list(priority) if priority is not None else [0] * len(prompt_list)
         for prompt in prompt_list:
-            self.engine.encode_prompt(prompt)
+            self.engine.encode_any_prompt(prompt)
         for sp in param_list:
             self.engine.check_params(sp)
         ids = [self.engine.add_request(p, sp, priority=pr, cache=cache)
@@ -70,8 +72,11 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
-             cache: CacheControl | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template (with the generation prompt) and generate."""
+             cache: CacheControl | None = None, segments: Sequence[str] | None = None,
+             blend_fraction: float = DEFAULT_BLEND_FRACTION) -> list[RequestOutput]:
+        """Apply the model's chat template (with the generation prompt) and generate.
+        ``segments``: texts (documents) in every conversation whose KV is reused by blending
+        (``SegmentedPrompt.from_text``; lossy, opt-in)."""
         if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         if messages and isinstance(messages[0], dict):
@@ -80,9 +85,15 @@ class LLM:
             conversations = list(messages)  # type: ignore[arg-type]
         if not conversations or not all(conversations):
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
-                   for c in conversations]
+        texts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        prompts: list[Prompt] = list(texts) if segments is None else \
+            [SegmentedPrompt.from_text(t, segments, blend_fraction) for t in texts]
         return self.generate(prompts, params, cache=cache)
+
+    def cache_segments(self, segments: Sequence[str | Sequence[int]]) -> int:
+        """Store segments' standalone KV ahead of the prompts that reuse them (text or token
+        ids, each a segment as ``Segment`` would mark it); returns the tokens newly stored."""
+        return self.engine.cache_segments(segments)
 
     # -- pins --------------------------------------------------------------
     def pin(self, prompt: Prompt | list[Message], ttl_s: float | None = None, num_tokens: int | None = None,

@@ -86,6 +86,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None   # set at first admission
+    num_reused_tokens: int = 0             # blended: prompt tokens whose KV came from stored segments
+    num_recomputed_tokens: int = 0         # of those, recomputed by blending
     num_preemptions: int = 0
     waited_steps: int = 0
     output_token_ids: list[int] = field(default_factory=list)

@@ -15,8 +15,9 @@ tokens keep their cached KV.
 
 With ``blend_fraction`` 1.0 every token is computed in every layer: a full prefill.
 
-This is the dense reference on one sequence (tensors of the whole prompt, no paged cache);
-the engine would run the same selection inside its step (docs: kvserve/blend/__init__.py).
+It runs on one sequence with dense tensors (the whole prompt's KV per layer); the engine
+writes the result into the request's blocks (``blender.py``). Tokens whose exact KV is
+already cached (a prefix-cache hit, ``known``) are neither computed nor reused.
 """
 
 from __future__ import annotations
@@ -35,22 +36,28 @@ from kvserve.model.llama import LlamaModel
 
 @dataclass(frozen=True)
 class BlendPrompt:
-    prefix: tuple[int, ...]
-    segments: tuple[tuple[int, ...], ...]
-    suffix: tuple[int, ...]
+    """A prompt's token ids and its segments' spans (first token, num_tokens), in order."""
+
+    token_ids: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def join(cls, prefix: Sequence[int], segments: Sequence[Sequence[int]], suffix: Sequence[int]) -> BlendPrompt:
+        """A prefix, segments back to back, a suffix."""
+        ids, spans = list(prefix), []
+        for segment in segments:
+            spans.append((len(ids), len(segment)))
+            ids.extend(segment)
+        return cls(tuple(ids + list(suffix)), tuple(spans))
 
     @property
-    def token_ids(self) -> list[int]:
-        return [*self.prefix, *(t for s in self.segments for t in s), *self.suffix]
+    def segments(self) -> list[tuple[int, ...]]:
+        return [self.token_ids[start:start + length] for start, length in self.spans]
 
     @property
     def segment_starts(self) -> list[int]:
         """Position of each segment's first token."""
-        starts, at = [], len(self.prefix)
-        for segment in self.segments:
-            starts.append(at)
-            at += len(segment)
-        return starts
+        return [start for start, _ in self.spans]
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,7 @@ class Blended:
     logits: torch.Tensor                # [vocab] float32: the next token after the prompt
     selected: torch.Tensor              # positions of the reused tokens recomputed from select_layer on
     num_reused_tokens: int              # tokens whose cached KV was taken (those selected included)
-    num_computed_tokens: int            # tokens not cached at all: computed in every layer
+    num_computed_tokens: int            # tokens computed in every layer (not known, not reused)
 
     @property
     def num_recomputed_tokens(self) -> int:
@@ -69,69 +76,85 @@ class Blended:
 
 @torch.inference_mode()
 def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
-                  blend_fraction: float = 0.15, select_layer: int = 1) -> Blended:
+                  blend_fraction: float = 0.15, select_layer: int = 1, known: SegmentKV | None = None) -> Blended:
     """The prompt's KV and next-token logits from ``cached[i]``, the standalone KV of segment
-    i's leading tokens (None: computed in full), recomputing ``blend_fraction`` of them."""
+    i's leading tokens (None: computed in full), recomputing ``blend_fraction`` of them.
+    ``known``: the exact KV of the prompt's first tokens (a prefix-cache hit), taken as is;
+    segment tokens it covers are not reused."""
     num_layers = model.config.num_layers
     if not 0.0 <= blend_fraction <= 1.0:
         raise ValueError(f"blend_fraction must be in [0, 1], got {blend_fraction}")
     if not 1 <= select_layer < num_layers:
         raise ValueError(f"select_layer must be in 1..{num_layers - 1}, got {select_layer}")
-    if len(cached) != len(prompt.segments):
-        raise ValueError(f"{len(cached)} cached entries for {len(prompt.segments)} segments")
-    token_ids = prompt.token_ids
+    if len(cached) != len(prompt.spans):
+        raise ValueError(f"{len(cached)} cached entries for {len(prompt.spans)} segments")
+    token_ids = list(prompt.token_ids)
     n, dev = len(token_ids), model.device
-    runs, cached_keys, cached_values = _place(prompt, cached, rope, n)
+    num_known = 0 if known is None else known.num_tokens
+    if known is not None and (known.first_position != 0 or list(known.token_ids) != token_ids[:num_known]
+                              or num_known >= n):
+        raise ValueError("known KV must be an exact computation of fewer than all of the prompt's leading tokens")
+    runs, cached_keys, cached_values = _place(prompt, cached, rope, num_known)
     reused = torch.tensor([p for start, length in runs for p in range(start, start + length)],
                           dtype=torch.long, device=dev)
     is_reused = torch.zeros(n, dtype=torch.bool, device=dev)
     is_reused[reused] = True
     positions = torch.arange(n, device=dev)
     cos, sin = model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1)
-    h = F.embedding(torch.tensor(token_ids, dtype=torch.long, device=dev), model.embed)
-    rows = positions                       # the positions whose hidden states ``h`` holds
+    h = F.embedding(torch.tensor(token_ids[num_known:], dtype=torch.long, device=dev), model.embed)
+    rows = positions[num_known:]           # the positions whose hidden states ``h`` holds
     selected = reused[:0]
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for layer in range(num_layers):
         q, k, v = model.layer_qkv(layer, h, cos[rows], sin[rows])
         if layer == select_layer and reused.numel():
-            selected = _select(k[reused], v[reused], cached_keys[layer], cached_values[layer], runs, blend_fraction)
+            # every position from num_known on is still computed here: row p is h[p - num_known]
+            fresh = reused - num_known
+            selected = _select(k[fresh], v[fresh], cached_keys[layer], cached_values[layer], runs, blend_fraction)
             keep = ~is_reused
             keep[selected] = True
-            rows = positions[keep]
-            q, k, v, h = q[rows], k[rows], v[rows], h[rows]
+            keep = keep[num_known:]
+            rows = rows[keep]
+            q, k, v, h = q[keep], k[keep], v[keep], h[keep]
         if rows.numel() < n:
-            # the layer's KV: cached where reused, fresh where computed (selected tokens included)
+            # the layer's KV: known, cached where reused, fresh where computed (selected tokens included)
             k_all = torch.empty((n, *k.shape[1:]), dtype=k.dtype, device=dev)
             v_all = torch.empty_like(k_all)
-            k_all[reused], v_all[reused] = cached_keys[layer], cached_values[layer]
+            if known is not None:
+                k_all[:num_known], v_all[:num_known] = known.keys[layer], known.values[layer]
+            if reused.numel():
+                k_all[reused], v_all[reused] = cached_keys[layer], cached_values[layer]
             k_all[rows], v_all[rows] = k, v
             k, v = k_all, v_all
         keys.append(k)
         values.append(v)
         h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
     logits = model.compute_logits(model.final_norm_of(h[-1:]))[0]
-    return Blended(tuple(keys), tuple(values), logits, selected, int(reused.numel()),
-                   n - int(reused.numel()))
+    num_reused = int(reused.numel())
+    return Blended(tuple(keys), tuple(values), logits, selected, num_reused, n - num_known - num_reused)
 
 
 def _place(prompt: BlendPrompt, cached: Sequence[SegmentKV | None], rope: RopeTables,
-           num_tokens: int) -> tuple[list[tuple[int, int]], list[torch.Tensor], list[torch.Tensor]]:
+           num_known: int) -> tuple[list[tuple[int, int]], list[torch.Tensor], list[torch.Tensor]]:
     """Each reused run (start, length) and, per layer, the runs' cached keys (moved to their
-    places) and values, concatenated in position order. The prompt's last token is never
-    reused: its hidden state gives the logits."""
+    places) and values, concatenated in position order. A run starts at ``num_known`` at the
+    earliest (known tokens are not reused) and ends before the prompt's last token (its
+    hidden state gives the logits)."""
+    n = len(prompt.token_ids)
     runs: list[tuple[int, int]] = []
     moved: list[SegmentKV] = []
-    for segment, start, kv in zip(prompt.segments, prompt.segment_starts, cached):
+    for (start, length), kv in zip(prompt.spans, cached):
         if kv is None or not kv.num_tokens:
             continue
-        if kv.first_position != 0 or kv.token_ids != segment[:kv.num_tokens]:
+        if kv.first_position != 0 or kv.token_ids != prompt.token_ids[start:start + min(length, kv.num_tokens)] \
+                or kv.num_tokens > length:
             raise ValueError("cached KV must be a standalone computation of the segment's leading tokens")
-        length = min(kv.num_tokens, num_tokens - 1 - start)
-        if length > 0:
-            runs.append((start, length))
-            moved.append(kv.head(length).moved_to(start, rope))
+        skip = max(0, num_known - start)
+        end = min(start + kv.num_tokens, n - 1)
+        if end > start + skip:
+            runs.append((start + skip, end - start - skip))
+            moved.append(kv.span(skip, end - start).moved_to(start + skip, rope))
     if not moved:
         return runs, [], []
     num_layers = moved[0].num_layers

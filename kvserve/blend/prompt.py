@@ -71,6 +71,23 @@ class SegmentedPrompt:
             parts.append(text[at:])
         return cls(parts, blend_fraction)
 
+    @classmethod
+    def from_spans(cls, token_ids: Sequence[int], spec: BlendSpec) -> SegmentedPrompt:
+        """Token ids whose segments ``spec`` names (a prompt encoded already, e.g. by a server)."""
+        parts: list[tuple[int, ...] | Segment] = []
+        at = 0
+        for start, length in spec.spans:
+            if start + length > len(token_ids):
+                raise ValueError(f"segment span {start}..{start + length} is outside the prompt's "
+                                 f"{len(token_ids)} tokens")
+            if start > at:
+                parts.append(tuple(token_ids[at:start]))
+            parts.append(Segment(token_ids[start:start + length]))
+            at = start + length
+        if at < len(token_ids):
+            parts.append(tuple(token_ids[at:]))
+        return cls(parts, spec.fraction)
+
     def encode(self, tokenizer: Tokenizer | None) -> tuple[list[int], BlendSpec]:
         """The prompt's token ids and its segments' spans (the engine checks the ids as any
         prompt's: vocabulary, context window)."""

@@ -46,13 +46,17 @@ class SegmentKV:
     def moved_to(self, first_position: int, rope: RopeTables) -> SegmentKV:
         """The same tokens' keys and values at positions ``first_position, ...`` (keys
         re-rotated, values shared)."""
-        keys = tuple(rope.move(k, self.first_position, first_position) for k in self.keys)
+        keys = tuple(rope.move_all(self.keys, self.first_position, first_position))
         return SegmentKV(self.token_ids, first_position, keys, self.values)
 
     def head(self, num_tokens: int) -> SegmentKV:
         """The first ``num_tokens`` tokens (views)."""
-        return SegmentKV(self.token_ids[:num_tokens], self.first_position,
-                         tuple(k[:num_tokens] for k in self.keys), tuple(v[:num_tokens] for v in self.values))
+        return self.span(0, num_tokens)
+
+    def span(self, start: int, end: int) -> SegmentKV:
+        """Tokens ``start..end-1`` (views), at their own positions."""
+        return SegmentKV(self.token_ids[start:end], self.first_position + start,
+                         tuple(k[start:end] for k in self.keys), tuple(v[start:end] for v in self.values))
 
 
 def compute_kv(model: LlamaModel, token_ids: Sequence[int], first_position: int = 0) -> SegmentKV:

@@ -17,15 +17,27 @@ the pool's integrity holds (no request table holds these blocks).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV
-from kvserve.kv.block_pool import Block
+from kvserve.kv.block_pool import Block, NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix import segment_block_keys
 from kvserve.kv.storage import KVStorage
+from kvserve.offload.tiered import EMPTY_RUN, TierRun
+
+
+class SegmentLocation(NamedTuple):
+    num_device_blocks: int
+    tier_run: TierRun
+    num_full_blocks: int        # the segment's full blocks: what could be stored
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_device_blocks + self.tier_run.num_blocks
 
 
 class SegmentStore:
@@ -55,19 +67,25 @@ class SegmentStore:
         num_cached = len(self._device_blocks(segment.token_ids, keys))
         if num_cached == len(keys):
             return 0
-        per_write = self._max_blocks_per_write()
         blocks = self.kv.allocate_unowned(len(keys) - num_cached)
         bs = self.block_size
         try:
-            for first in range(0, len(blocks), per_write):
-                chunk = blocks[first:first + per_write]
-                start = (num_cached + first) * bs
-                self._write(chunk, segment, start, start + len(chunk) * bs)
+            start, end = num_cached * bs, len(keys) * bs
+            write_tokens(self.storage, [b.block_id for b in blocks], 0, [k[start:end] for k in segment.keys],
+                         [v[start:end] for v in segment.values])
             for i, block in enumerate(blocks, start=num_cached):
                 self.pool.cache(block, keys[i], tuple(segment.token_ids[i * bs:(i + 1) * bs]))
         finally:
             self.pool.free(reversed(blocks))
         return len(blocks)
+
+    def locate(self, token_ids: Sequence[int]) -> SegmentLocation:
+        """Where the segment's leading stored blocks are: on the device, then in the tiers (a
+        run worth loading, by the tiers' cost model). Nothing is loaded or referenced."""
+        keys = self.keys(token_ids)
+        num_device = len(self._device_blocks(token_ids, keys))
+        run = self.kv.tiering.lookup(keys[num_device:]) if num_device < len(keys) else EMPTY_RUN
+        return SegmentLocation(num_device, run, len(keys))
 
     def get(self, token_ids: Sequence[int], first_position: int, rope: RopeTables) -> SegmentKV | None:
         """The KV of the segment's leading stored blocks, moved to ``first_position``: from the
@@ -83,7 +101,8 @@ class SegmentStore:
             self.pool.free(reversed(blocks))
         n = len(blocks) * self.block_size
         standalone = SegmentKV(tuple(token_ids[:n]), 0, tuple(k[0] for k, _ in halves), tuple(v[0] for _, v in halves))
-        return standalone.moved_to(first_position, rope)
+        # gathered into fresh tensors: nothing to copy when they stay at position 0
+        return standalone if first_position == 0 else standalone.moved_to(first_position, rope)
 
     # -- inside ----------------------------------------------------------------
     def _device_blocks(self, token_ids: Sequence[int], keys: list[bytes]) -> list[Block]:
@@ -97,7 +116,8 @@ class SegmentStore:
 
     def _acquire(self, token_ids: Sequence[int]) -> list[Block]:
         """The segment's leading stored blocks, a reference taken on each: device hits, then
-        the run the tiers hold, loaded now (a load that stops early frees its other blocks)."""
+        the run the tiers hold, loaded now (a load that stops early frees its other blocks;
+        with no free block to load into, the device hits alone)."""
         keys = self.keys(token_ids)
         blocks = self._device_blocks(token_ids, keys)
         self.pool.touch(blocks)
@@ -106,7 +126,10 @@ class SegmentStore:
         run = self.kv.tiering.lookup(keys[len(blocks):])
         if not run.num_blocks:
             return blocks
-        fresh = self.kv.allocate_unowned(run.num_blocks)
+        try:
+            fresh = self.kv.allocate_unowned(run.num_blocks)
+        except NoFreeBlocksError:
+            return blocks       # no room to load into: the tail is computed instead
         promotion = self.kv.tiering.load(run, [b.block_id for b in fresh])
         loaded, missed = fresh[:promotion.num_blocks], fresh[promotion.num_blocks:]
         bs, start = self.block_size, len(blocks)
@@ -115,19 +138,26 @@ class SegmentStore:
         self.pool.free(reversed(missed))
         return blocks + loaded
 
-    def _max_blocks_per_write(self) -> int:
-        # a format whose halves encode whole blocks writes through residual rows, one per block
-        rows = self.storage.residual
-        if not rows.num_rows:
-            return self.pool.num_blocks
-        if not rows.num_free_rows:
-            raise RuntimeError("no residual row is free to write a segment through; store segments between steps")
-        return rows.num_free_rows
 
-    def _write(self, blocks: list[Block], segment: SegmentKV, start: int, end: int) -> None:
-        planner = self.storage.planner()
-        planner.add([b.block_id for b in blocks], 0, end - start)
+def write_tokens(storage: KVStorage, block_ids: list[int], first_slot: int, keys: Sequence[torch.Tensor],
+                 values: Sequence[torch.Tensor]) -> None:
+    """Write tokens into slots ``first_slot, ...`` of the table ``block_ids`` (slot s in block
+    ``block_ids[s // block_size]``), per layer ``keys[layer]`` [num_tokens, kv_heads, head_dim],
+    outside a model step. A format that encodes whole blocks writes through a residual row
+    per block touched, so the tokens go in as many passes as free rows allow; the last block
+    stays open (in its row) when the tokens end inside it."""
+    bs, rows = storage.block_size, storage.residual
+    at, end = first_slot, first_slot + keys[0].shape[0]
+    while at < end:
+        max_blocks = rows.num_free_rows if rows.num_rows else len(block_ids)
+        if not max_blocks:
+            raise RuntimeError("no residual row is free to write through; write between steps")
+        stop = min(end, (at // bs + max_blocks) * bs)
+        planner = storage.planner()
+        planner.add(block_ids, at, stop - at)
         writes = planner.build()
-        for layer in range(self.storage.num_layers):
-            self.storage.write(layer, segment.keys[layer][start:end], segment.values[layer][start:end], writes)
-        self.storage.finish_step(writes)
+        lo, hi = at - first_slot, stop - first_slot
+        for layer in range(storage.num_layers):
+            storage.write(layer, keys[layer][lo:hi], values[layer][lo:hi], writes)
+        storage.finish_step(writes)
+        at = stop

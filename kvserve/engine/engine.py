@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -10,6 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.attention.backends import make_attention_backend
+from kvserve.blend.blender import Blender
+from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.cache_control import DEFAULT_PIN_TTL_S, NO_CACHE_CONTROL, CacheControl, PrefixPin
 from kvserve.config import EngineConfig
 from kvserve.engine.model_card import ModelCard
@@ -33,7 +36,7 @@ from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.offload.base import Transport
 from kvserve.offload.tiered import open_transports
-from kvserve.request import FinishReason, Request
+from kvserve.request import BlendSpec, FinishReason, Request
 from kvserve.sampling.sampler import Sampler, top_logprobs
 from kvserve.sampling.structured import GrammarCompiler
 from kvserve.sampling_params import SamplingParams
@@ -101,6 +104,8 @@ class LLMEngine:
                                  self.tiering, self.budgets, self.pins)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.tiering)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.attention)
+        self.blender = Blender(self.model, self.kv_cache, self.kv, cc.blend_select_layer, cc.blend_cost_model)
+        self._blend_waiting: list[Request] = []     # requests with segments, before their first admission
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.sampler = Sampler(config.seed, sorted(self.eos_token_ids))
         self.grammars = GrammarCompiler(self.tokenizer.to_tokenizer_json() if self.tokenizer is not None else None,
@@ -155,20 +160,24 @@ class LLMEngine:
         if params.structured is not None:
             self.grammars.check(params.structured)
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | Sequence[int] | SegmentedPrompt, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, cache: CacheControl | None = None) -> str:
         """Validate and queue a request; raises ValueError, changing nothing, on bad input.
 
-        ``cache``: its retention class and the prefixes of its prompt to pin (pinned at once,
-        so later requests find them pinned too; a pin over the limit raises PinLimitError)."""
+        ``prompt`` as a ``SegmentedPrompt``: its segments' KV is reused by blending (lossy;
+        kvserve/blend/). ``cache``: its retention class and the prefixes of its prompt to pin
+        (pinned at once, so later requests find them pinned too; a pin over the limit raises
+        PinLimitError)."""
         params = params if params is not None else SamplingParams()
         cache = cache if cache is not None else NO_CACHE_CONTROL
         if not isinstance(cache, CacheControl):
             raise TypeError(f"cache must be CacheControl, got {type(cache).__name__}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self.encode_prompt(prompt)
+        ids, blend = self.encode_any_prompt(prompt)
         self.check_params(params)
+        if blend is not None:
+            self._check_blendable(params, len(ids))
         seq = next(self._seq)
         rid = request_id if request_id is not None else str(seq)
         if rid in self._requests:
@@ -184,16 +193,43 @@ class LLMEngine:
                 f"but the cache has {self.pool.num_blocks}; lower max_tokens or give the KV cache more memory")
         self._pin_request_prefixes(ids, cache)
         req = Request(rid, ids, params, arrival_seq=seq, priority=priority, max_tokens=max_tokens,
-                      retention_class=cache.retention_class)
+                      retention_class=cache.retention_class, blend=blend)
         if params.structured is not None:
             req.constraint = self.grammars.matcher(params.structured)
         self._requests[rid] = req
-        self.scheduler.add(req)
+        if blend is not None:
+            self._blend_waiting.append(req)
+        else:
+            self.scheduler.add(req)
         return rid
+
+    def encode_any_prompt(self, prompt: str | Sequence[int] | SegmentedPrompt) -> tuple[list[int], BlendSpec | None]:
+        """Token ids, and the segments' spans of a segmented prompt (ValueError as encode_prompt)."""
+        if isinstance(prompt, SegmentedPrompt):
+            ids, spec = prompt.encode(self.tokenizer)
+            return self.encode_prompt(ids), spec
+        return self.encode_prompt(prompt), None
+
+    def _check_blendable(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs need every prompt token computed; a segmented prompt reuses "
+                             "its segments' KV (send it as plain text instead)")
+        if self.budgets.max_blocks(params, num_prompt_tokens) is not None:
+            raise ValueError("a KV budget and a segmented prompt do not mix: budgets compact a full-precision "
+                             "cache computed token by token")
+
+    def cache_segments(self, segments: Sequence[str | Sequence[int]]) -> int:
+        """Compute each segment standalone and store it (device pool, then tiers as blocks are
+        evicted) unless it is stored already; returns the tokens newly stored. Only whole
+        blocks are stored. Runs between steps (call it from the engine's thread)."""
+        encoded = [self.encode_prompt(segment) for segment in segments]
+        return sum(self.blender.store(ids) for ids in encoded)
 
     def abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is not None:
+            if req in self._blend_waiting:
+                self._blend_waiting.remove(req)
             self.scheduler.finish(req, FinishReason.ABORT)
 
     def _pin_request_prefixes(self, ids: list[int], cache: CacheControl) -> None:
@@ -240,7 +276,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._blend_waiting)
 
     def reset_prefix_cache(self) -> int:
         """Forget the device prefix cache (the offload tiers keep their blocks)."""
@@ -253,12 +289,50 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for each request that got a token."""
+        """Admit segmented requests (their prompts blended), then run one batch; return an
+        output for each request that got a token."""
         self.pins.expire()
+        blended = self._admit_blended() if self._blend_waiting else []
+        return blended + self._run_batch(wait=not blended)
+
+    def _admit_blended(self) -> list[RequestOutput]:
+        """First admissions of segmented requests, in arrival order, while seats and blocks
+        last: blended outside the batch (kvserve/blend/blender.py), or sent to the scheduler
+        for a full prefill when the cost model says blending does not pay."""
+        outputs: list[RequestOutput] = []
+        while self._blend_waiting and self.scheduler.has_free_seat:
+            req = self._blend_waiting[0]
+            try:
+                match = self.kv.match_prefix(req)
+                num_known = match.num_device_blocks * self.pool.block_size
+                if not self.kv.try_allocate(req, req.num_tokens - num_known, match):
+                    break       # blocks free up as running requests finish
+                self._blend_waiting.pop(0)
+                if not self.blender.choose(req, num_known):
+                    self.kv.free(req)
+                    self.scheduler.add(req)
+                    continue
+                self.kv.mark_lossy(req)
+                outcome = self.blender.run(req, num_known, self.kv.block_ids(req.request_id))
+            except Exception as e:
+                log.exception("blending request %s failed", req.request_id)
+                if req in self._blend_waiting:
+                    self._blend_waiting.remove(req)
+                self.kv.free(req)
+                outputs.append(self._fail(req, f"blending failed: {type(e).__name__}: {e}"))
+                continue
+            req.num_reused_tokens = outcome.num_reused_tokens
+            req.num_recomputed_tokens = outcome.num_recomputed_tokens
+            self.scheduler.add_computed(req, num_known)
+            outputs.extend(self._sample(outcome.logits, [req]))
+        return outputs
+
+    def _run_batch(self, wait: bool) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if out.is_empty:
             # nothing to run: the only work left may be loads from slow tiers
-            self.scheduler.wait_for_loads(timeout=0.05)
+            if wait:
+                self.scheduler.wait_for_loads(timeout=0.05)
             return []
         self.num_steps += 1
         start = time.perf_counter()
@@ -372,7 +446,8 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
-            ttft=ttft, e2e_latency=e2e, num_preemptions=req.num_preemptions, error=req.error)
+            ttft=ttft, e2e_latency=e2e, num_preemptions=req.num_preemptions, error=req.error,
+            num_reused_tokens=req.num_reused_tokens, num_recomputed_tokens=req.num_recomputed_tokens)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -384,7 +459,8 @@ class LLMEngine:
             prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_evicted_blocks=self.pool.num_evicted_blocks, tiers=self.tiering.metrics(),
             cost=self.tiering.cost_snapshot(), num_swapped_blocks=self.scheduler.num_swapped_blocks,
-            budgets=self.budgets.stats(), pins=self.pins.stats(), pin_hit_tokens=self.scheduler.num_pin_hit_tokens)
+            budgets=self.budgets.stats(), pins=self.pins.stats(), pin_hit_tokens=self.scheduler.num_pin_hit_tokens,
+            blend=dataclasses.replace(self.blender.stats))
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -23,6 +23,8 @@ class RequestOutput:
     e2e_latency: float | None       # seconds from arrival to finish
     num_preemptions: int
     error: str | None = None        # with finish_reason "error": what failed (this request only)
+    num_reused_tokens: int = 0      # blended prompt: tokens whose KV came from stored segments
+    num_recomputed_tokens: int = 0  # of those, recomputed (kvserve/blend/)
 
     @property
     def num_prompt_tokens(self) -> int:

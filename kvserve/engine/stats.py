@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvserve.blend.blender import BlendStats
 from kvserve.kv.budget.budgets import BudgetStats
 from kvserve.kv.pins import NO_PIN_STATS, PinStats
 from kvserve.kv.tiering import TierMetrics
@@ -32,6 +33,7 @@ class EngineStats:
     budgets: BudgetStats = NO_BUDGET_STATS   # KV budgets: compactions, ArkVale's host store
     pins: PinStats = NO_PIN_STATS            # pinned prefixes (kv/pins.py)
     pin_hit_tokens: int = 0                  # prompt tokens served from pinned device blocks, first admissions
+    blend: BlendStats = field(default_factory=BlendStats)   # segments and blended prompts (kvserve/blend/)
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -97,6 +97,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[Block]] = {}
         self._keys: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self._lossy: set[str] = set()       # requests whose KV no exact computation produced
 
     # -- queries -----------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
@@ -203,7 +204,7 @@ class KVCacheManager:
     def cache_computed_blocks(self, request: Request) -> None:
         """Register every full block whose tokens are all computed."""
         rid = request.request_id
-        if not self.enable_prefix_caching or self.budgets.is_compacted(rid):
+        if not self.enable_prefix_caching or self.budgets.is_compacted(rid) or rid in self._lossy:
             return
         num_full = request.num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(rid, 0)
@@ -270,9 +271,16 @@ class KVCacheManager:
         self.budgets.apply(request, plan, [b.block_id for b in table])
         return True
 
+    def mark_lossy(self, request: Request) -> None:
+        """The request's blocks after its cached prefix hold KV that no exact computation
+        produced (a blended prompt, kvserve/blend/): none of them is ever cached, until its
+        blocks are freed (a preempted request is recomputed exactly)."""
+        self._lossy.add(request.request_id)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (see BlockPool.free)."""
         rid = request.request_id
+        self._lossy.discard(rid)
         self.budgets.drop(rid)
         table = self._blocks.pop(rid, [])
         self.residual.release(b.block_id for b in table)

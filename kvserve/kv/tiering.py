@@ -103,6 +103,15 @@ class Tiering(ABC):
         """The leading run of ``keys`` that the tiers hold and that is worth loading rather
         than recomputing (a hint: a load may still miss)."""
 
+    def load_seconds(self, run: TierRun) -> float:
+        """Estimated time to load ``run`` (the cost model's measured figures; 0 without tiers)."""
+        return 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Measured prefill speed (None before any prefill step was measured, or without tiers)."""
+        return None
+
     # -- loads: the scheduler --------------------------------------------------
     def is_prefetch(self, run: TierRun) -> bool:
         """Whether ``run`` comes from a tier that does not load synchronously, so its request
@@ -276,6 +285,13 @@ class OffloadTiering(Tiering):
 
     def is_prefetch(self, run: TierRun) -> bool:
         return not all(self._loads_synchronously[t] for t in run.tiers)
+
+    def load_seconds(self, run: TierRun) -> float:
+        return self.cost.load_seconds(run.tiers)
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        return self.cost.prefill_tokens_per_s
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe_prefill(num_tokens, seconds)

@@ -84,6 +84,21 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    @property
+    def has_free_seat(self) -> bool:
+        return len(self.running) + len(self.loading) < self.config.max_num_seqs
+
+    def add_computed(self, request: Request, num_cached_tokens: int) -> None:
+        """Run a request whose whole prompt the caller computed outside a step (a blended
+        prompt, kvserve/blend/) into the blocks the KV manager gave it. A first admission,
+        counted with ``num_cached_tokens`` of prefix hits."""
+        request.num_cached_tokens = num_cached_tokens
+        self.num_prefix_query_tokens += request.num_tokens
+        self.num_prefix_hit_tokens += num_cached_tokens
+        request.num_computed_tokens = request.num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -205,7 +220,7 @@ class Scheduler:
                 self.tiering.drop_load(req.request_id)   # its reads finish unread: its blocks are freed below
             else:
                 self.running.remove(req)
-        else:
+        elif req in self.waiting:       # else never queued here (a blended request not admitted yet)
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -25,11 +25,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
+from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.cache_control import CacheControl
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
+from kvserve.request import BlendSpec
 from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.server")
@@ -73,6 +75,12 @@ class RequestSpec(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams
     cache: CacheControl | None = None      # retention class and pinned prefixes
+    blend: BlendSpec | None = None         # the prompt's segments, reused by blending (kvserve/blend/)
+
+    @property
+    def prompt(self) -> list[int] | SegmentedPrompt:
+        return self.prompt_token_ids if self.blend is None else SegmentedPrompt.from_spans(self.prompt_token_ids,
+                                                                                           self.blend)
 
 
 class StreamItem(NamedTuple):
@@ -294,7 +302,7 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for rid, spec in zip(cmd.request_ids, cmd.specs):
-                self.engine.add_request(spec.prompt_token_ids, spec.params, request_id=rid, cache=spec.cache)
+                self.engine.add_request(spec.prompt, spec.params, request_id=rid, cache=spec.cache)
                 added.append(rid)
         except Exception as e:
             for rid in added:

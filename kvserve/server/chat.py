@@ -43,13 +43,15 @@ async def plan_chat(ctx: ServingContext, request: Request) -> _Plan:
                                                    tools=tools.template_tools)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
-    ids = await ctx.encode(prompt, "messages")
+    segmented = req.segmented(prompt, "messages")
+    ids, blend = (prompt, None) if segmented is None else segmented.encode(ctx.tokenizer)
+    ids = await ctx.encode(ids, "messages")
     ctx.check_room(len(ids), req.max_new_tokens,
                    "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     cache = await chat_cache(ctx, req, ids)
-    specs = [RequestSpec(ids, req.sampling_params(j, req.max_new_tokens, logprobs, structured=structured), cache)
-             for j in range(req.n)]
+    specs = [RequestSpec(ids, req.sampling_params(j, req.max_new_tokens, logprobs, structured=structured), cache,
+                         blend) for j in range(req.n)]
     await ctx.check_params(specs[0].params, param)
     return _Plan(req, ids, specs, tools)
 

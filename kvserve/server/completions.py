@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.request import TokenLogprob
 from kvserve.server.async_engine import RequestSpec, RequestStream, StreamItem
@@ -48,7 +49,9 @@ async def plan_completion(ctx: ServingContext, request: Request) -> _Plan:
     if len(prompts) * req.n > MAX_BATCH_REQUESTS:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} is more than {MAX_BATCH_REQUESTS} completions "
                           "in one request", "n")
-    prompt_ids = [await ctx.encode(p, "prompt") for p in prompts]
+    blends = [_segmented(req, p) for p in prompts]
+    encoded = [None if b is None else b.encode(ctx.tokenizer) for b in blends]
+    prompt_ids = [await ctx.encode(p if e is None else e[0], "prompt") for p, e in zip(prompts, encoded)]
     for ids in prompt_ids:
         ctx.check_room(len(ids), req.max_tokens)
     texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
@@ -57,10 +60,21 @@ async def plan_completion(ctx: ServingContext, request: Request) -> _Plan:
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     structured, param = req.structured()
     cache = completion_cache(req)
-    specs = [RequestSpec(ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs, structured), cache)
-             for ids in prompt_ids for j in range(req.n)]
+    specs = [RequestSpec(ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs, structured), cache,
+                         None if e is None else e[1])
+             for ids, e in zip(prompt_ids, encoded) for j in range(req.n)]
     await ctx.check_params(specs[0].params, param)
     return _Plan(req, texts, prompt_ids, specs, score_only)
+
+
+def _segmented(req: CompletionRequest, prompt: str | list[int]) -> SegmentedPrompt | None:
+    if req.segments is not None:
+        if not isinstance(prompt, str):
+            raise bad_request("segments are found in a text prompt; this prompt is token ids", "segments")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs scores every prompt token; segments reuse their KV instead",
+                              "segments")
+    return req.segmented(prompt, "prompt") if isinstance(prompt, str) else req.segmented("", "prompt")
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:

@@ -69,7 +69,24 @@ class _StatsCollector(Collector):
                                   "Blocks arkvale's host store dropped for room (no longer recallable)",
                                   b.num_host_evictions)
         yield from _pin_metrics(s)
+        yield from _blend_metrics(s)
         yield from _tier_metrics(s)
+
+
+def _blend_metrics(s: EngineStats) -> Iterator[Metric]:
+    b = s.blend
+    yield CounterMetricFamily("kvserve_blend_requests", "Segmented prompts blended (kvserve/blend/)", b.num_blended)
+    yield CounterMetricFamily("kvserve_blend_declined_requests",
+                              "Segmented prompts the cost model sent to a full prefill", b.num_declined)
+    yield CounterMetricFamily("kvserve_blend_reused_tokens", "Prompt tokens whose KV came from stored segments",
+                              b.reused_tokens)
+    yield CounterMetricFamily("kvserve_blend_recomputed_tokens", "Reused segment tokens that blending recomputed",
+                              b.recomputed_tokens)
+    yield CounterMetricFamily("kvserve_blend_computed_tokens",
+                              "Blended prompts' tokens computed in full (neither cached nor reused)",
+                              b.computed_tokens)
+    yield CounterMetricFamily("kvserve_segment_stored_tokens", "Segment tokens computed standalone and stored",
+                              b.stored_tokens)
 
 
 def _pin_metrics(s: EngineStats) -> Iterator[Metric]:

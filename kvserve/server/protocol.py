@@ -13,11 +13,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvserve.blend.prompt import DEFAULT_BLEND_FRACTION, SegmentedPrompt
 from kvserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
 MAX_CHOICES = 16          # n: each choice is one engine request
 MAX_STOP_STRINGS = 4      # as the OpenAI API
 MAX_BATCH_REQUESTS = 256  # prompts x n in one completions call
+MAX_SEGMENTS = 64         # segments (documents) in one prompt
 
 
 class APIError(Exception):
@@ -104,6 +106,10 @@ class _SamplingFields(_Body):
     min_tokens: int = Field(0, ge=0)                             # vLLM's extension
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None      # vLLM's extension
+    # kvserve's: texts in the prompt (documents) whose KV is reused from a standalone
+    # computation, wherever they appear, recomputing blend_fraction of them (lossy; docs/blend.md)
+    segments: list[str] | None = Field(None, max_length=MAX_SEGMENTS)
+    blend_fraction: float | None = Field(None, ge=0.0, le=1.0)
     # OpenAI fields that do not change the output: accepted, ignored
     user: str | None = None
     service_tier: str | None = None
@@ -111,6 +117,21 @@ class _SamplingFields(_Body):
     store: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    def segmented(self, text: str, param: str) -> SegmentedPrompt | None:
+        """``text`` cut at the request's segments (None without any); APIError(400) when one does
+        not occur in it (in order) or blending cannot apply."""
+        if self.segments is None:
+            if self.blend_fraction is not None:
+                raise bad_request("blend_fraction applies to segments; none were given", "blend_fraction")
+            return None
+        if not self.segments:
+            raise bad_request("segments must hold at least one text", "segments")
+        fraction = DEFAULT_BLEND_FRACTION if self.blend_fraction is None else self.blend_fraction
+        try:
+            return SegmentedPrompt.from_text(text, self.segments, fraction)
+        except ValueError as e:
+            raise bad_request(f"segments: {e} ({param})", "segments") from None
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -28,7 +28,7 @@ def tokens(n: int, seed: int) -> tuple[int, ...]:
 
 def rag_prompt(seed: int = 0) -> BlendPrompt:
     """A system text, three documents, a question."""
-    return BlendPrompt(prefix=tokens(11, seed), segments=(tokens(40, seed + 1), tokens(33, seed + 2),
+    return BlendPrompt.join(tokens(11, seed), segments=(tokens(40, seed + 1), tokens(33, seed + 2),
                                                           tokens(48, seed + 3)), suffix=tokens(9, seed + 4))
 
 
@@ -93,7 +93,7 @@ def test_more_recompute_comes_closer_to_the_full_prefill(setup):
 def test_a_leading_segment_reused_as_it_is_gives_the_full_prefill(setup):
     # nothing comes before it, so its standalone KV is the prompt's: no recompute needed
     loaded, model, rope = setup
-    prompt = BlendPrompt(prefix=(), segments=(tokens(50, 7),), suffix=tokens(6, 8))
+    prompt = BlendPrompt.join((), segments=(tokens(50, 7),), suffix=tokens(6, 8))
     want = LLM(loaded=loaded, enable_prefix_caching=False).generate([prompt.token_ids], GREEDY)[0].token_ids
     blended = blend_prefill(model, rope, prompt, standalone(model, prompt), blend_fraction=0.0)
     assert blended.num_recomputed_tokens == 0 and blended.num_reused_tokens == 50

@@ -1,0 +1,194 @@
+"""The engine's side of blending: a request whose prompt has segments gets its prompt's KV
+by blending, outside the batched step, and then decodes like any other request.
+
+At its first admission (the engine calls, in order):
+
+    choose(req, num_known)   store the segments not stored yet (computed standalone), find the
+                             others (device, then tiers), and decide: blend only when loading
+                             plus the partial recompute is estimated to beat a full prefill
+    run(req, ...)            the exact prefix hit's KV (``num_known`` tokens) read back, the
+                             segments' KV loaded and moved to their places, ``blend_prefill``,
+                             and the KV of every token after the hit written into the
+                             request's blocks; returns the next-token logits
+
+The request's blocks then hold KV that no exact computation produced, so the KV manager
+never caches them under prefix keys (``KVCacheManager.mark_lossy``); a preempted blended
+request is recomputed in full, exactly, like any other.
+
+Cost, in prefill-token equivalents (a token through every layer = 1):
+
+    full   = n                                          n: tokens after the prefix hit
+    blend  = computed + reused * (s / L + f * (1 - s / L)) + load_s * prefill_tokens_per_s
+
+with L layers, s = ``select_layer`` (layers below it run for every token), f the blend
+fraction, ``load_s`` the tiers' estimate for the segment blocks they hold (kv/tiering.py,
+measured figures) and the engine's measured prefill speed. Attention's quadratic share is
+left out of both sides. A segment computed standalone for storing is paid either way, so
+it counts as reused.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.blend.blending import Blended, BlendPrompt, blend_prefill
+from kvserve.blend.rope import RopeTables
+from kvserve.blend.segment import SegmentKV, compute_kv
+from kvserve.blend.store import SegmentStore, write_tokens
+from kvserve.kv.block_pool import NoFreeBlocksError
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.storage import KVStorage
+from kvserve.model.llama import LlamaModel
+from kvserve.request import BlendSpec, Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BlendStats:
+    """Counters since the engine started (read by the metrics observer)."""
+
+    num_blended: int = 0              # requests whose prompt was blended
+    num_declined: int = 0             # requests with segments the cost model sent to a full prefill
+    reused_tokens: int = 0            # prompt tokens whose KV came from a stored segment (selected included)
+    recomputed_tokens: int = 0        # of those, recomputed from the select layer on
+    computed_tokens: int = 0          # blended prompts' tokens computed in full (not known, not reused)
+    stored_tokens: int = 0            # segment tokens computed standalone and stored
+
+
+@dataclass(frozen=True)
+class BlendOutcome:
+    logits: torch.Tensor              # [1, vocab] float32 on CPU: the prompt's next token
+    num_reused_tokens: int
+    num_recomputed_tokens: int
+    num_computed_tokens: int
+
+
+def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: int, num_layers: int) -> float:
+    """Prefill-token equivalents a blend computes for ``num_tokens`` tokens of which
+    ``num_reused`` come from stored segments (module docstring)."""
+    below = select_layer / num_layers
+    return (num_tokens - num_reused) + num_reused * (below + fraction * (1.0 - below))
+
+
+class Blender:
+    def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, select_layer: int = 1,
+                 use_cost_model: bool = True) -> None:
+        """``use_cost_model`` False: blend whenever a segment's KV can be reused."""
+        if not 1 <= select_layer < model.config.num_layers:
+            raise ValueError(f"blend_select_layer must be in 1..{model.config.num_layers - 1} for this model, "
+                             f"got {select_layer}")
+        self.model = model
+        self.use_cost_model = use_cost_model
+        self.storage = storage
+        self.kv = kv
+        self.rope = RopeTables(model.config)
+        self.segments = SegmentStore(kv, storage)
+        self.select_layer = select_layer
+        self.stats = BlendStats()
+        # segments computed standalone by ``choose`` for the request it is about to run
+        self._fresh: dict[tuple[int, ...], SegmentKV] = {}
+
+    def store(self, token_ids: list[int]) -> int:
+        """Compute a segment standalone and store its full blocks unless the device or the
+        tiers hold it already; returns the tokens stored (0 when stored, or shorter than a
+        block). NoFreeBlocksError when the pool cannot hold it."""
+        location = self.segments.locate(token_ids)
+        if location.num_full_blocks == 0 or location.num_blocks:
+            return 0
+        return self._put(compute_kv(self.model, token_ids))
+
+    def choose(self, req: Request, num_known: int) -> bool:
+        """Whether to blend ``req`` (its first ``num_known`` tokens an exact prefix hit); the
+        segments not stored anywhere are computed and stored first, whatever the verdict."""
+        spec = _spec(req)
+        self._fresh.clear()
+        n = req.num_prompt_tokens - num_known
+        load_s, num_reused = 0.0, 0
+        bs = self.segments.block_size
+        for start, length in spec.spans:
+            if start + length <= num_known:
+                continue
+            ids = req.prompt_token_ids[start:start + length]
+            location = self.segments.locate(ids)
+            if location.num_blocks == 0 and location.num_full_blocks:
+                segment = compute_kv(self.model, ids)
+                self._fresh[tuple(ids)] = segment
+                self._put(segment)
+                usable = length
+            else:
+                load_s += self.kv.tiering.load_seconds(location.tier_run)
+                usable = location.num_blocks * bs
+            # known tokens are not reused, nor is the prompt's last token
+            num_reused += max(0, min(start + usable, req.num_prompt_tokens - 1) - max(start, num_known))
+        tps = self.kv.tiering.prefill_tokens_per_s
+        work = blend_work(n, num_reused, spec.fraction, self.select_layer, self.model.config.num_layers)
+        cost = work + (load_s * tps if tps else 0.0)
+        log.debug("request %s: blend %.0f token-equivalents (%d reused, loads %.2f ms) vs prefill %d",
+                  req.request_id, cost, num_reused, load_s * 1e3, n)
+        verdict = num_reused > 0 and (cost < n or not self.use_cost_model)
+        if not verdict:
+            self.stats.num_declined += 1
+            self._fresh.clear()
+        return verdict
+
+    def run(self, req: Request, num_known: int, block_ids: list[int]) -> BlendOutcome:
+        """Blend ``req``'s prompt and write the KV of its tokens after the first ``num_known``
+        (exact, in its blocks already) into ``block_ids`` (its table)."""
+        spec = _spec(req)
+        try:
+            cached = [self._segment_kv(req, start, length, num_known) for start, length in spec.spans]
+        finally:
+            self._fresh.clear()
+        known = self._read(req.prompt_token_ids[:num_known], block_ids) if num_known else None
+        prompt = BlendPrompt(tuple(req.prompt_token_ids), spec.spans)
+        blended = blend_prefill(self.model, self.rope, prompt, cached, spec.fraction, self.select_layer, known)
+        self._write(blended, num_known, block_ids)
+        s = self.stats
+        s.num_blended += 1
+        s.reused_tokens += blended.num_reused_tokens
+        s.recomputed_tokens += blended.num_recomputed_tokens
+        s.computed_tokens += blended.num_computed_tokens
+        return BlendOutcome(blended.logits.float().cpu().unsqueeze(0), blended.num_reused_tokens,
+                            blended.num_recomputed_tokens, blended.num_computed_tokens)
+
+    # -- inside ----------------------------------------------------------------
+    def _put(self, segment: SegmentKV) -> int:
+        """Store a standalone segment; the tokens stored (0 when the pool has no room)."""
+        try:
+            stored = self.segments.put(segment) * self.segments.block_size
+        except NoFreeBlocksError:
+            log.debug("segment of %d tokens not stored: no free block", segment.num_tokens)
+            return 0
+        self.stats.stored_tokens += stored
+        return stored
+
+    def _segment_kv(self, req: Request, start: int, length: int, num_known: int) -> SegmentKV | None:
+        if start + length <= num_known:
+            return None
+        ids = req.prompt_token_ids[start:start + length]
+        fresh = self._fresh.get(tuple(ids))
+        if fresh is not None:
+            return fresh
+        return self.segments.get(ids, 0, self.rope)
+
+    def _read(self, token_ids: list[int], block_ids: list[int]) -> SegmentKV:
+        """The KV of a request's leading ``len(token_ids)`` tokens (whole blocks), as stored."""
+        n = len(token_ids)
+        table = torch.tensor([block_ids[:n // self.segments.block_size]], dtype=torch.long,
+                             device=self.storage.device)
+        halves = [self.storage.gather(layer, table) for layer in range(self.storage.num_layers)]
+        return SegmentKV(tuple(token_ids), 0, tuple(k[0, :n] for k, _ in halves), tuple(v[0, :n] for _, v in halves))
+
+    def _write(self, blended: Blended, num_known: int, block_ids: list[int]) -> None:
+        write_tokens(self.storage, block_ids, num_known, [k[num_known:] for k in blended.keys],
+                     [v[num_known:] for v in blended.values])
+
+
+def _spec(req: Request) -> BlendSpec:
+    if req.blend is None:
+        raise ValueError(f"request {req.request_id} has no segments to blend")
+    return req.blend

@@ -1,0 +1,229 @@
+"""Blending in the engine: segmented prompts through LLM.generate, the cost model's verdict,
+shared segment blocks, prefix hits kept exact, lossy blocks never cached, formats, tiers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny import tiny_model
+
+from kvserve import LLM, SamplingParams
+from kvserve.blend.blender import blend_work
+from kvserve.blend.prompt import Segment, SegmentedPrompt
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_model()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(128) for _ in range(n)]
+
+
+DOCS = [tokens(40, 1), tokens(33, 2), tokens(48, 3), tokens(20, 4)]
+
+
+def rag(order: list[int], fraction: float, system: int = 11, question_seed: int = 9) -> SegmentedPrompt:
+    parts: list = [tokens(system, 0)]
+    for i in order:
+        parts += [Segment(DOCS[i]), [5]]             # a separator token after each document
+    parts.append(tokens(7, question_seed))
+    return SegmentedPrompt(parts, blend_fraction=fraction)
+
+
+def plain(prompt: SegmentedPrompt) -> list[int]:
+    return [t for p in prompt.parts for t in (p.content if isinstance(p, Segment) else p)]
+
+
+def test_fraction_one_gives_the_full_prefill_tokens(loaded):
+    # at 1.0 blending costs a full prefill, so the cost model would send it there: off here
+    llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False)
+    prompt = rag([0, 1, 2], 1.0)
+    want = LLM(loaded=loaded, enable_prefix_caching=False).generate([plain(prompt)], GREEDY)[0]
+    first = llm.generate([prompt], GREEDY)[0]         # segments computed standalone, stored, blended
+    again = llm.generate([prompt], GREEDY)[0]         # segments found in the pool
+    assert first.token_ids == want.token_ids and again.token_ids == want.token_ids
+    assert first.prompt_token_ids == want.prompt_token_ids
+    # full blocks of each document reused (32 + 32 + 48), every one of them recomputed at 1.0
+    assert (again.num_reused_tokens, again.num_recomputed_tokens) == (112, 112)
+    stats = llm.engine.stats().blend
+    assert (stats.num_blended, stats.stored_tokens, stats.num_declined) == (2, 112, 0)
+    llm.engine.check_integrity()
+
+
+def test_segments_are_shared_across_requests_and_lossy_blocks_never_cached(loaded):
+    llm = LLM(loaded=loaded, num_kv_blocks=48)
+    engine = llm.engine
+    assert llm.cache_segments([DOCS[0], DOCS[1], DOCS[2], DOCS[3]]) == 32 + 32 + 48 + 16
+    assert llm.cache_segments([DOCS[2]]) == 0
+    cached_before = engine.pool.num_cached_blocks
+    outs = llm.generate([rag([2, 0], 0.15), rag([0, 2, 1], 0.15), rag([1], 0.15)], GREEDY)
+    assert [o.num_reused_tokens for o in outs] == [48 + 32, 32 + 48 + 32, 32]
+    # ceil(0.15 * run) tokens per reused run
+    assert [o.num_recomputed_tokens for o in outs] == [8 + 5, 5 + 8 + 5, 5]
+    # the blended prompts' own blocks were never cached (the prefix of 11 tokens is not a block)
+    assert engine.pool.num_cached_blocks == cached_before
+    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+    engine.check_integrity()
+    assert engine.stats().blend.num_blended == 3
+
+
+def test_a_cached_prefix_stays_exact_and_is_not_reused(loaded):
+    # the same system prompt and first document as an earlier plain request: its blocks hit
+    llm = LLM(loaded=loaded, num_kv_blocks=64)
+    prompt = rag([0, 1], 0.0, system=24)
+    ids = plain(prompt)
+    llm.generate([ids[:24 + 40 + 1]], SamplingParams(max_tokens=1))     # caches blocks 0..3 (64 tokens)
+    out = llm.generate([prompt], GREEDY)[0]
+    assert out.num_cached_tokens == 64
+    # document 0 lies in the hit but for its last token; document 1 is computed standalone (all 33 reused)
+    assert (out.num_reused_tokens, out.num_recomputed_tokens) == (33, 0)
+    llm.engine.check_integrity()
+    # the known prefix read back, the rest blended at 1.0: the full prefill's tokens
+    exact = LLM(loaded=loaded, num_kv_blocks=64, blend_cost_model=False)
+    exact.generate([ids[:24 + 40 + 1]], SamplingParams(max_tokens=1))
+    full = SegmentedPrompt(prompt.parts, 1.0)
+    out = exact.generate([full], GREEDY)[0]
+    want = LLM(loaded=loaded, enable_prefix_caching=False).generate([ids], GREEDY)[0]
+    assert out.num_cached_tokens == 64 and out.num_reused_tokens == 33 and out.token_ids == want.token_ids
+
+
+def test_the_cost_model_sends_unprofitable_blends_to_a_full_prefill(loaded):
+    llm = LLM(loaded=loaded, num_kv_blocks=48)
+    short = SegmentedPrompt([tokens(30, 5), Segment(tokens(10, 6)), tokens(5, 7)], 0.15)
+    out = llm.generate([short], GREEDY)[0]            # a segment shorter than a block: nothing to reuse
+    want = LLM(loaded=loaded, enable_prefix_caching=False).generate([plain(short)], GREEDY)[0]
+    assert out.token_ids == want.token_ids and out.num_reused_tokens == 0
+    assert llm.engine.stats().blend.num_declined == 1
+    # at fraction 1.0 with 2 layers, select layer 1: 0.5 + 0.5 = 1 per reused token: no gain
+    assert blend_work(100, 60, 1.0, 1, 2) == 100
+    assert blend_work(100, 60, 0.0, 1, 30) == pytest.approx(40 + 2)
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "k=kivi4g8+had,v=int8"])
+def test_blending_in_a_quantized_format(loaded, kv_format):
+    llm = LLM(loaded=loaded, num_kv_blocks=64, kv_format=kv_format, blend_cost_model=False)
+    prompt = rag([2, 0, 1], 1.0)
+    blended = llm.generate([prompt], GREEDY)[0]
+    assert blended.num_reused_tokens == 40 + 33 + 48     # computed standalone just now: every token
+    llm.engine.check_integrity()
+    # decoding after the written KV: more tokens, other requests alongside
+    outs = llm.generate([rag([1, 2], 0.15), plain(rag([0], 0.0))], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [20, 20]
+    llm.engine.check_integrity()
+
+
+def test_segments_come_back_from_a_tier(loaded):
+    llm = LLM(loaded=loaded, num_kv_blocks=24, host_cache_gb=0.01, blend_cost_model=False)
+    engine = llm.engine
+    llm.cache_segments([DOCS[2]])                       # 3 blocks
+    filler = [tokens(16 * 23 + 3, 20)]
+    llm.generate(filler, SamplingParams(max_tokens=1))  # evicts the segment's blocks to the host tier
+    assert engine.blender.segments.locate(DOCS[2]).num_device_blocks == 0
+    out = llm.generate([rag([2], 1.0)], GREEDY)[0]
+    want = LLM(loaded=loaded, enable_prefix_caching=False).generate([plain(rag([2], 1.0))], GREEDY)[0]
+    assert out.num_reused_tokens == 48 and out.token_ids == want.token_ids
+    assert engine.stats().blend.stored_tokens == 48     # loaded back, not computed again
+    engine.check_integrity()
+
+
+def test_bad_segmented_prompts_are_refused(loaded):
+    llm = LLM(loaded=loaded, num_kv_blocks=32)
+    with pytest.raises(ValueError, match="at least one Segment"):
+        SegmentedPrompt([tokens(5, 1)])
+    with pytest.raises(ValueError, match="blend_fraction"):
+        SegmentedPrompt([Segment(tokens(5, 1))], blend_fraction=1.5)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate([rag([0], 0.1)], SamplingParams(prompt_logprobs=1))
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([SegmentedPrompt([Segment([1, 2, 999])])], GREEDY)
+    with pytest.raises(ValueError, match="does not occur"):
+        SegmentedPrompt.from_text("abc def", ["def", "abc"])
+    llm.engine.check_integrity()
+    assert not llm.engine.has_unfinished
+
+
+def test_from_text_cuts_at_the_segments():
+    p = SegmentedPrompt.from_text("Read: A then B? B", ["A", "B"], 0.2)
+    assert p.parts == ("Read: ", Segment("A"), " then ", Segment("B"), "? B")
+    assert p.blend_fraction == 0.2
+
+
+def test_a_waiting_segmented_request_can_be_aborted(loaded):
+    llm = LLM(loaded=loaded, num_kv_blocks=32)
+    engine = llm.engine
+    rid = engine.add_request(rag([0, 1], 0.15), GREEDY)
+    assert engine.has_unfinished
+    engine.abort(rid)
+    assert not engine.has_unfinished and engine.step() == []
+    engine.check_integrity()
+    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+
+
+def test_a_preempted_blended_request_is_recomputed_and_finishes(loaded):
+    # 14 blocks: the blended request and a plain one cannot both grow to their 40 new tokens
+    llm = LLM(loaded=loaded, num_kv_blocks=14, blend_cost_model=False)
+    engine = llm.engine
+    long_out = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    llm.cache_segments([DOCS[0]])
+    plain_id = engine.add_request(tokens(60, 30), long_out)
+    blended = engine.add_request(rag([0], 0.15), long_out)      # the later arrival: the victim
+    done = {}
+    for _ in range(500):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+        if not engine.has_unfinished:
+            break
+    assert set(done) == {blended, plain_id}
+    assert [len(done[r].token_ids) for r in (blended, plain_id)] == [60, 60]
+    # preempted, then recomputed in full (exact), its reuse counts kept from its blend
+    assert done[blended].num_preemptions >= 1 and done[blended].num_reused_tokens == 32
+    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+
+
+def test_no_room_to_load_a_segment_computes_it_instead(loaded):
+    # 10 blocks: the request takes 8, a tier load of the segment's 3 cannot get blocks
+    llm = LLM(loaded=loaded, num_kv_blocks=10, host_cache_gb=0.01, blend_cost_model=False)
+    engine = llm.engine
+    llm.cache_segments([DOCS[2]])
+    llm.generate([tokens(16 * 9 + 3, 21)], SamplingParams(max_tokens=1))   # the segment goes to the host tier
+    assert engine.blender.segments.locate(DOCS[2]).tier_run.num_blocks == 3
+    prompt = SegmentedPrompt([tokens(11, 0), Segment(DOCS[2]), tokens(60, 22)], 0.15)
+    out = llm.generate([prompt], GREEDY)[0]
+    want = LLM(loaded=loaded, enable_prefix_caching=False).generate([plain(prompt)], GREEDY)[0]
+    assert out.error is None and out.num_reused_tokens == 0 and out.token_ids == want.token_ids
+    engine.check_integrity()
+    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+
+
+@pytest.mark.parametrize("speed", ["slow", "fast"])
+def test_the_cost_model_weighs_a_tier_load_against_the_partial_recompute(loaded, speed):
+    # a 48-token segment in the host tier. Blending saves 48 - 48 * (1/2 + 0.15/2) = 20.4
+    # token-equivalents (2 layers, select layer 1) and costs the load: at a prefill speed
+    # where loading still beats recomputing those 48 tokens (the tier's own verdict) but
+    # the load costs more than 20.4 tokens' compute, the request gets a full prefill.
+    llm = LLM(loaded=loaded, num_kv_blocks=24, host_cache_gb=0.01)
+    engine = llm.engine
+    llm.cache_segments([DOCS[2]])
+    llm.generate([tokens(16 * 23 + 3, 20)], SamplingParams(max_tokens=1))
+    load_s = engine.tiering.load_seconds(engine.blender.segments.locate(DOCS[2]).tier_run)
+    assert load_s > 0
+    tokens_per_s = (20.4 + 48) / 2 / load_s if speed == "fast" else 10.0 / load_s
+    for _ in range(80):                 # the measured speed is a moving average: settle it here
+        engine.tiering.observe_prefill(int(tokens_per_s), 1.0)
+    prompt = SegmentedPrompt([tokens(11, 0), Segment(DOCS[2]), tokens(7, 9)], 0.15)
+    out = llm.generate([prompt], GREEDY)[0]
+    stats = engine.stats().blend
+    if speed == "fast":
+        assert (stats.num_blended, stats.num_declined, out.num_reused_tokens) == (0, 1, 0)
+    else:
+        assert (stats.num_blended, stats.num_declined, out.num_reused_tokens) == (1, 0, 48)
+    engine.check_integrity()
