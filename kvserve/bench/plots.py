@@ -142,8 +142,7 @@ def plot_rag(results: Iterable[Any], path: str | Path) -> Path:
         lo, hi = (t * 1e3 for t in r.ttft_p10_p90_s)
         accuracy = 100 * r.num_correct / r.num_answers
         ax.errorbar([median], [accuracy], xerr=[[median - lo], [hi - median]], fmt="o", capsize=4, label=r.method)
-        ax.annotate(r.method, (median, accuracy), textcoords="offset points", xytext=(6, 6), fontsize=8)
-    ax.set_xscale("log")
+    ax.set_xlim(left=0)
     ax.set_xlabel("time to first token, median (ms; bar: p10–p90)")
     ax.set_ylabel("answers correct (%)")
     ax.set_ylim(-2, 105)

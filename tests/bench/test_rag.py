@@ -167,9 +167,10 @@ def test_goal_lines_say_met_or_missed_with_the_bound():
     assert rows[2][:8] == ["blend@0.1", "275", "215–370", "4.18x", "3.27x", "2/4", "0.58", "2/4"]
 
 
-def test_the_pool_holds_every_document_and_two_requests(documents):
+def test_the_pool_holds_every_document_and_every_request(documents):
     request = -(-(2000 + 8) // 16)
-    assert rag.pool_blocks(documents, 2000, 8, 16) == sum(-(-d.num_tokens // 16) for d in documents) + 2 * request
+    assert rag.pool_blocks(documents, 2000, 8, 16, 21) == sum(-(-d.num_tokens // 16) for d in documents) + 21 * request
+    assert rag.pool_blocks([], 2000, 8, 16, 1) == request == 126
 
 
 def test_bench_rag_parses_and_draws(tmp_path):
