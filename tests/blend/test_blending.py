@@ -132,3 +132,17 @@ def test_bad_blends_are_refused(setup):
         blend_prefill(model, rope, prompt, [cached[1], cached[0], cached[2]])
     with pytest.raises(ValueError, match="standalone computation"):
         blend_prefill(model, rope, prompt, [cached[0].moved_to(3, rope), None, None])
+
+
+def test_selected_rows_attend_in_groups_as_in_one_masked_call():
+    from kvserve.blend.blending import ROWS_PER_CALL, _attend
+    gen = torch.Generator().manual_seed(0)
+    n, heads, kv_heads, dim = 300, 6, 2, 16
+    rows = torch.sort(torch.randperm(n, generator=gen)[:2 * ROWS_PER_CALL + 9]).values
+    q = torch.randn(rows.numel(), heads, dim, generator=gen)
+    k, v = torch.randn(n, kv_heads, dim, generator=gen), torch.randn(n, kv_heads, dim, generator=gen)
+    mask = torch.arange(n)[None, :] <= rows[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=0.25,
+        enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(_attend(q, k, v, rows, 0.25), want, atol=1e-6, rtol=1e-5)
