@@ -94,3 +94,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_cluster_bench_parser(bsub, common)
     from kvserve.bench.structured import add_structured_parser
     add_structured_parser(bsub, common)
+    from kvserve.bench.rag import add_rag_parser
+    add_rag_parser(bsub, common)

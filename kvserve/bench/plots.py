@@ -130,3 +130,22 @@ def plot_structured(rows: Sequence[Mapping[str, float]], path: str | Path) -> Pa
            "JSON schema": [r["constrained_sampling_ms"] for r in rows]},
           "ms per generated token")
     return _save(fig, path)
+
+
+def plot_rag(results: Iterable[Any], path: str | Path) -> Path:
+    """``bench rag``: median time to first token (bar: p10–p90 over queries) against the share of
+    answers correct, one point per method (``RagResult``s)."""
+    rows = list(results)
+    fig, (ax,) = _figure(1, "Answers from k documents: time to first token vs accuracy")
+    for r in rows:
+        median = r.median_ttft_s * 1e3
+        lo, hi = (t * 1e3 for t in r.ttft_p10_p90_s)
+        accuracy = 100 * r.num_correct / r.num_answers
+        ax.errorbar([median], [accuracy], xerr=[[median - lo], [hi - median]], fmt="o", capsize=4, label=r.method)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("time to first token, median (ms; bar: p10–p90)")
+    ax.set_ylabel("answers correct (%)")
+    ax.set_ylim(-2, 105)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, path)
