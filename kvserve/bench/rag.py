@@ -60,6 +60,7 @@ from typing import NamedTuple
 
 from kvserve.bench.common import table
 from kvserve.bench.rag_workload import (
+    QUESTION_PLACES,
     Document,
     Query,
     agreement,
@@ -104,9 +105,9 @@ class Answer(NamedTuple):
 
 
 def ask(llm: LLM, method: Method, documents: Sequence[Document], query: Query,
-        params: SamplingParams) -> Answer:
+        params: SamplingParams, question: str = "both") -> Answer:
     tokenizer = llm.tokenizer
-    text = prompt_text(tokenizer, documents, query)
+    text = prompt_text(tokenizer, documents, query, question)
     prompt: str | SegmentedPrompt = text
     restored = 0
     if method.blend_fraction is not None:
@@ -125,7 +126,7 @@ def ask(llm: LLM, method: Method, documents: Sequence[Document], query: Query,
 
 def run_round(make_llm: Callable[[Method], LLM], chosen: Sequence[Method], documents: Sequence[Document],
               queries: Sequence[Query], warmup: Query, params: SamplingParams,
-              log: Callable[[str], None]) -> dict[str, list[Answer]]:
+              log: Callable[[str], None], question: str = "both") -> dict[str, list[Answer]]:
     """Every query under every method, with fresh engines: each blending engine stores every
     document first, each engine answers ``warmup`` (not counted), then query i runs under every
     method (the first method rotating) before query i + 1, so drift in load falls on all alike."""
@@ -135,11 +136,11 @@ def run_round(make_llm: Callable[[Method], LLM], chosen: Sequence[Method], docum
         if m.blend_fraction is not None:
             num_stored = llm.cache_segments([d.text for d in documents])
             log(f"{m.name}: {len(documents)} documents stored ({num_stored} tokens)")
-        ask(llm, m, documents, warmup, params)
+        ask(llm, m, documents, warmup, params, question)
     answers: dict[str, list[Answer]] = {m.name: [] for m in chosen}
     for i, query in enumerate(queries):
         for m in [*chosen[i % len(chosen):], *chosen[:i % len(chosen)]]:
-            answers[m.name].append(ask(llms[m.name], m, documents, query, params))
+            answers[m.name].append(ask(llms[m.name], m, documents, query, params, question))
         log(f"query {i + 1}/{len(queries)}: " + ", ".join(
             f"{m.name} {1000 * answers[m.name][-1].ttft_s:.0f} ms {'ok' if answers[m.name][-1].is_correct else 'wrong'}"
             for m in chosen))
@@ -248,12 +249,9 @@ def goal_lines(results: Sequence[RagResult], k: int, num_layers: int, select_lay
 
 def pool_blocks(documents: Sequence[Document], max_prompt_tokens: int, max_tokens: int, block_size: int,
                 num_requests: int) -> int:
-    """KV blocks for every document's segment and ``num_requests`` requests side by side.
-
-    A freed block goes to the tail of the LRU free queue whether it is cached or not, and a
-    blended request's blocks are never cached; so once the blocks never used run out, each
-    request evicts the oldest segments, not the previous requests' empty blocks. With room for
-    every request of a round, no document is evicted: the premise holds throughout."""
+    """KV blocks for every document's segment and ``num_requests`` requests side by side: no
+    document is evicted, the premise holds throughout (a freed request's blocks hold no key,
+    so the next request reuses them before evicting a cached block)."""
     blocks = lambda num_tokens: -(-num_tokens // block_size)
     return sum(blocks(d.num_tokens) for d in documents) + num_requests * blocks(max_prompt_tokens + max_tokens)
 
@@ -278,14 +276,16 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("bench rag needs a model with a tokenizer (the documents are text)")
     documents = make_documents(find_text(args.text), tokenizer, args.num_docs, args.doc_tokens, args.seed)
     *queries, warmup = make_queries(args.num_docs, args.num_queries + 1, args.k, args.seed)
-    texts = [prompt_text(tokenizer, documents, q) for q in queries]
+    texts = [prompt_text(tokenizer, documents, q, args.question) for q in queries]
     cut_apart = sum(segmented_prompt(t, documents, q, 0.0).encode(tokenizer)[0] != tokenizer.encode(t)
                     for t, q in zip(texts, queries))
     options = engine_options(args)
     cache = engine_config(args.model, **options).cache
-    longest = max(len(tokenizer.encode(prompt_text(tokenizer, documents, q))) for q in [*queries, warmup])
-    # the caching engines hold every document and every request of a round (warm-up included)
-    pool = args.num_kv_blocks or pool_blocks(documents, longest, args.max_tokens, cache.block_size, len(queries) + 1)
+    longest = max(len(tokenizer.encode(prompt_text(tokenizer, documents, q, args.question)))
+                  for q in [*queries, warmup])
+    # the caching engines hold every document and two requests (a finished request's blocks,
+    # holding no key, are reused before any cached block is evicted)
+    pool = args.num_kv_blocks or pool_blocks(documents, longest, args.max_tokens, cache.block_size, 2)
     full_pool = args.num_kv_blocks or pool_blocks([], longest, args.max_tokens, cache.block_size, 1)
     chosen = methods(args.fraction or DEFAULT_FRACTIONS)
     engines: list[str] = []     # what the engines resolved, for the header
@@ -303,10 +303,10 @@ def run_bench(args: argparse.Namespace) -> int:
     rounds = []
     for i in range(args.rounds):
         log(f"round {i + 1}/{args.rounds}")
-        rounds.append(run_round(make_llm, chosen, documents, queries, warmup, params, log))
+        rounds.append(run_round(make_llm, chosen, documents, queries, warmup, params, log, args.question))
     results = summarize(chosen, rounds)
     print(f"RAG: {len(queries)} queries x {args.rounds} rounds, each k={args.k} of {len(documents)} documents of "
-          f"~{args.doc_tokens} tokens, {args.max_tokens} tokens greedy, {loaded.source}, {engines[0]}, "
+          f"~{args.doc_tokens} tokens, question {'before and after the documents' if args.question == 'both' else 'after the documents'}, {args.max_tokens} tokens greedy, {loaded.source}, {engines[0]}, "
           f"KV pools of {pool} blocks ({full_pool} for full); TTFT median and p10–p90 over queries")
     print(render(results))
     print(f"\nprompt ids: the parts tokenized apart differ from the whole text's ids in {cut_apart}/{len(queries)} "
@@ -342,6 +342,8 @@ def add_rag_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentPa
     r.add_argument("--fraction", type=float, action="append", default=None,
                    help=f"blend_fraction (repeatable; default: {', '.join(map(str, DEFAULT_FRACTIONS))})")
     r.add_argument("--max-tokens", type=int, default=8, help="answer length (greedy)")
+    r.add_argument("--question", choices=QUESTION_PLACES, default="both",
+                   help="where the question goes: before and after the documents, or after them only")
     r.add_argument("--rounds", type=int, default=1, help="passes over the queries, each with fresh engines")
     r.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks per engine (default: every document and every request of a round)")

@@ -133,13 +133,20 @@ def agreement(token_ids: Sequence[int], reference: Sequence[int]) -> float:
     return common_prefix_len(token_ids, reference) / len(reference)
 
 
-def prompt_text(tokenizer: Tokenizer, documents: Sequence[Document], query: Query) -> str:
-    """The query's prompt: the chat template around the question, the labelled documents and the
-    question again, then the start of the answer (the module docstring shows it)."""
+QUESTION_PLACES = ("both", "end")
+
+
+def prompt_text(tokenizer: Tokenizer, documents: Sequence[Document], query: Query, question: str = "both") -> str:
+    """The query's prompt: the chat template around the question (``both``: before the labelled
+    documents and after them; ``end``: after them only), then the start of the answer (the
+    module docstring shows it)."""
+    if question not in QUESTION_PLACES:
+        raise ValueError(f"question must be one of {', '.join(QUESTION_PLACES)}, got {question!r}")
     target = documents[query.target]
     asked = f"{target.name}'s {target.attribute}"
     body = "\n\n".join(f"Document {n}:\n{documents[i].text}" for n, i in enumerate(query.doc_ids, 1))
-    user = f"Find {asked} in the documents below.\n\n{body}\n\nQuestion: What is {asked}?"
+    head = f"Find {asked} in the documents below.\n\n" if question == "both" else "Documents:\n\n"
+    user = f"{head}{body}\n\nQuestion: What is {asked}?"
     return tokenizer.apply_chat_template([{"role": "user", "content": user}]) + f"{asked} is"
 
 

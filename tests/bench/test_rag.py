@@ -110,6 +110,17 @@ def test_agreement_is_the_common_prefix_over_full_prefills_length():
     assert agreement([], []) == 1.0
 
 
+def test_the_question_goes_before_and_after_the_documents_or_after_only(tokenizer, documents):
+    query = Query((5, 0, 9), target=9)
+    asked = f"{documents[9].name}'s {documents[9].attribute}"
+    both, end = prompt_text(tokenizer, documents, query, "both"), prompt_text(tokenizer, documents, query, "end")
+    assert both.count(asked) == 4 and end.count(asked) == 3      # the fact, the question(s), the answer's start
+    assert both.index(f"Find {asked}") < both.index(documents[5].text)
+    assert end.index("Documents:") < end.index(documents[5].text) < end.index(f"What is {asked}?")
+    with pytest.raises(ValueError, match="question must be one of"):
+        prompt_text(tokenizer, documents, query, "middle")
+
+
 def test_the_prompt_cuts_into_the_querys_documents(tokenizer, documents):
     query = Query((5, 0, 9), target=0)
     text = prompt_text(tokenizer, documents, query)
