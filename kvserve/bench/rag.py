@@ -28,7 +28,9 @@ documents); starting the answer ("... is"), 11/20 with one attribute for every d
 gives another document's number); an attribute per document, 17/20; the question also
 before the documents, 20/20 (20/20 on the final documents too, where the question only at
 the end gives 13/20). Blending cannot profit from the question up front: a document's
-stored KV never saw it (full prefill's 20/20 is the bar; docs/blend.md).
+stored KV never saw it (full prefill's 20/20 is the bar; docs/blend.md). ``--question end``
+puts it after the documents only (CacheBlend's setting): "Documents:" then the documents,
+then the question.
 
 Methods, each its own engine on the one loaded model, the same queries in the same order:
 
@@ -257,6 +259,7 @@ def pool_blocks(documents: Sequence[Document], max_prompt_tokens: int, max_token
 
 
 DEFAULT_FRACTIONS = (0.05, 0.15, 0.3)
+QUESTION_TEXT = {"both": "before and after the documents", "end": "after the documents"}
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -306,7 +309,8 @@ def run_bench(args: argparse.Namespace) -> int:
         rounds.append(run_round(make_llm, chosen, documents, queries, warmup, params, log, args.question))
     results = summarize(chosen, rounds)
     print(f"RAG: {len(queries)} queries x {args.rounds} rounds, each k={args.k} of {len(documents)} documents of "
-          f"~{args.doc_tokens} tokens, question {'before and after the documents' if args.question == 'both' else 'after the documents'}, {args.max_tokens} tokens greedy, {loaded.source}, {engines[0]}, "
+          f"~{args.doc_tokens} tokens, question {QUESTION_TEXT[args.question]}, {args.max_tokens} tokens greedy, "
+          f"{loaded.source}, {engines[0]}, "
           f"KV pools of {pool} blocks ({full_pool} for full); TTFT median and p10–p90 over queries")
     print(render(results))
     print(f"\nprompt ids: the parts tokenized apart differ from the whole text's ids in {cut_apart}/{len(queries)} "
