@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from kvserve.config import ModelConfig
@@ -43,3 +45,9 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 def tiny_model(config: ModelConfig = TINY, seed: int = 0) -> LoadedModel:
     return LoadedModel(config=config, weights=random_weights(config, seed), tokenizer=None,  # type: ignore[arg-type]
                        fingerprint=f"tiny-{seed}", source="random")
+
+
+def random_tokens(n: int, seed: int, vocab_size: int = TINY.vocab_size) -> list[int]:
+    """``n`` token ids drawn with ``seed`` (the same ids every run)."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(n)]

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 
 import pytest
 import torch
-from tiny import TINY, tiny_model
+from tiny import TINY, random_tokens, tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.blend.blending import BlendPrompt, blend_prefill, greedy_tokens
@@ -22,8 +21,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def tokens(n: int, seed: int) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    return tuple(rng.randrange(TINY.vocab_size) for _ in range(n))
+    return tuple(random_tokens(n, seed))
 
 
 def rag_prompt(seed: int = 0) -> BlendPrompt:

@@ -3,10 +3,8 @@ shared segment blocks, prefix hits kept exact, lossy blocks never cached, format
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from tiny import tiny_model
+from tiny import random_tokens as tokens
 
 from kvserve import LLM, SamplingParams
 from kvserve.blend.blender import blend_work
@@ -15,14 +13,6 @@ from kvserve.blend.prompt import Segment, SegmentedPrompt
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    return tiny_model()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(128) for _ in range(n)]
 
 
 DOCS = [tokens(40, 1), tokens(33, 2), tokens(48, 3), tokens(20, 4)]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
 from tiny import TINY, tiny_model
+from tiny import random_tokens as tokens
 
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import compute_kv
@@ -29,9 +29,6 @@ def build(config=TINY, dtype=torch.float32) -> LlamaModel:
     return LlamaModel(loaded.config, loaded.weights, CPU, dtype)
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(TINY.vocab_size) for _ in range(n)]
 
 
 @pytest.mark.parametrize("name", CONFIGS)

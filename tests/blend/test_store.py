@@ -3,11 +3,9 @@ and brought back, in any KV format."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import random_tokens as tokens
 
 from kvserve import LLM, SamplingParams
 from kvserve.blend.rope import RopeTables
@@ -18,14 +16,6 @@ from kvserve.kv.tiering import OffloadTiering
 FILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    return tiny_model()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(128) for _ in range(n)]
 
 
 def test_a_stored_segment_comes_back_moved_and_exact(loaded):
