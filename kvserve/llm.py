@@ -62,10 +62,11 @@ class LLM:
             if len(param_list) != len(prompt_list):
                 raise ValueError(f"{len(param_list)} SamplingParams for {len(prompt_list)} prompts")
         prios = list(priority) if priority is not None else [0] * len(prompt_list)
-        for prompt in prompt_list:
-            self.engine.encode_any_prompt(prompt)
-        for sp in param_list:
+        for prompt, sp in zip(prompt_list, param_list):
+            prompt_ids, blend = self.engine.encode_any_prompt(prompt)
             self.engine.check_params(sp)
+            if blend is not None:
+                self.engine.check_blendable(sp, len(prompt_ids))
         ids = [self.engine.add_request(p, sp, priority=pr, cache=cache)
                for p, sp, pr in zip(prompt_list, param_list, prios)]
         return self._run(ids)

@@ -1,6 +1,6 @@
 """Blending: a prompt's KV from its segments' cached KV plus a partial recompute (CacheBlend).
 
-A prompt is a prefix, segments and a suffix. A segment whose standalone KV is cached is
+A prompt has segments (documents) among its text. A segment whose standalone KV is cached is
 *reused*: its keys are moved to its place, but they never saw the text before it, so the
 attention across segments is missing. Layers below ``select_layer`` are computed for every
 token (cheap: one or two layers). At ``select_layer`` each reused token's fresh keys and

@@ -177,7 +177,7 @@ class LLMEngine:
         ids, blend = self.encode_any_prompt(prompt)
         self.check_params(params)
         if blend is not None:
-            self._check_blendable(params, len(ids))
+            self.check_blendable(params, len(ids))
         seq = next(self._seq)
         rid = request_id if request_id is not None else str(seq)
         if rid in self._requests:
@@ -210,7 +210,8 @@ class LLMEngine:
             return self.encode_prompt(ids), spec
         return self.encode_prompt(prompt), None
 
-    def _check_blendable(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+    def check_blendable(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """Raise ValueError for parameters a segmented prompt cannot run with."""
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs need every prompt token computed; a segmented prompt reuses "
                              "its segments' KV (send it as plain text instead)")

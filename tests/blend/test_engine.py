@@ -131,6 +131,8 @@ def test_bad_segmented_prompts_are_refused(loaded):
         SegmentedPrompt([Segment(tokens(5, 1))], blend_fraction=1.5)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate([rag([0], 0.1)], SamplingParams(prompt_logprobs=1))
+    with pytest.raises(ValueError, match="prompt_logprobs"):   # the plain prompt is not queued either
+        llm.generate([tokens(20, 1), rag([0], 0.1)], SamplingParams(prompt_logprobs=1))
     with pytest.raises(ValueError, match="out of range"):
         llm.generate([SegmentedPrompt([Segment([1, 2, 999])])], GREEDY)
     with pytest.raises(ValueError, match="does not occur"):
