@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.blend.blending import Blended, BlendPrompt, blend_prefill
+from kvserve.blend.blending import BlendPrompt, blend_prefill
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV, compute_kv
-from kvserve.blend.store import SegmentStore, write_tokens
+from kvserve.blend.store import SegmentStore, read_tokens, write_tokens
 from kvserve.kv.block_pool import NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
@@ -57,6 +57,15 @@ class BlendStats:
     recomputed_tokens: int = 0        # of those, recomputed from the select layer on
     computed_tokens: int = 0          # blended prompts' tokens computed in full (not known, not reused)
     stored_tokens: int = 0            # segment tokens computed standalone and stored
+
+
+@dataclass(frozen=True)
+class BlendPlan:
+    """``choose``'s verdict to blend: the exact prefix hit's length and, per segment, its KV
+    when ``choose`` just computed it standalone (None: found stored, or not reused)."""
+
+    num_known: int
+    fresh: tuple[SegmentKV | None, ...]
 
 
 @dataclass(frozen=True)
@@ -89,8 +98,6 @@ class Blender:
         self.segments = SegmentStore(kv, storage)
         self.select_layer = select_layer
         self.stats = BlendStats()
-        # segments computed standalone by ``choose`` for the request it is about to run
-        self._fresh: dict[tuple[int, ...], SegmentKV] = {}
 
     def store(self, token_ids: list[int]) -> int:
         """Compute a segment standalone and store its full blocks unless the device or the
@@ -101,52 +108,51 @@ class Blender:
             return 0
         return self._put(compute_kv(self.model, token_ids))
 
-    def choose(self, req: Request, num_known: int) -> bool:
-        """Whether to blend ``req`` (its first ``num_known`` tokens an exact prefix hit); the
-        segments not stored anywhere are computed and stored first, whatever the verdict."""
+    def choose(self, req: Request, num_known: int) -> BlendPlan | None:
+        """How to blend ``req`` (its first ``num_known`` tokens an exact prefix hit), or None
+        when a full prefill is cheaper; the segments not stored anywhere are computed and
+        stored first, whatever the verdict."""
         spec = _spec(req)
-        self._fresh.clear()
         n = req.num_prompt_tokens - num_known
         load_s, num_reused = 0.0, 0
-        bs = self.segments.block_size
+        fresh: list[SegmentKV | None] = []
         for start, length in spec.spans:
-            if start + length <= num_known:
-                continue
-            ids = req.prompt_token_ids[start:start + length]
-            location = self.segments.locate(ids)
-            if location.num_blocks == 0 and location.num_full_blocks:
-                segment = compute_kv(self.model, ids)
-                self._fresh[tuple(ids)] = segment
-                self._put(segment)
-                usable = length
-            else:
-                load_s += self.kv.tiering.load_seconds(location.tier_run)
-                usable = location.num_blocks * bs
-            # known tokens are not reused, nor is the prompt's last token
-            num_reused += max(0, min(start + usable, req.num_prompt_tokens - 1) - max(start, num_known))
+            segment = None
+            if start + length > num_known:
+                ids = req.prompt_token_ids[start:start + length]
+                location = self.segments.locate(ids)
+                if location.num_blocks == 0 and location.num_full_blocks:
+                    segment = compute_kv(self.model, ids)
+                    self._put(segment)
+                    usable = length
+                else:
+                    load_s += self.kv.tiering.load_seconds(location.tier_run)
+                    usable = location.num_blocks * self.segments.block_size
+                # known tokens are not reused, nor is the prompt's last token
+                num_reused += max(0, min(start + usable, req.num_prompt_tokens - 1) - max(start, num_known))
+            fresh.append(segment)
         tps = self.kv.tiering.prefill_tokens_per_s
         work = blend_work(n, num_reused, spec.fraction, self.select_layer, self.model.config.num_layers)
         cost = work + (load_s * tps if tps else 0.0)
         log.debug("request %s: blend %.0f token-equivalents (%d reused, loads %.2f ms) vs prefill %d",
                   req.request_id, cost, num_reused, load_s * 1e3, n)
-        verdict = num_reused > 0 and (cost < n or not self.use_cost_model)
-        if not verdict:
-            self.stats.num_declined += 1
-            self._fresh.clear()
-        return verdict
+        if num_reused > 0 and (cost < n or not self.use_cost_model):
+            return BlendPlan(num_known, tuple(fresh))
+        self.stats.num_declined += 1
+        return None
 
-    def run(self, req: Request, num_known: int, block_ids: list[int]) -> BlendOutcome:
-        """Blend ``req``'s prompt and write the KV of its tokens after the first ``num_known``
-        (exact, in its blocks already) into ``block_ids`` (its table)."""
-        spec = _spec(req)
-        try:
-            cached = [self._segment_kv(req, start, length, num_known) for start, length in spec.spans]
-        finally:
-            self._fresh.clear()
-        known = self._read(req.prompt_token_ids[:num_known], block_ids) if num_known else None
+    def run(self, req: Request, plan: BlendPlan, block_ids: list[int]) -> BlendOutcome:
+        """Blend ``req``'s prompt as ``plan`` says and write the KV of its tokens after the
+        exact hit (in its blocks already) into ``block_ids`` (its table)."""
+        spec, num_known = _spec(req), plan.num_known
+        cached = [fresh if fresh is not None or start + length <= num_known
+                  else self.segments.get(req.prompt_token_ids[start:start + length], 0, self.rope)
+                  for (start, length), fresh in zip(spec.spans, plan.fresh)]
+        known = read_tokens(self.storage, block_ids, req.prompt_token_ids[:num_known]) if num_known else None
         prompt = BlendPrompt(tuple(req.prompt_token_ids), spec.spans)
         blended = blend_prefill(self.model, self.rope, prompt, cached, spec.fraction, self.select_layer, known)
-        self._write(blended, num_known, block_ids)
+        write_tokens(self.storage, block_ids, num_known, [k[num_known:] for k in blended.keys],
+                     [v[num_known:] for v in blended.values])
         s = self.stats
         s.num_blended += 1
         s.reused_tokens += blended.num_reused_tokens
@@ -165,27 +171,6 @@ class Blender:
             return 0
         self.stats.stored_tokens += stored
         return stored
-
-    def _segment_kv(self, req: Request, start: int, length: int, num_known: int) -> SegmentKV | None:
-        if start + length <= num_known:
-            return None
-        ids = req.prompt_token_ids[start:start + length]
-        fresh = self._fresh.get(tuple(ids))
-        if fresh is not None:
-            return fresh
-        return self.segments.get(ids, 0, self.rope)
-
-    def _read(self, token_ids: list[int], block_ids: list[int]) -> SegmentKV:
-        """The KV of a request's leading ``len(token_ids)`` tokens (whole blocks), as stored."""
-        n = len(token_ids)
-        table = torch.tensor([block_ids[:n // self.segments.block_size]], dtype=torch.long,
-                             device=self.storage.device)
-        halves = [self.storage.gather(layer, table) for layer in range(self.storage.num_layers)]
-        return SegmentKV(tuple(token_ids), 0, tuple(k[0, :n] for k, _ in halves), tuple(v[0, :n] for _, v in halves))
-
-    def _write(self, blended: Blended, num_known: int, block_ids: list[int]) -> None:
-        write_tokens(self.storage, block_ids, num_known, [k[num_known:] for k in blended.keys],
-                     [v[num_known:] for v in blended.values])
 
 
 def _spec(req: Request) -> BlendSpec:

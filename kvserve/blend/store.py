@@ -95,12 +95,10 @@ class SegmentStore:
         if not blocks:
             return None
         try:
-            table = torch.tensor([[b.block_id for b in blocks]], dtype=torch.long, device=self.storage.device)
-            halves = [self.storage.gather(layer, table) for layer in range(self.storage.num_layers)]
+            standalone = read_tokens(self.storage, [b.block_id for b in blocks],
+                                     token_ids[:len(blocks) * self.block_size])
         finally:
             self.pool.free(reversed(blocks))
-        n = len(blocks) * self.block_size
-        standalone = SegmentKV(tuple(token_ids[:n]), 0, tuple(k[0] for k, _ in halves), tuple(v[0] for _, v in halves))
         # gathered into fresh tensors: nothing to copy when they stay at position 0
         return standalone if first_position == 0 else standalone.moved_to(first_position, rope)
 
@@ -137,6 +135,15 @@ class SegmentStore:
             self.pool.cache(block, keys[i], tuple(token_ids[i * bs:(i + 1) * bs]))
         self.pool.free(reversed(missed))
         return blocks + loaded
+
+
+def read_tokens(storage: KVStorage, block_ids: list[int], token_ids: Sequence[int]) -> SegmentKV:
+    """The stored KV (decoded to the compute dtype) of ``token_ids``, the tokens of slots
+    ``0, ...`` of the table ``block_ids``, at positions ``0, ...``."""
+    n = len(token_ids)
+    table = torch.tensor([block_ids[:-(-n // storage.block_size)]], dtype=torch.long, device=storage.device)
+    halves = [storage.gather(layer, table) for layer in range(storage.num_layers)]
+    return SegmentKV(tuple(token_ids), 0, tuple(k[0, :n] for k, _ in halves), tuple(v[0, :n] for _, v in halves))
 
 
 def write_tokens(storage: KVStorage, block_ids: list[int], first_slot: int, keys: Sequence[torch.Tensor],

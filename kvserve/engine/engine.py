@@ -309,17 +309,18 @@ class LLMEngine:
                 if not self.kv.try_allocate(req, req.num_tokens - num_known, match):
                     break       # blocks free up as running requests finish
                 self._blend_waiting.pop(0)
-                if not self.blender.choose(req, num_known):
+                plan = self.blender.choose(req, num_known)
+                if plan is None:
                     self.kv.free(req)
                     self.scheduler.add(req)
                     continue
                 self.kv.mark_lossy(req)
-                outcome = self.blender.run(req, num_known, self.kv.block_ids(req.request_id))
+                outcome = self.blender.run(req, plan, self.kv.block_ids(req.request_id))
             except Exception as e:
                 log.exception("blending request %s failed", req.request_id)
                 if req in self._blend_waiting:
                     self._blend_waiting.remove(req)
-                self.kv.free(req)
+                # failing it retires it: the scheduler's finish frees whatever blocks it holds
                 outputs.append(self._fail(req, f"blending failed: {type(e).__name__}: {e}"))
                 continue
             req.num_reused_tokens = outcome.num_reused_tokens

@@ -142,7 +142,7 @@ class Scheduler:
             self.waiting.sort(key=lambda r: policy.sort_key(r, 0))
         admitted = 0
         for req in self.waiting:
-            if budget == 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+            if budget == 0 or not self.has_free_seat:
                 break
             match = matches.get(req.request_id) or self.kv.match_prefix(req)
             match = self.kv.match_tiers(req, match)
