@@ -23,6 +23,7 @@ SAMPLES = {
     "seed": (["7"], 7, 7),
     "attention_backend": (["torch"], "torch", "torch"),
     "linear_backend": (["torch"], "torch", "torch"),
+    "weight_format": (["int4-g64+out8"], "int4-g64+out8", "int4-g64+out8"),
     "block_size": (["32"], 32, 32),
     "kv_cache_memory_gb": (["0.5"], 0.5, 1 << 29),
     "num_kv_blocks": (["12"], 12, 12),

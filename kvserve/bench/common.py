@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvserve.model.linear import as_float
 from kvserve.model.loader import LoadedModel, load_model
 
 TEXT_CANDIDATES = ("../shared/data/botchan.txt", "shared/data/botchan.txt")
@@ -88,5 +89,5 @@ def hf_model_from(loaded: LoadedModel, dtype: torch.dtype, device: torch.device)
                    rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
                    tie_word_embeddings=c.tie_word_embeddings)
     model = model_cls(hcfg)
-    model.load_state_dict(loaded.weights, strict=False)
+    model.load_state_dict({name: as_float(w) for name, w in loaded.weights.items()}, strict=False)
     return model.to(device=device, dtype=dtype).eval()

@@ -66,13 +66,8 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes of the weights a decode step reads: every layer's matrices and norms, the final
-    norm and the LM head (a tied embedding is read whole there; the lookup reads one row)."""
-    model = llm.engine.model
-    tensors = [model.lm_head, model.final_norm]
-    for layer in model.layers:
-        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of the weights a decode step reads, in the engine's weight format (LlamaModel.weight_nbytes)."""
+    return llm.engine.model.weight_nbytes
 
 
 def kv_bytes_per_step(llm: LLM, context_tokens: int, num_seqs: int) -> int:

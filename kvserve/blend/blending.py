@@ -101,7 +101,7 @@ def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cach
     is_reused[reused] = True
     positions = torch.arange(n, device=dev)
     cos, sin = model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1)
-    h = F.embedding(torch.tensor(token_ids[num_known:], dtype=torch.long, device=dev), model.embed)
+    h = model.embed(torch.tensor(token_ids[num_known:], dtype=torch.long, device=dev))
     rows = positions[num_known:]           # the positions whose hidden states ``h`` holds
     selected = reused[:0]
     keys: list[torch.Tensor] = []
@@ -212,7 +212,7 @@ def extend(model: LlamaModel, keys: Sequence[torch.Tensor], values: Sequence[tor
     n, dev = keys[0].shape[0], model.device
     rows = torch.arange(n, n + len(token_ids), device=dev)
     cos, sin = model.cos[rows].unsqueeze(1), model.sin[rows].unsqueeze(1)
-    h = F.embedding(torch.tensor(list(token_ids), dtype=torch.long, device=dev), model.embed)
+    h = model.embed(torch.tensor(list(token_ids), dtype=torch.long, device=dev))
     new_keys, new_values = [], []
     for layer in range(model.config.num_layers):
         q, k, v = model.layer_qkv(layer, h, cos, sin)

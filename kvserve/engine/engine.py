@@ -31,6 +31,8 @@ from kvserve.kv.prefix import make_extra_key
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
 from kvserve.kv.tiering import make_tiering
+from kvserve.model.formats.build import make_products
+from kvserve.model.formats.spec import parse_weight_format
 from kvserve.model.linear import make_linear
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
@@ -76,13 +78,16 @@ class LLMEngine:
         loaded = loaded if loaded is not None else load_model(config.model)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.fingerprint = loaded.fingerprint
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, loaded.config.torch_dtype)
         mc = loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype,
-                                make_linear(config.linear_backend, self.device, self.dtype))
+        products = make_products(config.weight_format, loaded, self.device, self.dtype,
+                                 make_linear(config.linear_backend, self.device, self.dtype))
+        self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype, products)
+        self.weight_format = products.name
+        # the weights' format is part of the model's identity: KV computed with other weights never matches
+        self.fingerprint = f"{loaded.fingerprint}:weights={products.name}"
         self.attention = make_attention_backend(config.attention_backend, self.device)
 
         cc = config.cache
@@ -90,7 +95,7 @@ class LLMEngine:
         self.kv_cache = self._make_cache(config)
         num_blocks = self.kv_cache.num_blocks
         self.pool = BlockPool(num_blocks, cc.block_size)
-        extra_key = make_extra_key(loaded.fingerprint, f"{self.kv_format.spec}:{self.dtype}", cc.cache_salt)
+        extra_key = make_extra_key(self.fingerprint, f"{self.kv_format.spec}:{self.dtype}", cc.cache_salt)
         # what a front end needs to parse requests for this engine (a cluster's ingress gets it over the wire)
         self.model_card = ModelCard(self.tokenizer, mc.vocab_size, self.max_model_len, cc.block_size, extra_key)
         # the engine owns the mover; the tiering copies blocks through it. Redis keys are
@@ -113,8 +118,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_steps = 0
-        log.info("engine ready: %s on %s/%s, KV format %s, %d blocks of %d tokens (%.1f MiB), attention %s, "
-                 "offload tiers: %s", loaded.source, self.device, self.dtype, self.kv_format.spec, num_blocks,
+        log.info("engine ready: %s on %s/%s, weights %s (%.1f MiB), KV format %s, %d blocks of %d tokens (%.1f MiB), attention %s, "
+                 "offload tiers: %s", loaded.source, self.device, self.dtype, products.name,
+                 self.model.weight_nbytes / 2**20, self.kv_format.spec, num_blocks,
                  cc.block_size, self.kv_cache.nbytes / 2**20, self.attention.name,
                  ", ".join(self.tiering.tier_names) or "none")
 
@@ -123,6 +129,7 @@ class LLMEngine:
         """Raise ValueError for a policy name no registry knows (or a default budget its policy
         cannot run), before a model is loaded or a tier opened."""
         policy_class(config.scheduler.policy)
+        parse_weight_format(config.weight_format)
         cc = config.cache
         budget_policy = get_policy(cc.kv_policy)
         if cc.kv_budget is not None:

@@ -63,7 +63,9 @@ class _StepBuilder:
                 return      # attended on its own (attention/paged.py)
         num_blocks = -(-end // bs)
         fresh = start == 0 and r.cache.reads_as_written     # attends to its own new keys and values
-        if r.backend.reads_in_place and not fresh:
+        # a backend that reads in place takes first chunks too: every query is then attended
+        # by one kernel whose result depends on nothing but its own context (batch-invariant)
+        if r.backend.reads_in_place:
             self.paged.append((flat_start, n, end, block_ids[:num_blocks]))
         elif n == 1:
             self.decode_idx.append(flat_start)

@@ -1,11 +1,15 @@
-"""Load a llama.cpp GGUF file: dequantize to float32, rename to HF names, cache the result.
+"""Load a llama.cpp GGUF file: rename to HF names, keep the quantized blocks kernels read, cache.
 
-Opening a GGUF and dequantizing takes seconds, so the converted weights are kept as safetensors
-in the cache dir, next to a JSON file with config, fingerprint and tokenizer. The JSON is written
-last and names the weights file's size, so it doubles as the commit marker of an entry.
+Matrices in a type the kernels read in place (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) stay the file's own
+blocks, moved into the kernels' layout (kvserve/model/formats/packing.py: the same bits, so a
+``native`` engine dequantizes them to exactly what ``gguf.quants.dequantize`` gives); other
+types are dequantized to float32 here. Opening a GGUF takes seconds, so the converted weights
+are kept as safetensors in the cache dir, next to a JSON file with config, fingerprint,
+tokenizer and the packed weights' layout. The JSON is written last and names the weights
+file's size, so it doubles as the commit marker of an entry.
 
-    <cache_dir>/gguf/<key>.safetensors   float32 HF-named weights
-    <cache_dir>/gguf/<key>.json          {"loader_version", "source", "fingerprint", "config", ...}
+    <cache_dir>/gguf/<key>.safetensors   HF-named weights: float32, or packed planes (name#0.codes, ...)
+    <cache_dir>/gguf/<key>.json          {"loader_version", "source", "fingerprint", "config", "packed", ...}
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -25,11 +30,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.config import ModelConfig, RopeScaling
+from kvserve.model.formats.packing import GGUF_TYPES, PackedWeight, flatten, pack_gguf, unflatten
 from kvserve.model.loaded import LoadedModel, check_tokenizer
 from kvserve.model.tokenizer import GGUFTokenizerFields, Tokenizer
 
+log = logging.getLogger(__name__)
+
 # Bump whenever conversion output changes, so stale cache entries are ignored.
-LOADER_VERSION = 1
+LOADER_VERSION = 2
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 _LAYER_NAMES = {
@@ -101,21 +109,40 @@ def convert_gguf(path: Path) -> LoadedModel:
     except Exception as e:  # the reader raises bare ValueError/struct errors on bad input
         raise ValueError(f"Cannot read GGUF file {str(path)!r}: {e}") from e
     config = _config_from_metadata(reader, str(path))
-    weights = {}
+    weights: dict[str, torch.Tensor | PackedWeight] = {}
+    dequantized: dict[str, int] = {}
     for t in reader.tensors:
-        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        array = array.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
         name = hf_name(t.name)
-        if config.architecture == "llama" and ".self_attn.q_proj." in name:
-            array = unpermute_rows(array, config.num_heads)
-        elif config.architecture == "llama" and ".self_attn.k_proj." in name:
-            array = unpermute_rows(array, config.num_kv_heads)
+        shape = [int(d) for d in reversed(t.shape)]   # GGUF lists dims innermost first
+        order = _row_order(config, name, shape[0])
+        type_name = t.tensor_type.name
+        if type_name in GGUF_TYPES and len(shape) == 2:
+            weights[name] = pack_gguf(type_name, np.asarray(t.data).reshape(-1).view(np.uint8), shape[0], shape[1],
+                                      order)
+            continue
+        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        if order is not None:
+            array = array[order]
+        if type_name not in ("F32", "F16", "BF16"):
+            dequantized[type_name] = dequantized.get(type_name, 0) + 1
         # F32 tensors are read-only views of the file's memmap: copy those, not fresh dequant output
         weights[name] = torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+    if dequantized:
+        log.info("%s: %s tensors are dequantized to float32 (no kernel reads those types in place)", path.name,
+                 ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items())))
     tokenizer = Tokenizer.from_gguf_fields(_tokenizer_fields(reader, config))
     check_tokenizer(tokenizer, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
                        fingerprint=_file_sha256(path), source=str(path))
+
+
+def _row_order(config: ModelConfig, name: str, rows: int) -> np.ndarray | None:
+    """The permutation that undoes llama.cpp's convert-time Q/K row order, for those matrices."""
+    if config.architecture == "llama" and ".self_attn.q_proj." in name:
+        return unpermute_rows(np.arange(rows), config.num_heads)
+    if config.architecture == "llama" and ".self_attn.k_proj." in name:
+        return unpermute_rows(np.arange(rows), config.num_kv_heads)
+    return None
 
 
 def _field(reader: gguf.GGUFReader, name: str) -> Any:
@@ -208,7 +235,11 @@ def _read_cache(weights_file: Path, meta_file: Path, source: str) -> LoadedModel
         if weights_file.stat().st_size != meta["weights_nbytes"]:
             return None
         # LoadedModel checks names, shapes and dtypes; a mismatch raises and means rebuild.
-        return LoadedModel(config=_config_from_dict(meta["config"]), weights=load_file(weights_file),
+        tensors = load_file(weights_file)
+        weights: dict[str, torch.Tensor | PackedWeight] = {
+            name: unflatten(name, tensors, layout) for name, layout in meta["packed"].items()}
+        weights |= {name: t for name, t in tensors.items() if "#" not in name}
+        return LoadedModel(config=_config_from_dict(meta["config"]), weights=weights,
                            tokenizer=Tokenizer.from_json(meta["tokenizer"]),
                            fingerprint=meta["fingerprint"], source=source)
     except Exception:  # noqa: BLE001  any damage (truncation, garbage, missing keys): rebuild
@@ -218,8 +249,16 @@ def _read_cache(weights_file: Path, meta_file: Path, source: str) -> LoadedModel
 def _write_cache(loaded: LoadedModel, weights_file: Path, meta_file: Path) -> None:
     weights_file.parent.mkdir(parents=True, exist_ok=True)
     meta_file.unlink(missing_ok=True)  # invalidate the entry before replacing its weights
-    _atomic_write(weights_file, lambda tmp: save_file(loaded.weights, tmp))
-    meta = {"loader_version": LOADER_VERSION, "source": loaded.source,
+    tensors: dict[str, torch.Tensor] = {}
+    packed: dict[str, list[dict[str, object]]] = {}
+    for name, w in loaded.weights.items():
+        if isinstance(w, PackedWeight):
+            planes, packed[name] = flatten(name, w)
+            tensors |= planes
+        else:
+            tensors[name] = w
+    _atomic_write(weights_file, lambda tmp: save_file(tensors, tmp))
+    meta = {"loader_version": LOADER_VERSION, "source": loaded.source, "packed": packed,
             "fingerprint": loaded.fingerprint, "weights_nbytes": weights_file.stat().st_size,
             "config": dataclasses.asdict(loaded.config), "tokenizer": loaded.tokenizer.to_json()}
     _atomic_write(meta_file, lambda tmp: Path(tmp).write_text(json.dumps(meta), encoding="utf-8"))

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from kvserve.config import ModelConfig, RopeScaling
+from kvserve.model.formats.packing import PackedWeight
 from kvserve.model.loaded import LoadedModel, check_tokenizer
 from kvserve.model.tokenizer import Tokenizer
 
@@ -26,7 +27,7 @@ def load_hf_dir(path: Path) -> LoadedModel:
     raw = _read_json(path / "config.json")
     config = config_from_hf(raw, _read_json_if_present(path / "generation_config.json"), str(path))
     weight_files = _weight_files(path)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | PackedWeight] = {}
     for file in weight_files:
         for name, tensor in load_file(file).items():
             if name.endswith(_IGNORED_SUFFIXES):

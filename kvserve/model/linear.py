@@ -1,4 +1,8 @@
-"""The decoder's dense products (``x @ W^T``), by name: ``--linear-backend``.
+"""The decoder's products (``x @ W^T``): each matrix of the model is a ``Product``, with the
+fused forms a layer uses (norm then product, product added into the residual, SwiGLU then
+product). ``DenseProduct`` holds float weights and multiplies them with a float backend,
+by name (``--linear-backend``); quantized weights are products of their own
+(kvserve/model/formats/: the GGUF's blocks or int8 / int4 groups, read in place).
 
     torch    ``F.linear`` on the weights as loaded
     onednn   the weights reordered once, at load, into oneDNN's blocked layout, and multiplied
@@ -19,14 +23,87 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.config import LINEAR_BACKENDS
+from kvserve.model.formats.packing import PackedWeight, dequantize
 
 log = logging.getLogger(__name__)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, as Hugging Face computes it, then back to x's dtype, times ``weight``."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class Product(ABC):
+    """One weight matrix W [rows, cols] of the model, held in the form its backend multiplies,
+    with an optional bias. The fused forms compute what their names say; an implementation
+    may run each in one call. ``x`` rows are tokens."""
+
+    rows: int
+    cols: int
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes the weight holds in memory (what a decode step reads)."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, cols] -> x W^T + bias [T, rows]."""
+
+    @abstractmethod
+    def after_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``rms_norm(x, norm_weight, eps)`` W^T + bias."""
+
+    @abstractmethod
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T; ``residual`` may be updated in place (and is then returned)."""
+
+    @abstractmethod
+    def swiglu_add_into(self, residual: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """residual + (silu(gate) * up) W^T, gate and up the two halves of ``gate_up`` [T, 2 cols];
+        ``residual`` may be updated in place (and is then returned)."""
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head's product: a few rows against the whole vocabulary."""
+        return self(x)
+
+
+class DenseProduct(Product):
+    """Float weights through a float backend; the fused forms are the plain torch compositions."""
+
+    def __init__(self, weight: torch.Tensor, linear: Linear, bias: torch.Tensor | None = None) -> None:
+        self.rows, self.cols = weight.shape
+        self._nbytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
+        self.weight = linear.prepare(weight)
+        self.bias = bias
+        self.linear = linear
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.weight, self.bias)
+
+    def after_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.linear(rms_norm(x, norm_weight, eps), self.weight, self.bias)
+
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return residual + self.linear(x, self.weight, self.bias)
+
+    def swiglu_add_into(self, residual: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return residual + self.linear(F.silu(gate) * up, self.weight, self.bias)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear.head(x, self.weight)
 
 
 class Linear(ABC):
@@ -111,3 +188,65 @@ def make_linear(name: str, device: torch.device, dtype: torch.dtype) -> Linear:
     if device.type == "cpu" and dtype == torch.float32:   # where auto would have taken it: say why not
         log.info("linear backend: torch (%s)", reason)
     return TorchLinear()
+
+
+class Embedding(ABC):
+    """The token embedding [vocab, hidden], in the form it is stored (the LM head may share it)."""
+
+    @abstractmethod
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> their rows [T, hidden] in the compute dtype."""
+
+
+class DenseEmbedding(Embedding):
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+Weight = torch.Tensor | PackedWeight     # a loaded matrix: float, or a GGUF file's blocks
+
+
+def as_float(w: Weight) -> torch.Tensor:
+    """A loaded matrix as float32 (packed blocks dequantized: the values a kernel multiplies by)."""
+    return dequantize(w) if isinstance(w, PackedWeight) else w
+
+
+class Products(ABC):
+    """Turns a loaded model's matrices into its products and embedding, in one weight format
+    (``name``, part of the model's fingerprint)."""
+
+    name: str
+
+    @abstractmethod
+    def product(self, name: str, parts: Sequence[Weight], bias: torch.Tensor | None = None, *,
+                is_head: bool = False) -> Product:
+        """The product of ``parts`` stacked by rows (Q, K and V; gate and up), named ``name``."""
+
+    @abstractmethod
+    def embedding(self, weight: Weight, tied_head: Product | None) -> Embedding:
+        """The token embedding; ``tied_head``: the LM head's product when the two share weights."""
+
+
+class DenseProducts(Products):
+    """The ``native`` format: every matrix in the compute dtype, through a float backend."""
+
+    name = "native"
+
+    def __init__(self, linear: Linear, device: torch.device, dtype: torch.dtype) -> None:
+        self.linear = linear
+        self.device = device
+        self.dtype = dtype
+
+    def _float(self, w: Weight) -> torch.Tensor:
+        return as_float(w).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def product(self, name: str, parts: Sequence[Weight], bias: torch.Tensor | None = None, *,
+                is_head: bool = False) -> Product:
+        weight = self._float(parts[0]) if len(parts) == 1 else torch.cat([self._float(p) for p in parts])
+        return DenseProduct(weight, self.linear, None if bias is None else self._float(bias))
+
+    def embedding(self, weight: Weight, tied_head: Product | None) -> Embedding:
+        return DenseEmbedding(self._float(weight))

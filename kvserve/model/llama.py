@@ -1,33 +1,34 @@
 """The Llama-family decoder (Llama, SmolLM, Qwen2, Mistral) over a paged KV cache.
 
-Plain tensors, no nn.Module: the weights of Q, K and V are fused into one matrix,
-gate and up into another, so a layer is four matmuls, each through ``linear``
-(kvserve/model/linear.py: the matrices are stored in the form it reads).
+Plain tensors, no nn.Module: the weights of Q, K and V are stacked into one matrix,
+gate and up into another, so a layer is four products (kvserve/model/linear.py), each
+held in the weight format the engine chose (float, or quantized blocks read in place),
+and each fused with what surrounds it: the RMSNorm before Q/K/V and gate/up, the add
+into the residual after O and down, SwiGLU before down.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.attention.paged import AttentionMetadata, paged_attention
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.kv.storage import KVStorage
-from kvserve.model.linear import Linear, TorchLinear
+from kvserve.model.linear import DenseProducts, Product, Products, TorchLinear, Weight, rms_norm
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Product          # Q, K and V stacked (with Qwen2's bias)
+    o: Product
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Product      # gate and up stacked
+    down: Product
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -74,60 +75,70 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, linear: Linear | None = None) -> None:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Weight], device: torch.device,
+                 dtype: torch.dtype, products: Products | None = None) -> None:
+        """``weights``: Hugging Face names to float tensors or packed GGUF blocks; ``products``:
+        the weight format that turns them into products (default: float, ``F.linear``)."""
         self.config = config
         self.device = device
         self.dtype = dtype
-        self.linear = linear if linear is not None else TorchLinear()
-        pack = self.linear.prepare
+        self.products = products if products is not None else DenseProducts(TorchLinear(), device, dtype)
+        make = self.products.product
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str) -> Weight:
             if name not in weights:
                 raise ValueError(f"weight {name!r} missing from the checkpoint")
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            return weights[name]
 
-        self.embed = w("model.embed_tokens.weight")
-        self.lm_head = pack(self.embed if config.tie_word_embeddings else w("lm_head.weight"))
-        self.final_norm = w("model.norm.weight")
+        def vector(name: str) -> torch.Tensor:
+            t = w(name)
+            assert isinstance(t, torch.Tensor), name     # norms and biases are never quantized
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        embed = w("model.embed_tokens.weight")
+        self.lm_head = make("lm_head", [embed if config.tie_word_embeddings else w("lm_head.weight")], is_head=True)
+        self.embed = self.products.embedding(embed, self.lm_head if config.tie_word_embeddings else None)
+        self.final_norm = vector("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             bias = None
             if config.attention_bias:
-                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+                bias = torch.cat([vector(a + "q_proj.bias"), vector(a + "k_proj.bias"), vector(a + "v_proj.bias")])
             self.layers.append(LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
-                qkv=pack(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")])),
-                qkv_bias=bias,
-                o=pack(w(a + "o_proj.weight")),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=pack(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                down=pack(w(p + "mlp.down_proj.weight")),
+                input_norm=vector(p + "input_layernorm.weight"),
+                qkv=make(a + "qkv", [w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")], bias),
+                o=make(a + "o_proj", [w(a + "o_proj.weight")]),
+                post_norm=vector(p + "post_attention_layernorm.weight"),
+                gate_up=make(p + "mlp.gate_up", [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down=make(p + "mlp.down_proj", [w(p + "mlp.down_proj.weight")]),
             ))
         cos, sin = rope_tables(config)
         self.cos = cos.to(device=device, dtype=dtype)
         self.sin = sin.to(device=device, dtype=dtype)
         self.scale = config.head_dim ** -0.5
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # in float32 as Hugging Face does, then back to the compute dtype
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
-        return weight * normed.to(x.dtype)
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of weights a decode step reads: every layer's products and norms, the final norm
+        and the LM head (a tied embedding is the head; the lookup reads a row)."""
+        products = [self.lm_head] + [p for lw in self.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        norms = [self.final_norm] + [t for lw in self.layers for t in (lw.input_norm, lw.post_norm)]
+        return sum(p.nbytes for p in products) + sum(t.numel() * t.element_size() for t in norms)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVStorage,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed(input_ids)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         for i in range(self.config.num_layers):
             q, k, v = self.layer_qkv(i, h, cos, sin)
             attn = paged_attention(q, k, v, i, cache, meta, self.scale)
             h = self.layer_output(i, h, attn)
-        return self._rms_norm(h, self.final_norm)
+        return self.final_norm_of(h)
 
     # The two halves of a layer, around its attention; ``forward`` is the paged composition
     # and kvserve/blend/ composes them with its own attention.
@@ -139,23 +150,23 @@ class LlamaModel:
         cfg, lw = self.config, self.layers[layer]
         num_tokens = h.shape[0]
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
-        qkv = self.linear(self._rms_norm(h, lw.input_norm), lw.qkv, lw.qkv_bias)
+        qkv = lw.qkv.after_norm(h, lw.input_norm, cfg.rms_norm_eps)
         q = qkv[:, :q_end].view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_end:k_end].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, k_end:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def layer_output(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Hidden states after ``layer``, from those before it and its attention output [T, H, D]."""
+        """Hidden states after ``layer``, from those before it and its attention output [T, H, D]
+        (``h`` may be updated in place: callers use what this returns)."""
         lw = self.layers[layer]
-        h = h + self.linear(attn.reshape(h.shape[0], self.config.q_size), lw.o)
-        gate, up = self.linear(self._rms_norm(h, lw.post_norm), lw.gate_up).chunk(2, dim=-1)
-        return h + self.linear(F.silu(gate) * up, lw.down)
+        h = lw.o.add_into(h, attn.reshape(h.shape[0], self.config.q_size))
+        return lw.down.swiglu_add_into(h, lw.gate_up.after_norm(h, lw.post_norm, self.config.rms_norm_eps))
 
     def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm, the step between the last layer and ``compute_logits``."""
-        return self._rms_norm(h, self.final_norm)
+        return rms_norm(h, self.final_norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear.head(hidden, self.lm_head).float()
+        return self.lm_head.head(hidden).float()

@@ -11,16 +11,18 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.model.formats.packing import PackedWeight
 from kvserve.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     """A model ready for the engine. ``weights`` use Hugging Face Llama names (see
-    ``expected_weight_shapes``) and hold float32, CPU, contiguous tensors."""
+    ``expected_weight_shapes``) and hold float32, CPU, contiguous tensors, or a GGUF file's
+    quantized blocks (``PackedWeight``: the engine's weight format decides how they are used)."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | PackedWeight]
     tokenizer: Tokenizer
     fingerprint: str  # hex sha256 naming these weights + config; stable across processes
     source: str  # resolved path that was loaded
@@ -67,17 +69,17 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
+def check_weights(weights: dict[str, torch.Tensor | PackedWeight], config: ModelConfig, source: str) -> None:
     """Raise ValueError unless ``weights`` holds exactly the expected names and shapes, as
-    contiguous float32 CPU tensors."""
+    contiguous float32 CPU tensors or packed blocks."""
     expected = expected_weight_shapes(config)
     missing = sorted(expected.keys() - weights.keys())
     unexpected = sorted(weights.keys() - expected.keys())
     wrong = [f"{name}: {tuple(weights[name].shape)} != {shape}"
              for name, shape in expected.items()
              if name in weights and tuple(weights[name].shape) != shape]
-    wrong += [f"{name}: {w.dtype} on {w.device}" for name, w in weights.items()
-              if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()]
+    wrong += [f"{name}: {w.dtype} on {w.device}" for name, w in weights.items() if isinstance(w, torch.Tensor)
+              and (w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous())]
     if missing or unexpected or wrong:
         raise ValueError(
             f"Weights in {source} do not match the model config: missing {missing[:5]} "

@@ -60,7 +60,7 @@ def test_the_engine_on_onednn_gives_f_linears_logprobs():
     outs = {}
     for name in ("torch", "onednn"):
         llm = LLM(loaded=loaded, linear_backend=name, num_kv_blocks=32, block_size=4)
-        assert llm.engine.model.linear.name == name
+        assert llm.engine.model.lm_head.linear.name == name
         outs[name] = llm.generate(prompts, params)
     for ref, got in zip(outs["torch"], outs["onednn"]):
         assert got.token_ids == ref.token_ids

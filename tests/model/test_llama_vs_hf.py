@@ -73,10 +73,11 @@ def test_tiny_model_matches_transformers(bias):
 
 def test_default_model_matches_transformers_gguf_load(default_model, hf_gguf_reference):
     """Against transformers' own GGUF loader: checks our dequantization and Q/K
-    un-permutation as well as the model."""
+    un-permutation as well as the model (native weights: transformers computes with the
+    dequantized float weights; the gguf format is held to them in tests/model/formats)."""
     tok = default_model.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colours."}]))
-    llm = LLM(loaded=default_model, max_num_batched_tokens=16, kv_cache_memory_gb=0.05)
+    llm = LLM(loaded=default_model, max_num_batched_tokens=16, kv_cache_memory_gb=0.05, weight_format="native")
     generated = check_against(llm, hf_gguf_reference.model, prompt, max_tokens=6)
     with torch.inference_mode():
         ref = hf_gguf_reference.model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,

@@ -12,6 +12,8 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model import gguf_loader
+from kvserve.model.formats.packing import PackedWeight
+from kvserve.model.linear import as_float
 from kvserve.model.loaded import LoadedModel, expected_weight_shapes
 from kvserve.model.loader import DEFAULT_MODEL, default_model_path, load_model, resolve_model_path
 
@@ -58,12 +60,29 @@ def test_default_config(default_model: LoadedModel) -> None:
     assert len(default_model.fingerprint) == 64 and "lm_head.weight" not in default_model.weights
 
 
+def same_weight(a: torch.Tensor | PackedWeight, b: torch.Tensor | PackedWeight) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return len(a.segments) == len(b.segments) and all(
+        (x.kind, x.rows, x.cols, x.group, x.source, x.parts.keys()) == (y.kind, y.rows, y.cols, y.group, y.source,
+                                                                         y.parts.keys())
+        and all(torch.equal(x.parts[k], y.parts[k]) for k in x.parts) for x, y in zip(a.segments, b.segments))
+
+
 def test_weights_equal_transformers(default_model: LoadedModel, hf_gguf_reference) -> None:
+    """Norms are float32; the Q4_1 matrices and the Q8_0 embedding stay the file's blocks,
+    whose dequantized values are exactly transformers' (also checks the Q/K un-permutation)."""
     reference = hf_gguf_reference.model.state_dict()
     assert set(default_model.weights) == set(reference) - {"lm_head.weight"}  # tied
+    sources = {}
     for name, ours in default_model.weights.items():
-        assert ours.dtype == torch.float32 and ours.is_contiguous(), name
-        assert torch.equal(ours, reference[name]), name  # exact: also checks Q/K un-permutation
+        if isinstance(ours, PackedWeight):
+            sources[name] = ours.format_name
+        else:
+            assert ours.dtype == torch.float32 and ours.is_contiguous(), name
+        assert torch.equal(as_float(ours), reference[name]), name
+    assert sources["model.embed_tokens.weight"] == "Q8_0"
+    assert set(sources.values()) == {"Q4_1", "Q8_0"} and len(sources) == 1 + 30 * 7
 
 
 def test_config_matches_transformers(default_model: LoadedModel, hf_gguf_reference) -> None:
@@ -246,7 +265,7 @@ def test_cache_is_written_and_reused(tmp_path: Path, default_model: LoadedModel,
     for loaded in (cold, warm):
         assert loaded.config == default_model.config and loaded.fingerprint == default_model.fingerprint
         assert loaded.weights.keys() == default_model.weights.keys()
-        assert all(torch.equal(loaded.weights[k], w) for k, w in default_model.weights.items())
+        assert all(same_weight(loaded.weights[k], w) for k, w in default_model.weights.items())
         assert loaded.tokenizer.encode(TEXTS[2]) == default_model.tokenizer.encode(TEXTS[2])
 
 
@@ -293,7 +312,7 @@ def test_corrupt_cache_is_rebuilt(tmp_path: Path, default_model: LoadedModel) ->
     with weights_file.open("r+b") as f:
         f.write(b"\x00" * 4096)
     rebuilt = load_model(cache_dir=tmp_path)
-    assert all(torch.equal(rebuilt.weights[k], w) for k, w in default_model.weights.items())
+    assert all(same_weight(rebuilt.weights[k], w) for k, w in default_model.weights.items())
     assert gguf_loader._read_cache(weights_file, meta_file, str(default_model_path())) is not None
 
 

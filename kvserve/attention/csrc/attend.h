@@ -133,8 +133,15 @@ inline void logits_rows(const float* q, int64_t ldq, const Rows& k, int n, float
         a[r] = v == 0 ? vmul(qv, x) : vfma(qv, x, a[r]);
       }
     }
+    // the same order of additions as the key groups' transposed sums (lane 0 of
+    // transpose_sum4 is a function of its first vector alone), so a key's logit is the same
+    // bits whether it falls in a group or in the tail, which depends on the tile's last row
     #pragma GCC unroll 16
-    for (int r = 0; r < RQ; ++r) out[r * pld + j] = vhsum(a[r]);
+    for (int r = 0; r < RQ; ++r) {
+      const __m256 f = fold8(a[r]);
+      const __m256 four[4] = {f, f, f, f};
+      out[r * pld + j] = _mm_cvtss_f32(transpose_sum4(four));
+    }
   }
 }
 

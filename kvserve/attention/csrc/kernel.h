@@ -30,8 +30,12 @@
 namespace kvs {
 
 constexpr int kMaxRows = 128;         // query rows per item (acc + q: 2 x 64 KiB at head_dim 128)
-constexpr int kItemsPerThread = 8;    // split long contexts until there are this many items per thread
-constexpr int64_t kMinSplitKeys = 128;
+// Contexts are split (split-K) at every kSplitKeys keys, counted from the first key: where a
+// split ends depends on nothing but the key's position, so a query's result is the same
+// whatever else is in the batch and however its prompt was cut into chunks (a prefix-cache
+// hit gives exactly the cold run's output; quantized weights, which round activations to int8,
+// would otherwise turn last-bit differences into different tokens).
+constexpr int64_t kSplitKeys = 256;
 
 // Throws std::invalid_argument (pybind11 raises ValueError); the message is only built on failure.
 #define KVS_REQUIRE(ok, msg)                                  \
@@ -147,12 +151,10 @@ struct Plan {
 };
 
 // Validate each sequence; cut its queries into tiles and its KV heads into chunks so that a
-// tile has at most kMaxRows rows; split long contexts until there is enough work for every
-// thread (each split at least kMinSplitKeys keys).
-inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int64_t S, int64_t T, int threads) {
+// tile has at most kMaxRows rows; split long contexts every kSplitKeys keys.
+inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int64_t S, int64_t T) {
   Plan plan;
   const int64_t H = K.H, B = b.B;
-  double total_cost = 0;
   KVS_REQUIRE(b.starts[0] >= 0, "query_starts[0] must be >= 0");
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = b.starts[s + 1] - b.starts[s], len = b.lens[s];
@@ -187,19 +189,16 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
       for (int64_t h0 = 0; h0 < H; h0 += heads_per_group) {
         const int64_t h1 = std::min(H, h0 + heads_per_group);
         plan.groups.push_back({s, q0, q1, h0, h1, nkeys, nb, nb, 1});
-        total_cost += static_cast<double>(nb) * static_cast<double>((h1 - h0) * ((q1 - q0) * b.group + 4));
       }
     }
   }
-  const double target = total_cost / (kItemsPerThread * threads);
-  const int64_t min_chunk = std::max<int64_t>(1, kMinSplitKeys / B);
+  const int64_t chunk = std::max<int64_t>(1, kSplitKeys / B);
   for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
     Group& g = plan.groups[gi];
     const int64_t nh = g.h1 - g.h0, rows = nh * (g.q1 - g.q0) * b.group;
     plan.max_rows = std::max(plan.max_rows, rows);
-    g.chunk = std::max<int64_t>(min_chunk, static_cast<int64_t>(std::ceil(target / (nh * ((g.q1 - g.q0) * b.group + 4)))));
+    g.chunk = chunk;
     g.splits = (g.nblocks + g.chunk - 1) / g.chunk;
-    g.chunk = (g.nblocks + g.splits - 1) / g.splits;  // even splits
     for (int64_t sp = 0; sp < g.splits; ++sp) {
       int64_t partial = -1;
       if (g.splits > 1) {
@@ -367,7 +366,7 @@ inline void attention(const detail::Batch& b, const HalfView& K, const HalfView&
                       int64_t S, int64_t T) {
   using namespace detail;
   const int threads = std::max(1, omp_get_max_threads());
-  const Plan plan = make_plan(b, K, V, S, T, threads);
+  const Plan plan = make_plan(b, K, V, S, T);
   std::vector<float> partials(static_cast<size_t>(plan.scratch));
   const int64_t num_items = static_cast<int64_t>(plan.items.size());
   const int use = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, num_items)));

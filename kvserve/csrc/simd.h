@@ -1,7 +1,7 @@
 // Scalar conversions and the few vector primitives the kernel is built from.
 //
 // One vector type `vf` of W float lanes: W = 16 with AVX-512 (F, BW, VL, DQ), W = 8 with
-// AVX2 + FMA + F16C, chosen by the compiler flags (see cpu_extension.py: the build matches
+// AVX2 + FMA + F16C, chosen by the compiler flags (see kvserve/extensions.py: the build matches
 // what this CPU runs). Without either, KVS_SIMD is undefined and the kernel's scalar loops
 // are the whole implementation. Scalar helpers below serve every build (and vector tails).
 #pragma once

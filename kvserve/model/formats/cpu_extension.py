@@ -1,0 +1,40 @@
+"""The C++ quantized-weight products (kvserve/model/formats/csrc/) as an extension built on
+first use (kvserve/extensions.py): AVX-512 with VNNI's integer dot products where this CPU
+has them, else AVX2 + FMA + F16C (maddubs), else a portable scalar build."""
+
+from __future__ import annotations
+
+import functools
+from types import MappingProxyType, ModuleType
+
+from kvserve.extensions import CppExtension, load
+from kvserve.extensions import supported_isas as isas_of
+
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+QLINEAR = CppExtension(
+    prefix="kvserve_cpu_qlinear",
+    sources=("model/formats/csrc/qlinear.cpp", "model/formats/csrc/qkernel.h", "model/formats/csrc/qvec.h"),
+    isas=MappingProxyType({
+        "avx512vnni": (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+        "avx2": _AVX2,
+        "scalar": (),
+    }),
+    cpu_flags=MappingProxyType({
+        "avx512vnni": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+        "avx2": frozenset({"avx2", "fma", "f16c"}),
+    }),
+    title="the C++ quantized-weight kernel",
+    fallback="quantized weight formats are unavailable on this CPU (native float weights work)",
+)
+
+
+def supported_isas() -> list[str]:
+    """The kernel's instruction sets this CPU runs, widest first (``scalar`` last)."""
+    return isas_of(QLINEAR)
+
+
+@functools.cache
+def load_extension(isa: str | None = None) -> ModuleType | None:
+    """The compiled module (``isa``: None for the widest this CPU runs), or None after one log
+    line saying why it cannot be built."""
+    return load(QLINEAR, isa)

@@ -1,0 +1,365 @@
+// Products with quantized weights read in place: y = x W^T for W in GGUF's blocks (Q4_0, Q4_1,
+// Q8_0, Q4_K, Q6_K) or kvserve's int8 / int4 groups, never expanded into a float copy.
+//
+// Weights. A matrix's rows are cut into tiles of 16 rows; along K a tile is a run of blocks of
+// 32 columns. For each (tile, block) the 16 x 32 codes are stored as 8 vectors of 64 bytes,
+// vector j holding, for each row n of the tile, its codes 4j .. 4j+3 at bytes 4n .. 4n+3:
+//
+//     vector j:  | row 0: k=4j..4j+3 | row 1: k=4j..4j+3 | ... | row 15: k=4j..4j+3 |
+//
+// 4-bit codes pack two vectors in one (j in the low nibbles, j + 4 in the high ones: 256
+// bytes); 8-bit codes are the 512 bytes as they are; Q6_K adds a 128-byte plane of its two
+// high bits. Scales and minimums are per tile and group, 16 lanes each. This is the GGUF
+// file's own bits, moved (kvserve/model/formats/packing.py), so the bytes stay as few.
+//
+// Activations are quantized per row and block of 32 to int8 with a float scale (as llama.cpp's
+// q8 formats), and each block's integer dot products run 4 codes per lane per instruction
+// (VNNI's vpdpbusd, or AVX2's maddubs), all 16 rows of a tile at once, so no horizontal sum
+// is ever taken: a lane is one output. Float work is per (row, tile, block): one or two fused
+// multiply-adds. A row's result never depends on the other rows of the batch (tested).
+//
+// Decode (up to kMaxRows rows) unpacks each block into registers and uses it for every row;
+// longer batches (prefill chunks) unpack a whole tile once into L1-sized scratch and run the
+// rows over it kMaxRows at a time. Tiles are spread over the OpenMP threads (torch's runtime).
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "qvec.h"
+
+namespace kvs {
+namespace q {
+
+enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q6_K = 4 };
+enum Prologue : int { NONE = 0, RMSNORM = 1, SWIGLU = 2 };
+constexpr int kLanes = 16;
+constexpr int kBlock = 32;
+constexpr int kSuper = 256;   // the K-quants' super-block
+#if KVS_W == 16
+constexpr int kMaxRows = 8;
+#else
+constexpr int kMaxRows = 4;   // 16-lane values take two registers (or memory): fewer rows at once
+#endif
+
+inline int64_t code_bytes(int kind) { return kind == Q8_0 ? 512 : 256; }
+
+// One weight matrix's rows (several matrices sharing an input, such as Q, K and V, are
+// segments of one Weight, each in its own format).
+struct Segment {
+  int kind = Q4_0;
+  int64_t rows = 0, tiles = 0, K = 0;
+  int64_t group_blocks = 1;              // Q4_0 / Q4_1 / Q8_0: blocks of 32 per scale group
+  int64_t col0 = 0;                      // first output column
+  int64_t tile0 = 0;                     // first tile in the Weight's tile order (outlier rows)
+  const uint8_t* codes = nullptr;        // [tiles][K/32][code_bytes]
+  const uint8_t* high = nullptr;         // Q6_K: [tiles][K/32][128]
+  const uint16_t* scale = nullptr;       // f16 [tiles][K/32/group_blocks][16]
+  const uint16_t* min = nullptr;         // f16, Q4_1
+  const uint8_t* sub_scale = nullptr;    // Q4_K: u8 [tiles][K/32][16]; Q6_K: int8 [tiles][K/16][16]
+  const uint8_t* sub_min = nullptr;      // Q4_K: u8 [tiles][K/32][16]
+  const uint16_t* super_scale = nullptr; // Q4_K, Q6_K: f16 [tiles][K/256][16]
+  const uint16_t* super_min = nullptr;   // Q4_K: f16 [tiles][K/256][16]
+};
+
+struct Weight {
+  std::vector<Segment> segments;
+  int64_t N = 0, K = 0, tiles = 0;
+  const float* bias = nullptr;              // [N]
+  int64_t num_outliers = 0;                 // input channels multiplied in float32, apart
+  const int32_t* outlier_channels = nullptr;  // [num_outliers]
+  const float* outlier_weight = nullptr;      // [tiles][num_outliers][16]
+};
+
+// The step's activations, quantized: per row, K int8 codes, a scale and a float sum per
+// block of 32, the codes' sum per half block (16); the outlier channels' values apart.
+struct Acts {
+  int64_t M = 0, K = 0, KB = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, s, outl;
+  std::vector<int32_t> isum;
+};
+
+// ---- activations --------------------------------------------------------------------
+
+inline F16 silu_mul(const float* g, const float* u) { return fmul(silu16(load_f32(g)), load_f32(u)); }
+
+// Row m of x through the prologue into `y` (K floats), outlier channels moved to `outl`.
+inline void transform_row(const float* x, int64_t K, int prologue, const float* norm, float eps, const Weight& W,
+                          float* y, float* outl) {
+  if (prologue == RMSNORM) {
+    F16 ss = fzero();
+    for (int64_t k = 0; k < K; k += kLanes) {
+      const F16 v = load_f32(x + k);
+      ss = ffma(v, v, ss);
+    }
+    const float inv = 1.0f / std::sqrt(hsum(ss) / static_cast<float>(K) + eps);
+    const F16 vinv = fset1(inv);
+    for (int64_t k = 0; k < K; k += kLanes) store_f32_all(y + k, fmul(load_f32(norm + k), fmul(load_f32(x + k), vinv)));
+  } else if (prologue == SWIGLU) {
+    for (int64_t k = 0; k < K; k += kLanes) store_f32_all(y + k, silu_mul(x + k, x + K + k));
+  } else {
+    std::memcpy(y, x, sizeof(float) * K);
+  }
+  for (int64_t j = 0; j < W.num_outliers; ++j) {
+    const int32_t c = W.outlier_channels[j];
+    outl[j] = y[c];
+    y[c] = 0.0f;
+  }
+}
+
+inline void quantize_row(const float* y, int64_t K, int8_t* q, float* d, float* s, int32_t* isum) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const F16 v0 = load_f32(y + b * kBlock), v1 = load_f32(y + b * kBlock + kLanes);
+    const float amax = hmax(fmax16(fabs16(v0), fabs16(v1)));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = amax / 127.0f;
+    s[b] = hsum(fadd(v0, v1));
+    isum[2 * b] = quantize16(v0, id, q + b * kBlock);
+    isum[2 * b + 1] = quantize16(v1, id, q + b * kBlock + kLanes);
+  }
+}
+
+// ---- one (tile, block) of weights, unpacked ----------------------------------------
+
+struct Prepared {
+  Codes w[8];
+  F16 scale;   // per lane: Q4_0 / Q4_1 / Q8_0 the scale; Q4_K d x sc; Q6_K d
+  F16 min;     // Q4_1 the minimum; Q4_K -(dmin x m)
+  I16 sc0, sc1;  // Q6_K: the two 16-column sub-blocks' integer scales
+};
+
+template <int KIND>
+inline void prepare(const Segment& s, int64_t t, int64_t b, Prepared& p) {
+  const int64_t KB = s.K / kBlock;
+  const int64_t tb = t * KB + b;
+  const uint8_t* c = s.codes + tb * code_bytes(KIND);
+  if (KIND == Q8_0) {
+    for (int j = 0; j < 8; ++j) p.w[j] = load_codes(c + 64 * j);
+  } else {
+    for (int j = 0; j < 4; ++j) {
+      const Codes packed = load_codes(c + 64 * j);
+      p.w[j] = low_nibbles(packed);
+      p.w[j + 4] = high_nibbles(packed);
+    }
+  }
+  if (KIND == Q6_K) {
+    const Codes h0 = load_codes(s.high + tb * 128), h1 = load_codes(s.high + tb * 128 + 64);
+    p.w[0] = with_high2<0>(p.w[0], h0);
+    p.w[1] = with_high2<1>(p.w[1], h0);
+    p.w[2] = with_high2<2>(p.w[2], h0);
+    p.w[3] = with_high2<3>(p.w[3], h0);
+    p.w[4] = with_high2<0>(p.w[4], h1);
+    p.w[5] = with_high2<1>(p.w[5], h1);
+    p.w[6] = with_high2<2>(p.w[6], h1);
+    p.w[7] = with_high2<3>(p.w[7], h1);
+  }
+  if (KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0) {
+    const int64_t g = t * (KB / s.group_blocks) + b / s.group_blocks;
+    p.scale = load_f16(s.scale + g * kLanes);
+    if (KIND == Q4_1) p.min = load_f16(s.min + g * kLanes);
+  } else {
+    const int64_t sup = t * (s.K / kSuper) + b / (kSuper / kBlock);
+    const F16 d = load_f16(s.super_scale + sup * kLanes);
+    if (KIND == Q4_K) {
+      p.scale = fmul(d, load_u8f(s.sub_scale + tb * kLanes));
+      p.min = fneg(fmul(load_f16(s.super_min + sup * kLanes), load_u8f(s.sub_min + tb * kLanes)));
+    } else {
+      p.scale = d;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(s.sub_scale) + (2 * tb) * kLanes;
+      p.sc0 = load_s8i(sc);
+      p.sc1 = load_s8i(sc + kLanes);
+    }
+  }
+}
+
+// f += this block's share of one activation row (a: its 32 codes, da / sa: scale and float
+// sum, is16: the codes' two half sums).
+template <int KIND>
+inline void accumulate(const Prepared& p, const int8_t* a, float da, float sa, const int32_t* is16, F16& f) {
+  I16 a0 = izero(), a1 = izero();
+  for (int j = 0; j < 4; ++j) {
+    if (KIND == Q8_0) {
+      a0 = dot4_s(a0, p.w[j], load_i32(a + 4 * j));
+      a1 = dot4_s(a1, p.w[j + 4], load_i32(a + 16 + 4 * j));
+    } else {
+      a0 = dot4_u(a0, p.w[j], load_i32(a + 4 * j));
+      a1 = dot4_u(a1, p.w[j + 4], load_i32(a + 16 + 4 * j));
+    }
+  }
+  if (KIND == Q6_K) {   // codes are q + 32 per 16-column sub-block
+    const I16 x = iadd(imul(isub_scalar(a0, 32 * is16[0]), p.sc0), imul(isub_scalar(a1, 32 * is16[1]), p.sc1));
+    f = ffma(to_float(x), fmul(p.scale, fset1(da)), f);
+    return;
+  }
+  I16 acc = iadd(a0, a1);
+  if (KIND == Q4_0) acc = isub_scalar(acc, 8 * (is16[0] + is16[1]));
+  if (KIND == Q8_0 && kSignedOffset) acc = isub_scalar(acc, kSignedOffset * (is16[0] + is16[1]));
+  f = ffma(to_float(acc), fmul(p.scale, fset1(da)), f);
+  if (KIND == Q4_1 || KIND == Q4_K) f = ffma(p.min, fset1(sa), f);
+}
+
+inline void store_row(const Weight& W, const Segment& s, int64_t t, const Acts& A, int64_t m, F16 f, float* out,
+                      int64_t ldo, bool add) {
+  const int64_t col = s.col0 + t * kLanes;
+  const int n = static_cast<int>(std::min<int64_t>(kLanes, s.rows - t * kLanes));
+  const int64_t gt = s.tile0 + t;
+  for (int64_t j = 0; j < W.num_outliers; ++j)
+    f = ffma(load_f32(W.outlier_weight + (gt * W.num_outliers + j) * kLanes), fset1(A.outl[m * W.num_outliers + j]), f);
+  if (W.bias != nullptr) {
+    float b[kLanes] = {};
+    std::memcpy(b, W.bias + col, sizeof(float) * n);
+    f = fadd(f, load_f32(b));
+  }
+  float* o = out + m * ldo + col;
+  if (add) add_store_f32(o, f, n);
+  else store_f32(o, f, n);
+}
+
+// Rows m0 .. m0+MR-1 of one tile; `pre` holds the tile's prepared blocks (or is null: each
+// block is prepared here, in registers).
+template <int KIND, int MR>
+inline void tile_rows(const Weight& W, const Segment& s, int64_t t, const Acts& A, int64_t m0, const Prepared* pre,
+                      float* out, int64_t ldo, bool add) {
+  F16 f[MR];
+  for (int r = 0; r < MR; ++r) f[r] = fzero();
+  const int64_t KB = A.KB;
+  for (int64_t b = 0; b < KB; ++b) {
+    Prepared local;
+    if (pre == nullptr) prepare<KIND>(s, t, b, local);
+    const Prepared& p = pre == nullptr ? local : pre[b];
+    for (int r = 0; r < MR; ++r) {
+      const int64_t m = m0 + r;
+      accumulate<KIND>(p, A.q.data() + m * A.K + b * kBlock, A.d[m * KB + b], A.s[m * KB + b],
+                       A.isum.data() + m * 2 * KB + 2 * b, f[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) store_row(W, s, t, A, m0 + r, f[r], out, ldo, add);
+}
+
+template <int KIND>
+inline void rows_of_tile(const Weight& W, const Segment& s, int64_t t, const Acts& A, int64_t m0, int64_t mr,
+                         const Prepared* pre, float* out, int64_t ldo, bool add) {
+  switch (mr) {
+    case 1: return tile_rows<KIND, 1>(W, s, t, A, m0, pre, out, ldo, add);
+    case 2: return tile_rows<KIND, 2>(W, s, t, A, m0, pre, out, ldo, add);
+    case 3: return tile_rows<KIND, 3>(W, s, t, A, m0, pre, out, ldo, add);
+    case 4: return tile_rows<KIND, 4>(W, s, t, A, m0, pre, out, ldo, add);
+#if KVS_W == 16
+    case 5: return tile_rows<KIND, 5>(W, s, t, A, m0, pre, out, ldo, add);
+    case 6: return tile_rows<KIND, 6>(W, s, t, A, m0, pre, out, ldo, add);
+    case 7: return tile_rows<KIND, 7>(W, s, t, A, m0, pre, out, ldo, add);
+    case 8: return tile_rows<KIND, 8>(W, s, t, A, m0, pre, out, ldo, add);
+#endif
+    default: throw std::logic_error("rows_of_tile: bad row count");
+  }
+}
+
+template <int KIND>
+inline void run_tile(const Weight& W, const Segment& s, int64_t t, const Acts& A, std::vector<Prepared>& scratch,
+                     float* out, int64_t ldo, bool add) {
+  if (A.M <= kMaxRows) return rows_of_tile<KIND>(W, s, t, A, 0, A.M, nullptr, out, ldo, add);
+  scratch.resize(static_cast<size_t>(A.KB));
+  for (int64_t b = 0; b < A.KB; ++b) prepare<KIND>(s, t, b, scratch[b]);
+  for (int64_t m0 = 0; m0 < A.M; m0 += kMaxRows)
+    rows_of_tile<KIND>(W, s, t, A, m0, std::min<int64_t>(kMaxRows, A.M - m0), scratch.data(), out, ldo, add);
+}
+
+inline void run_tile_any(const Weight& W, const Segment& s, int64_t t, const Acts& A, std::vector<Prepared>& scratch,
+                         float* out, int64_t ldo, bool add) {
+  switch (s.kind) {
+    case Q4_0: return run_tile<Q4_0>(W, s, t, A, scratch, out, ldo, add);
+    case Q4_1: return run_tile<Q4_1>(W, s, t, A, scratch, out, ldo, add);
+    case Q8_0: return run_tile<Q8_0>(W, s, t, A, scratch, out, ldo, add);
+    case Q4_K: return run_tile<Q4_K>(W, s, t, A, scratch, out, ldo, add);
+    case Q6_K: return run_tile<Q6_K>(W, s, t, A, scratch, out, ldo, add);
+    default: throw std::logic_error("unknown weight kind");
+  }
+}
+
+// out[M, N] (row stride ldo) = (or +=, with `add`) prologue(x)[M, K] W^T + bias + outliers.
+// x has row stride ldx (2K columns are read for SWIGLU: gate then up).
+inline void linear(const Weight& W, const float* x, int64_t M, int64_t ldx, int prologue, const float* norm, float eps,
+                   float* out, int64_t ldo, bool add) {
+  static thread_local Acts caller_acts;   // grows to the largest batch, then is reused
+  Acts& A = caller_acts;                  // (named here: inside the parallel region the
+                                          // thread_local itself would be each thread's own)
+  const int64_t K = W.K, KB = K / kBlock;
+  A.M = M;
+  A.K = K;
+  A.KB = KB;
+  A.q.resize(static_cast<size_t>(M * K));
+  A.d.resize(static_cast<size_t>(M * KB));
+  A.s.resize(static_cast<size_t>(M * KB));
+  A.isum.resize(static_cast<size_t>(M * 2 * KB));
+  A.outl.resize(static_cast<size_t>(M * W.num_outliers));
+  // tile index -> (segment, tile): segments are few, so a linear walk per item is cheap
+  const int64_t items = W.tiles;
+  const int threads = std::max(1, omp_get_max_threads());
+  const int use = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(items, M)));
+#pragma omp parallel num_threads(use)
+  {
+    static thread_local std::vector<float> row;
+    static thread_local std::vector<Prepared> scratch;
+    row.resize(static_cast<size_t>(K));
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+      transform_row(x + m * ldx, K, prologue, norm, eps, W, row.data(), A.outl.data() + m * W.num_outliers);
+      quantize_row(row.data(), K, A.q.data() + m * K, A.d.data() + m * KB, A.s.data() + m * KB,
+                   A.isum.data() + m * 2 * KB);
+    }
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t it = 0; it < items; ++it) {
+      size_t si = 0;
+      while (it >= W.segments[si].tile0 + W.segments[si].tiles) ++si;
+      const Segment& s = W.segments[si];
+      run_tile_any(W, s, it - s.tile0, A, scratch, out, ldo, add);
+    }
+  }
+}
+
+// ---- dequantization (embedding rows, tests): the same values the products use ----------
+
+inline float dequant_value(const Segment& s, int64_t row, int64_t k) {
+  const int64_t KB = s.K / kBlock, t = row / kLanes, lane = row % kLanes, b = k / kBlock, kk = k % kBlock;
+  const int64_t tb = t * KB + b, j = kk / 4, byte = 4 * lane + kk % 4;
+  int32_t c;
+  if (s.kind == Q8_0) {
+    c = static_cast<int8_t>(s.codes[tb * 512 + 64 * j + byte]);
+  } else {
+    c = (s.codes[tb * 256 + 64 * (j % 4) + byte] >> (4 * (j / 4))) & 15;
+    if (s.kind == Q6_K) c |= ((s.high[tb * 128 + 64 * (j / 4) + byte] >> (2 * (j % 4))) & 3) << 4;
+  }
+  if (s.kind == Q4_0 || s.kind == Q4_1 || s.kind == Q8_0) {
+    const int64_t g = t * (KB / s.group_blocks) + b / s.group_blocks;
+    const float d = f16_to_f32(s.scale[g * kLanes + lane]);
+    if (s.kind == Q4_0) return d * static_cast<float>(c - 8);
+    if (s.kind == Q8_0) return d * static_cast<float>(c);
+    return d * static_cast<float>(c) + f16_to_f32(s.min[g * kLanes + lane]);
+  }
+  const int64_t sup = t * (s.K / kSuper) + b / (kSuper / kBlock);
+  const float d = f16_to_f32(s.super_scale[sup * kLanes + lane]);
+  if (s.kind == Q4_K) {
+    const float sc = d * static_cast<float>(s.sub_scale[tb * kLanes + lane]);
+    const float mn = f16_to_f32(s.super_min[sup * kLanes + lane]) * static_cast<float>(s.sub_min[tb * kLanes + lane]);
+    return sc * static_cast<float>(c) - mn;
+  }
+  const int8_t sc = reinterpret_cast<const int8_t*>(s.sub_scale)[(2 * tb + kk / 16) * kLanes + lane];
+  return (d * static_cast<float>(sc)) * static_cast<float>(c - 32);
+}
+
+inline void dequant_row(const Weight& W, int64_t n, float* out) {
+  size_t si = 0;
+  while (n >= W.segments[si].col0 + W.segments[si].rows) ++si;
+  const Segment& s = W.segments[si];
+  for (int64_t k = 0; k < W.K; ++k) out[k] = dequant_value(s, n - s.col0, k);
+}
+
+}  // namespace q
+}  // namespace kvs

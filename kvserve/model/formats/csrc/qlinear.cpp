@@ -1,0 +1,205 @@
+// Quantized-weight products on the CPU (qkernel.h): this file checks the tensors once, when a
+// weight is registered, and per call only what a call brings (x, out, the norm weight).
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "qkernel.h"
+
+namespace kvs {
+namespace {
+
+#define KVS_Q_REQUIRE(ok, msg)                                \
+  do {                                                        \
+    if (!(ok)) throw std::invalid_argument(std::string(msg)); \
+  } while (0)
+
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+bool present(const at::Tensor& t) { return t.defined() && t.dim() > 0; }
+
+void check(const at::Tensor& t, at::ScalarType dtype, const std::vector<int64_t>& shape, const std::string& name) {
+  KVS_Q_REQUIRE(present(t), name + " is missing");
+  KVS_Q_REQUIRE(t.device().is_cpu(), name + " must be a CPU tensor");
+  KVS_Q_REQUIRE(t.scalar_type() == dtype, name + " has dtype " + std::string(c10::toString(t.scalar_type())) +
+                                              ", expected " + std::string(c10::toString(dtype)));
+  bool same = t.dim() == static_cast<int64_t>(shape.size());
+  for (size_t i = 0; same && i < shape.size(); ++i) same = t.size(i) == shape[i];
+  std::string want = "[";
+  for (size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + std::to_string(shape[i]);
+  KVS_Q_REQUIRE(same, name + " must have shape " + want + "], got " + shape_str(t));
+  KVS_Q_REQUIRE(t.is_contiguous(), name + " must be contiguous");
+}
+
+template <typename T>
+const T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+
+// parts: codes, high, scale, min, sub_scale, sub_min, super_scale, super_min (absent: 0-dim)
+q::Segment make_segment(int kind, int64_t rows, int64_t K, int64_t group_blocks, const std::vector<at::Tensor>& parts,
+                        const std::string& name) {
+  KVS_Q_REQUIRE(parts.size() == 8, name + ": expected 8 parts");
+  KVS_Q_REQUIRE(rows > 0 && K > 0 && K % q::kBlock == 0, name + ": K must be a positive multiple of 32, got " +
+                                                             std::to_string(K));
+  q::Segment s;
+  s.kind = kind;
+  s.rows = rows;
+  s.K = K;
+  s.tiles = (rows + q::kLanes - 1) / q::kLanes;
+  const int64_t T = s.tiles, KB = K / q::kBlock, L = q::kLanes;
+  switch (kind) {
+    case q::Q4_0:
+    case q::Q4_1:
+    case q::Q8_0: {
+      KVS_Q_REQUIRE(group_blocks > 0 && KB % group_blocks == 0,
+                    name + ": group of " + std::to_string(group_blocks * 32) + " does not divide K " + std::to_string(K));
+      s.group_blocks = group_blocks;
+      check(parts[0], at::kByte, {T, KB, q::code_bytes(kind)}, name + " codes");
+      check(parts[2], at::kHalf, {T, KB / group_blocks, L}, name + " scale");
+      s.scale = ptr<uint16_t>(parts[2]);
+      if (kind == q::Q4_1) {
+        check(parts[3], at::kHalf, {T, KB / group_blocks, L}, name + " min");
+        s.min = ptr<uint16_t>(parts[3]);
+      }
+      break;
+    }
+    case q::Q4_K:
+    case q::Q6_K: {
+      KVS_Q_REQUIRE(K % q::kSuper == 0, name + ": K-quants need K a multiple of 256, got " + std::to_string(K));
+      check(parts[0], at::kByte, {T, KB, 256}, name + " codes");
+      check(parts[6], at::kHalf, {T, K / q::kSuper, L}, name + " super_scale");
+      s.super_scale = ptr<uint16_t>(parts[6]);
+      if (kind == q::Q4_K) {
+        check(parts[4], at::kByte, {T, KB, L}, name + " sub_scale");
+        check(parts[5], at::kByte, {T, KB, L}, name + " sub_min");
+        check(parts[7], at::kHalf, {T, K / q::kSuper, L}, name + " super_min");
+        s.sub_min = ptr<uint8_t>(parts[5]);
+        s.super_min = ptr<uint16_t>(parts[7]);
+      } else {
+        check(parts[1], at::kByte, {T, KB, 128}, name + " high");
+        check(parts[4], at::kChar, {T, 2 * KB, L}, name + " sub_scale");
+        s.high = ptr<uint8_t>(parts[1]);
+      }
+      s.sub_scale = ptr<uint8_t>(parts[4]);
+      break;
+    }
+    default:
+      throw std::invalid_argument(name + ": unknown weight kind " + std::to_string(kind));
+  }
+  s.codes = ptr<uint8_t>(parts[0]);
+  return s;
+}
+
+// A registered weight: the kernel's view and the tensors it points into, kept alive.
+struct PyWeight {
+  q::Weight w;
+  std::vector<at::Tensor> keep;
+};
+
+std::shared_ptr<PyWeight> make_weight(const std::vector<std::tuple<int, int64_t, int64_t, int64_t, std::vector<at::Tensor>>>& segs,
+                                      const at::Tensor& bias, const at::Tensor& outlier_channels,
+                                      const at::Tensor& outlier_weight) {
+  KVS_Q_REQUIRE(!segs.empty(), "a weight needs at least one segment");
+  auto pw = std::make_shared<PyWeight>();
+  q::Weight& w = pw->w;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const auto& [kind, rows, K, group_blocks, parts] = segs[i];
+    q::Segment s = make_segment(kind, rows, K, group_blocks, parts, "segment " + std::to_string(i));
+    KVS_Q_REQUIRE(i == 0 || K == w.K, "segments must share K");
+    s.col0 = w.N;
+    s.tile0 = w.tiles;
+    w.K = K;
+    w.N += rows;
+    w.tiles += s.tiles;
+    w.segments.push_back(s);
+    for (const auto& p : parts)
+      if (present(p)) pw->keep.push_back(p);
+  }
+  if (present(bias)) {
+    check(bias, at::kFloat, {w.N}, "bias");
+    w.bias = ptr<float>(bias);
+    pw->keep.push_back(bias);
+  }
+  if (present(outlier_channels)) {
+    const int64_t n = outlier_channels.size(0);
+    check(outlier_channels, at::kInt, {n}, "outlier_channels");
+    check(outlier_weight, at::kFloat, {w.tiles, n, q::kLanes}, "outlier_weight");
+    const int32_t* ch = ptr<int32_t>(outlier_channels);
+    for (int64_t j = 0; j < n; ++j)
+      KVS_Q_REQUIRE(ch[j] >= 0 && ch[j] < w.K, "outlier channel " + std::to_string(ch[j]) + " is outside K");
+    w.num_outliers = n;
+    w.outlier_channels = ch;
+    w.outlier_weight = ptr<float>(outlier_weight);
+    pw->keep.push_back(outlier_channels);
+    pw->keep.push_back(outlier_weight);
+  }
+  return pw;
+}
+
+// out[M, N] = (or +=) prologue(x) W^T. x: [M, K] float32 rows (or [M, 2K], gate then up, for
+// SWIGLU), unit column stride; out: [M, N] float32, unit column stride.
+void linear(const PyWeight& pw, const at::Tensor& x, at::Tensor out, int64_t prologue, const at::Tensor& norm,
+            double eps, bool add) {
+  const q::Weight& w = pw.w;
+  KVS_Q_REQUIRE(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+                "x must be a CPU float32 matrix with unit column stride, got " + shape_str(x));
+  const int64_t M = x.size(0);
+  const int64_t want = prologue == q::SWIGLU ? 2 * w.K : w.K;
+  KVS_Q_REQUIRE(x.size(1) == want, "x has " + std::to_string(x.size(1)) + " columns, the weight takes " +
+                                       std::to_string(want));
+  KVS_Q_REQUIRE(out.dim() == 2 && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                    out.size(0) == M && out.size(1) == w.N,
+                "out must be a CPU float32 [" + std::to_string(M) + ", " + std::to_string(w.N) +
+                    "] matrix with unit column stride, got " + shape_str(out));
+  KVS_Q_REQUIRE(prologue >= q::NONE && prologue <= q::SWIGLU, "unknown prologue " + std::to_string(prologue));
+  if (prologue == q::RMSNORM) check(norm, at::kFloat, {w.K}, "norm");
+  if (M == 0) return;
+  q::linear(w, x.data_ptr<float>(), M, x.stride(0), static_cast<int>(prologue),
+            prologue == q::RMSNORM ? norm.data_ptr<float>() : nullptr, static_cast<float>(eps), out.data_ptr<float>(),
+            out.stride(0), add);
+}
+
+at::Tensor dequantize_rows(const PyWeight& pw, const at::Tensor& rows) {
+  const q::Weight& w = pw.w;
+  KVS_Q_REQUIRE(rows.dim() == 1 && rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+                "rows must be a contiguous CPU int64 vector");
+  const int64_t R = rows.size(0);
+  const int64_t* ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i)
+    KVS_Q_REQUIRE(ids[i] >= 0 && ids[i] < w.N, "row " + std::to_string(ids[i]) + " is outside [0, " +
+                                                   std::to_string(w.N) + ")");
+  at::Tensor out = at::empty({R, w.K}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (R * w.K > (1 << 16))
+  for (int64_t i = 0; i < R; ++i) q::dequant_row(w, ids[i], o + i * w.K);
+  return out;
+}
+
+}  // namespace
+}  // namespace kvs
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvserve products with quantized weights read in place (CPU)";
+  pybind11::class_<kvs::PyWeight, std::shared_ptr<kvs::PyWeight>>(m, "Weight")
+      .def_property_readonly("rows", [](const kvs::PyWeight& w) { return w.w.N; })
+      .def_property_readonly("cols", [](const kvs::PyWeight& w) { return w.w.K; });
+  m.def("make_weight", &kvs::make_weight, "register a packed weight: see kvserve/model/formats/cpu.py");
+  m.def("linear", &kvs::linear, "out = (or +=) prologue(x) W^T", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("dequantize_rows", &kvs::dequantize_rows, "rows of W as float32");
+#if defined(KVS_Q_VNNI)
+  m.attr("isa") = "avx512vnni";
+#elif KVS_W == 8
+  m.attr("isa") = "avx2";
+#else
+  m.attr("isa") = "scalar";
+#endif
+}

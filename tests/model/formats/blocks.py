@@ -1,0 +1,74 @@
+"""Random GGUF block bytes for every type the kernels read, and the references the products are
+held to (shared by the CPU and Triton kernel tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.model.formats.packing import GGUF_TYPES, Kind, PackedWeight, Segment, dequantize_segment, pack_gguf
+
+# (type byte offset of each fp16 scale field) per GGUF type: random bytes there would give
+# huge or non-finite scales, so they are overwritten with small random halves
+_SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_gguf_bytes(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """The raw bytes of a [rows, cols] tensor of ``type_name``: every code and sub-scale random
+    (Q4_K's 6-bit scales and Q6_K's int8 ones included), the fp16 scales small and finite."""
+    _, block, nbytes = GGUF_TYPES[type_name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)
+    for offset in _SCALE_FIELDS[type_name]:
+        halves = rng.uniform(-0.02, 0.02, size=raw.shape[0]).astype(np.float16)
+        raw[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(-1)
+
+
+def random_packed(type_name: str, rows: int, cols: int, seed: int) -> PackedWeight:
+    return pack_gguf(type_name, random_gguf_bytes(type_name, rows, cols, seed), rows, cols)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: per row and block of 32, int8 codes times amax / 127
+    (codes rounded half to even in float32, as the kernel rounds)."""
+    rows, cols = x.shape
+    b = x.float().reshape(rows, cols // 32, 32)
+    amax = b.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    codes = torch.round(b * inv).clamp(-128, 127)
+    return (codes * (amax / 127.0)).reshape(rows, cols)
+
+
+def _minimums(seg: Segment) -> torch.Tensor:
+    """Each weight's additive term [rows, cols] (Q4_1 / int4: min; Q4_K: -dmin x m), zero for
+    kinds whose offset is integer (folded into the codes' products exactly)."""
+    if seg.kind not in (Kind.Q4_1, Kind.Q4_K):
+        return torch.zeros(seg.rows, seg.cols)
+    codes = torch.zeros_like(seg.parts["codes"])
+    return dequantize_segment(Segment(seg.kind, seg.rows, seg.cols, seg.group, seg.parts | {"codes": codes}, seg.source))
+
+
+def mirror(x: torch.Tensor, w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's product in float64 with the kernel's own roundings of the activations, and
+    a bound on float32 accumulation error per output (sum |x_hat| |w|, times a few ulp).
+
+    The integer part is exact; a kind with a minimum adds min x (sum of the *float* block),
+    as the kernel does: y = x_hat W^T + (x - x_hat) M^T. Outlier channels are zeroed before
+    the activations are quantized and added back in float."""
+    xq = x.double().clone()
+    if w.outliers is not None:
+        xq[:, w.outliers.channels.long()] = 0.0
+    x_hat = quantize_activations(xq).double()
+    outs, bounds = [], []
+    for seg in w.segments:
+        weight = dequantize_segment(seg).double()
+        y = x_hat @ weight.T + (xq - x_hat) @ _minimums(seg).double().T
+        outs.append(y)
+        bounds.append((x_hat.abs() + xq.abs()) @ weight.abs().T)
+    y, bound = torch.cat(outs, dim=1), torch.cat(bounds, dim=1)
+    if w.outliers is not None:
+        y = y + x.double()[:, w.outliers.channels.long()] @ w.outliers.weight.double().T
+    if w.bias is not None:
+        y = y + w.bias.double()
+    return y, bound

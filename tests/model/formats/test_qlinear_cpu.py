@@ -1,0 +1,203 @@
+"""The C++ quantized-weight kernel (kvserve/model/formats/csrc/) against references.
+
+Every GGUF type the kernels read (random block bytes: codes, sub-scales and K-quant scales all
+random) and the int8 / int4 formats, at several row counts and output widths that are not
+multiples of the 16-row tile, on every instruction set this CPU runs:
+
+* exactly the kernel's arithmetic, in float64 (blocks.mirror: the activations rounded to int8
+  per block of 32 as the kernel rounds them): within float32 accumulation error, 4e-6 of the
+  sum of |terms| of each output (about 60 ulp; a wrong code, scale or lane is off by far more);
+* the float product with the dequantized weights (``gguf.quants.dequantize`` of the same
+  bytes for GGUF types): within the activations' rounding, |error| <= sum |w| x amax / 254 per
+  block, plus the same float slack;
+* a row's result never depends on the rest of its batch: bit for bit.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from blocks import mirror, quantize_activations, random_gguf_bytes, random_packed
+
+from kvserve.model.formats.cpu import CpuPackedEmbedding, CpuPackedProduct
+from kvserve.model.formats.cpu_extension import load_extension, supported_isas
+from kvserve.model.formats.packing import (
+    GGUF_TYPES,
+    Outliers,
+    PackedWeight,
+    dequantize,
+    pack_gguf,
+    quantize_int4,
+    quantize_int8,
+    stack,
+)
+from kvserve.model.linear import rms_norm
+
+ISAS = supported_isas()
+ROWS = (1, 2, 7, 16, 37)
+REL = 4e-6
+
+
+def ext_for(isa: str):
+    ext = load_extension(isa)
+    if ext is None:
+        pytest.skip(f"the {isa} build of the kernel is unavailable here")
+    return ext
+
+
+def weights(name: str, rows: int, cols: int, seed: int = 0) -> PackedWeight:
+    if name in GGUF_TYPES:
+        return random_packed(name, rows, cols, seed)
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
+    kind, _, group = name.partition("-")
+    size = cols if group == "ch" else int(group[1:])
+    return quantize_int8(w, size) if kind == "int8" else quantize_int4(w, size)
+
+
+FORMATS = [*GGUF_TYPES, "int8-g32", "int8-ch", "int4-g32", "int4-g64"]
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: PackedWeight) -> None:
+    ref, bound = mirror(x, w)
+    err = (y.double() - ref).abs()
+    assert bool((err <= REL * bound + 1e-30).all()), float((err / (bound + 1e-30)).max())
+    # against the float product: the activations' rounding, at most half a step per element
+    float_ref = x.double() @ dequantize(w).double().T + (0 if w.bias is None else w.bias.double())
+    step = x.double().reshape(x.shape[0], -1, 32).abs().amax(-1) / 127 / 2          # [rows, blocks]
+    wsum = dequantize(w).double().abs().reshape(w.rows, -1, 32).sum(-1)              # [out, blocks]
+    assert bool(((y.double() - float_ref).abs() <= step @ wsum.T + REL * bound + 1e-12).all())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_at_every_row_count_matches_the_references(isa: str, fmt: str) -> None:
+    ext = ext_for(isa)
+    cols = 512 if fmt in ("Q4_K", "Q6_K") else 192        # K-quants: whole super-blocks
+    w = weights(fmt, 40, cols, seed=len(fmt))
+    product = CpuPackedProduct(ext, w)
+    g = torch.Generator().manual_seed(1)
+    for rows in ROWS:
+        x = torch.randn(rows, cols, generator=g)
+        check(product(x), x, w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_chunks_of_512_rows(fmt: str) -> None:
+    """Beyond 8 rows a tile is unpacked once into scratch and every row runs over it."""
+    ext = ext_for(ISAS[0])
+    cols = 256 if fmt in ("Q4_K", "Q6_K") else 128
+    w = weights(fmt, 24, cols, seed=3)
+    x = torch.randn(512, cols, generator=torch.Generator().manual_seed(2))
+    check(CpuPackedProduct(ext, w)(x), x, w)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_rows_result_never_depends_on_its_batch(isa: str) -> None:
+    ext = ext_for(isa)
+    w = stack([weights("Q4_1", 40, 256, 1), weights("Q6_K", 24, 256, 2), weights("Q8_0", 8, 256, 3)])
+    product = CpuPackedProduct(ext, w)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(0))
+    full = product(x)
+    for rows in (1, 2, 3, 8, 9, 17, 33):
+        assert torch.equal(product(x[:rows]), full[:rows]), rows
+    for row in (0, 13, 39):
+        assert torch.equal(product(x[row:row + 1]), full[row:row + 1]), row
+    assert torch.equal(product(x[::3]), full[::3])              # a strided batch
+
+
+def test_gguf_bytes_dequantize_exactly_as_gguf_does_and_the_kernel_reads_the_same_values() -> None:
+    """The packed planes are the file's bits moved: dequantizing them (in torch and in C++)
+    gives gguf.quants.dequantize's values exactly, Q/K row permutation included."""
+    ext = ext_for(ISAS[0])
+    for type_name in GGUF_TYPES:
+        rows, cols = 48, 512
+        raw = random_gguf_bytes(type_name, rows, cols, seed=7)
+        expected = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType[type_name])
+        order = np.random.default_rng(0).permutation(rows)
+        w = pack_gguf(type_name, raw, rows, cols, order)
+        assert torch.equal(dequantize(w), torch.from_numpy(expected[order].astype(np.float32))), type_name
+        ids = torch.tensor([0, 47, 5, 5, 16])
+        looked_up = CpuPackedEmbedding(CpuPackedProduct(ext, w))(ids)
+        assert torch.equal(looked_up, dequantize(w)[ids]), type_name
+        assert w.nbytes <= rows * cols // GGUF_TYPES[type_name][1] * GGUF_TYPES[type_name][2] * 1.03
+
+
+def test_fused_forms_equal_their_compositions() -> None:
+    """after_norm, add_into and swiglu_add_into: the prologue (RMSNorm, SwiGLU) and the add in
+    the kernel against torch's composition, within the activations' rounding (the prologue's
+    last bits may round an activation code the other way: a full step)."""
+    ext = ext_for(ISAS[0])
+    g = torch.Generator().manual_seed(5)
+    w = weights("Q4_1", 48, 128, 1)
+    product = CpuPackedProduct(ext, w)
+    x = torch.randn(9, 128, generator=g) * 3
+    norm = torch.rand(128, generator=g) + 0.5
+    normed = rms_norm(x, norm, 1e-5)
+    tol = (normed.abs().reshape(9, -1, 32).amax(-1) / 127) @ dequantize(w).abs().reshape(48, -1, 32).sum(-1).T
+    torch.testing.assert_close(product.after_norm(x, norm, 1e-5).double(), product(normed).double(),
+                               atol=float(tol.max()) + 1e-5, rtol=0)
+    residual = torch.randn(9, 48, generator=g)
+    got = product.add_into(residual.clone(), x)
+    assert torch.equal(got, residual + product(x))
+    down = CpuPackedProduct(ext, weights("Q8_0", 48, 64, 2))
+    gate_up = torch.randn(9, 128, generator=g)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate) * up
+    tol = (act.abs().reshape(9, -1, 32).amax(-1) / 127) @ dequantize(down.packed).abs().reshape(48, -1, 32).sum(-1).T
+    torch.testing.assert_close(down.swiglu_add_into(residual.clone(), gate_up).double(),
+                               (residual + down(act)).double(), atol=float(tol.max()) + 1e-5, rtol=0)
+
+
+def test_bias_and_outlier_channels() -> None:
+    ext = ext_for(ISAS[0])
+    g = torch.Generator().manual_seed(9)
+    dense = torch.randn(40, 96, generator=g) * 0.05
+    channels = torch.tensor([3, 50, 95], dtype=torch.int32)
+    outlier_w = dense[:, channels.long()].clone()
+    kept = dense.clone()
+    kept[:, channels.long()] = 0.0
+    from dataclasses import replace
+    w = replace(quantize_int4(kept, 32), bias=torch.randn(40, generator=g), outliers=Outliers(channels, outlier_w))
+    x = torch.randn(5, 96, generator=g)
+    x[:, channels.long()] *= 40                              # outliers: far outside the others' range
+    y = CpuPackedProduct(ext, w)(x)
+    check(y, x, w)
+
+
+def test_bad_inputs_are_refused_with_what_is_wrong() -> None:
+    ext = ext_for(ISAS[0])
+    product = CpuPackedProduct(ext, weights("Q4_0", 32, 64))
+    with pytest.raises(ValueError, match="x has 63 columns, the weight takes 64"):
+        product(torch.zeros(2, 63))
+    with pytest.raises(ValueError, match="x must be a CPU float32 matrix"):
+        product(torch.zeros(2, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="rows must be a contiguous CPU int64 vector|outside"):
+        CpuPackedEmbedding(product)(torch.tensor([32]))
+    with pytest.raises(ValueError, match="not whole blocks of 32"):
+        pack_gguf("Q4_0", np.zeros(18, dtype=np.uint8), 1, 48)
+    with pytest.raises(ValueError, match="GGUF type Q5_K is not read in place"):
+        pack_gguf("Q5_K", np.zeros(176, dtype=np.uint8), 1, 256)
+
+
+def test_int8_and_int4_quantization_round_trip_within_half_a_step() -> None:
+    w = torch.randn(33, 128, generator=torch.Generator().manual_seed(4))
+    for packed, levels in ((quantize_int8(w, 32), 127), (quantize_int8(w, 128), 127), (quantize_int4(w, 64), 15)):
+        back = dequantize(packed)
+        group = packed.segments[0].group
+        blocks = w.reshape(33, -1, group)
+        span = blocks.abs().amax(-1) if levels == 127 else blocks.amax(-1) - blocks.amin(-1)
+        step = (span / levels).repeat_interleave(group, dim=1)
+        assert bool(((back - w).abs() <= step * 0.5 + step * 2e-3 + 1e-7).all())   # + float16 scale rounding
+
+
+def test_activation_rounding_reference_is_the_kernels() -> None:
+    """blocks.quantize_activations is what the kernel computes: a one-row identity weight (int8,
+    exact codes) returns the rounded activations themselves."""
+    ext = ext_for(ISAS[0])
+    eye = torch.eye(64) * (127 / 128)                    # scale 2^-7, code 127: exact in float16
+    w = quantize_int8(eye, 32)
+    assert torch.equal(dequantize(w), eye)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(CpuPackedProduct(ext, w)(x), quantize_activations(x) * (127 / 128), atol=0, rtol=3e-7)
