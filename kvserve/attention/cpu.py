@@ -38,18 +38,22 @@ def is_available() -> bool:
     return load_extension() is not None
 
 
+HalfArgs = tuple[list[int], list[torch.Tensor]]
+
+
 def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, views: tuple[HalfArgs, HalfArgs] | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] in q's dtype (written into ``out`` when given). Rows of q
-    outside every sequence's ``query_starts`` range are left as they are in ``out``."""
+    outside every sequence's ``query_starts`` range are left as they are in ``out``.
+    ``views``: ``half_args`` of the key and value halves, when the caller kept them."""
     ext = load_extension()
     if ext is None:
         raise RuntimeError("the C++ CPU attention kernel is unavailable (see the log); use the torch backend")
-    return run(ext, q, key, value, batch, scale, out)
+    return run(ext, q, key, value, batch, scale, out, views)
 
 
 def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
-        out: torch.Tensor | None = None) -> torch.Tensor:
+        out: torch.Tensor | None = None, views: tuple[HalfArgs, HalfArgs] | None = None) -> torch.Tensor:
     """``paged_attention`` with a given build of the kernel (``load_extension(isa)``)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_floating_point():
         raise ValueError(f"q must be a float tensor [tokens, heads, head_dim], got {_describe(q)}")
@@ -58,8 +62,9 @@ def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batc
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, {out.dtype}")
     d = q.shape[-1]
-    k_layout, k_parts = _half_args("key", key, d)
-    v_layout, v_parts = _half_args("value", value, d)
+    if views is None:
+        views = (half_args("key", key, d), half_args("value", value, d))
+    (k_layout, k_parts), (v_layout, v_parts) = views
     q32 = q.float().contiguous()
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     result = out if direct else torch.empty(q.shape, dtype=torch.float32)
@@ -73,7 +78,7 @@ def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batc
     return out.copy_(result)
 
 
-def _half_args(name: str, store: HalfStore, head_dim: int) -> tuple[list[int], list[torch.Tensor]]:
+def half_args(name: str, store: HalfStore, head_dim: int) -> HalfArgs:
     """The kernel's view of a half: (kind, dtype, bits, group, hadamard, outliers) and its
     six tensors (data/codes, scale, zero, outlier values, outlier channels, residual)."""
     layout = store.layout

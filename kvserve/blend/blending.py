@@ -100,14 +100,13 @@ def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cach
     is_reused = torch.zeros(n, dtype=torch.bool, device=dev)
     is_reused[reused] = True
     positions = torch.arange(n, device=dev)
-    cos, sin = model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1)
     h = model.embed(torch.tensor(token_ids[num_known:], dtype=torch.long, device=dev))
     rows = positions[num_known:]           # the positions whose hidden states ``h`` holds
     selected = reused[:0]
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for layer in range(num_layers):
-        q, k, v = model.layer_qkv(layer, h, cos[rows], sin[rows])
+        q, k, v = model.layer_qkv(layer, h, model.rope.angles(rows))
         if layer == select_layer and reused.numel():
             # every position from num_known on is still computed here: row p is h[p - num_known]
             fresh = reused - num_known
@@ -211,11 +210,11 @@ def extend(model: LlamaModel, keys: Sequence[torch.Tensor], values: Sequence[tor
     accuracy checks of a benchmark)."""
     n, dev = keys[0].shape[0], model.device
     rows = torch.arange(n, n + len(token_ids), device=dev)
-    cos, sin = model.cos[rows].unsqueeze(1), model.sin[rows].unsqueeze(1)
+    angles = model.rope.angles(rows)
     h = model.embed(torch.tensor(list(token_ids), dtype=torch.long, device=dev))
     new_keys, new_values = [], []
     for layer in range(model.config.num_layers):
-        q, k, v = model.layer_qkv(layer, h, cos, sin)
+        q, k, v = model.layer_qkv(layer, h, angles)
         k, v = torch.cat([keys[layer], k]), torch.cat([values[layer], v])
         new_keys.append(k)
         new_values.append(v)

@@ -41,6 +41,8 @@ class PagedKVCache(KVStorage):
         self._layout = HalfLayout(CodecKind.PLAIN, plain_dtype=dtype)
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self._halves = [(HalfStore(self._layout, {"data": k}), HalfStore(self._layout, {"data": v}))
+                        for k, v in zip(self.key_caches, self.value_caches)]
 
     @classmethod
     def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
@@ -78,8 +80,7 @@ class PagedKVCache(KVStorage):
         return k.index_select(0, flat).view(shape), v.index_select(0, flat).view(shape)
 
     def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
-        return (HalfStore(self._layout, {"data": self.key_caches[layer]}),
-                HalfStore(self._layout, {"data": self.value_caches[layer]}))
+        return self._halves[layer]
 
     def write_slots(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         k_flat = self.key_caches[layer].view(-1, *key.shape[1:])

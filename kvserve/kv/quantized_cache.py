@@ -66,6 +66,9 @@ class QuantizedKVCache(KVStorage):
         self.value_residual = [rows(lf.value) for lf in fmt.layers]
         self.key_layouts = [HalfLayout.from_codec(lf.key) for lf in fmt.layers]
         self.value_layouts = [HalfLayout.from_codec(lf.value) for lf in fmt.layers]
+        self._halves = [(HalfStore(self.key_layouts[i], self.key_parts[i], self.key_residual[i]),
+                         HalfStore(self.value_layouts[i], self.value_parts[i], self.value_residual[i]))
+                        for i in range(len(fmt.layers))]
 
     @staticmethod
     def keeps_residual(fmt: KVFormat) -> bool:
@@ -145,8 +148,7 @@ class QuantizedKVCache(KVStorage):
         return out[0], out[1]
 
     def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
-        return (HalfStore(self.key_layouts[layer], self.key_parts[layer], self.key_residual[layer]),
-                HalfStore(self.value_layouts[layer], self.value_parts[layer], self.value_residual[layer]))
+        return self._halves[layer]
 
     def finish_step(self, writes: StepWrites) -> None:
         # the blocks filled this step are encoded now: their rows are free again

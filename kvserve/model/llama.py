@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvserve.attention.paged import AttentionMetadata, paged_attention
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.kv.storage import KVStorage
+from kvserve.model.cpu_extension import load_extension
 from kvserve.model.linear import DenseProducts, Product, Products, TorchLinear, Weight, rms_norm
 
 
@@ -74,6 +76,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+class RopeAngles(NamedTuple):
+    """A step's rotation angles, as ``Rope.qk`` reads them: the tokens' positions, and (torch
+    path) the rows of the cos / sin tables there [T, 1, D / 2]."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+
+
+class Rope:
+    """RoPE of a step's queries and keys, taken from the fused Q/K/V product's rows: one C++
+    call on the CPU in float32 (bit for bit ``apply_rope``'s result), ``apply_rope`` else."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        cos, sin = rope_tables(config)
+        self.cos = cos.to(device=device, dtype=dtype).contiguous()
+        self.sin = sin.to(device=device, dtype=dtype).contiguous()
+        self.config = config
+        self.ext = load_extension() if device.type == "cpu" and dtype == torch.float32 else None
+
+    def angles(self, positions: torch.Tensor) -> RopeAngles:
+        if self.ext is not None:
+            return RopeAngles(positions, None, None)
+        return RopeAngles(positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+
+    def qk(self, qkv: torch.Tensor, angles: RopeAngles) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated queries [T, H, D] and keys [T, Hkv, D] from qkv [T, (H + 2 Hkv) D]."""
+        c = self.config
+        if self.ext is not None:
+            return self.ext.rope_qk(qkv, angles.positions, self.cos, self.sin, c.num_heads, c.num_kv_heads, c.head_dim)
+        assert angles.cos is not None and angles.sin is not None
+        num_tokens = qkv.shape[0]
+        q = qkv[:, :c.q_size].view(num_tokens, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size:c.q_size + c.kv_size].view(num_tokens, c.num_kv_heads, c.head_dim)
+        return apply_rope(q, angles.cos, angles.sin), apply_rope(k, angles.cos, angles.sin)
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight], device: torch.device,
                  dtype: torch.dtype, products: Products | None = None) -> None:
@@ -114,9 +153,7 @@ class LlamaModel:
                 gate_up=make(p + "mlp.gate_up", [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
                 down=make(p + "mlp.down_proj", [w(p + "mlp.down_proj.weight")]),
             ))
-        cos, sin = rope_tables(config)
-        self.cos = cos.to(device=device, dtype=dtype)
-        self.sin = sin.to(device=device, dtype=dtype)
+        self.rope = Rope(config, device, dtype)
         self.scale = config.head_dim ** -0.5
 
     @property
@@ -132,29 +169,25 @@ class LlamaModel:
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
         h = self.embed(input_ids)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        angles = self.rope.angles(positions)
         for i in range(self.config.num_layers):
-            q, k, v = self.layer_qkv(i, h, cos, sin)
+            q, k, v = self.layer_qkv(i, h, angles)
             attn = paged_attention(q, k, v, i, cache, meta, self.scale)
             h = self.layer_output(i, h, attn)
         return self.final_norm_of(h)
 
     # The two halves of a layer, around its attention; ``forward`` is the paged composition
     # and kvserve/blend/ composes them with its own attention.
-    def layer_qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def layer_qkv(self, layer: int, h: torch.Tensor,
+                  angles: RopeAngles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries [T, H, D], keys and values [T, Hkv, D] of ``layer`` for hidden states ``h``
-        [T, hidden]; queries and keys rotated by ``cos``/``sin`` ([T, 1, D / 2], the rows of
-        ``self.cos``/``self.sin`` at the tokens' positions)."""
+        [T, hidden]; queries and keys rotated at ``angles`` (``self.rope.angles`` of the
+        tokens' positions)."""
         cfg, lw = self.config, self.layers[layer]
-        num_tokens = h.shape[0]
-        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
         qkv = lw.qkv.after_norm(h, lw.input_norm, cfg.rms_norm_eps)
-        q = qkv[:, :q_end].view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, q_end:k_end].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, k_end:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = self.rope.qk(qkv, angles)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(h.shape[0], cfg.num_kv_heads, cfg.head_dim)
+        return q, k, v
 
     def layer_output(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Hidden states after ``layer``, from those before it and its attention output [T, H, D]

@@ -118,7 +118,7 @@ def test_int8_hits_match_cold_runs_on_the_real_model(default_model, backend):
     warm.engine.check_integrity()
 
 
-NEAR_TIE_NATS = 0.05
+INT8_NOISE_NATS = 0.1     # int8 KV: the two backends' logprobs of one token (measured: up to 0.07)
 
 
 @pytest.mark.parametrize("fmt", ["native", "int8"])
@@ -127,11 +127,12 @@ def test_greedy_ids_across_attention_backends(default_model, fmt):
 
     native: identical token ids. int8: the kernel and the torch path sum in different orders
     (layer outputs differ by ~1e-7), and quantizing the next layer's keys and values turns
-    that into a changed code now and then (one value code of 12,288 in layer 1 here), so the
-    two runs agree token for token until a near tie, never before one: where they part, the
-    top two tokens are within NEAR_TIE_NATS of each other. Native weights: quantized ones
-    round every product's activations to int8, which makes any two summation orders part at
-    once (the gguf format is held to hit == cold on one backend below)."""
+    that into a changed code now and then, which moves a token's logprob by up to
+    INT8_NOISE_NATS (0.07 measured on these prompts). So the first tokens' logprobs agree
+    within it, and where two runs part, each one's token is within 2 x INT8_NOISE_NATS of the
+    other's top in the other run: a near tie, never a misread block (which moves logprobs by
+    nats). Native weights: quantized ones round every product's activations to int8, which
+    makes any two summation orders part at once (gguf is held to hit == cold on one backend)."""
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
     convs = conversations()
     outs = {}
@@ -146,11 +147,13 @@ def test_greedy_ids_across_attention_backends(default_model, fmt):
         if fmt == "native":
             assert got.token_ids == ref.token_ids
             continue
+        assert abs(ref.logprobs[0].logprob - got.logprobs[0].logprob) < INT8_NOISE_NATS
         at = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), None)
         if at is not None:
-            for lp in (ref.logprobs[at], got.logprobs[at]):
-                (_, first), (_, second) = lp.top[:2]
-                assert first - second < NEAR_TIE_NATS, (at, lp)
+            for mine, other in ((ref.logprobs[at], got.logprobs[at]), (got.logprobs[at], ref.logprobs[at])):
+                theirs = dict(other.top)
+                assert mine.token_id in theirs, (at, mine, other)
+                assert other.top[0][1] - theirs[mine.token_id] < 2 * INT8_NOISE_NATS, (at, mine, other)
 
 
 def test_arkvale_keeps_the_passkey_digit_the_min_max_bound_loses(default_model):

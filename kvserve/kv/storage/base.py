@@ -138,7 +138,8 @@ class KVStorage(ABC):
     @abstractmethod
     def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
         """Keys and values of ``layer`` as an attention kernel reads them in place: each
-        half's layout, part tensors and residual rows (views of the storage)."""
+        half's layout, part tensors and residual rows (views of the storage). The same two
+        objects every call, so a backend may keep what it derives from them."""
 
     def finish_step(self, writes: StepWrites) -> None:
         """The forward pass that wrote ``writes`` is done (release what it held)."""

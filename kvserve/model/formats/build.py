@@ -20,8 +20,8 @@ from importlib import resources
 
 import torch
 
+from kvserve.model.cpu_extension import load_extension
 from kvserve.model.formats.cpu import CpuKernel
-from kvserve.model.formats.cpu_extension import load_extension
 from kvserve.model.formats.kernel import QuantKernel
 from kvserve.model.formats.packing import Outliers, PackedWeight, quantize_int4, quantize_int8, stack
 from kvserve.model.formats.spec import WeightFormat, parse_weight_format

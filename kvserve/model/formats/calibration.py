@@ -69,11 +69,11 @@ def record_activations(loaded: LoadedModel, token_ids: Sequence[int]) -> dict[st
                        _RecordingProducts(recorder))
     ids = torch.tensor(list(token_ids), dtype=torch.long)
     positions = torch.arange(len(ids))
-    cos, sin = model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1)
+    angles = model.rope.angles(positions)
     h = model.embed(ids)
     group = model.config.num_heads // model.config.num_kv_heads
     for layer in range(model.config.num_layers):
-        q, k, v = model.layer_qkv(layer, h, cos, sin)
+        q, k, v = model.layer_qkv(layer, h, angles)
         attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                               is_causal=True, scale=model.scale, enable_gqa=group > 1)
         h = model.layer_output(layer, h, attn.transpose(0, 1))

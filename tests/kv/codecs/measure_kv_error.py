@@ -62,32 +62,15 @@ def forward(model: LlamaModel, ids: torch.Tensor, layers: tuple[LayerFormat, ...
             capture: list[tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor:
     """Logits [T, vocab] of a dense causal forward (LlamaModel.forward without the paged
     cache), each layer attending to the round trip of its keys and values."""
-    cfg = model.config
-
-    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return w * F.rms_norm(x.float(), (x.shape[-1],), eps=cfg.rms_norm_eps).to(x.dtype)
-
-    def rope(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-    n = ids.shape[0]
-    pos = torch.arange(n)
-    cos, sin = model.cos[pos].unsqueeze(1), model.sin[pos].unsqueeze(1)
-    h = F.embedding(ids, model.embed)
-    for i, lw in enumerate(model.layers):
-        qkv = F.linear(norm(h, lw.input_norm), lw.qkv, lw.qkv_bias)
-        q = rope(qkv[:, :cfg.q_size].view(n, cfg.num_heads, cfg.head_dim))
-        k = rope(qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim))
-        v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    angles = model.rope.angles(torch.arange(ids.shape[0]))
+    h = model.embed(ids)
+    for i in range(model.config.num_layers):
+        q, k, v = model.layer_qkv(i, h, angles)
         if capture is not None:
             capture.append((q, k, v))
         k, v = round_trip(None if layers is None else layers[i], k, v)
-        h = h + F.linear(attention(model, q, k, v).reshape(n, cfg.q_size), lw.o)
-        gate, up = F.linear(norm(h, lw.post_norm), lw.gate_up).chunk(2, dim=-1)
-        h = h + F.linear(F.silu(gate) * up, lw.down)
-    return model.compute_logits(norm(h, model.final_norm))
+        h = model.layer_output(i, h, attention(model, q, k, v))
+    return model.compute_logits(model.final_norm_of(h))
 
 
 def rel(err_sq: float, ref_sq: float) -> float:

@@ -1,4 +1,4 @@
-"""The C++ quantized-weight kernel (kvserve/model/formats/csrc/) against references.
+"""The C++ quantized-weight kernel (kvserve/model/csrc/) against references.
 
 Every GGUF type the kernels read (random block bytes: codes, sub-scales and K-quant scales all
 random) and the int8 / int4 formats, at several row counts and output widths that are not
@@ -21,8 +21,8 @@ import pytest
 import torch
 from blocks import mirror, quantize_activations, random_gguf_bytes, random_packed
 
+from kvserve.model.cpu_extension import load_extension, supported_isas
 from kvserve.model.formats.cpu import CpuPackedEmbedding, CpuPackedProduct
-from kvserve.model.formats.cpu_extension import load_extension, supported_isas
 from kvserve.model.formats.packing import (
     GGUF_TYPES,
     Outliers,

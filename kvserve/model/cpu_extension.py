@@ -1,6 +1,7 @@
-"""The C++ quantized-weight products (kvserve/model/formats/csrc/) as an extension built on
-first use (kvserve/extensions.py): AVX-512 with VNNI's integer dot products where this CPU
-has them, else AVX2 + FMA + F16C (maddubs), else a portable scalar build."""
+"""The model's C++ CPU kernels (kvserve/model/csrc/: products with quantized weights read in
+place, RoPE) as an extension built on first use (kvserve/extensions.py): AVX-512 with VNNI's
+integer dot products where this CPU has them, else AVX2 + FMA + F16C (maddubs), else a
+portable scalar build."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from kvserve.extensions import supported_isas as isas_of
 
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 QLINEAR = CppExtension(
-    prefix="kvserve_cpu_qlinear",
-    sources=("model/formats/csrc/qlinear.cpp", "model/formats/csrc/qkernel.h", "model/formats/csrc/qvec.h"),
+    prefix="kvserve_cpu_layers",
+    sources=tuple(f"model/csrc/{name}" for name in ("layers.cpp", "qkernel.h", "qvec.h", "rope.h")),
     isas=MappingProxyType({
         "avx512vnni": (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
         "avx2": _AVX2,
@@ -23,8 +24,8 @@ QLINEAR = CppExtension(
         "avx512vnni": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
         "avx2": frozenset({"avx2", "fma", "f16c"}),
     }),
-    title="the C++ quantized-weight kernel",
-    fallback="quantized weight formats are unavailable on this CPU (native float weights work)",
+    title="the C++ model kernels (quantized weights, RoPE)",
+    fallback="quantized weight formats are unavailable on this CPU (native float weights work, RoPE in torch)",
 )
 
 

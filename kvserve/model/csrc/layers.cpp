@@ -1,5 +1,6 @@
-// Quantized-weight products on the CPU (qkernel.h): this file checks the tensors once, when a
-// weight is registered, and per call only what a call brings (x, out, the norm weight).
+// The model's CPU kernels: products with quantized weights (qkernel.h) and RoPE (rope.h). This
+// file checks the tensors: a weight's once, when it is registered, and per call only what a
+// call brings (x, out, the norm weight, positions).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "qkernel.h"
+#include "rope.h"
 
 namespace kvs {
 namespace {
@@ -184,17 +186,41 @@ at::Tensor dequantize_rows(const PyWeight& pw, const at::Tensor& rows) {
   return out;
 }
 
+// (q [T, H, D], k [T, Hkv, D]) rotated, from qkv [T, >= (H + Hkv) D] (unit column stride).
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                                           const at::Tensor& sin, int64_t H, int64_t Hkv, int64_t D) {
+  KVS_Q_REQUIRE(qkv.dim() == 2 && qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 &&
+                    qkv.size(1) >= (H + Hkv) * D,
+                "qkv must be a CPU float32 matrix of at least (heads + kv heads) x head_dim columns, got " +
+                    shape_str(qkv));
+  KVS_Q_REQUIRE(D > 0 && D % 2 == 0, "head_dim must be even");
+  const int64_t T = qkv.size(0);
+  check(positions, at::kLong, {T}, "positions");
+  KVS_Q_REQUIRE(cos.dim() == 2 && cos.size(1) == D / 2, "cos must be [positions, head_dim / 2]");
+  check(cos, at::kFloat, {cos.size(0), D / 2}, "cos");
+  check(sin, at::kFloat, {cos.size(0), D / 2}, "sin");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    KVS_Q_REQUIRE(pos[t] >= 0 && pos[t] < cos.size(0), "position " + std::to_string(pos[t]) + " is outside the tables");
+  at::Tensor q = at::empty({T, H, D}, qkv.options());
+  at::Tensor k = at::empty({T, Hkv, D}, qkv.options());
+  rope::rope_qk(qkv.data_ptr<float>(), qkv.stride(0), T, H, Hkv, D, pos, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                q.data_ptr<float>(), k.data_ptr<float>());
+  return {q, k};
+}
+
 }  // namespace
 }  // namespace kvs
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "kvserve products with quantized weights read in place (CPU)";
+  m.doc() = "kvserve model kernels (CPU): products with quantized weights read in place, RoPE";
   pybind11::class_<kvs::PyWeight, std::shared_ptr<kvs::PyWeight>>(m, "Weight")
       .def_property_readonly("rows", [](const kvs::PyWeight& w) { return w.w.N; })
       .def_property_readonly("cols", [](const kvs::PyWeight& w) { return w.w.K; });
   m.def("make_weight", &kvs::make_weight, "register a packed weight: see kvserve/model/formats/cpu.py");
   m.def("linear", &kvs::linear, "out = (or +=) prologue(x) W^T", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dequantize_rows", &kvs::dequantize_rows, "rows of W as float32");
+  m.def("rope_qk", &kvs::rope_qk, "queries and keys rotated, from the fused Q/K/V rows");
 #if defined(KVS_Q_VNNI)
   m.attr("isa") = "avx512vnni";
 #elif KVS_W == 8

@@ -42,6 +42,7 @@ enum Prologue : int { NONE = 0, RMSNORM = 1, SWIGLU = 2 };
 constexpr int kLanes = 16;
 constexpr int kBlock = 32;
 constexpr int kSuper = 256;   // the K-quants' super-block
+constexpr int64_t kPrefetchBlocks = 16;  // how far ahead a decode product asks for its weights
 #if KVS_W == 16
 constexpr int kMaxRows = 8;
 #else
@@ -232,7 +233,21 @@ inline void tile_rows(const Weight& W, const Segment& s, int64_t t, const Acts& 
   const int64_t KB = A.KB;
   for (int64_t b = 0; b < KB; ++b) {
     Prepared local;
-    if (pre == nullptr) prepare<KIND>(s, t, b, local);
+    if (pre == nullptr) {
+      // the weights stream from memory once: ask for them kPrefetchBlocks ahead (a tile's
+      // blocks and the next tile's follow each other in every plane; a prefetch never faults)
+      const int64_t ahead = t * KB + b + kPrefetchBlocks;
+      const uint8_t* c = s.codes + ahead * code_bytes(KIND);
+      for (int64_t off = 0; off < code_bytes(KIND); off += 64) __builtin_prefetch(c + off);
+      if (KIND == Q6_K) {
+        __builtin_prefetch(s.high + ahead * 128);
+        __builtin_prefetch(s.high + ahead * 128 + 64);
+      }
+      if (s.scale != nullptr) __builtin_prefetch(s.scale + (ahead / s.group_blocks) * kLanes);
+      if (s.min != nullptr) __builtin_prefetch(s.min + (ahead / s.group_blocks) * kLanes);
+      if (s.sub_scale != nullptr) __builtin_prefetch(s.sub_scale + ahead * kLanes * (KIND == Q6_K ? 2 : 1));
+      prepare<KIND>(s, t, b, local);
+    }
     const Prepared& p = pre == nullptr ? local : pre[b];
     for (int r = 0; r < MR; ++r) {
       const int64_t m = m0 + r;
@@ -314,7 +329,7 @@ inline void linear(const Weight& W, const float* x, int64_t M, int64_t ldx, int 
       quantize_row(row.data(), K, A.q.data() + m * K, A.d.data() + m * KB, A.s.data() + m * KB,
                    A.isum.data() + m * 2 * KB);
     }
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(static)
     for (int64_t it = 0; it < items; ++it) {
       size_t si = 0;
       while (it >= W.segments[si].tile0 + W.segments[si].tiles) ++si;
