@@ -62,9 +62,11 @@ def test_stop_string_cuts_the_text(llm):
 
 
 def test_chat_eos_finishes_with_stop(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    # Germany, not France: the first token of the France answer is a 0.08-nat tie that the
+    # weight formats (native, gguf) break differently; this one leads by 0.66 nats
+    out = llm.chat([{"role": "user", "content": "What is the capital of Germany?"}],
                    SamplingParams(max_tokens=30, temperature=0.0))[0]
-    assert out.text == "The capital of France is Paris."
+    assert out.text == "The capital of Germany is Berlin."
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2   # <|im_end|>
     assert "<|im_end|>" not in out.text
 

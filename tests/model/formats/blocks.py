@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.model.formats.packing import GGUF_TYPES, Kind, PackedWeight, Segment, dequantize_segment, pack_gguf
+from kvserve.model.formats.packing import GGUF_TYPES, PackedWeight, dequantize_segment, pack_gguf
 
 # (type byte offset of each fp16 scale field) per GGUF type: random bytes there would give
 # huge or non-finite scales, so they are overwritten with small random halves
@@ -30,32 +30,23 @@ def random_packed(type_name: str, rows: int, cols: int, seed: int) -> PackedWeig
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels see it: per row and block of 32, int8 codes times amax / 127
+    """x as the kernels see it: per row and half block of 16, int8 codes times amax / 127
     (codes rounded half to even in float32, as the kernel rounds)."""
     rows, cols = x.shape
-    b = x.float().reshape(rows, cols // 32, 32)
+    b = x.float().reshape(rows, cols // 16, 16)
     amax = b.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    # 127 / amax as the kernel divides, in float32 (torch's scalar / tensor multiplies by a
+    # reciprocal instead, whose last bit can move a product that lies on a tie to the other code)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, 1.0), 0.0)
     codes = torch.round(b * inv).clamp(-128, 127)
     return (codes * (amax / 127.0)).reshape(rows, cols)
 
 
-def _minimums(seg: Segment) -> torch.Tensor:
-    """Each weight's additive term [rows, cols] (Q4_1 / int4: min; Q4_K: -dmin x m), zero for
-    kinds whose offset is integer (folded into the codes' products exactly)."""
-    if seg.kind not in (Kind.Q4_1, Kind.Q4_K):
-        return torch.zeros(seg.rows, seg.cols)
-    codes = torch.zeros_like(seg.parts["codes"])
-    return dequantize_segment(Segment(seg.kind, seg.rows, seg.cols, seg.group, seg.parts | {"codes": codes}, seg.source))
-
-
 def mirror(x: torch.Tensor, w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's product in float64 with the kernel's own roundings of the activations, and
-    a bound on float32 accumulation error per output (sum |x_hat| |w|, times a few ulp).
-
-    The integer part is exact; a kind with a minimum adds min x (sum of the *float* block),
-    as the kernel does: y = x_hat W^T + (x - x_hat) M^T. Outlier channels are zeroed before
-    the activations are quantized and added back in float."""
+    """The kernel's product in float64 with the kernel's own roundings of the activations,
+    y = x_hat W^T (the integer part is exact), and a bound on float32 accumulation error per
+    output (sum |x_hat| |w|, times a few ulp). Outlier channels are zeroed before the
+    activations are quantized and added back in float."""
     xq = x.double().clone()
     if w.outliers is not None:
         xq[:, w.outliers.channels.long()] = 0.0
@@ -63,9 +54,8 @@ def mirror(x: torch.Tensor, w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor
     outs, bounds = [], []
     for seg in w.segments:
         weight = dequantize_segment(seg).double()
-        y = x_hat @ weight.T + (xq - x_hat) @ _minimums(seg).double().T
-        outs.append(y)
-        bounds.append((x_hat.abs() + xq.abs()) @ weight.abs().T)
+        outs.append(x_hat @ weight.T)
+        bounds.append(x_hat.abs() @ weight.abs().T)
     y, bound = torch.cat(outs, dim=1), torch.cat(bounds, dim=1)
     if w.outliers is not None:
         y = y + x.double()[:, w.outliers.channels.long()] @ w.outliers.weight.double().T
