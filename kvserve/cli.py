@@ -105,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_args(serve)      # --replicas N: engine replicas on Ray Serve instead of one engine
     from kvserve.plan.cli import add_plan_parser
     add_plan_parser(sub)
-    from kvserve.eval.cli import add_eval_budget_parser, add_eval_parser
+    from kvserve.eval.cli import add_eval_budget_parser, add_eval_parser, add_eval_weights_parser
     add_eval_parser(sub)
     add_eval_budget_parser(sub)
+    add_eval_weights_parser(sub)
     return parser
 
 

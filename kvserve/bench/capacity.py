@@ -224,7 +224,7 @@ def add_capacity_parser(bsub: argparse._SubParsersAction, common: argparse.Argum
     c.add_argument("--max-num-batched-tokens", type=int, default=512)
     c.add_argument("--num-requests", type=int, default=None,
                    help="requests submitted (default: those that fit plus a quarter)")
-    c.add_argument("--text", default=None, help="prompt text (default ../shared/data/botchan.txt)")
+    c.add_argument("--text", default=None, help="prompt text (default: the shipped botchan.txt)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     c.set_defaults(run=run_bench)

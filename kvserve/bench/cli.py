@@ -69,7 +69,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         help="also draw the results as a PNG to this file (matplotlib, from the bench extra)")
 
     c = bsub.add_parser("chat", parents=[common], help="multi-turn chat TTFT, prefix cache on vs off")
-    c.add_argument("--text", default=None, help="text for the user turns (default ../shared/data/botchan.txt)")
+    c.add_argument("--text", default=None, help="text for the user turns (default: the shipped botchan.txt)")
     c.add_argument("--target-tokens", type=int, default=2000, help="grow the history to this many tokens")
     c.add_argument("--words-per-turn", type=int, default=60)
     c.add_argument("--max-tokens", type=int, default=48, help="reply length per turn")

@@ -6,6 +6,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -14,17 +15,16 @@ import torch
 from kvserve.model.linear import as_float
 from kvserve.model.loader import LoadedModel, load_model
 
-TEXT_CANDIDATES = ("../shared/data/botchan.txt", "shared/data/botchan.txt")
+SHIPPED_TEXT = "data/botchan.txt"    # inside the kvserve package: the default evaluation text
 
 
 def find_text(path: str | None = None) -> str:
-    """Evaluation text: ``path``, else botchan.txt from ../shared/data."""
-    candidates = [path] if path else list(TEXT_CANDIDATES)
-    for c in candidates:
-        p = Path(c)
-        if p.is_file():
-            return p.read_text(encoding="utf-8")
-    raise ValueError(f"no text file found (tried {', '.join(candidates)}); pass --text PATH")
+    """Evaluation text: the file ``path``, else the botchan.txt shipped in the package."""
+    if not path:
+        return resources.files("kvserve").joinpath(SHIPPED_TEXT).read_text(encoding="utf-8")
+    if not Path(path).is_file():
+        raise ValueError(f"no text file {path}; pass --text PATH, or leave it out for the shipped botchan.txt")
+    return Path(path).read_text(encoding="utf-8")
 
 
 def stderr_log(name: str) -> Callable[[str], None]:

@@ -192,6 +192,6 @@ def add_kv_decode_parser(bsub: argparse._SubParsersAction, common: argparse.Argu
     d.add_argument("--steps", type=int, default=32, help="decode steps per request")
     d.add_argument("--repeats", type=int, default=3)
     d.add_argument("--kv-cache-gb", type=float, default=1.0)
-    d.add_argument("--text", default=None, help="prompt text (default ../shared/data/botchan.txt)")
+    d.add_argument("--text", default=None, help="prompt text (default: the shipped botchan.txt)")
     d.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     d.set_defaults(run=run_bench)

@@ -351,7 +351,7 @@ def add_rag_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentPa
     r.add_argument("--rounds", type=int, default=1, help="passes over the queries, each with fresh engines")
     r.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks per engine (default: every document and every request of a round)")
-    r.add_argument("--text", default=None, help="text the documents are cut from (default ../shared/data/botchan.txt)")
+    r.add_argument("--text", default=None, help="text the documents are cut from (default: the shipped botchan.txt)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add_engine_args(r, ("blend_cost_model", "blend_select_layer"))

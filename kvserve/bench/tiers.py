@@ -240,5 +240,5 @@ def add_tiers_parser(bsub: argparse._SubParsersAction, common: argparse.Argument
     t.add_argument("--disk-cache", default=None, help="disk tier directory (default: a temporary one)")
     t.add_argument("--redis-url", default=None,
                    help="Redis for --tiers redis (default: a throwaway redis-server on a free loopback port)")
-    t.add_argument("--text", default=None, help="text for the user turns (default ../shared/data/botchan.txt)")
+    t.add_argument("--text", default=None, help="text for the user turns (default: the shipped botchan.txt)")
     t.set_defaults(run=run_bench)

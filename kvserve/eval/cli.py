@@ -16,6 +16,8 @@ from kvserve.options import add_engine_args, engine_options
 
 DEFAULT_FORMATS = ("native", "fp16", "bf16", "fp8", "int8", "int4", "kivi4", "kivi2", "kivi2+had",
                    "kivi4+out4", "0-1=fp16;2-=kivi2", "k=kivi4,v=kivi2")
+DEFAULT_WEIGHT_FORMATS = ("native", "gguf", "int8", "int8-g32", "int4", "int4+out8", "int4-g64",
+                          "int4-g64+out8", "int8+out8")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -88,7 +90,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--hf-dense-passkey", action="store_true",
                    help="also run passkey on transformers' uncompressed cache (same weights as native)")
     e.add_argument("--tasks", default="ppl,agree,passkey", help="comma-separated subset of ppl,agree,passkey")
-    e.add_argument("--text", default=None, help="perplexity text (default ../shared/data/botchan.txt)")
+    e.add_argument("--text", default=None, help="perplexity text (default: the shipped botchan.txt)")
     e.add_argument("--ppl-tokens", type=int, default=2048, help="score the first N tokens of the text")
     e.add_argument("--window", type=int, default=1024)
     e.add_argument("--stride", type=int, default=512)
@@ -151,7 +153,7 @@ def run_eval_budget(args: argparse.Namespace) -> int:
 def add_eval_budget_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval-budget", help="KV budget policies vs the full cache: passkey, perplexity, memory, speed")
     e.add_argument("--model", default=None)
-    e.add_argument("--text", default=None, help="evaluation text (default ../shared/data/botchan.txt)")
+    e.add_argument("--text", default=None, help="evaluation text (default: the shipped botchan.txt)")
     e.add_argument("--contexts", default="2048,4096", help="context lengths in tokens")
     e.add_argument("--fractions", default="0.125,0.25", help="budgets as fractions of the context")
     e.add_argument("--policies", default="streaming,h2o,snapkv,pyramid,merge,arkvale,arkvale-bound")
@@ -164,3 +166,43 @@ def add_eval_budget_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     e.set_defaults(run=run_eval_budget)
+
+
+def run_eval_weights(args: argparse.Namespace) -> int:
+    from kvserve.bench.common import find_text
+    from kvserve.eval import weights
+
+    t_start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = weights.weight_settings(args.ppl_tokens, args.window, args.stride, args.chunk, args.num_prompts,
+                                       args.agree_tokens)
+    report, results = weights.run(args.model, find_text(args.text), args.text or "the shipped botchan.txt", settings,
+                                  args.format or DEFAULT_WEIGHT_FORMATS, {**engine_options(args), "max_num_seqs": 4})
+    wall = time.perf_counter() - t_start
+    print(report)
+    print(f"wall time {wall:.0f} s ({wall / 60:.1f} min), {torch.get_num_threads()} thread(s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": weights.settings_json(settings), "wall_s": wall,
+                                               "results": weights.to_json(results)}, indent=2))
+    return 0
+
+
+def add_eval_weights_parser(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("eval-weights", help="weight format quality vs native weights: perplexity, greedy agreement, "
+                                            "resident bytes")
+    e.add_argument("--model", default=None)
+    add_engine_args(e, ("device", "dtype", "kv_cache_memory_gb"))
+    e.add_argument("--format", action="append", default=None,
+                   help=f"a weight format to evaluate (repeatable; native always runs, as the reference; default: "
+                        f"{' | '.join(DEFAULT_WEIGHT_FORMATS)})")
+    e.add_argument("--text", default=None, help="perplexity text (default: the shipped botchan.txt)")
+    e.add_argument("--ppl-tokens", type=int, default=2048, help="score the first N tokens of the text")
+    e.add_argument("--window", type=int, default=1024)
+    e.add_argument("--stride", type=int, default=512)
+    e.add_argument("--chunk", type=int, default=64, help="prompt tokens per forward")
+    e.add_argument("--num-prompts", type=int, default=8, help="chat prompts for greedy agreement")
+    e.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens per chat prompt")
+    e.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    e.add_argument("--json", default=None, help="also write the results to this JSON file")
+    e.set_defaults(run=run_eval_weights)

@@ -29,7 +29,7 @@ from kvserve.kv.codecs import LayerFormat, fp8_supported, parse_kv_format
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model
 
-BOTCHAN = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "botchan.txt"
+BOTCHAN = Path(__file__).resolve().parents[3] / "kvserve" / "data" / "botchan.txt"   # shipped in the package
 BASE = ["fp16", "bf16", "fp8", "int8", "int4", "kivi4", "kivi2", "int2"]
 EXTRA = ["k=int8,v=int4", "k=kivi4,v=kivi2", "k=kivi2+out4,v=kivi2", "k=kivi2+had+out4,v=kivi2+had"]
 
