@@ -112,8 +112,8 @@ class PackedProducts(Products):
             packed = [p for p in parts if isinstance(p, PackedWeight)]
             if len(packed) == len(parts):
                 return self.kernel.product(stack(packed, None if bias is None else bias.float()))
-            self._say(f"{'/'.join(sorted({'float' if isinstance(p, torch.Tensor) else p.format_name for p in parts}))}"
-                      " products (a part in a type no kernel reads) are dequantized")
+            self._say(f"{name} is dequantized: a part of it is float in the file, or was in a type no kernel "
+                      "reads (the loader's log names those)")
             return self.dense.product(name, parts, bias, is_head=is_head)
         return self.kernel.product(self._quantize(name, parts, bias, is_head))
 
@@ -163,6 +163,7 @@ def calibrate(loaded: LoadedModel, num_tokens: int = CALIBRATION_TOKENS) -> dict
 
     if loaded.tokenizer is None:
         raise ValueError("outlier protection measures activations on a text, and this model has no tokenizer")
+    num_tokens = min(num_tokens, loaded.config.max_position_embeddings)
     text = calibration_text()
     ids = loaded.tokenizer.encode(text[-8 * num_tokens:])[-num_tokens:]
     return record_activations(loaded, ids)
