@@ -21,10 +21,12 @@ rest of the step is the weights, the per-layer work and the writes of new tokens
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,6 +34,7 @@ from kvserve.bench.capacity import distinct_prompts
 from kvserve.bench.common import load_text_model, stderr_log, table
 from kvserve.llm import LLM
 from kvserve.model.loader import LoadedModel
+from kvserve.options import add_engine_args, engine_options
 from kvserve.sampling_params import SamplingParams
 
 DEFAULT_FORMATS = ("native", "fp16", "int8", "fp8", "int4", "kivi4", "kivi2")
@@ -47,6 +50,13 @@ class DecodeResult:
     tok_s: list[float]            # one per repeat
     step_ms: float = 0.0          # median decode step
     attention_ms: float | None = None   # of which in the backend's attend (None: the torch path, not timed apart)
+    products_ms: float = 0.0      # of which in the weight products (every layer's and the LM head's)
+    weight_format: str = ""
+
+    @property
+    def rest_ms(self) -> float | None:
+        """The step less its products and attention (None where attention is not timed apart)."""
+        return None if self.attention_ms is None else self.step_ms - self.products_ms - self.attention_ms
 
     @property
     def median(self) -> float:
@@ -79,68 +89,95 @@ def kv_bytes_per_step(llm: LLM, context_tokens: int, num_seqs: int) -> int:
     return num_seqs * -(-context_tokens // bs) * per_block
 
 
-class AttendTimer:
-    """Wall time spent in a backend's ``attend`` (set on the instance), per engine step."""
+PRODUCT_METHODS = ("__call__", "after_norm", "add_into", "swiglu_add_into", "head")
+
+
+class StepTimer:
+    """Wall time per engine step spent in the backend's ``attend`` and in the model's products
+    (every layer's and the LM head's calls, set on the instances); the rest of a step is the
+    norms' and RoPE's remains, the KV writes, the per-layer Python, scheduling and sampling."""
 
     def __init__(self, llm: LLM) -> None:
-        self.seconds = 0.0
+        self.attend_s = 0.0
+        self.products_s = 0.0
         backend = llm.engine.attention
-        self.active = backend.reads_in_place
-        if self.active:
-            attend = backend.attend
+        self.times_attention = backend.reads_in_place
+        if self.times_attention:
+            backend.attend = self._timed(backend.attend, "attend_s")   # type: ignore[method-assign]
+        model = llm.engine.model
+        for product in [model.lm_head] + [p for lw in model.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]:
+            for name in PRODUCT_METHODS:
+                setattr(product, name, self._timed(getattr(product, name), "products_s"))
 
-            def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
-                t = time.perf_counter()
-                try:
-                    return attend(*args, **kwargs)
-                finally:
-                    self.seconds += time.perf_counter() - t
-            backend.attend = timed        # type: ignore[method-assign]
+    def _timed(self, fn: Any, counter: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, counter, getattr(self, counter) + time.perf_counter() - t)
+        return timed
+
+    def reset(self) -> None:
+        self.attend_s = self.products_s = 0.0
 
 
-def run_one(llm: LLM, prompts: list[list[int]], steps: int, repeats: int
-            ) -> tuple[list[float], list[float], list[float]]:
-    """Decode tok/s per repeat, and every timed step's wall time and time in ``attend``."""
+class StepTimes(NamedTuple):
+    rates: list[float]         # decode tok/s per repeat
+    step_s: list[float]        # every timed step's wall time
+    attend_s: list[float]      # of which in attend
+    products_s: list[float]    # of which in the products
+
+
+def run_one(llm: LLM, prompts: list[list[int]], steps: int, repeats: int) -> StepTimes:
+    """Decode tok/s per repeat, and every timed step's wall time, time in ``attend`` and in the
+    products."""
     engine = llm.engine
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    timer = AttendTimer(llm)
-    rates: list[float] = []
-    step_s: list[float] = []
-    attend_s: list[float] = []
+    timer = StepTimer(llm)
+    out = StepTimes([], [], [], [])
     for _ in range(repeats + 1):            # the first play prefills the cache (not counted)
         for p in prompts:
             engine.add_request(p, params)
         decode_time, decode_tokens = 0.0, 0
         while engine.has_unfinished:
             before = engine.stats()
-            timer.seconds = 0.0
+            timer.reset()
             t = time.perf_counter()
             outputs = engine.step()
             dt = time.perf_counter() - t
             if len(outputs) == len(prompts) == before.num_running and all(len(o.token_ids) > 1 for o in outputs):
                 decode_time += dt
                 decode_tokens += len(outputs)
-                step_s.append(dt)
-                attend_s.append(timer.seconds)
-        rates.append(decode_tokens / decode_time if decode_time else 0.0)
+                out.step_s.append(dt)
+                out.attend_s.append(timer.attend_s)
+                out.products_s.append(timer.products_s)
+        out.rates.append(decode_tokens / decode_time if decode_time else 0.0)
         engine.check_integrity()
-    return rates[1:], step_s, attend_s
+    return StepTimes(out.rates[1:], out.step_s, out.attend_s, out.products_s)
 
 
 def run(loaded: LoadedModel, text_ids: list[int], formats: list[str], backends: list[str], num_seqs: int,
-        context: int, steps: int, repeats: int, kv_cache_gb: float, log=print) -> list[DecodeResult]:
+        context: int, steps: int, repeats: int, kv_cache_gb: float, log=print,
+        engine_options: dict[str, Any] | None = None) -> list[DecodeResult]:
+    """``engine_options``: further ``LLM(...)`` keywords (device, dtype, weight_format)."""
     prompts = distinct_prompts(text_ids, num_seqs, context, seed=0)
     results = []
     for fmt in formats:
         for backend in backends:
             llm = LLM(loaded=loaded, kv_format=fmt, attention_backend=backend, kv_cache_memory_gb=kv_cache_gb,
-                      max_num_seqs=max(8, num_seqs), max_num_batched_tokens=512)
-            rates, step_s, attend_s = run_one(llm, prompts, steps, repeats)
+                      max_num_seqs=max(8, num_seqs), max_num_batched_tokens=512, **(engine_options or {}))
+            times = run_one(llm, prompts, steps, repeats)
+            timed_attention = bool(times.attend_s) and llm.engine.attention.reads_in_place
+
+            def median_ms(xs: list[float]) -> float:
+                return statistics.median(xs) * 1e3 if xs else 0.0
+
             result = DecodeResult(fmt, llm.engine.attention.name, kv_bytes_per_step(llm, context + steps // 2, num_seqs),
-                                  weight_bytes(llm), rates, statistics.median(step_s) * 1e3 if step_s else 0.0,
-                                  statistics.median(attend_s) * 1e3 if attend_s and llm.engine.attention.reads_in_place
-                                  else None)
-            log(f"{fmt} / {result.backend}: {result.median:.2f} tok/s ({', '.join(f'{r:.2f}' for r in rates)})")
+                                  weight_bytes(llm), times.rates, median_ms(times.step_s),
+                                  median_ms(times.attend_s) if timed_attention else None,
+                                  median_ms(times.products_s), llm.engine.weight_format)
+            log(f"{fmt} / {result.backend}: {result.median:.2f} tok/s ({', '.join(f'{r:.2f}' for r in times.rates)})")
             results.append(result)
             del llm
     return results
@@ -154,13 +191,14 @@ def render(results: list[DecodeResult], num_seqs: int, bandwidth: float) -> str:
         reference = by.get((r.kv_format, "torch"))
         limit = num_seqs * bandwidth / (r.weight_bytes + r.kv_bytes_per_step)
         rows.append([r.kv_format, r.backend, f"{r.kv_bytes_per_step / 2**20:,.0f}",
-                     f"{r.median:.2f}", f"{min(r.tok_s):.2f}-{max(r.tok_s):.2f}", f"{r.step_ms:.1f}",
-                     "-" if r.attention_ms is None else f"{r.attention_ms:.1f}",
+                     f"{r.median:.2f}", f"{min(r.tok_s):.2f}-{max(r.tok_s):.2f}", f"{r.step_ms:.2f}",
+                     f"{r.products_ms:.2f}", "-" if r.attention_ms is None else f"{r.attention_ms:.2f}",
+                     "-" if r.rest_ms is None else f"{r.rest_ms:.2f}",
                      f"{r.median / native.median:.2f}x" if native else "-",
                      f"{r.median / reference.median:.2f}x" if reference and reference is not r else "-",
                      f"{limit:.2f}", f"{r.median / limit:.0%}"])
-    return table(["format", "attention", "KV MiB/step", "tok/s (median)", "spread", "step ms", "of which attend ms",
-                  "vs native",
+    return table(["format", "attention", "KV MiB/step", "tok/s (median)", "spread", "step ms", "products ms",
+                  "attend ms", "rest ms", "vs native",
                   "vs torch path", "limit tok/s", "of limit"], rows)
 
 
@@ -170,13 +208,23 @@ def run_bench(args: argparse.Namespace) -> int:
     bandwidth = read_bandwidth()
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
     results = run(loaded, text_ids, args.format or list(DEFAULT_FORMATS), args.backend or list(DEFAULT_BACKENDS),
-                  args.seqs, args.context, args.steps, args.repeats, args.kv_cache_gb, log)
+                  args.seqs, args.context, args.steps, args.repeats, args.kv_cache_gb, log, engine_options(args))
     bandwidth = max(bandwidth, read_bandwidth())      # measured again after the runs: the box may have warmed
     w = results[0].weight_bytes if results else 0
+    weights = results[0].weight_format if results else "-"
     print(f"decode, {args.seqs} requests x {args.context} context tokens, {args.steps} steps, median of "
-          f"{args.repeats}; {loaded.source}, {torch.get_num_threads()} threads; weights {w / 2**20:,.0f} MiB read "
-          f"per step; read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over 1 GiB)")
+          f"{args.repeats}; {loaded.source}, weights {weights} ({w / 2**20:,.0f} MiB read per step), "
+          f"{torch.get_num_threads()} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over 1 GiB); "
+          f"a step = products (every layer's and the LM head's) + attend (the backend's calls) + rest (norms' and "
+          f"RoPE's remains, KV writes, per-layer Python, scheduling, sampling)")
     print(render(results, args.seqs, bandwidth))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "seqs": args.seqs, "context": args.context, "steps": args.steps, "bandwidth": bandwidth,
+            "results": [asdict(r) | {"median": r.median, "rest_ms": r.rest_ms} for r in results]}, indent=2))
+    if args.plot:
+        from kvserve.bench.plots import plot_step_parts
+        plot_step_parts([asdict(r) | {"rest_ms": r.rest_ms} for r in results], args.plot)
     return 0
 
 
@@ -194,4 +242,5 @@ def add_kv_decode_parser(bsub: argparse._SubParsersAction, common: argparse.Argu
     d.add_argument("--kv-cache-gb", type=float, default=1.0)
     d.add_argument("--text", default=None, help="prompt text (default: the shipped botchan.txt)")
     d.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_engine_args(d, ("weight_format",))
     d.set_defaults(run=run_bench)

@@ -106,6 +106,24 @@ def plot_decode(rows: Sequence[Mapping[str, float]], path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def plot_step_parts(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """``bench kv-decode``: tokens / s per KV format and backend, and each decode step taken
+    apart (stacked: products, attention, the rest)."""
+    fig, (speed, parts) = _figure(2, "Decode per KV format")
+    labels = [f"{r['kv_format']}\n{r['backend']}" for r in rows]
+    _bars(speed, labels, {"tok/s": [statistics.median(r["tok_s"]) for r in rows]}, "decode tokens / s (median)")
+    bottom = [0.0] * len(rows)
+    for key, name in (("products_ms", "products"), ("attention_ms", "attention"), ("rest_ms", "rest")):
+        values = [r[key] or 0.0 for r in rows]
+        parts.bar(range(len(rows)), values, 0.6, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    parts.set_xticks(range(len(rows)), labels)
+    parts.set_ylabel("ms per decode step (median)")
+    parts.grid(axis="y", alpha=0.3)
+    parts.legend(loc="upper right")
+    return _save(fig, path)
+
+
 def plot_serve(ttft_s: Sequence[float], e2e_s: Sequence[float], path: str | Path, title: str = "") -> Path:
     """``bench serve``: the distribution (CDF) of time to first token and end-to-end latency."""
     fig, (ax,) = _figure(1, title or "HTTP server under load: latency distribution")
@@ -148,4 +166,23 @@ def plot_rag(results: Iterable[Any], path: str | Path) -> Path:
     ax.set_ylim(-2, 105)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, path)
+
+
+def plot_peer(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """``bench peer``: tokens / s per row for kvserve and llama.cpp (log scale; the rows differ by
+    orders of magnitude), and kvserve / llama.cpp per row where llama.cpp ran."""
+    compared = [r for r in rows if r["llama_tok_s"] is not None]
+    fig, axes = _figure(2 if compared else 1, "kvserve vs llama.cpp, same GGUF and threads")
+    series = {"kvserve": [r["kvserve_tok_s"] for r in rows]}
+    if compared:
+        series["llama.cpp"] = [r["llama_tok_s"] or 0.0 for r in rows]
+    _bars(axes[0], [r["label"].replace(", ", "\n") for r in rows], series, "tokens / s")
+    axes[0].set_yscale("log")
+    axes[0].tick_params(axis="x", labelsize=7)
+    if compared:
+        _bars(axes[1], [r["label"].replace(", ", "\n") for r in compared],
+              {"kvserve / llama.cpp": [r["ratio"] for r in compared]}, "kvserve / llama.cpp (x)")
+        axes[1].axhline(1.0, color="grey", linewidth=0.8)
+        axes[1].tick_params(axis="x", labelsize=7)
     return _save(fig, path)

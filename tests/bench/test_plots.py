@@ -52,6 +52,11 @@ def capacity_results() -> list[CapacityResult]:
     ("decode", lambda p: plots.plot_decode([{"batch": 1, "kvserve_tok_s": 17.6, "transformers_tok_s": 15.9},
                                             {"batch": 8, "kvserve_tok_s": 60.4, "transformers_tok_s": 63.7}], p), 1),
     ("serve", lambda p: plots.plot_serve([0.2, 1.5, 0.7, 4.0], [6.0, 7.5, 9.1, 10.8], p), 1),
+    ("kv-decode", lambda p: plots.plot_step_parts(
+        [{"kv_format": "native", "backend": "cpu", "tok_s": [97.7, 97.6], "products_ms": 3.5, "attention_ms": 30.1,
+          "rest_ms": 5.5},
+         {"kv_format": "int8", "backend": "cpu", "tok_s": [155.8], "products_ms": 3.5, "attention_ms": 13.2,
+          "rest_ms": None}], p), 2),
     ("structured", lambda p: plots.plot_structured(
         [{"batch": 1, "baseline_sampling_ms": 0.29, "constrained_sampling_ms": 1.06},
          {"batch": 8, "baseline_sampling_ms": 0.15, "constrained_sampling_ms": 0.8}], p), 1),

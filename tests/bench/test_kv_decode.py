@@ -1,0 +1,38 @@
+"""``kvserve bench kv-decode`` on the tiny model: steps taken apart, the table, its flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from tiny import random_tokens, tiny_model
+
+from kvserve.bench import kv_decode
+from kvserve.bench.cli import add_bench_parser
+
+
+def test_a_decode_step_is_taken_apart_into_products_attention_and_the_rest():
+    loaded = tiny_model()
+    text = random_tokens(400, seed=0, vocab_size=loaded.config.vocab_size)
+    results = kv_decode.run(loaded, text, ["native", "int8"], ["auto", "torch"], num_seqs=2, context=40, steps=5,
+                            repeats=2, kv_cache_gb=0.01, log=lambda m: None,
+                            engine_options={"weight_format": "int8"})
+    assert [(r.kv_format, r.backend, r.weight_format) for r in results] == [
+        ("native", "cpu", "int8"), ("native", "torch", "int8"), ("int8", "cpu", "int8"), ("int8", "torch", "int8")]
+    for r in results:
+        assert len(r.tok_s) == 2 and r.median > 0
+        assert 0 < r.products_ms < r.step_ms
+        if r.backend == "torch":               # the torch path reads through gather: not timed apart
+            assert r.attention_ms is None and r.rest_ms is None
+        else:
+            assert r.attention_ms is not None and r.rest_ms is not None
+            assert abs(r.products_ms + r.attention_ms + r.rest_ms - r.step_ms) < 1e-9
+    table = kv_decode.render(results, 2, bandwidth=30e9)
+    assert "| products ms | attend ms | rest ms |" in table
+
+
+def test_kv_decode_takes_json_plot_and_the_weight_format(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "kv-decode", "--json", str(tmp_path / "r.json"), "--plot",
+                              str(tmp_path / "r.png"), "--weight-format", "native"])
+    assert (args.json, args.plot, args.weight_format) == (str(tmp_path / "r.json"), str(tmp_path / "r.png"), "native")
