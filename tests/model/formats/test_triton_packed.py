@@ -27,17 +27,15 @@ from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from blocks import random_packed
 
 from kvserve.model.formats.packing import (
-    GGUF_TYPES,
     Outliers,
     PackedWeight,
     dequantize,
-    pack_gguf,
     quantize_int4,
     quantize_int8,
     stack,
@@ -90,20 +88,9 @@ def single_threaded_cpu() -> Iterator[None]:
 
 # ---- weights --------------------------------------------------------------------------------
 
-# fp16 fields of each GGUF block (byte offset, low, high): sane scales over random codes
-SCALE_FIELDS = {"Q4_0": [(0, -0.02, 0.02)], "Q4_1": [(0, 0.0, 0.02), (2, -0.15, 0.0)],
-                "Q8_0": [(0, -0.002, 0.002)], "Q4_K": [(0, 0.0, 0.002), (2, 0.0, 0.002)],
-                "Q6_K": [(208, -0.0003, 0.0003)]}
-
-
 def gguf_weight(type_name: str, rows: int, cols: int, seed: int) -> PackedWeight:
     """Random blocks of ``type_name`` (every code and sub-scale byte random) with small fp16 scales."""
-    _, block, nbytes = GGUF_TYPES[type_name]
-    rng = np.random.default_rng(seed)
-    data = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)
-    for offset, low, high in SCALE_FIELDS[type_name]:
-        data[:, offset:offset + 2] = rng.uniform(low, high, size=(data.shape[0], 1)).astype(np.float16).view(np.uint8)
-    return pack_gguf(type_name, data, rows, cols)
+    return random_packed(type_name, rows, cols, seed)
 
 
 def float_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
