@@ -68,24 +68,24 @@ class CpuBackend(AttentionBackend):
         return None if cpu.is_available() else "the C++ kernel could not be built or loaded (see the log)"
 
     def __init__(self) -> None:
+        from kvserve.attention import cpu  # the kernel's module, once (not at every call)
+        self._cpu: ModuleType = cpu
         # the kernel's view of each half (layout codes, part tensors), derived once: storages
         # hand out the same HalfStore objects every call (held here, so their ids stay theirs)
         self._views: dict[int, tuple[HalfStore, tuple[list[int], list[torch.Tensor]]]] = {}
 
     def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        from kvserve.attention import cpu
-        return cpu.paged_attention(q, key, value, batch, scale, out,
-                                   views=(self._view(cpu, "key", key, q.shape[-1]),
-                                          self._view(cpu, "value", value, q.shape[-1])))
+        return self._cpu.paged_attention(q, key, value, batch, scale, out,
+                                         views=(self._view("key", key, q.shape[-1]),
+                                                self._view("value", value, q.shape[-1])))
 
-    def _view(self, cpu: ModuleType, name: str, store: HalfStore,
-              head_dim: int) -> tuple[list[int], list[torch.Tensor]]:
+    def _view(self, name: str, store: HalfStore, head_dim: int) -> tuple[list[int], list[torch.Tensor]]:
         held = self._views.get(id(store))
         if held is None or held[0] is not store:
             if len(self._views) > 4096:      # a storage that builds its halves per call: stay bounded
                 self._views.clear()
-            held = (store, cpu.half_args(name, store, head_dim))
+            held = (store, self._cpu.half_args(name, store, head_dim))
             self._views[id(store)] = held
         return held[1]
 

@@ -1,4 +1,5 @@
-"""The C++ CPU attention kernel (kvserve/attention/csrc/) as an extension built on first use.
+"""The C++ CPU attention kernel (kvserve/attention/csrc/) as an extension built on first use; it
+also holds the encoders that write new keys and values into every KV format (encode.h).
 
 Building, caching and picking the instruction set are kvserve/extensions.py's; this names
 the sources and the sets: AVX-512 (F/BW/VL/DQ, and VBMI when present) when this CPU has it,
@@ -17,7 +18,8 @@ _AVX512 = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
 _AVX512_CPU = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
 ATTENTION = CppExtension(
     prefix="kvserve_cpu_attention",
-    sources=tuple(f"attention/csrc/{name}" for name in ("paged_attention.cpp", "kernel.h", "attend.h", "dequant.h")),
+    sources=tuple(f"attention/csrc/{name}"
+                  for name in ("paged_attention.cpp", "kernel.h", "attend.h", "dequant.h", "encode.h")),
     isas=MappingProxyType({
         "avx512vbmi": (*_AVX512, "-mavx512vbmi"),
         "avx512": _AVX512,

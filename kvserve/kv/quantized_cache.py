@@ -11,7 +11,8 @@ it filled, and reads lay the rows of still-open blocks over the decoded ones. On
 halves have rows, so a KIVI cache reserves rows for its keys alone, and int8 none at all.
 
 Attention reads what is stored, for old and new tokens alike, so a prefix-cache hit sees
-exactly what a cold run saw.
+exactly what a cold run saw. On the CPU a layer's write is one C++ call for both halves
+(kv/cpu_writes.py), byte for byte the torch path below, which stays the reference.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.kv.cpu_writes import CpuWrites
 from kvserve.kv.residual import NoResidual, ResidualRows, num_residual_rows
 from kvserve.kv.storage.base import KVStorage, Overlay, StepWrites, WritePlanner
 from kvserve.kv.storage.layout import HalfLayout, HalfStore
@@ -38,7 +40,10 @@ class QuantizedKVCache(KVStorage):
     ``finish_step`` then frees."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat,
-                 num_residual_rows: int, dtype: torch.dtype, device: torch.device) -> None:
+                 num_residual_rows: int, dtype: torch.dtype, device: torch.device, *,
+                 cpu_writes: bool = True) -> None:
+        """``cpu_writes``: write through the C++ encoders where they run (CPU, extension built);
+        False keeps the torch path (the reference)."""
         if len(fmt.layers) != config.num_layers:
             raise ValueError(f"KV format has {len(fmt.layers)} layers, the model {config.num_layers}")
         self.num_layers = config.num_layers
@@ -69,6 +74,7 @@ class QuantizedKVCache(KVStorage):
         self._halves = [(HalfStore(self.key_layouts[i], self.key_parts[i], self.key_residual[i]),
                          HalfStore(self.value_layouts[i], self.value_parts[i], self.value_residual[i]))
                         for i in range(len(fmt.layers))]
+        self._cpu_writes = CpuWrites.for_storage(device, self._halves, d) if cpu_writes else None
 
     @staticmethod
     def keeps_residual(fmt: KVFormat) -> bool:
@@ -117,6 +123,14 @@ class QuantizedKVCache(KVStorage):
         return _QuantizedPlanner(self.residual, self.block_size, self.device)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
+        if self._cpu_writes is not None:
+            self._cpu_writes.write(layer, key, value, writes.slots, writes.residual_slots, writes.encode_rows,
+                                   writes.encode_block_ids)
+            return
+        self._write_torch(layer, key, value, writes)
+
+    def _write_torch(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
+        """The reference: each half through its codec and ``index_copy_``."""
         lf = self.format.layers[layer]
         for x, residual, codec, store in ((key, self.key_residual[layer], lf.key, self.key_parts[layer]),
                                           (value, self.value_residual[layer], lf.value, self.value_parts[layer])):

@@ -215,12 +215,14 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
 class Scratch {
  public:
   Scratch(int64_t ld, int64_t B, int64_t heads, int64_t max_rows)
-      : pld((B + 15) / 16 * 16),
-        arena_(new float[static_cast<size_t>(max_rows * (2 * ld + 2 + W + pld) + 2 * (B * ld + 2 * ld + pld) +
-                                             4 * B * heads * ld + 32 * 16)]),
-        visible(static_cast<size_t>(max_rows)) {
+      : pld((B + 15) / 16 * 16), visible(static_cast<size_t>(max_rows)) {
+    // the thread's arena, grown as needed and kept: a decode step calls this once per layer
+    static thread_local std::vector<float> arena;
+    const size_t need = static_cast<size_t>(max_rows * (2 * ld + 2 + W + pld) + 2 * (B * ld + 2 * ld + pld) +
+                                            4 * B * heads * ld + 32 * 16);
+    if (arena.size() < need) arena.resize(need);
     // every buffer on its own cache lines: vector loads must not straddle two
-    float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(arena_.get()) + 63) & ~uintptr_t{63});
+    float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(arena.data()) + 63) & ~uintptr_t{63});
     auto take = [&at](int64_t n) {
       float* p = at;
       at += (n + 15) / 16 * 16;
@@ -244,9 +246,6 @@ class Scratch {
     }
   }
   const int64_t pld;  // floats per row of p: block_size rounded up to 16
-
- private:
-  std::unique_ptr<float[]> arena_;
 
  public:
   float *q, *acc, *ml, *l, *lv, *p;

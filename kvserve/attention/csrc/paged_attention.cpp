@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "encode.h"
 #include "kernel.h"
 
 namespace kvs {
@@ -160,11 +161,81 @@ void run(const at::Tensor& q, at::Tensor out, const std::vector<int64_t>& k_layo
   attention(b, K, V, q.data_ptr<float>(), out.data_ptr<float>(), S, T);
 }
 
+
+namespace {
+
+// A [T, H, D] float tensor of new keys or values (channels contiguous; tokens and heads may be
+// strided, e.g. the value columns of a fused qkv product).
+TokenRows token_rows(const at::Tensor& x, const std::string& name, int64_t T, int64_t H, int64_t D) {
+  KVS_REQUIRE(x.defined() && x.device().is_cpu(), name + " must be a CPU tensor");
+  KVS_REQUIRE(x.dim() == 3 && x.size(0) == T && x.size(1) == H && x.size(2) == D,
+              name + " must have shape [" + std::to_string(T) + ", " + std::to_string(H) + ", " + std::to_string(D) +
+                  "], got " + shape_str(x));
+  KVS_REQUIRE(D <= 1 || x.stride(2) == 1, name + " must have contiguous channels (stride 1 in the last dim)");
+  const int dtype = dtype_code(x.scalar_type(), name);
+  const int64_t es = dtype_size(dtype);
+  return TokenRows{reinterpret_cast<const uint8_t*>(x.data_ptr()), dtype, x.stride(0) * es, x.stride(1) * es};
+}
+
+// An int64 index tensor of `n` entries, each in [0, bound); nullptr when n is 0.
+const int64_t* indices(const at::Tensor& t, const std::string& name, int64_t n, int64_t bound) {
+  if (n == 0) return nullptr;
+  check_tensor(t, at::kLong, {n}, name);
+  const int64_t* p = t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    KVS_REQUIRE(p[i] >= 0 && p[i] < bound, name + "[" + std::to_string(i) + "] = " + std::to_string(p[i]) +
+                                               " is outside [0, " + std::to_string(bound) + ")");
+  }
+  return p;
+}
+
+}  // namespace
+
+void write_kv(const std::vector<int64_t>& k_layout, const std::vector<at::Tensor>& k_parts,
+              const std::vector<int64_t>& v_layout, const std::vector<at::Tensor>& v_parts, const at::Tensor& key,
+              const at::Tensor& value, const at::Tensor& slots, const at::Tensor& residual_slots,
+              const at::Tensor& encode_rows, const at::Tensor& encode_block_ids) {
+  KVS_REQUIRE(key.defined() && key.dim() == 3, "key must be [tokens, heads, head_dim]");
+  const int64_t T = key.size(0), H = key.size(1), D = key.size(2);
+  KVS_REQUIRE(!k_parts.empty() && present(k_parts[0]) && k_parts[0].dim() == 4,
+              "key: the data/codes part must be [num_blocks, B, H, *]");
+  const int64_t B = k_parts[0].size(1);
+  const HalfView K = make_half("key", k_layout, k_parts, B, D);
+  const HalfView V = make_half("value", v_layout, v_parts, B, D);
+  KVS_REQUIRE(K.H == H && V.H == H, "the parts hold " + std::to_string(K.H) + " (keys) and " + std::to_string(V.H) +
+                                        " (values) heads, the new keys " + std::to_string(H));
+  for (const HalfView* v : {&K, &V}) {
+    const std::string name = v == &K ? "key" : "value";
+    KVS_REQUIRE(v->kind != PLAIN || (!v->hadamard && v->num_outliers == 0),
+                name + ": plain storage takes no +had or +outN");
+    KVS_REQUIRE(!encodes_whole_blocks(*v) || v->residual,
+                name + ": a half that encodes whole blocks needs its residual rows");
+  }
+  const bool any_rows = encodes_whole_blocks(K) || encodes_whole_blocks(V);
+  const bool any_tokens = !encodes_whole_blocks(K) || !encodes_whole_blocks(V);
+  const int64_t rows = std::max(encodes_whole_blocks(K) ? K.residual_rows : 0,
+                                encodes_whole_blocks(V) ? V.residual_rows : 0);
+  KVS_REQUIRE(!encodes_whole_blocks(K) || !encodes_whole_blocks(V) || K.residual_rows == V.residual_rows,
+              "keys and values keep different numbers of residual rows");
+  KVS_REQUIRE(K.num_blocks == V.num_blocks, "keys and values hold different numbers of blocks");
+  const int64_t E = any_rows ? encode_rows.numel() : 0;
+  KVS_REQUIRE(!any_rows || encode_block_ids.numel() == E, "encode_rows and encode_block_ids differ in length");
+  LayerWrites w{T,
+                any_tokens ? indices(slots, "slots", T, K.num_blocks * B) : nullptr,
+                any_rows ? indices(residual_slots, "residual_slots", T, rows * B) : nullptr,
+                E,
+                indices(encode_rows, "encode_rows", E, rows),
+                indices(encode_block_ids, "encode_block_ids", E, K.num_blocks)};
+  if (T == 0 && E == 0) return;
+  write_layer(K, V, token_rows(key, "key", T, H, D), token_rows(value, "value", T, H, D), w);
+}
+
 }  // namespace kvs
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvserve paged attention over compressed KV blocks (CPU)";
   m.def("run", &kvs::run, "paged attention: see kvserve/attention/cpu.py");
+  m.def("write_kv", &kvs::write_kv, "one layer's new keys and values into their blocks: see kvserve/kv/cpu_writes.py");
 #if KVS_W == 16 && defined(__AVX512VBMI__)
   m.attr("isa") = "avx512vbmi";
 #elif KVS_W == 16
