@@ -70,24 +70,23 @@ class CpuBackend(AttentionBackend):
     def __init__(self) -> None:
         from kvserve.attention import cpu  # the kernel's module, once (not at every call)
         self._cpu: ModuleType = cpu
-        # the kernel's view of each half (layout codes, part tensors), derived once: storages
-        # hand out the same HalfStore objects every call (held here, so their ids stay theirs)
-        self._views: dict[int, tuple[HalfStore, tuple[list[int], list[torch.Tensor]]]] = {}
+        # each layer's halves registered with the kernel once: storages hand out the same
+        # HalfStore objects every call (held here, so their ids stay theirs)
+        self._layers: dict[tuple[int, int], tuple[HalfStore, HalfStore, object]] = {}
 
     def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        return self._cpu.paged_attention(q, key, value, batch, scale, out,
-                                         views=(self._view("key", key, q.shape[-1]),
-                                                self._view("value", value, q.shape[-1])))
-
-    def _view(self, name: str, store: HalfStore, head_dim: int) -> tuple[list[int], list[torch.Tensor]]:
-        held = self._views.get(id(store))
-        if held is None or held[0] is not store:
-            if len(self._views) > 4096:      # a storage that builds its halves per call: stay bounded
-                self._views.clear()
-            held = (store, self._cpu.half_args(name, store, head_dim))
-            self._views[id(store)] = held
-        return held[1]
+        cpu = self._cpu
+        ext = cpu.load_extension()
+        if ext is None or q.dtype != torch.float32 or not q.is_contiguous() or q.device.type != "cpu":
+            return cpu.paged_attention(q, key, value, batch, scale, out)    # checks and says what is wrong
+        held = self._layers.get((id(key), id(value)))
+        if held is None or held[0] is not key or held[1] is not value:
+            if len(self._layers) > 4096:      # a storage that builds its halves per call: stay bounded
+                self._layers.clear()
+            held = (key, value, cpu.register_halves(ext, key, value, q.shape[-1]))
+            self._layers[(id(key), id(value))] = held
+        return cpu.run_registered(ext, held[2], q, batch, scale, out)
 
 
 class TritonBackend(AttentionBackend):

@@ -42,18 +42,17 @@ HalfArgs = tuple[list[int], list[torch.Tensor]]
 
 
 def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
-                    out: torch.Tensor | None = None, views: tuple[HalfArgs, HalfArgs] | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] in q's dtype (written into ``out`` when given). Rows of q
-    outside every sequence's ``query_starts`` range are left as they are in ``out``.
-    ``views``: ``half_args`` of the key and value halves, when the caller kept them."""
+    outside every sequence's ``query_starts`` range are left as they are in ``out``."""
     ext = load_extension()
     if ext is None:
         raise RuntimeError("the C++ CPU attention kernel is unavailable (see the log); use the torch backend")
-    return run(ext, q, key, value, batch, scale, out, views)
+    return run(ext, q, key, value, batch, scale, out)
 
 
 def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
-        out: torch.Tensor | None = None, views: tuple[HalfArgs, HalfArgs] | None = None) -> torch.Tensor:
+        out: torch.Tensor | None = None) -> torch.Tensor:
     """``paged_attention`` with a given build of the kernel (``load_extension(isa)``)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_floating_point():
         raise ValueError(f"q must be a float tensor [tokens, heads, head_dim], got {_describe(q)}")
@@ -62,9 +61,7 @@ def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batc
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, {out.dtype}")
     d = q.shape[-1]
-    if views is None:
-        views = (half_args("key", key, d), half_args("value", value, d))
-    (k_layout, k_parts), (v_layout, v_parts) = views
+    (k_layout, k_parts), (v_layout, v_parts) = half_args("key", key, d), half_args("value", value, d)
     q32 = q.float().contiguous()
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     result = out if direct else torch.empty(q.shape, dtype=torch.float32)
@@ -99,6 +96,28 @@ def half_args(name: str, store: HalfStore, head_dim: int) -> HalfArgs:
                parts.get("outlier_values", _ABSENT), parts.get("outlier_channels", _ABSENT),
                _ABSENT if store.residual is None else store.residual]
     return [int(layout.kind), dtype, layout.bits, layout.group_size, int(layout.hadamard), layout.num_outliers], tensors
+
+
+def register_halves(ext: ModuleType, key: HalfStore, value: HalfStore, head_dim: int) -> object:
+    """The kernel's checked view of a layer's two halves, for ``run_registered`` and the KV
+    writes (kvserve/kv/cpu_writes.py): the storage's parts are handed over and checked once."""
+    (k_layout, k_parts), (v_layout, v_parts) = half_args("key", key, head_dim), half_args("value", value, head_dim)
+    block_size = next(iter(key.parts.values())).shape[1]
+    return ext.make_halves(k_layout, k_parts, v_layout, v_parts, block_size, head_dim)
+
+
+def run_registered(ext: ModuleType, halves: object, q: torch.Tensor, batch: PagedBatch, scale: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_attention`` over halves ``register_halves`` made (q float32 on the CPU: the
+    engine's case; ``out`` written when it is a contiguous float32 tensor of q's shape)."""
+    if q.dtype != torch.float32 or not q.is_contiguous() or q.device.type != "cpu":
+        raise ValueError(f"registered halves take contiguous float32 CPU queries, got {_describe(q)}")
+    result = out if out is not None and out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q)
+    ext.run_halves(halves, q, result, batch.block_tables, batch.context_lens, batch.query_starts, batch.open_rows,
+                   float(scale))
+    if out is not None and result is not out:
+        return out.copy_(result)
+    return result
 
 
 def _describe(x: object) -> str:

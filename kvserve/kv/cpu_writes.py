@@ -2,8 +2,8 @@
 into both halves, in every KV format (the encoders of kvserve/attention/csrc/encode.h, built
 into the attention extension).
 
-The call takes each half as the attention kernel reads it (``cpu.half_args`` of the storage's
-``HalfStore``) and does what the storage's torch path does, in one pass:
+The call takes each layer's halves as the attention kernel reads them (registered once with
+``cpu.register_halves``) and does what the storage's torch path does, in one pass:
 
     per-token halves           token --encode--> its slot                     (``slots``)
     halves of whole blocks     token --copy--> its residual row               (``residual_slots``)
@@ -31,9 +31,9 @@ class CpuWrites:
     storages hand out the same part tensors for their whole life."""
 
     def __init__(self, ext: ModuleType, halves: Sequence[tuple[HalfStore, HalfStore]], head_dim: int) -> None:
-        from kvserve.attention.cpu import half_args
+        from kvserve.attention.cpu import register_halves
         self._ext = ext
-        self._args = [(*half_args("key", k, head_dim), *half_args("value", v, head_dim)) for k, v in halves]
+        self._layers = [register_halves(ext, k, v, head_dim) for k, v in halves]
 
     @classmethod
     def for_storage(cls, device: torch.device, halves: Sequence[tuple[HalfStore, HalfStore]],
@@ -51,12 +51,10 @@ class CpuWrites:
               encode_block_ids: torch.Tensor | None = None) -> None:
         """``key``/``value`` [num_tokens, heads, dim] of ``layer``: see the module docstring for
         the index tensors (int64; the residual ones only where a half keeps rows)."""
-        k_layout, k_parts, v_layout, v_parts = self._args[layer]
-        self._ext.write_kv(k_layout, k_parts, v_layout, v_parts, _channels_contiguous(key),
-                           _channels_contiguous(value), slots,
-                           _NO_INDICES if residual_slots is None else residual_slots,
-                           _NO_INDICES if encode_rows is None else encode_rows,
-                           _NO_INDICES if encode_block_ids is None else encode_block_ids)
+        self._ext.write_halves(self._layers[layer], _channels_contiguous(key), _channels_contiguous(value), slots,
+                               _NO_INDICES if residual_slots is None else residual_slots,
+                               _NO_INDICES if encode_rows is None else encode_rows,
+                               _NO_INDICES if encode_block_ids is None else encode_block_ids)
 
 
 def _channels_contiguous(x: torch.Tensor) -> torch.Tensor:

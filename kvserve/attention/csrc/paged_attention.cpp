@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -135,20 +136,22 @@ HalfView make_half(const std::string& name, const std::vector<int64_t>& layout, 
 
 }  // namespace
 
-void run(const at::Tensor& q, at::Tensor out, const std::vector<int64_t>& k_layout,
-         const std::vector<at::Tensor>& k_parts, const std::vector<int64_t>& v_layout,
-         const std::vector<at::Tensor>& v_parts, const at::Tensor& block_tables, const at::Tensor& context_lens,
-         const at::Tensor& query_starts, const at::Tensor& open_rows, int64_t block_size, double scale) {
-  KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), B = block_size;
-  check_tensor(q, at::kFloat, {T, Hq, D}, "q");
-  check_tensor(out, at::kFloat, {T, Hq, D}, "out");
-  KVS_REQUIRE(B > 0, "block_size must be positive");
-  const HalfView K = make_half("key", k_layout, k_parts, B, D);
-  const HalfView V = make_half("value", v_layout, v_parts, B, D);
+namespace {
+
+void check_pair(const HalfView& K, const HalfView& V, int64_t Hq) {
   KVS_REQUIRE(K.H == V.H && K.H > 0 && Hq % K.H == 0, "query heads (" + std::to_string(Hq) +
                                                       ") must be a multiple of the KV heads (" + std::to_string(K.H) +
                                                       ", keys and values alike)");
+}
+
+void run_views(const HalfView& K, const HalfView& V, const at::Tensor& q, at::Tensor& out,
+               const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& query_starts,
+               const at::Tensor& open_rows, double scale) {
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  check_tensor(q, at::kFloat, {T, Hq, D}, "q");
+  check_tensor(out, at::kFloat, {T, Hq, D}, "out");
+  KVS_REQUIRE(D == K.D, "q has head_dim " + std::to_string(D) + ", the cache " + std::to_string(K.D));
+  check_pair(K, V, Hq);
   KVS_REQUIRE(block_tables.dim() == 2, "block_tables must be [num_seqs, max_blocks]");
   const int64_t S = block_tables.size(0), MB = block_tables.size(1);
   check_tensor(block_tables, at::kInt, {S, MB}, "block_tables");
@@ -156,11 +159,23 @@ void run(const at::Tensor& q, at::Tensor out, const std::vector<int64_t>& k_layo
   check_tensor(query_starts, at::kInt, {S + 1}, "query_starts");
   check_tensor(open_rows, at::kInt, {S}, "open_rows");
   const detail::Batch b{block_tables.data_ptr<int32_t>(), MB, context_lens.data_ptr<int32_t>(),
-                        query_starts.data_ptr<int32_t>(), open_rows.data_ptr<int32_t>(), B, Hq / K.H, Hq, D,
+                        query_starts.data_ptr<int32_t>(), open_rows.data_ptr<int32_t>(), K.B, Hq / K.H, Hq, D,
                         (D + 15) / 16 * 16, static_cast<float>(scale * static_cast<double>(kLog2e))};
   attention(b, K, V, q.data_ptr<float>(), out.data_ptr<float>(), S, T);
 }
 
+}  // namespace
+
+void run(const at::Tensor& q, at::Tensor out, const std::vector<int64_t>& k_layout,
+         const std::vector<at::Tensor>& k_parts, const std::vector<int64_t>& v_layout,
+         const std::vector<at::Tensor>& v_parts, const at::Tensor& block_tables, const at::Tensor& context_lens,
+         const at::Tensor& query_starts, const at::Tensor& open_rows, int64_t block_size, double scale) {
+  KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
+  KVS_REQUIRE(block_size > 0, "block_size must be positive");
+  const HalfView K = make_half("key", k_layout, k_parts, block_size, q.size(2));
+  const HalfView V = make_half("value", v_layout, v_parts, block_size, q.size(2));
+  run_views(K, V, q, out, block_tables, context_lens, query_starts, open_rows, scale);
+}
 
 namespace {
 
@@ -191,17 +206,14 @@ const int64_t* indices(const at::Tensor& t, const std::string& name, int64_t n, 
 
 }  // namespace
 
-void write_kv(const std::vector<int64_t>& k_layout, const std::vector<at::Tensor>& k_parts,
-              const std::vector<int64_t>& v_layout, const std::vector<at::Tensor>& v_parts, const at::Tensor& key,
-              const at::Tensor& value, const at::Tensor& slots, const at::Tensor& residual_slots,
-              const at::Tensor& encode_rows, const at::Tensor& encode_block_ids) {
+namespace {
+
+void write_views(const HalfView& K, const HalfView& V, const at::Tensor& key, const at::Tensor& value,
+                 const at::Tensor& slots, const at::Tensor& residual_slots, const at::Tensor& encode_rows,
+                 const at::Tensor& encode_block_ids) {
   KVS_REQUIRE(key.defined() && key.dim() == 3, "key must be [tokens, heads, head_dim]");
-  const int64_t T = key.size(0), H = key.size(1), D = key.size(2);
-  KVS_REQUIRE(!k_parts.empty() && present(k_parts[0]) && k_parts[0].dim() == 4,
-              "key: the data/codes part must be [num_blocks, B, H, *]");
-  const int64_t B = k_parts[0].size(1);
-  const HalfView K = make_half("key", k_layout, k_parts, B, D);
-  const HalfView V = make_half("value", v_layout, v_parts, B, D);
+  const int64_t T = key.size(0), H = key.size(1), D = key.size(2), B = K.B;
+  KVS_REQUIRE(D == K.D, "the new keys have head_dim " + std::to_string(D) + ", the cache " + std::to_string(K.D));
   KVS_REQUIRE(K.H == H && V.H == H, "the parts hold " + std::to_string(K.H) + " (keys) and " + std::to_string(V.H) +
                                         " (values) heads, the new keys " + std::to_string(H));
   for (const HalfView* v : {&K, &V}) {
@@ -230,12 +242,65 @@ void write_kv(const std::vector<int64_t>& k_layout, const std::vector<at::Tensor
   write_layer(K, V, token_rows(key, "key", T, H, D), token_rows(value, "value", T, H, D), w);
 }
 
+}  // namespace
+
+void write_kv(const std::vector<int64_t>& k_layout, const std::vector<at::Tensor>& k_parts,
+              const std::vector<int64_t>& v_layout, const std::vector<at::Tensor>& v_parts, const at::Tensor& key,
+              const at::Tensor& value, const at::Tensor& slots, const at::Tensor& residual_slots,
+              const at::Tensor& encode_rows, const at::Tensor& encode_block_ids) {
+  KVS_REQUIRE(key.defined() && key.dim() == 3, "key must be [tokens, heads, head_dim]");
+  KVS_REQUIRE(!k_parts.empty() && present(k_parts[0]) && k_parts[0].dim() == 4,
+              "key: the data/codes part must be [num_blocks, B, H, *]");
+  const int64_t B = k_parts[0].size(1), D = key.size(2);
+  const HalfView K = make_half("key", k_layout, k_parts, B, D);
+  const HalfView V = make_half("value", v_layout, v_parts, B, D);
+  write_views(K, V, key, value, slots, residual_slots, encode_rows, encode_block_ids);
+}
+
+// One layer's halves, checked once: a storage's parts live as long as the storage, so a step's
+// writes and attention calls need not hand them over (and have them checked) again.
+struct Halves {
+  HalfView K, V;
+  std::vector<at::Tensor> keep;   // the part tensors the views point into
+};
+
+std::shared_ptr<Halves> make_halves(const std::vector<int64_t>& k_layout, const std::vector<at::Tensor>& k_parts,
+                                    const std::vector<int64_t>& v_layout, const std::vector<at::Tensor>& v_parts,
+                                    int64_t block_size, int64_t head_dim) {
+  KVS_REQUIRE(block_size > 0 && head_dim > 0, "block_size and head_dim must be positive");
+  auto h = std::make_shared<Halves>();
+  h->K = make_half("key", k_layout, k_parts, block_size, head_dim);
+  h->V = make_half("value", v_layout, v_parts, block_size, head_dim);
+  KVS_REQUIRE(h->K.H == h->V.H, "keys and values hold different numbers of heads");
+  for (const auto* parts : {&k_parts, &v_parts})
+    for (const auto& t : *parts)
+      if (present(t)) h->keep.push_back(t);
+  return h;
+}
+
+void run_halves(const Halves& h, const at::Tensor& q, at::Tensor out, const at::Tensor& block_tables,
+                const at::Tensor& context_lens, const at::Tensor& query_starts, const at::Tensor& open_rows,
+                double scale) {
+  KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
+  run_views(h.K, h.V, q, out, block_tables, context_lens, query_starts, open_rows, scale);
+}
+
+void write_halves(const Halves& h, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
+                  const at::Tensor& residual_slots, const at::Tensor& encode_rows, const at::Tensor& encode_block_ids) {
+  write_views(h.K, h.V, key, value, slots, residual_slots, encode_rows, encode_block_ids);
+}
+
 }  // namespace kvs
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvserve paged attention over compressed KV blocks (CPU)";
   m.def("run", &kvs::run, "paged attention: see kvserve/attention/cpu.py");
   m.def("write_kv", &kvs::write_kv, "one layer's new keys and values into their blocks: see kvserve/kv/cpu_writes.py");
+  // module_local: two builds of this extension (two instruction sets) each register it
+  pybind11::class_<kvs::Halves, std::shared_ptr<kvs::Halves>>(m, "Halves", pybind11::module_local());
+  m.def("make_halves", &kvs::make_halves, "a layer's key and value halves, checked once");
+  m.def("run_halves", &kvs::run_halves, "run() on registered halves");
+  m.def("write_halves", &kvs::write_halves, "write_kv() on registered halves");
 #if KVS_W == 16 && defined(__AVX512VBMI__)
   m.attr("isa") = "avx512vbmi";
 #elif KVS_W == 16

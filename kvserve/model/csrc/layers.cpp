@@ -214,7 +214,8 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvserve model kernels (CPU): products with quantized weights read in place, RoPE";
-  pybind11::class_<kvs::PyWeight, std::shared_ptr<kvs::PyWeight>>(m, "Weight")
+  // module_local: two builds of this extension (two instruction sets) each register it
+  pybind11::class_<kvs::PyWeight, std::shared_ptr<kvs::PyWeight>>(m, "Weight", pybind11::module_local())
       .def_property_readonly("rows", [](const kvs::PyWeight& w) { return w.w.N; })
       .def_property_readonly("cols", [](const kvs::PyWeight& w) { return w.w.K; });
   m.def("make_weight", &kvs::make_weight, "register a packed weight: see kvserve/model/formats/cpu.py");
