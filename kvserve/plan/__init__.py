@@ -1,7 +1,8 @@
-"""The KV memory planner (``kvserve plan``): how much KV memory a model needs, and what fits."""
+"""The KV memory planner (``kvserve plan``): how much KV memory a model needs, and what fits
+beside its weights."""
 
 from kvserve.plan.formats import BLOCK_SIZE, FORMATS, GROUP_SIZE, HalfSize, NamedFormat, get_format
-from kvserve.plan.models import BUILTIN_MODELS, ModelShape, load_model_shape, lookup_model, resolve_model
+from kvserve.plan.models import BUILTIN_MODELS, ModelShape, load_gguf, load_model_shape, lookup_model, resolve_model
 from kvserve.plan.planner import (
     GIB,
     TIER_BLOCK_HEADER_NBYTES,
@@ -12,6 +13,7 @@ from kvserve.plan.planner import (
     Sharing,
     make_plan,
 )
+from kvserve.plan.weights import WeightCount, WeightRow, count_weights
 
 __all__ = [
     "BLOCK_SIZE",
@@ -28,7 +30,11 @@ __all__ = [
     "Plan",
     "PlanRequest",
     "Sharing",
+    "WeightCount",
+    "WeightRow",
+    "count_weights",
     "get_format",
+    "load_gguf",
     "load_model_shape",
     "lookup_model",
     "make_plan",

@@ -1,4 +1,5 @@
-"""``kvserve plan``: KV memory for a model, a context length, a batch and a format."""
+"""``kvserve plan``: KV memory for a model, a context length, a batch and a format; with
+``--weight-format``, the weights too, and with ``--device-gb`` the KV budget they leave."""
 
 from __future__ import annotations
 
@@ -6,17 +7,24 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvserve.plan.formats import BLOCK_SIZE, COMPUTE_FORMATS, FORMATS
-from kvserve.plan.models import load_model_shape, resolve_model
+from kvserve.plan.models import ModelShape, load_gguf, load_model_shape, resolve_model
 from kvserve.plan.planner import GIB, KVLayout, PlanRequest, make_plan
 from kvserve.plan.report import plan_to_dict, render_formats, render_models, render_plan
+from kvserve.plan.weights import count_weights
+
+if TYPE_CHECKING:
+    from kvserve.model.loaded import LoadedModel
 
 _EXAMPLES = """examples:
   kvserve plan --model llama-3-70b --context 2048 --batch 100 --kv-format fp16 --memory-gb 80
   kvserve plan --model llama-3-8b --context 1000 --shared-prefix-tokens 1000 --users 1000
   kvserve plan --model qwen2-7b --kv-format kivi4 --host-gb 64 --disk-gb 500
   kvserve plan --config path/to/config.json --key-format int8 --value-format int4
+  kvserve plan --model llama-3-70b --weight-format int4 --device-gb 80 --context 8192
+  kvserve plan --config model.gguf --weight-format gguf --device-gb 24
   kvserve plan --list-models"""
 
 _TIERS = ("host", "disk", "redis")
@@ -27,11 +35,19 @@ def _gib_to_bytes(gib: float | None) -> int | None:
     return None if gib is None else round(gib * GIB)
 
 
+def _load_model(args: argparse.Namespace) -> tuple[ModelShape, LoadedModel | None]:
+    """The model's shape and, for a .gguf file, its loaded weights (what ``gguf`` counts)."""
+    source = args.config or args.model
+    if source is not None and Path(source).suffix == ".gguf" and Path(source).expanduser().is_file():
+        return load_gguf(source)
+    return (load_model_shape(args.config) if args.config else resolve_model(args.model or _DEFAULT_MODEL)), None
+
+
 def run_plan(args: argparse.Namespace) -> int:
     if args.list_models:
         sys.stdout.write(render_models())
         return 0
-    model = load_model_shape(args.config) if args.config else resolve_model(args.model or _DEFAULT_MODEL)
+    model, loaded = _load_model(args)
     if args.list_formats:
         sys.stdout.write(render_formats(model.head_dim))
         return 0
@@ -43,8 +59,12 @@ def run_plan(args: argparse.Namespace) -> int:
     tiers = tuple((name, nbytes) for name in _TIERS
                   if (nbytes := _gib_to_bytes(getattr(args, f"{name}_gb"))) is not None)
     request = PlanRequest(context_tokens=context, batch_size=args.batch, memory_bytes=_gib_to_bytes(args.memory_gb),
-                          prefix_tokens=args.shared_prefix_tokens, num_users=args.users, tier_nbytes=tiers)
-    plan = make_plan(layout, request)
+                          prefix_tokens=args.shared_prefix_tokens, num_users=args.users, tier_nbytes=tiers,
+                          device_bytes=_gib_to_bytes(args.device_gb))
+    # a device holds weights: in the engine's default format unless one is named
+    weight_format = args.weight_format or ("auto" if args.device_gb is not None else None)
+    weights = None if weight_format is None else count_weights(model, weight_format, args.compute_dtype, loaded)
+    plan = make_plan(layout, request, weights)
     if args.json is None:
         sys.stdout.write(render_plan(plan))
         return 0
@@ -77,9 +97,19 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--key-format", default=None, help="override the K half's format (a codec, e.g. int8)")
     p.add_argument("--value-format", default=None, help="override the V half's format (a codec, e.g. int4)")
     p.add_argument("--compute-dtype", default="fp16", choices=list(COMPUTE_FORMATS),
-                   help="dtype of KIVI's residual, the open block of each sequence (default fp16)")
+                   help="the engine's compute dtype: of KIVI's residual (the open block of each sequence) and, "
+                        "with --weight-format, of native weights and the norms (default fp16; an engine on "
+                        "the CPU computes in fp32)")
+    p.add_argument("--weight-format", default=None,
+                   help="count the weights in an engine --weight-format: native, int8, int8-gG, int4, int4-gG, "
+                        "...+outN, or gguf (the blocks of a .gguf given with --config); auto: gguf for a "
+                        "quantized .gguf, else native (the default with --device-gb)")
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"tokens per block (default {BLOCK_SIZE})")
-    p.add_argument("--memory-gb", type=float, default=None, help="device KV budget in GiB")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--memory-gb", type=float, default=None, help="device KV budget in GiB")
+    budget.add_argument("--device-gb", type=float, default=None,
+                        help="device memory in GiB for the weights and the KV cache: the KV budget is what the "
+                             "weights (--weight-format) leave")
     p.add_argument("--shared-prefix-tokens", type=int, default=None,
                    help="tokens every user's sequence starts with (a system prompt); needs --users")
     p.add_argument("--users", type=int, default=None, help="sequences sharing the prefix")

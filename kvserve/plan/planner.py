@@ -10,6 +10,9 @@ Under a format with halves that encode whole blocks (KIVI keys: statistics over 
 tokens), each such half has floor(n / B) quantized blocks plus one open block of B tokens in
 the compute dtype (the engine's residual row), reserved for every running sequence even when
 n is a multiple of B (the next token opens it). Other halves store each token as it comes.
+
+The KV budget is given (``memory_bytes``), or is what a device (``device_bytes``) leaves beside
+the weights (weights.py counts them in a weight format).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvserve.kv.codecs import KVFormat
 from kvserve.offload.serialization import HEADER_NBYTES
 from kvserve.plan.formats import BLOCK_SIZE, FormatSpec, build_format, compute_dtype, display_name
 from kvserve.plan.models import ModelShape, resolve_model
+from kvserve.plan.weights import WeightCount
 
 GIB = 1 << 30
 # The header a host / disk / Redis tier stores with each block (key, format, length, checksum).
@@ -158,8 +162,9 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What to plan for. ``memory_bytes``: the device KV budget; ``prefix_tokens`` and
-    ``num_users`` go together; ``tier_nbytes``: (tier name, bytes) of offload tiers."""
+    """What to plan for. ``memory_bytes``: the device KV budget, or ``device_bytes``: the
+    device's memory for weights and KV together (the plan then needs the weights); ``prefix_tokens``
+    and ``num_users`` go together; ``tier_nbytes``: (tier name, bytes) of offload tiers."""
 
     context_tokens: int
     batch_size: int = 1
@@ -167,6 +172,7 @@ class PlanRequest:
     prefix_tokens: int | None = None
     num_users: int | None = None
     tier_nbytes: tuple[tuple[str, int], ...] = ()
+    device_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.context_tokens < 1:
@@ -175,6 +181,10 @@ class PlanRequest:
             raise ValueError(f"the batch size must be >= 1, got {self.batch_size}")
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise ValueError(f"the KV memory budget must be positive, got {self.memory_bytes} bytes")
+        if self.device_bytes is not None and self.device_bytes <= 0:
+            raise ValueError(f"the device memory must be positive, got {self.device_bytes} bytes")
+        if self.device_bytes is not None and self.memory_bytes is not None:
+            raise ValueError("give the KV budget or the device memory (weights + KV), not both")
         if (self.prefix_tokens is None) != (self.num_users is None):
             raise ValueError("give both the shared prefix length and the number of users, or neither")
         for name, nbytes in self.tier_nbytes:
@@ -184,7 +194,9 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class Plan:
-    """The answers for one ``PlanRequest`` on one ``KVLayout``; built by ``make_plan``."""
+    """The answers for one ``PlanRequest`` on one ``KVLayout``; built by ``make_plan``.
+    ``weights``: the weights when counted; ``kv_budget_nbytes``: the KV budget, given or left
+    on the device beside the weights (None when neither)."""
 
     layout: KVLayout
     request: PlanRequest
@@ -195,10 +207,12 @@ class Plan:
     device: Capacity | None
     sharing: Sharing | None
     tiers: tuple[tuple[str, Capacity], ...]
+    weights: WeightCount | None = None
+    kv_budget_nbytes: int | None = None
 
     @property
     def batch_fits(self) -> bool | None:
-        return None if self.request.memory_bytes is None else self.batch_nbytes <= self.request.memory_bytes
+        return None if self.kv_budget_nbytes is None else self.batch_nbytes <= self.kv_budget_nbytes
 
     def compression(self, reference: KVLayout) -> float:
         """How many times fewer bytes per full block than ``reference``."""
@@ -210,8 +224,27 @@ class Plan:
         return reference.sequence_nbytes(context) / self.sequence_nbytes
 
 
-def make_plan(layout: KVLayout, request: PlanRequest) -> Plan:
+def kv_budget_nbytes(request: PlanRequest, weights: WeightCount | None) -> int | None:
+    """The KV budget: given, or what the device leaves beside the weights (ValueError when they
+    do not fit, or when a device is given without the weights)."""
+    if request.device_bytes is None:
+        return request.memory_bytes
+    if weights is None:
+        raise ValueError("a device's memory holds the weights and the KV cache: count the weights too")
+    left = request.device_bytes - weights.nbytes
+    if left <= 0:
+        raise ValueError(f"the weights of {weights.model_name} in {weights.weight_format} "
+                         f"({weights.nbytes:,} B = {weights.nbytes / GIB:.2f} GiB) do not fit in the device's "
+                         f"{request.device_bytes:,} B ({request.device_bytes / GIB:.2f} GiB), so nothing is left "
+                         "for the KV cache: choose a smaller weight format (int8, int4) or a larger device")
+    return left
+
+
+def make_plan(layout: KVLayout, request: PlanRequest, weights: WeightCount | None = None) -> Plan:
+    """The plan; ``weights`` (weights.count_weights) are reported, and with ``device_bytes``
+    they take their share of the device before the KV cache."""
     context = request.context_tokens
+    budget = kv_budget_nbytes(request, weights)
     sequence = layout.sequence_nbytes(context)
     reference = {name: KVLayout.build(layout.model, name, block_size=layout.block_size) for name in ("fp16", "fp32")}
     sharing = None
@@ -220,6 +253,7 @@ def make_plan(layout: KVLayout, request: PlanRequest) -> Plan:
     return Plan(
         layout=layout, request=request, sequence_nbytes=sequence, batch_nbytes=request.batch_size * sequence,
         fp16=reference["fp16"], fp32=reference["fp32"],
-        device=None if request.memory_bytes is None else layout.device_capacity(request.memory_bytes, context),
+        device=None if budget is None else layout.device_capacity(budget, context),
         sharing=sharing,
-        tiers=tuple((name, layout.tier_capacity(nbytes, context)) for name, nbytes in request.tier_nbytes))
+        tiers=tuple((name, layout.tier_capacity(nbytes, context)) for name, nbytes in request.tier_nbytes),
+        weights=weights, kv_budget_nbytes=budget)

@@ -8,6 +8,7 @@ from typing import Any
 from kvserve.plan.formats import BLOCK_SIZE, FORMATS, GROUP_SIZE
 from kvserve.plan.models import BUILTIN_MODELS
 from kvserve.plan.planner import TIER_BLOCK_HEADER_NBYTES, Capacity, KVLayout, Plan, Sharing
+from kvserve.plan.weights import WeightCount
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -75,6 +76,20 @@ def _summary(plan: Plan) -> list[str]:
             *_rows(rows, indent="")]
 
 
+def _weights(plan: Plan, w: WeightCount) -> list[str]:
+    header = ("tensor", "shape", "count", "format", "parameters", "bytes")
+    rows = [(r.name, " x ".join(f"{n:,}" for n in r.shape) or "-", f"{r.num_tensors:,}", r.format, f"{r.num_params:,}",
+             f"{r.nbytes:,}") for r in w.rows]
+    out = ["", f"weights: {w.model_name} in {w.weight_format}", *_table(header, rows, left=(0, 3)),
+           *_rows([("parameters", f"{w.num_params:,}"), ("bytes", fmt_bytes(w.nbytes)),
+                   ("bits per parameter", _trim(w.bits_per_param))])]
+    device = plan.request.device_bytes
+    if device is not None and plan.kv_budget_nbytes is not None:
+        out.append(f"device {fmt_bytes(device)} = weights {binary_size(w.nbytes)} + KV budget "
+                   f"{binary_size(plan.kv_budget_nbytes)}")
+    return out + [f"note: {note}" for note in w.notes]
+
+
 def _device(plan: Plan, dev: Capacity) -> list[str]:
     req = plan.request
     fits = "fits" if plan.batch_fits else "does NOT fit"
@@ -104,6 +119,8 @@ def _tiers(plan: Plan) -> list[str]:
 
 def render_plan(plan: Plan) -> str:
     out = _summary(plan)
+    if plan.weights is not None:
+        out += _weights(plan, plan.weights)
     if plan.device is not None:
         out += _device(plan, plan.device)
     if plan.sharing is not None:
@@ -124,13 +141,21 @@ def _capacity(c: Capacity) -> dict[str, Any]:
             "num_tokens": c.num_tokens, "num_sequences": c.num_sequences}
 
 
+def _weights_dict(w: WeightCount) -> dict[str, Any]:
+    return {"format": w.weight_format, "compute_dtype": w.compute_format, "num_params": w.num_params,
+            "nbytes": w.nbytes, "gib": w.nbytes / (1 << 30), "bits_per_param": _number(w.bits_per_param),
+            "tensors": [{**r._asdict(), "shape": list(r.shape)} for r in w.rows], "notes": list(w.notes)}
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The plan as JSON; ``weights`` and ``device_memory`` only when weights are counted and a
+    device's memory is given."""
     layout, req, m = plan.layout, plan.request, plan.layout.model
     sharing = None
     if plan.sharing is not None:
         s = plan.sharing
         sharing = {**s._asdict(), "saved_nbytes": s.saved_nbytes, "saved_gib": s.saved_nbytes / (1 << 30)}
-    return {
+    out = {
         "model": {"name": m.name, "num_layers": m.num_layers, "num_heads": m.num_heads,
                   "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_size": m.hidden_size,
                   "max_context": m.max_context, "attention": m.attention},
@@ -151,6 +176,13 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "tier_block_header_nbytes": TIER_BLOCK_HEADER_NBYTES,
         "tiers": [{"name": name, **_capacity(c)} for name, c in plan.tiers],
     }
+    if plan.weights is not None:
+        out["weights"] = _weights_dict(plan.weights)
+    if req.device_bytes is not None and plan.weights is not None and plan.kv_budget_nbytes is not None:
+        out["device_memory"] = {"nbytes": req.device_bytes, "gib": req.device_bytes / (1 << 30),
+                                "weights_nbytes": plan.weights.nbytes, "kv_budget_nbytes": plan.kv_budget_nbytes,
+                                "kv_budget_gib": plan.kv_budget_nbytes / (1 << 30)}
+    return out
 
 
 def render_models() -> str:

@@ -32,25 +32,26 @@ def per_token(model: str, kv_format: str, **kw: str) -> float:
 
 # --- the built-in table ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, layers, heads, kv_heads, head_dim, hidden, context", [
-    ("Llama-2-7B", 32, 32, 32, 128, 4096, 4096),
-    ("Llama-2-13B", 40, 40, 40, 128, 5120, 4096),
-    ("Llama-2-70B", 80, 64, 8, 128, 8192, 4096),
-    ("Llama-3-8B", 32, 32, 8, 128, 4096, 8192),
-    ("Llama-3-70B", 80, 64, 8, 128, 8192, 8192),
-    ("Mistral-7B", 32, 32, 8, 128, 4096, 32768),
-    ("Qwen2-0.5B", 24, 14, 2, 64, 896, 32768),
-    ("Qwen2-1.5B", 28, 12, 2, 128, 1536, 32768),
-    ("Qwen2-7B", 28, 28, 4, 128, 3584, 131072),
-    ("Qwen2-72B", 80, 64, 8, 128, 8192, 131072),
-    ("SmolLM2-135M", 30, 9, 3, 64, 576, 8192),
-    ("SmolLM2-360M", 32, 15, 5, 64, 960, 8192),
-    ("SmolLM2-1.7B", 24, 32, 32, 64, 2048, 8192),
+@pytest.mark.parametrize("name, layers, heads, kv_heads, head_dim, hidden, context, ffn, vocab, tied", [
+    ("Llama-2-7B", 32, 32, 32, 128, 4096, 4096, 11008, 32000, False),
+    ("Llama-2-13B", 40, 40, 40, 128, 5120, 4096, 13824, 32000, False),
+    ("Llama-2-70B", 80, 64, 8, 128, 8192, 4096, 28672, 32000, False),
+    ("Llama-3-8B", 32, 32, 8, 128, 4096, 8192, 14336, 128256, False),
+    ("Llama-3-70B", 80, 64, 8, 128, 8192, 8192, 28672, 128256, False),
+    ("Mistral-7B", 32, 32, 8, 128, 4096, 32768, 14336, 32000, False),
+    ("Qwen2-0.5B", 24, 14, 2, 64, 896, 32768, 4864, 151936, True),
+    ("Qwen2-1.5B", 28, 12, 2, 128, 1536, 32768, 8960, 151936, True),
+    ("Qwen2-7B", 28, 28, 4, 128, 3584, 131072, 18944, 152064, False),
+    ("Qwen2-72B", 80, 64, 8, 128, 8192, 131072, 29568, 152064, False),
+    ("SmolLM2-135M", 30, 9, 3, 64, 576, 8192, 1536, 49152, True),
+    ("SmolLM2-360M", 32, 15, 5, 64, 960, 8192, 2560, 49152, True),
+    ("SmolLM2-1.7B", 24, 32, 32, 64, 2048, 8192, 8192, 49152, True),
 ])
 def test_builtin_shapes(name: str, layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int,
-                        context: int) -> None:
+                        context: int, ffn: int, vocab: int, tied: bool) -> None:
     assert BUILTIN_MODELS[name] == ModelShape(name, layers, heads, kv_heads, head_dim, hidden, context,
-                                              BUILTIN_MODELS[name].note)
+                                              BUILTIN_MODELS[name].note, intermediate_size=ffn, vocab_size=vocab,
+                                              tie_word_embeddings=tied, attention_bias=name.startswith("Qwen2"))
 
 
 @pytest.mark.parametrize("alias, name", [
