@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -188,6 +188,33 @@ def make_linear(name: str, device: torch.device, dtype: torch.dtype) -> Linear:
     if device.type == "cpu" and dtype == torch.float32:   # where auto would have taken it: say why not
         log.info("linear backend: torch (%s)", reason)
     return TorchLinear()
+
+
+class HookedProduct(DenseProduct):
+    """A float product whose input passes through ``hook`` first (the fused forms call it on
+    the normed / SwiGLU input): activation statistics (kvserve/model/formats/calibration.py),
+    or the quantized kernels' rounding, simulated (tests)."""
+
+    def __init__(self, product: DenseProduct, hook: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.rows, self.cols, self._nbytes = product.rows, product.cols, product.nbytes
+        self.weight, self.bias, self.linear = product.weight, product.bias, product.linear
+        self.hook = hook
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return super().__call__(self.hook(x))
+
+    def after_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self(rms_norm(x, norm_weight, eps))
+
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return residual + self(x)
+
+    def swiglu_add_into(self, residual: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return residual + self(F.silu(gate) * up)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)
 
 
 class Embedding(ABC):

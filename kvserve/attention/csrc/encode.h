@@ -231,15 +231,20 @@ inline void convert_row(const uint8_t* src, int from, int to, int n, uint8_t* ds
   store_plain(tmp, to, n, dst);
 }
 
-// int8: s = fp16(absmax / 127), codes = clamp(round(x / s), -127, 127), 0 where s is 0.
-inline void encode_int8(const float* x, int n, int8_t* codes, uint16_t* scale) {
-  const uint16_t s16 = f32_to_f16(absmax(x, n) / 127.0f);
+// A symmetric codec's scale, fp16(absmax / qmax), stored at `scale` and returned as the float
+// the codes are divided by; when it is not positive (an all-zero row) the n codes are zeroed.
+inline float symmetric_scale(const float* x, int n, float qmax, uint16_t* scale, void* codes) {
+  const uint16_t s16 = f32_to_f16(absmax(x, n) / qmax);
   *scale = s16;
   const float s = f16_to_f32(s16);
-  if (!(s > 0.0f)) {
-    std::memset(codes, 0, static_cast<size_t>(n));
-    return;
-  }
+  if (!(s > 0.0f)) std::memset(codes, 0, static_cast<size_t>(n));
+  return s;
+}
+
+// int8: s = fp16(absmax / 127), codes = clamp(round(x / s), -127, 127), 0 where s is 0.
+inline void encode_int8(const float* x, int n, int8_t* codes, uint16_t* scale) {
+  const float s = symmetric_scale(x, n, 127.0f, scale, codes);
+  if (!(s > 0.0f)) return;
   int d = 0;
 #ifdef KVS_SIMD
   const vf vs = vset1(s), lo = vset1(-127.0f), hi = vset1(127.0f);
@@ -253,13 +258,8 @@ inline void encode_int8(const float* x, int n, int8_t* codes, uint16_t* scale) {
 
 // fp8: s = fp16(absmax / 448), codes = e4m3(clamp(x / s, -448, 448)), 0 where s is 0.
 inline void encode_fp8(const float* x, int n, uint8_t* codes, uint16_t* scale) {
-  const uint16_t s16 = f32_to_f16(absmax(x, n) / 448.0f);
-  *scale = s16;
-  const float s = f16_to_f32(s16);
-  if (!(s > 0.0f)) {
-    std::memset(codes, 0, static_cast<size_t>(n));
-    return;
-  }
+  const float s = symmetric_scale(x, n, 448.0f, scale, codes);
+  if (!(s > 0.0f)) return;
   int d = 0;
 #ifdef KVS_SIMD
   const vf vs = vset1(s), lo = vset1(-448.0f), hi = vset1(448.0f);

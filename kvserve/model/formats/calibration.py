@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.linear import DenseProduct, DenseProducts, Linear, Product, TorchLinear, Weight, rms_norm
+from kvserve.model.linear import DenseProduct, DenseProducts, HookedProduct, Product, TorchLinear, Weight
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loaded import LoadedModel
 
@@ -27,28 +27,6 @@ class _Recorder:
         return {name: s / self.counts[name] for name, s in self.sums.items()}
 
 
-class _RecordingProduct(DenseProduct):
-    def __init__(self, name: str, weight: torch.Tensor, linear: Linear, bias: torch.Tensor | None,
-                 recorder: _Recorder) -> None:
-        super().__init__(weight, linear, bias)
-        self.name = name
-        self.recorder = recorder
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.recorder.add(self.name, x)
-        return super().__call__(x)
-
-    def after_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self(rms_norm(x, norm_weight, eps))
-
-    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return residual + self(x)
-
-    def swiglu_add_into(self, residual: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return residual + self(F.silu(gate) * up)
-
-
 class _RecordingProducts(DenseProducts):
     def __init__(self, recorder: _Recorder) -> None:
         super().__init__(TorchLinear(), torch.device("cpu"), torch.float32)
@@ -58,7 +36,11 @@ class _RecordingProducts(DenseProducts):
                 is_head: bool = False) -> Product:
         dense = super().product(name, parts, bias, is_head=is_head)
         assert isinstance(dense, DenseProduct)
-        return _RecordingProduct(name, dense.weight, self.linear, dense.bias, self.recorder)
+
+        def record(x: torch.Tensor) -> torch.Tensor:
+            self.recorder.add(name, x)
+            return x
+        return HookedProduct(dense, record)
 
 
 @torch.inference_mode()

@@ -7,10 +7,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kvserve.model.formats.packing import GGUF_TYPES, PackedWeight, dequantize_segment, pack_gguf
-from kvserve.model.linear import DenseProduct, DenseProducts, Product, TorchLinear, Weight, rms_norm
+from kvserve.model.linear import DenseProduct, DenseProducts, HookedProduct, Product, TorchLinear, Weight
 
 # (type byte offset of each fp16 scale field) per GGUF type: random bytes there would give
 # huge or non-finite scales, so they are overwritten with small random halves
@@ -68,26 +67,6 @@ def mirror(x: torch.Tensor, w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor
     return y, bound
 
 
-class _RoundingProduct(DenseProduct):
-    """A float product that first rounds its input as the quantized kernels do."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return super().__call__(quantize_activations(x))
-
-    def after_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self(rms_norm(x, norm_weight, eps))
-
-    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return residual + self(x)
-
-    def swiglu_add_into(self, residual: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return residual + self(F.silu(gate) * up)
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self(x)
-
-
 class RoundingProducts(DenseProducts):
     """The model in float32 with the activations of every product of packed weights rounded as
     the kernels round them (a product with a float part stays float, as the gguf format keeps
@@ -102,4 +81,4 @@ class RoundingProducts(DenseProducts):
         assert isinstance(dense, DenseProduct)
         if not all(isinstance(p, PackedWeight) for p in parts):
             return dense
-        return _RoundingProduct(dense.weight, self.linear, dense.bias)
+        return HookedProduct(dense, quantize_activations)
