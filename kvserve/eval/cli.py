@@ -16,7 +16,7 @@ from kvserve.options import add_engine_args, engine_options
 
 DEFAULT_FORMATS = ("native", "fp16", "bf16", "fp8", "int8", "int4", "kivi4", "kivi2", "kivi2+had",
                    "kivi4+out4", "0-1=fp16;2-=kivi2", "k=kivi4,v=kivi2")
-DEFAULT_WEIGHT_FORMATS = ("native", "gguf", "int8", "int8-g32", "int4", "int4+out8", "int4-g64",
+DEFAULT_WEIGHT_FORMATS = ("native", "gguf", "int8", "int8-ch", "int4", "int4+out8", "int4-g64",
                           "int4-g64+out8", "int8+out8")
 
 

@@ -101,7 +101,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                         "with --weight-format, of native weights and the norms (default fp16; an engine on "
                         "the CPU computes in fp32)")
     p.add_argument("--weight-format", default=None,
-                   help="count the weights in an engine --weight-format: native, int8, int8-gG, int4, int4-gG, "
+                   help="count the weights in an engine --weight-format: native, int8, int8-gG, int8-ch, int4, int4-gG, "
                         "...+outN, or gguf (the blocks of a .gguf given with --config); auto: gguf for a "
                         "quantized .gguf, else native (the default with --device-gb)")
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"tokens per block (default {BLOCK_SIZE})")

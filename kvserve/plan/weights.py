@@ -7,8 +7,8 @@ gate/up and down; the model adds the LM head and the embedding (one matrix when 
 of R stacked rows x C input columns is packed in T = ceil(R / 16) tiles of 16 rows; G is the group:
 
     native      R x C x 2 (fp16, bf16) or 4 (fp32): the compute dtype
-    int8        16T x C codes + 16T x 2 (one float16 scale per row)
-    int8-gG     16T x C + 16T x C/G x 2
+    int8-ch     16T x C codes + 16T x 2 (one float16 scale per row)
+    int8-gG     16T x C + 16T x C/G x 2 (int8: G = 32)
     int4-gG     16T x C/2 + 16T x C/G x 4 (a float16 scale and min per group)
     +outN       + N x R x 4 (float32 columns) + N x 4 (int32 channel ids), layer products only
     gguf        the file's blocks as the engine packs them (``PackedWeight.nbytes``); a product

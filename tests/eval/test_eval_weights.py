@@ -96,7 +96,7 @@ def test_command_line():
         (512, 1024, 512, 64, 8, 32)
     defaults = build_parser().parse_args(["eval-weights"])
     assert defaults.format is None and defaults.ppl_tokens == 2048
-    assert DEFAULT_WEIGHT_FORMATS == ("native", "gguf", "int8", "int8-g32", "int4", "int4+out8", "int4-g64",
+    assert DEFAULT_WEIGHT_FORMATS == ("native", "gguf", "int8", "int8-ch", "int4", "int4+out8", "int4-g64",
                                       "int4-g64+out8", "int8+out8")
     assert weight_settings(512) == EvalSettings(ppl_tokens=512, passkey_lengths=(), tasks=("ppl", "agree"))
 

@@ -76,8 +76,9 @@ def test_smollm2_135m_native() -> None:
 
 
 @pytest.mark.parametrize("fmt, layer, head, expected", [
-    ("int8", lambda r, c: int8(r, c), int8(V, H), 134_959_488),
-    ("int8-g32", lambda r, c: int8(r, c, 32), int8(V, H, 32), 142_955_136),
+    ("int8-ch", lambda r, c: int8(r, c), int8(V, H), 134_959_488),
+    ("int8", lambda r, c: int8(r, c, 32), int8(V, H, 32), 142_955_136),        # int8 = int8-g32
+    ("int8-g64", lambda r, c: int8(r, c, 64), int8(V, H, 64), 138_752_640),
     ("int4", lambda r, c: int4(r, c, 32), int8(V, H, 32), 96_506_496),
     ("int4-g64", lambda r, c: int4(r, c, 64), int8(V, H, 32), 89_870_976),
     # + 8 float32 columns per matrix, 8 int32 ids per product (Q/K/V and gate/up are one product each)
@@ -110,7 +111,7 @@ def resident_read_by_a_step(shape: ModelShape | str, fmt: str, loaded: LoadedMod
     return w.nbytes - w.nbytes_of("embed_tokens")
 
 
-@pytest.mark.parametrize("fmt", ["native", "int8", "int8-g32", "int4", "int4-g64"])
+@pytest.mark.parametrize("fmt", ["native", "int8", "int8-ch", "int8-g64", "int4", "int4-g64"])
 def test_the_tiny_model_counts_what_the_engine_holds(fmt: str) -> None:
     assert TINY_SHAPE.intermediate_size == 128 and TINY_SHAPE.tie_word_embeddings is False
     engine = LLM(loaded=tiny_model(), weight_format=fmt, num_kv_blocks=16).engine
@@ -119,7 +120,7 @@ def test_the_tiny_model_counts_what_the_engine_holds(fmt: str) -> None:
 
 def test_tiny_int8_by_hand() -> None:
     layer = ((64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128))
-    w = count_weights(TINY_SHAPE, "int8", "fp32")
+    w = count_weights(TINY_SHAPE, "int8-ch", "fp32")
     assert w.nbytes_of("embed_tokens") == w.nbytes_of("lm_head") == int8(128, 64)
     assert w.nbytes == 2 * sum(int8(r, c) for r, c in layer) + 2 * int8(128, 64) + 5 * 64 * 4 == 93_952
 
@@ -169,7 +170,7 @@ def test_gguf_dequantizes_a_product_with_a_float_part() -> None:
 # --- a device's memory: weights first, the KV cache in what is left --------------------------------
 
 def test_device_gb_leaves_the_kv_budget() -> None:
-    weights = count_weights("smollm2-135m", "int8", "fp16")
+    weights = count_weights("smollm2-135m", "int8-ch", "fp16")
     layout = KVLayout.build("smollm2-135m", "fp16")
     plan = make_plan(layout, PlanRequest(context_tokens=2048, batch_size=4, device_bytes=GIB), weights)
     assert plan.kv_budget_nbytes == GIB - 134_959_488
