@@ -96,3 +96,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_structured_parser(bsub, common)
     from kvserve.bench.rag import add_rag_parser
     add_rag_parser(bsub, common)
+    from kvserve.bench.peer import add_peer_parser
+    add_peer_parser(bsub, common)
