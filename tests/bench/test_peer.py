@@ -300,6 +300,16 @@ def test_run_row_alternates_and_reads_llama_figures(loaded):
     assert [t.num_steps for t in result.kvserve] == [4, 4]
     assert result.llama_commands == (" ".join(peer_llama.llama_command(paths.bench, Row("decode", 1, 1, 4), MODEL, 2, 2)),)
 
+    # variants of llama-bench's flags: each runs, the fastest is the row's figure
+    slower = BENCH_JSONL.replace('"avg_ts": 41.810533', '"avg_ts": 20.0')
+
+    def by_flags(command):
+        return slower if "-fa" in command and command[command.index("-fa") + 1] == "1" else BENCH_JSONL
+    tried = peer.run_row(llm, Row("decode", 1, 1, 4), [[5]], paths, MODEL, 2, 2, run=by_flags,
+                         variants=[["-fa", "1"], ["-fa", "0"]])
+    assert tried.llama is not None and tried.llama.mean_tok_s == pytest.approx(41.810533)
+    assert "-fa 0" in tried.llama_commands[0]
+
     alone = peer.run_row(llm, row, [random_tokens(8, seed=1), random_tokens(8, seed=2)], LlamaPaths(None, None),
                          MODEL, 2, 2, run=fake_llama)
     assert (alone.llama, alone.ratio, len(alone.kvserve)) == (None, None, 2)
