@@ -94,22 +94,22 @@ def test_cli_generate_and_bad_input(capsys):
     assert "temperature must be in [0, 100]" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_int8_hits_match_cold_runs_on_the_real_model(default_model, backend):
-    """int8 only: with 2-bit per-channel keys (kivi2) the real model's hit and cold runs are
-    not bit-identical on either backend. Attention sums a prompt token in an order that
-    depends on how the prompt was cut (one chunk from 0, or a chunk over cached context),
-    and a last-bit difference before quantization becomes another code: first-token
-    logprobs differ by up to 2e-5 on the torch path and 0.11-0.31 nats on the cpu kernel
-    (docs/attention.md, "Known gaps"). The tiny-model tests hold hit == cold for every
-    format on every backend (tests/engine/test_kv_formats_engine.py)."""
-    fmt = "int8"
+@pytest.mark.parametrize(("backend", "weights", "fmt"), [
+    ("torch", "native", "int8"),
+    ("cpu", "native", "int8"), ("cpu", "native", "kivi2"), ("cpu", "gguf", "kivi2"),
+    ("cpu", "gguf", "k=kivi4+had,v=int8"),
+])
+def test_hits_match_cold_runs_on_the_real_model(default_model, backend, weights, fmt):
+    """The cpu kernel attends each query the same whatever its batch or chunking (fixed split
+    points, one summation order), so even 2-bit per-channel keys, which turn a last-bit
+    difference into another code, give a hit exactly the cold run's tokens, with float or
+    quantized weights. The torch path sums a prompt token in an order that depends on how the
+    prompt was cut (scaled_dot_product_attention's shapes): int8 there, native weights
+    (quantized ones round activations to int8, which makes any two orders part at once)."""
     params = SamplingParams(max_tokens=16, temperature=0.0)
     convs = conversations()[:4]
-    # native weights: gguf weights round activations to int8 per 32, which turns the torch
-    # path's order-dependent last bits into changed codes (its exactness is tested below)
     opts = {"kv_format": fmt, "kv_cache_memory_gb": 0.1, "max_num_seqs": 8, "attention_backend": backend,
-            "weight_format": "native"}
+            "weight_format": weights}
     cold = LLM(loaded=default_model, enable_prefix_caching=False, **opts)
     warm = LLM(loaded=default_model, **opts)
     ref = cold.chat(convs, params)
