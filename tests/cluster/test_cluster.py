@@ -202,9 +202,9 @@ def test_redis_down_leaves_the_cluster_serving(cluster, redis_url):
         redis_url.start()
 
 
-async def _stream(client: httpx.AsyncClient, i: int, log: dict[int, dict]) -> None:
+async def _stream(client: httpx.AsyncClient, i: int, log: dict[int, dict], max_tokens: int = 24) -> None:
     entry = log[i] = {"tokens": 0, "error": None, "done": False}
-    body = {"model": MODEL, "prompt": f"Request {i}: count slowly from one to one hundred.", "max_tokens": 24,
+    body = {"model": MODEL, "prompt": f"Request {i}: count slowly from one to one hundred.", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -222,17 +222,29 @@ async def _stream(client: httpx.AsyncClient, i: int, log: dict[int, dict]) -> No
 
 def test_kill_9_loses_no_request_that_had_not_started_streaming(cluster):
     handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
-    pids = dict(handle.broadcast("pid").results())
-    victim, victim_pid = min(pids.items())
     before = metrics(cluster)
     log: dict[int, dict] = {}
+    victim = ""
+
+    async def holding_waiters() -> tuple[str, int]:
+        """A replica with requests waiting for a seat (8 requests, 2 x 2 seats: one has some)."""
+        for _ in range(200):
+            stats = await asyncio.to_thread(lambda: handle.broadcast("stats").results())
+            waiting = [(s.replica, s.pid) for s in stats if s.engine.num_waiting > 0]
+            if waiting:
+                return min(waiting)
+            await asyncio.sleep(0.05)
+        raise AssertionError("no replica held a waiting request")
 
     async def run() -> None:
+        nonlocal victim
         async with httpx.AsyncClient(base_url=cluster, timeout=180) as client:
-            # 8 requests on 2 replicas of 2 seats each: some run (and stream), the rest wait
-            tasks = [asyncio.ensure_future(_stream(client, i, log)) for i in range(8)]
+            # 8 requests on 2 replicas of 2 seats each: some run (and stream), the rest wait; each
+            # runs long enough (150 tokens) that the waiting ones still wait when the victim dies
+            tasks = [asyncio.ensure_future(_stream(client, i, log, max_tokens=150)) for i in range(8)]
             while not any(e["tokens"] for e in log.values()):
                 await asyncio.sleep(0.05)
+            victim, victim_pid = await holding_waiters()
             os.kill(victim_pid, signal.SIGKILL)
             await asyncio.gather(*tasks)
 
