@@ -5,17 +5,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Self
 
-from kvserve.blend.prompt import DEFAULT_BLEND_FRACTION, SegmentedPrompt
+from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.cache_control import CacheControl
 from kvserve.engine.engine import LLMEngine
+from kvserve.engine.model_card import Prompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.kv.pins import Clock, PinInfo
 from kvserve.model.loader import LoadedModel
 from kvserve.offload.base import Transport
 from kvserve.options import engine_config
+from kvserve.request import DEFAULT_BLEND_FRACTION, EncodedPrompt
 from kvserve.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int] | SegmentedPrompt
 Message = dict[str, str]
 
 
@@ -49,7 +50,7 @@ class LLM:
         segments are reused by blending (kvserve/blend/prompt.py; lossy, opt-in).
         """
         prompt_list: list[Prompt]
-        if isinstance(prompts, (str, SegmentedPrompt)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, SegmentedPrompt, EncodedPrompt)) or (prompts and isinstance(prompts[0], int)):
             prompt_list = [prompts]  # type: ignore[list-item]
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -62,13 +63,11 @@ class LLM:
             if len(param_list) != len(prompt_list):
                 raise ValueError(f"{len(param_list)} SamplingParams for {len(prompt_list)} prompts")
         prios = list(priority) if priority is not None else [0] * len(prompt_list)
-        for prompt, sp in zip(prompt_list, param_list):
-            prompt_ids, blend = self.engine.encode_any_prompt(prompt)
-            self.engine.check_params(sp)
-            if blend is not None:
-                self.engine.check_blendable(sp, len(prompt_ids))
+        encoded = [self.engine.encode(prompt) for prompt in prompt_list]    # each tokenized once, here
+        for prompt, sp in zip(encoded, param_list):
+            self.engine.checks.check_request(prompt, sp)
         ids = [self.engine.add_request(p, sp, priority=pr, cache=cache)
-               for p, sp, pr in zip(prompt_list, param_list, prios)]
+               for p, sp, pr in zip(encoded, param_list, prios)]
         return self._run(ids)
 
     def chat(self, messages: list[Message] | list[list[Message]],
@@ -117,14 +116,14 @@ class LLM:
 
     def pins(self) -> list[PinInfo]:
         """Every pin, soonest to expire first."""
-        return self.engine.list_pins()
+        return self.engine.kv.list_pins()
 
     def _prefix_ids(self, prompt: Prompt | list[Message]) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             if self.engine.tokenizer is None:
                 raise ValueError("this model has no tokenizer, so no chat template")
             prompt = self.engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=False)
-        return self.engine.encode_prompt(prompt)  # type: ignore[arg-type]
+        return self.engine.encode(prompt).token_ids  # type: ignore[arg-type]
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -46,6 +46,17 @@ class TokenConstraint(Protocol):
         """The grammar is complete and allows nothing more: the output ends here."""
 
 
+DEFAULT_BLEND_FRACTION = 0.15     # CacheBlend's recompute ratio
+
+
+def check_blend_fraction(fraction: float) -> float:
+    """``fraction`` as a float; ValueError unless it is in [0, 1] (the one check of it)."""
+    value = float(fraction)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"blend_fraction must be in [0, 1], got {fraction}")
+    return value
+
+
 @dataclass(frozen=True)
 class BlendSpec:
     """A prompt's segments (documents whose KV may be reused from a standalone computation,
@@ -55,13 +66,21 @@ class BlendSpec:
     fraction: float                         # blend_fraction: 0.0 reuses all, 1.0 recomputes all
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.fraction <= 1.0:
-            raise ValueError(f"blend_fraction must be in [0, 1], got {self.fraction}")
+        check_blend_fraction(self.fraction)
         end = 0
         for start, length in self.spans:
             if start < end or length < 1:
                 raise ValueError(f"segment spans must be non-empty, in order and disjoint: {self.spans}")
             end = start + length
+
+
+class EncodedPrompt(NamedTuple):
+    """A prompt as the engine takes it: token ids, and the spans of its segments when it has
+    any (kvserve/blend/). What every front end (the Python API, the server, a cluster's
+    ingress) hands the engine, so a prompt is tokenized once, where it enters."""
+
+    token_ids: list[int]
+    blend: BlendSpec | None = None
 
 
 class TokenLogprob(NamedTuple):

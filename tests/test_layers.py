@@ -69,3 +69,35 @@ def test_core_imports_nothing_above_it():
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+# Each package's floor (docs/design.md's diagram): a module imports only from packages on
+# lower floors, or from its own package.
+FLOORS = [
+    ["kvserve.config", "kvserve.sampling_params", "kvserve.cache_control", "kvserve.extensions"],
+    ["kvserve.request"],
+    ["kvserve.offload"],
+    ["kvserve.kv"],
+    ["kvserve.attention", "kvserve.sampling", "kvserve.scheduler"],
+    ["kvserve.model"],
+    ["kvserve.blend", "kvserve.plan", "kvserve.options"],
+    ["kvserve.engine"],
+    ["kvserve.llm"],
+    ["kvserve", "kvserve.server"],
+    ["kvserve.cluster", "kvserve.bench"],
+    ["kvserve.eval"],
+    ["kvserve.cli"],
+]
+
+
+def package_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_nothing_imports_upwards():
+    floor = {package: i for i, packages in enumerate(FLOORS) for package in packages}
+    graph = import_graph()
+    assert {package_of(m) for m in graph} == floor.keys()      # every package has its floor
+    upwards = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                     if package_of(a) != package_of(b) and floor[package_of(b)] >= floor[package_of(a)])
+    assert upwards == []

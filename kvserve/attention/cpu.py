@@ -100,7 +100,7 @@ def half_args(name: str, store: HalfStore, head_dim: int) -> HalfArgs:
 
 def register_halves(ext: ModuleType, key: HalfStore, value: HalfStore, head_dim: int) -> object:
     """The kernel's checked view of a layer's two halves, for ``run_registered`` and the KV
-    writes (kvserve/kv/cpu_writes.py): the storage's parts are handed over and checked once."""
+    writes (kvserve/attention/cpu_writes.py): the storage's parts are handed over and checked once."""
     (k_layout, k_parts), (v_layout, v_parts) = half_args("key", key, head_dim), half_args("value", value, head_dim)
     block_size = next(iter(key.parts.values())).shape[1]
     return ext.make_halves(k_layout, k_parts, v_layout, v_parts, block_size, head_dim)

@@ -214,7 +214,8 @@ def report(runs: list[Run]) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvserve.bench.common import find_text
+    from kvserve.bench import plots
+    from kvserve.bench.common import find_text, write_plot
     from kvserve.offload.measure import throwaway_redis
 
     text = find_text(args.text)
@@ -244,11 +245,17 @@ def run_bench(args: argparse.Namespace) -> int:
     for r in runs:
         for e in r.errors[:5]:
             print(f"error ({r.name}): {e}")
+    summaries = [r.summary() for r in runs]
+    write_plot(args.plot, lambda path: plots.plot_cluster(summaries, path))
     if args.json:
-        Path(args.json).write_text(json.dumps({"benchmark": "cluster", "args": {
-            k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list)) and k != "run"},
-            "runs": [r.summary() for r in runs]}, indent=2))
+        Path(args.json).write_text(json.dumps(results_json(args, summaries), indent=2))
     return 1 if any(r.errors for r in runs) else 0
+
+
+def results_json(args: argparse.Namespace, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``--json`` writes: the command's settings and each configuration's ``Run.summary()``."""
+    settings = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list)) and k != "run"}
+    return {"benchmark": "cluster", "args": settings, "runs": summaries}
 
 
 def add_cluster_bench_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvserve.bench.capacity import distinct_prompts
-from kvserve.bench.common import load_text_model, stderr_log, table
+from kvserve.bench.common import load_text_model, stderr_log, table, write_plot
 from kvserve.llm import LLM
 from kvserve.model.loader import LoadedModel
 from kvserve.options import add_engine_args, engine_options
@@ -84,7 +84,7 @@ def kv_bytes_per_step(llm: LLM, context_tokens: int, num_seqs: int) -> int:
     """KV bytes one decode step reads: each request's blocks in the stored format (a KIVI
     open block is read from its residual row instead: counted at the stored size)."""
     e = llm.engine
-    mc, bs = e.model_config, e.pool.block_size
+    mc, bs = e.model_config, e.kv.pool.block_size
     per_block = e.kv_format.nbytes_per_block(bs, mc.num_kv_heads, mc.head_dim)
     return num_seqs * -(-context_tokens // bs) * per_block
 
@@ -100,7 +100,7 @@ class StepTimer:
     def __init__(self, llm: LLM) -> None:
         self.attend_s = 0.0
         self.products_s = 0.0
-        backend = llm.engine.attention
+        backend = llm.engine.runner.backend
         self.times_attention = backend.reads_in_place
         if self.times_attention:
             backend.attend = self._timed(backend.attend, "attend_s")   # type: ignore[method-assign]
@@ -168,12 +168,12 @@ def run(loaded: LoadedModel, text_ids: list[int], formats: list[str], backends: 
             llm = LLM(loaded=loaded, kv_format=fmt, attention_backend=backend, kv_cache_memory_gb=kv_cache_gb,
                       max_num_seqs=max(8, num_seqs), max_num_batched_tokens=512, **(engine_options or {}))
             times = run_one(llm, prompts, steps, repeats)
-            timed_attention = bool(times.attend_s) and llm.engine.attention.reads_in_place
+            timed_attention = bool(times.attend_s) and llm.engine.runner.backend.reads_in_place
 
             def median_ms(xs: list[float]) -> float:
                 return statistics.median(xs) * 1e3 if xs else 0.0
 
-            result = DecodeResult(fmt, llm.engine.attention.name, kv_bytes_per_step(llm, context + steps // 2, num_seqs),
+            result = DecodeResult(fmt, llm.engine.runner.backend.name, kv_bytes_per_step(llm, context + steps // 2, num_seqs),
                                   weight_bytes(llm), times.rates, median_ms(times.step_s),
                                   median_ms(times.attend_s) if timed_attention else None,
                                   median_ms(times.products_s), llm.engine.weight_format)
@@ -218,14 +218,20 @@ def run_bench(args: argparse.Namespace) -> int:
           f"a step = products (every layer's and the LM head's) + attend (the backend's calls) + rest (norms' and "
           f"RoPE's remains, KV writes, per-layer Python, scheduling, sampling)")
     print(render(results, args.seqs, bandwidth))
+    rows = result_rows(results)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "seqs": args.seqs, "context": args.context, "steps": args.steps, "bandwidth": bandwidth,
-            "results": [asdict(r) | {"median": r.median, "rest_ms": r.rest_ms} for r in results]}, indent=2))
-    if args.plot:
+            "results": rows}, indent=2))
+    if args.plot:      # plots needs matplotlib (the bench extra): imported only when asked for
         from kvserve.bench.plots import plot_step_parts
-        plot_step_parts([asdict(r) | {"rest_ms": r.rest_ms} for r in results], args.plot)
+        write_plot(args.plot, lambda path: plot_step_parts(rows, path))
     return 0
+
+
+def result_rows(results: list[DecodeResult]) -> list[dict[str, Any]]:
+    """Each result with its derived figures: what ``--json`` writes and ``--plot`` draws."""
+    return [asdict(r) | {"median": r.median, "rest_ms": r.rest_ms} for r in results]
 
 
 def add_kv_decode_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

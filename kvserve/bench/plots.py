@@ -1,14 +1,14 @@
 """PNG plots of the benchmarks' results (``kvserve bench ... --plot FILE``).
 
 Each function takes the results a benchmark already returns (the rows of its table) and
-writes one PNG. Figures are drawn with matplotlib's object API on an Agg canvas: no pyplot,
+writes one PNG; ``PLOTS`` says which one each ``kvserve bench`` command draws. Figures are drawn with matplotlib's object API on an Agg canvas: no pyplot,
 no global backend switch, no display needed.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +186,32 @@ def plot_peer(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
         axes[1].axhline(1.0, color="grey", linewidth=0.8)
         axes[1].tick_params(axis="x", labelsize=7)
     return _save(fig, path)
+
+
+def plot_cluster(runs: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """``bench cluster``: time to first token (mean, p50, p95) and the share of prompt tokens
+    served from a cache, per configuration (``Run.summary()``s); a label says the share of
+    requests routed to the replica holding their prefix, where the router reports it."""
+    fig, (ttft, hits) = _figure(2, "Engine replicas: KV-aware vs default routing, write-through")
+    labels = [r["name"] if r["routed_to_holder"] is None or "pow2" in r["name"]
+              else f"{r['name']}\n{r['routed_to_holder']:.0%} to holder" for r in runs]
+    _bars(ttft, labels, {q: [r[f"ttft_{q}_s"] * 1e3 for r in runs] for q in ("mean", "p50", "p95")}, "TTFT (ms)")
+    _bars(hits, labels, {"prefix hits": [100 * r["hit_rate"] for r in runs]}, "prompt tokens from a cache (%)")
+    hits.set_ylim(0, 105)
+    return _save(fig, path)
+
+
+# What ``kvserve bench <name> --plot FILE`` draws: a bench offers --plot only with an entry
+# here (tests/bench/test_plots.py walks the parser, and draws each from made-up results).
+PLOTS: dict[str, Callable[..., Path]] = {
+    "chat": plot_chat,
+    "decode": plot_decode,
+    "serve": plot_serve,
+    "capacity": plot_capacity,
+    "tiers": plot_tiers,
+    "kv-decode": plot_step_parts,
+    "cluster": plot_cluster,
+    "structured": plot_structured,
+    "rag": plot_rag,
+    "peer": plot_peer,
+}

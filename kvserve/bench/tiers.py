@@ -31,6 +31,7 @@ from typing import Any
 from kvserve.bench.chat import passages
 from kvserve.bench.common import table
 from kvserve.engine.stats import EngineStats
+from kvserve.kv.block_io import block_nbytes
 from kvserve.llm import LLM
 from kvserve.offload.cost import CostSnapshot, TierCost
 from kvserve.offload.measure import throwaway_redis
@@ -88,7 +89,7 @@ def play(name: str, llm: LLM, turns: list[list[str]], max_tokens: int,
             log.append(Turn(c, t, out.num_prompt_tokens, out.num_cached_tokens, out.ttft or 0.0, reply))
     total = time.perf_counter() - start
     engine = llm.engine
-    return Play(name, log, total, engine.stats(), engine.block_mover.nbytes_per_block, engine.config.cache.block_size)
+    return Play(name, log, total, engine.stats(), block_nbytes(engine.runner.cache.block_tensors()), engine.config.cache.block_size)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -198,8 +199,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 if not plays:
                     print(f"{args.conversations} conversations x {args.turns} turns, {loaded.source}, device "
                           f"{llm.engine.device}, dtype {llm.engine.dtype}, KV format {llm.engine.kv_format.spec}, "
-                          f"{llm.engine.pool.num_blocks} device blocks of {llm.engine.config.cache.block_size} "
-                          f"tokens ({llm.engine.block_mover.nbytes_per_block} bytes each)", flush=True)
+                          f"{llm.engine.kv.pool.num_blocks} device blocks of {llm.engine.config.cache.block_size} "
+                          f"tokens ({block_nbytes(llm.engine.runner.cache.block_tensors())} bytes each)", flush=True)
                 p = play(name, llm, turns, args.max_tokens, replies)
             if replies is None:
                 replies = {(t.conversation, t.turn): t.reply for t in p.turns}

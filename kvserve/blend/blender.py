@@ -41,6 +41,7 @@ from kvserve.blend.store import SegmentStore, read_tokens, write_tokens
 from kvserve.kv.block_pool import NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
+from kvserve.kv.tiering import Tiering
 from kvserve.model.llama import LlamaModel
 from kvserve.request import BlendSpec, Request
 
@@ -84,8 +85,8 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
 
 
 class Blender:
-    def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, select_layer: int = 1,
-                 use_cost_model: bool = True) -> None:
+    def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, tiering: Tiering,
+                 select_layer: int = 1, use_cost_model: bool = True) -> None:
         """``use_cost_model`` False: blend whenever a segment's KV can be reused."""
         if not 1 <= select_layer < model.config.num_layers:
             raise ValueError(f"blend_select_layer must be in 1..{model.config.num_layers - 1} for this model, "
@@ -94,8 +95,9 @@ class Blender:
         self.use_cost_model = use_cost_model
         self.storage = storage
         self.kv = kv
+        self.tiering = tiering      # its load estimates and measured prefill speed, for the cost model
         self.rope = RopeTables(model.config)
-        self.segments = SegmentStore(kv, storage)
+        self.segments = SegmentStore(kv, storage, tiering)
         self.select_layer = select_layer
         self.stats = BlendStats()
 
@@ -126,12 +128,12 @@ class Blender:
                     self._put(segment)
                     usable = length
                 else:
-                    load_s += self.kv.tiering.load_seconds(location.tier_run)
+                    load_s += self.tiering.load_seconds(location.tier_run)
                     usable = location.num_blocks * self.segments.block_size
                 # known tokens are not reused, nor is the prompt's last token
                 num_reused += max(0, min(start + usable, req.num_prompt_tokens - 1) - max(start, num_known))
             fresh.append(segment)
-        tps = self.kv.tiering.prefill_tokens_per_s
+        tps = self.tiering.prefill_tokens_per_s
         work = blend_work(n, num_reused, spec.fraction, self.select_layer, self.model.config.num_layers)
         cost = work + (load_s * tps if tps else 0.0)
         log.debug("request %s: blend %.0f token-equivalents (%d reused, loads %.2f ms) vs prefill %d",

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV
 from kvserve.model.llama import LlamaModel
+from kvserve.request import DEFAULT_BLEND_FRACTION, check_blend_fraction
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,13 @@ class Blended:
 
 @torch.inference_mode()
 def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
-                  blend_fraction: float = 0.15, select_layer: int = 1, known: SegmentKV | None = None) -> Blended:
+                  blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1, known: SegmentKV | None = None) -> Blended:
     """The prompt's KV and next-token logits from ``cached[i]``, the standalone KV of segment
     i's leading tokens (None: computed in full), recomputing ``blend_fraction`` of them.
     ``known``: the exact KV of the prompt's first tokens (a prefix-cache hit), taken as is;
     segment tokens it covers are not reused."""
     num_layers = model.config.num_layers
-    if not 0.0 <= blend_fraction <= 1.0:
-        raise ValueError(f"blend_fraction must be in [0, 1], got {blend_fraction}")
+    check_blend_fraction(blend_fraction)
     if not 1 <= select_layer < num_layers:
         raise ValueError(f"select_layer must be in 1..{num_layers - 1}, got {select_layer}")
     if len(cached) != len(prompt.spans):

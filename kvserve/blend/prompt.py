@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.request import BlendSpec
+from kvserve.request import DEFAULT_BLEND_FRACTION, BlendSpec, check_blend_fraction
 
-DEFAULT_BLEND_FRACTION = 0.15     # CacheBlend's recompute ratio
+__all__ = ["DEFAULT_BLEND_FRACTION", "Segment", "SegmentedPrompt"]
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,7 @@ class SegmentedPrompt:
                  blend_fraction: float = DEFAULT_BLEND_FRACTION) -> None:
         frozen = tuple(p if isinstance(p, (str, Segment)) else tuple(p) for p in parts)
         object.__setattr__(self, "parts", frozen)
-        object.__setattr__(self, "blend_fraction", float(blend_fraction))
-        if not 0.0 <= self.blend_fraction <= 1.0:
-            raise ValueError(f"blend_fraction must be in [0, 1], got {blend_fraction}")
+        object.__setattr__(self, "blend_fraction", check_blend_fraction(blend_fraction))
         if not any(isinstance(p, Segment) for p in frozen):
             raise ValueError("a segmented prompt needs at least one Segment")
 
@@ -71,26 +69,9 @@ class SegmentedPrompt:
             parts.append(text[at:])
         return cls(parts, blend_fraction)
 
-    @classmethod
-    def from_spans(cls, token_ids: Sequence[int], spec: BlendSpec) -> SegmentedPrompt:
-        """Token ids whose segments ``spec`` names (a prompt encoded already, e.g. by a server)."""
-        parts: list[tuple[int, ...] | Segment] = []
-        at = 0
-        for start, length in spec.spans:
-            if start + length > len(token_ids):
-                raise ValueError(f"segment span {start}..{start + length} is outside the prompt's "
-                                 f"{len(token_ids)} tokens")
-            if start > at:
-                parts.append(tuple(token_ids[at:start]))
-            parts.append(Segment(token_ids[start:start + length]))
-            at = start + length
-        if at < len(token_ids):
-            parts.append(tuple(token_ids[at:]))
-        return cls(parts, spec.fraction)
-
     def encode(self, tokenizer: Tokenizer | None) -> tuple[list[int], BlendSpec]:
-        """The prompt's token ids and its segments' spans (the engine checks the ids as any
-        prompt's: vocabulary, context window)."""
+        """The prompt's token ids and its segments' spans (``ModelCard.encode`` checks the ids
+        as any prompt's: vocabulary, context window)."""
         ids: list[int] = []
         spans: list[tuple[int, int]] = []
         for part in self.parts:

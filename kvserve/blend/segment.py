@@ -15,7 +15,7 @@ import torch
 
 from kvserve.attention.paged import AttentionMetadata, PrefillChunk
 from kvserve.blend.rope import RopeTables
-from kvserve.kv.paged_cache import PagedKVCache
+from kvserve.kv.storage.paged import PagedKVCache
 from kvserve.model.llama import LlamaModel
 
 

@@ -27,6 +27,7 @@ from kvserve.kv.block_pool import Block, NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix import segment_block_keys
 from kvserve.kv.storage import KVStorage
+from kvserve.kv.tiering import Tiering
 from kvserve.offload.tiered import EMPTY_RUN, TierRun
 
 
@@ -41,9 +42,10 @@ class SegmentLocation(NamedTuple):
 
 
 class SegmentStore:
-    def __init__(self, kv: KVCacheManager, storage: KVStorage) -> None:
+    def __init__(self, kv: KVCacheManager, storage: KVStorage, tiering: Tiering) -> None:
         self.kv = kv
         self.pool = kv.pool
+        self.tiering = tiering
         self.storage = storage
         self.block_size = storage.block_size
 
@@ -84,7 +86,7 @@ class SegmentStore:
         run worth loading, by the tiers' cost model). Nothing is loaded or referenced."""
         keys = self.keys(token_ids)
         num_device = len(self._device_blocks(token_ids, keys))
-        run = self.kv.tiering.lookup(keys[num_device:]) if num_device < len(keys) else EMPTY_RUN
+        run = self.tiering.lookup(keys[num_device:]) if num_device < len(keys) else EMPTY_RUN
         return SegmentLocation(num_device, run, len(keys))
 
     def get(self, token_ids: Sequence[int], first_position: int, rope: RopeTables) -> SegmentKV | None:
@@ -121,14 +123,14 @@ class SegmentStore:
         self.pool.touch(blocks)
         if len(blocks) == len(keys):
             return blocks
-        run = self.kv.tiering.lookup(keys[len(blocks):])
+        run = self.tiering.lookup(keys[len(blocks):])
         if not run.num_blocks:
             return blocks
         try:
             fresh = self.kv.allocate_unowned(run.num_blocks)
         except NoFreeBlocksError:
             return blocks       # no room to load into: the tail is computed instead
-        promotion = self.kv.tiering.load(run, [b.block_id for b in fresh])
+        promotion = self.tiering.load(run, [b.block_id for b in fresh])
         loaded, missed = fresh[:promotion.num_blocks], fresh[promotion.num_blocks:]
         bs, start = self.block_size, len(blocks)
         for i, block in enumerate(loaded, start=start):

@@ -20,60 +20,78 @@ from kvserve.server.serving import ServerSettings
 ROUTINGS = ("kv", "pow2")
 
 
+# the flags that only a cluster reads, with their defaults: None on the parser, so a flag given
+# without --replicas is refused rather than ignored
+CLUSTER_DEFAULTS: dict[str, Any] = {
+    "ray_address": None, "routing": "kv", "replica_cpus": 1.0, "replica_gpus": 0.0, "ingress_replicas": 1,
+    "max_load_imbalance": 2, "routing_stats_period_s": 1.0, "max_ongoing_requests": 64, "ray_num_cpus": None,
+    "ray_object_store_mb": 256}
+
+
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     """The cluster flags of ``kvserve serve``; its command runs the cluster when ``--replicas`` is given,
-    else the single server as before."""
+    else the single server (which refuses the other cluster flags)."""
     g = parser.add_argument_group("cluster: engine replicas on Ray Serve behind a KV-aware router (docs/cluster.md)")
     g.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="serve N engine replicas on Ray Serve (default: one engine in this process, no Ray)")
-    g.add_argument("--ray-address", default=None, metavar="ADDR",
+    g.add_argument("--ray-address", metavar="ADDR",
                    help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of starting a local one")
-    g.add_argument("--routing", choices=ROUTINGS, default="kv",
+    g.add_argument("--routing", choices=ROUTINGS,
                    help="kv: to the replica holding the longest cached prefix (default); pow2: Serve's default")
-    g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per engine replica (default 1)")
-    g.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per engine replica (default 0)")
-    g.add_argument("--ingress-replicas", type=int, default=1, help="HTTP ingress replicas (default 1)")
-    g.add_argument("--max-load-imbalance", type=int, default=2, metavar="REQUESTS",
+    g.add_argument("--replica-cpus", type=float, help="Ray CPUs per engine replica (default 1)")
+    g.add_argument("--replica-gpus", type=float, help="Ray GPUs per engine replica (default 0)")
+    g.add_argument("--ingress-replicas", type=int, help="HTTP ingress replicas (default 1)")
+    g.add_argument("--max-load-imbalance", type=int, metavar="REQUESTS",
                    help="ongoing requests the prefix holder may have beyond the least loaded replica (or a "
                         "quarter of that replica's, if more) before the router sends elsewhere (default 2)")
-    g.add_argument("--routing-stats-period-s", type=float, default=1.0,
+    g.add_argument("--routing-stats-period-s", type=float,
                    help="how often replicas publish the block keys they hold (default 1 s)")
-    g.add_argument("--max-ongoing-requests", type=int, default=64,
+    g.add_argument("--max-ongoing-requests", type=int,
                    help="requests one engine replica takes at once (default 64)")
-    g.add_argument("--ray-num-cpus", type=float, default=None,
+    g.add_argument("--ray-num-cpus", type=float,
                    help="CPUs of a local Ray cluster (default: the machine's)")
-    g.add_argument("--ray-object-store-mb", type=int, default=256,
+    g.add_argument("--ray-object-store-mb", type=int,
                    help="object store of a local Ray cluster, MiB (default 256; outputs are small)")
     parser.set_defaults(run=run_serve)
 
 
+def cluster_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """The cluster flags, defaults filled in; ValueError naming those given without ``--replicas``."""
+    given = {dest: getattr(args, dest) for dest in CLUSTER_DEFAULTS if getattr(args, dest) is not None}
+    if args.replicas is None and given:
+        flags = ", ".join("--" + dest.replace("_", "-") for dest in given)
+        raise ValueError(f"{flags} configure a cluster of engine replicas; give --replicas N, or drop them")
+    return argparse.Namespace(**{**CLUSTER_DEFAULTS, **given})
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    flags = cluster_flags(args)
     if args.replicas is None:
         return serve_one(args)
-    return run_cluster(args, server_settings(args))
+    return run_cluster(args, flags, server_settings(args))
 
 
-def run_cluster(args: argparse.Namespace, settings: ServerSettings) -> int:
+def run_cluster(args: argparse.Namespace, flags: argparse.Namespace, settings: ServerSettings) -> int:
     import ray
     from ray import serve
 
     from kvserve.cluster.app import APP_NAME, ClusterConfig, build_application
 
-    cluster = ClusterConfig(num_replicas=args.replicas, replica_cpus=args.replica_cpus,
-                            replica_gpus=args.replica_gpus, ingress_replicas=args.ingress_replicas,
-                            routing=args.routing, max_imbalance=args.max_load_imbalance,
-                            stats_period_s=args.routing_stats_period_s, max_ongoing_requests=args.max_ongoing_requests)
+    cluster = ClusterConfig(num_replicas=args.replicas, replica_cpus=flags.replica_cpus,
+                            replica_gpus=flags.replica_gpus, ingress_replicas=flags.ingress_replicas,
+                            routing=flags.routing, max_imbalance=flags.max_load_imbalance,
+                            stats_period_s=flags.routing_stats_period_s, max_ongoing_requests=flags.max_ongoing_requests)
     options = engine_options(args)
     if options.get("disk_cache_dir") and cluster.num_replicas > 1:
         # a disk tier directory belongs to one engine (it holds a lock); replicas would share it
         raise ValueError("--disk-cache cannot be given to several replicas (one engine per directory); "
                          "share blocks through --redis-url and --write-through instead")
     app = build_application(args.model, options, settings, cluster)
-    started_ray = args.ray_address is None
+    started_ray = flags.ray_address is None
     if started_ray:
-        ray.init(**local_ray_options(args.ray_num_cpus, args.ray_object_store_mb))
+        ray.init(**local_ray_options(flags.ray_num_cpus, flags.ray_object_store_mb))
     else:
-        ray.init(address=args.ray_address)
+        ray.init(address=flags.ray_address)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

@@ -13,8 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.kv.prefix import extend_block_keys
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.request import EncodedPrompt
+
+Prompt = str | Sequence[int] | SegmentedPrompt | EncodedPrompt
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,22 @@ class ModelCard:
     max_model_len: int
     block_size: int
     extra_key: bytes          # model fingerprint, KV format and dtype, salt (kv/prefix.make_extra_key)
+
+    def encode(self, prompt: Prompt) -> EncodedPrompt:
+        """The one entry for a prompt in any form: text, token ids, a ``SegmentedPrompt`` (its
+        parts tokenized, its segments' spans kept) or an ``EncodedPrompt`` (a front end's, not
+        tokenized again: its ids are checked as any prompt's). ValueError as ``encode_prompt``."""
+        if isinstance(prompt, EncodedPrompt):
+            ids = self.encode_prompt(prompt.token_ids)
+            spans = () if prompt.blend is None else prompt.blend.spans
+            if spans and spans[-1][0] + spans[-1][1] > len(ids):
+                start, length = spans[-1]
+                raise ValueError(f"segment span {start}..{start + length} is outside the prompt's {len(ids)} tokens")
+            return EncodedPrompt(ids, prompt.blend)
+        if isinstance(prompt, SegmentedPrompt):
+            ids, spec = prompt.encode(self.tokenizer)
+            return EncodedPrompt(self.encode_prompt(ids), spec)
+        return EncodedPrompt(self.encode_prompt(prompt))
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt, with a clear error (ValueError) for anything unusable."""

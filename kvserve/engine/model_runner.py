@@ -13,7 +13,7 @@ import torch
 
 from kvserve.attention.backends import AttentionBackend, TorchBackend
 from kvserve.attention.paged import AttentionMetadata, BudgetedChunk, DecodeGroup, PagedChunks, PrefillChunk
-from kvserve.kv.budget.budgets import BudgetStep
+from kvserve.kv.budget.budgets import Budgets, BudgetStep
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.layout import PagedBatch
@@ -54,7 +54,7 @@ class _StepBuilder:
         flat_start = len(self.input_ids)
         self.input_ids.extend(req.all_token_ids[start:end])
         self.positions.extend(range(start, end))
-        step = r.kv.budgets.begin_step(req, n)
+        step = r.budgets.begin_step(req, n)
         slot_start = start if step is None else step.slot_start
         self.writes.add(block_ids, slot_start, n)
         if step is not None:
@@ -136,11 +136,13 @@ class _StepBuilder:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVStorage, kv: KVCacheManager,
+    def __init__(self, model: LlamaModel, cache: KVStorage, kv: KVCacheManager, budgets: Budgets,
                  backend: AttentionBackend | None = None) -> None:
+        """``budgets``: where a budgeted request's new entries go and which it observes."""
         self.model = model
         self.cache = cache
         self.kv = kv
+        self.budgets = budgets
         self.backend = backend if backend is not None else TorchBackend()
         self.device = model.device
         self.block_size = cache.block_size

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvserve.blend.blender import BlendStats
 from kvserve.kv.budget.budgets import BudgetStats
+from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import NO_PIN_STATS, PinStats
 from kvserve.kv.tiering import TierMetrics
 from kvserve.offload.cost import CostSnapshot
+from kvserve.scheduler.scheduler import Scheduler
 
 NO_BUDGET_STATS = BudgetStats(0, 0, 0, 0)
 
@@ -48,3 +51,17 @@ class EngineStats:
     def recompute_tokens_avoided(self) -> int:
         """Tokens loaded from the offload tiers instead of computed, re-admissions included."""
         return sum(t.loaded_tokens for t in self.tiers)
+
+
+def take_stats(num_steps: int, scheduler: Scheduler, kv: KVCacheManager, blend: BlendStats) -> EngineStats:
+    """The snapshot, read from each part's owner."""
+    pool, tiering = kv.pool, kv.tiering
+    return EngineStats(
+        num_steps=num_steps, num_waiting=len(scheduler.waiting), num_loading=len(scheduler.loading),
+        num_running=len(scheduler.running), num_preemptions=scheduler.num_preemptions,
+        kv_num_blocks=pool.num_blocks, kv_num_free_blocks=pool.num_free_blocks,
+        kv_num_cached_blocks=pool.num_cached_blocks, kv_usage=pool.usage,
+        prefix_query_tokens=scheduler.num_prefix_query_tokens, prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
+        num_evicted_blocks=pool.num_evicted_blocks, tiers=tiering.metrics(), cost=tiering.cost_snapshot(),
+        num_swapped_blocks=scheduler.num_swapped_blocks, budgets=kv.budgets.stats(), pins=kv.pins.stats(),
+        pin_hit_tokens=scheduler.num_pin_hit_tokens, blend=dataclasses.replace(blend))

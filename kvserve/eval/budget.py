@@ -108,7 +108,7 @@ class ForcedSampler(Sampler):
     def __init__(self, seed: int, targets: dict[str, list[int]]) -> None:
         super().__init__(seed)
         self.targets = targets
-        self.logprobs: dict[str, list[float]] = {rid: [] for rid in targets}
+        self.target_logprobs: dict[str, list[float]] = {rid: [] for rid in targets}
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         out = super().sample(logits, requests)
@@ -116,7 +116,7 @@ class ForcedSampler(Sampler):
             forced = self.targets.get(req.request_id)
             if forced is not None:
                 token = forced[req.num_output_tokens]
-                self.logprobs[req.request_id].append(float(torch.log_softmax(logits[row], -1)[token]))
+                self.target_logprobs[req.request_id].append(float(torch.log_softmax(logits[row], -1)[token]))
                 out.token_ids[row] = token
                 out.errors.pop(row, None)
         return out
@@ -131,25 +131,25 @@ def run_one(engine: LLMEngine, ids: list[int], params: SamplingParams, row: Row,
     forced = ForcedSampler(0, {rid: targets}) if targets is not None else None
     if forced is not None:
         engine.sampler = forced
-    engine.pool.reset_peak()
+    engine.kv.pool.reset_peak()
     decode_start = None
     try:
         while not req.is_finished:
             engine.step()
-            row.host_nbytes = max(row.host_nbytes, engine.budgets.host_nbytes)
+            row.host_nbytes = max(row.host_nbytes, engine.kv.budgets.host_nbytes)
             if decode_start is None and req.num_output_tokens >= 1:
-                row.peak_blocks = max(row.peak_blocks, engine.pool.peak_num_used)
-                engine.pool.reset_peak()
+                row.peak_blocks = max(row.peak_blocks, engine.kv.pool.peak_num_used)
+                engine.kv.pool.reset_peak()
                 decode_start = time.perf_counter()
     finally:
         engine.sampler = plain
-    row.peak_blocks = max(row.peak_blocks, engine.pool.peak_num_used)
-    row.decode_blocks = max(row.decode_blocks, engine.pool.peak_num_used)
+    row.peak_blocks = max(row.peak_blocks, engine.kv.pool.peak_num_used)
+    row.decode_blocks = max(row.decode_blocks, engine.kv.pool.peak_num_used)
     if forced is not None and decode_start is not None:
         row.decode_seconds += time.perf_counter() - decode_start
         row.decode_tokens += req.num_output_tokens - 1
-        row.nll_sum -= sum(forced.logprobs[rid])
-        row.num_scored += len(forced.logprobs[rid])
+        row.nll_sum -= sum(forced.target_logprobs[rid])
+        row.num_scored += len(forced.target_logprobs[rid])
     return list(req.output_token_ids)
 
 
@@ -165,7 +165,7 @@ def evaluate_context(llm: LLM, context: int, text_ids: list[int], text: str, set
                      log=print) -> list[Row]:
     engine = llm.engine
     tok = llm.tokenizer
-    configs = configs_for(context, settings, engine.pool.block_size)
+    configs = configs_for(context, settings, engine.kv.pool.block_size)
     rows = {c: Row(context, c) for c in configs}
     cases = build_cases(tok.encode, [context - PROMPT_OVERHEAD], settings.depths, settings.seed,
                         settings.filler, text)

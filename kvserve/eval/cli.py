@@ -42,7 +42,7 @@ def settings_from(args: argparse.Namespace) -> Any:
 
 def run_eval(args: argparse.Namespace) -> int:
     from kvserve.bench.common import find_text
-    from kvserve.engine.engine import resolve_device, resolve_dtype
+    from kvserve.engine.build import resolve_device, resolve_dtype
     from kvserve.eval.report import goal_lines, render_table, to_json
     from kvserve.eval.runner import RunContext, run_all, units_for
     from kvserve.model.loader import load_model
@@ -117,9 +117,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_eval_budget(args: argparse.Namespace) -> int:
     from kvserve.bench.common import find_text
-    from kvserve.engine.engine import resolve_device, resolve_dtype
+    from kvserve.engine.build import resolve_device, resolve_dtype
     from kvserve.eval.budget import BudgetEvalSettings, evaluate, goal_lines, render
-    from kvserve.kv.paged_cache import PagedKVCache
+    from kvserve.kv.storage.paged import PagedKVCache
     from kvserve.model.loader import load_model
 
     t_start = time.perf_counter()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvserve.engine.engine import resolve_device, resolve_dtype
+from kvserve.engine.build import resolve_device, resolve_dtype
 from kvserve.eval.backends import EvalBackend, KVServeBackend
 from kvserve.eval.harness import EvalSettings, FormatResult, Workload, evaluate, greedy_all, stderr_log
 from kvserve.model.loader import LoadedModel, load_model

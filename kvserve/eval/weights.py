@@ -194,7 +194,7 @@ def run(model: str | None, text: str, text_label: str, settings: EvalSettings, s
         engine_options: dict[str, Any], log: Log = stderr_log) -> tuple[str, list[WeightResult]]:
     """Load the model, evaluate ``specs`` and return the report (header, table, goal and
     outlier lines) with the results."""
-    from kvserve.engine.engine import resolve_device, resolve_dtype
+    from kvserve.engine.build import resolve_device, resolve_dtype
     from kvserve.model.loader import load_model
 
     loaded = load_model(model)

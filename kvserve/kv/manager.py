@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from kvserve.cache_control import PrefixPin
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.budget.budgets import Budgets, NoBudgets
 from kvserve.kv.pins import PinInfo, Pins
@@ -45,6 +46,7 @@ from kvserve.kv.residual import NoResidual, ResidualRows
 from kvserve.kv.tiering import NoTiering, Promotion, Tiering
 from kvserve.offload.tiered import EMPTY_RUN, TierRun
 from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 
 
 class PrefixMatch(NamedTuple):
@@ -110,6 +112,17 @@ class KVCacheManager:
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def check_fits(self, params: SamplingParams, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError when a request could never run: the most blocks it holds at once (its
+        budget's, or all its tokens') is more than the pool has."""
+        num_blocks = self.num_blocks_needed(num_prompt_tokens + max_tokens)
+        budgeted = self.budgets.max_blocks(params, num_prompt_tokens)
+        num_blocks = num_blocks if budgeted is None else min(num_blocks, budgeted)
+        if num_blocks > self.pool.num_blocks:
+            raise ValueError(
+                f"request needs up to {num_blocks} KV blocks ({num_prompt_tokens} prompt + {max_tokens} new tokens) "
+                f"but the cache has {self.pool.num_blocks}; lower max_tokens or give the KV cache more memory")
 
     def block_keys(self, request: Request) -> list[bytes]:
         """Keys of the request's full blocks, extended as its tokens grow."""
@@ -309,9 +322,34 @@ class KVCacheManager:
             raise ValueError("pinning needs prefix caching, which is off on this engine")
         return self.pins.pin([(self.prefix_keys(token_ids, n), ttl_s) for n, ttl_s in prefixes])
 
+    def pin_prefixes(self, token_ids: Sequence[int], pins: Sequence[PrefixPin], skip_short: bool) -> list[PinInfo]:
+        """Pin each ``PrefixPin`` of a prompt (all or none). ValueError for a prefix longer than
+        the prompt, and for one shorter than a block unless ``skip_short`` (a request's pins:
+        such a prefix pins nothing, as a prompt too short to cache is not cached)."""
+        prefixes: list[tuple[int | None, float]] = []
+        for p in pins:
+            n = len(token_ids) if p.num_tokens is None else p.num_tokens
+            if n > len(token_ids):
+                raise ValueError(f"a pin covers {n} tokens, but the prompt has {len(token_ids)}")
+            if n >= self.block_size:
+                prefixes.append((n, p.ttl_s))
+            elif not skip_short:
+                raise ValueError(f"nothing to pin: the prefix has {n} tokens, fewer than one block of "
+                                 f"{self.block_size}")
+        return self.pin(token_ids, prefixes) if prefixes else []
+
     def unpin(self, token_ids: Sequence[int]) -> PinInfo:
         """Remove the pin over exactly the full blocks of ``token_ids`` (PinNotFoundError)."""
         return self.pins.unpin(self.prefix_keys(token_ids))
+
+    def unpin_all(self) -> list[PinInfo]:
+        """Remove every pin; returns them."""
+        return self.pins.unpin_all()
+
+    def list_pins(self) -> list[PinInfo]:
+        """Every live pin (expired ones dropped first), soonest to expire first."""
+        self.pins.expire()
+        return self.pins.infos()
 
     def num_pinned_hits(self, request: Request, num_blocks: int) -> int:
         """How many of the request's first ``num_blocks`` blocks hold pinned keys."""

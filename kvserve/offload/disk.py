@@ -21,14 +21,13 @@ import fcntl
 import logging
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvserve.config import DiskConfig
-from kvserve.offload.base import KEY_NBYTES, Transport
-from kvserve.offload.lru import LRUIndex
+from kvserve.offload.base import KEY_NBYTES
+from kvserve.offload.lru import LRUTransport
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +35,10 @@ _BLOCK_SUFFIX = ".blk"
 _TEMP_SUFFIX = ".tmp"
 
 
-class DiskTransport(Transport):
-    """Invariant: ``nbytes_used == sum(index sizes) <= capacity_bytes``, counting final
+class DiskTransport(LRUTransport):
+    """One file per key, next to the index of ``LRUTransport`` and under its lock.
+
+    Invariant: ``nbytes_used == sum(index sizes) <= capacity_bytes``, counting final
     files only (a write's temp file exists briefly on top, for one value per writer)."""
 
     name = "disk"
@@ -48,10 +49,9 @@ class DiskTransport(Transport):
     prior_read_bytes_per_s = 200e6
 
     def __init__(self, config: DiskConfig) -> None:
+        super().__init__(config.capacity_bytes)   # the index: key -> file size
         self._root = Path(config.path)
         self._fsync = config.fsync
-        self._lock = threading.Lock()
-        self._index = LRUIndex(config.capacity_bytes)   # key -> file size, guarded by _lock
         self._closed = False
         self.num_write_errors = 0
         self._root.mkdir(parents=True, exist_ok=True)
@@ -98,19 +98,12 @@ class DiskTransport(Transport):
             logger.info("disk tier %s: removed %d temp files left by an interrupted write", self._root, num_temp)
         return num_temp
 
-    def _evict(self, nbytes: int) -> None:
-        """Drop least recently used files until ``nbytes`` more fit. Caller holds the lock."""
-        for key in self._index.evict(nbytes):
-            self._path(key).unlink(missing_ok=True)
+    def _drop_value(self, key: bytes) -> None:
+        self._path(key).unlink(missing_ok=True)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"disk tier {self._root} is closed")
-
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        self._check_open()
-        with self._lock:
-            return [key in self._index for key in keys]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         self._check_open()
@@ -186,13 +179,6 @@ class DiskTransport(Transport):
                 except OSError:
                     pass
 
-    def remove(self, keys: Sequence[bytes]) -> None:
-        self._check_open()
-        with self._lock:
-            for key in keys:
-                if self._index.pop(key) is not None:
-                    self._path(key).unlink(missing_ok=True)
-
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -200,23 +186,9 @@ class DiskTransport(Transport):
             self._closed = True
             self._lock_file.close()  # releases the flock
 
-    @property
-    def nbytes_used(self) -> int:
-        return self._index.nbytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._index.capacity_bytes
-
-    def keys_lru_first(self) -> list[bytes]:
-        with self._lock:
-            return self._index.keys_lru_first()
-
-    def check_integrity(self) -> None:
-        """Accounting, and every indexed file present with its size (one stat per block)."""
-        with self._lock:
-            self._index.check_integrity("disk tier")
-            for key, size in self._index.items():
-                path = self._path(key)
-                assert path.is_file(), f"disk tier indexes {path.name}, which is missing"
-                assert path.stat().st_size == size, f"disk tier indexes {path.name} at {size} bytes"
+    def _check_values(self) -> None:
+        """Every indexed file present with its size (one stat per block)."""
+        for key, size in self._index.items():
+            path = self._path(key)
+            assert path.is_file(), f"disk tier indexes {path.name}, which is missing"
+            assert path.stat().st_size == size, f"disk tier indexes {path.name} at {size} bytes"

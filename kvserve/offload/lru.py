@@ -1,7 +1,9 @@
 """Keys in least-recently-used order, each with a byte size, under a byte capacity.
 
-The bookkeeping the host and disk tiers share; each keeps its values (a dict of bytes,
-files) next to it and drops a value when the index evicts its key.
+The bookkeeping the host and disk tiers share: ``LRUIndex`` alone, and ``LRUTransport``,
+the transport base that holds one under a lock and answers the accessors from it. Each
+tier keeps its values (a dict of bytes, files) next to the index and drops a value when
+the index evicts or forgets its key.
 
     LRU end                                    most recent end
     | k3 (4 KB) | k0 (4 KB) | k7 (2 KB) | ... | k5 (4 KB) |      nbytes = sum of sizes
@@ -10,8 +12,12 @@ files) next to it and drops a value when the index evicts its key.
 
 from __future__ import annotations
 
+import threading
+from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+
+from kvserve.offload.base import Transport
 
 
 class LRUIndex:
@@ -85,3 +91,64 @@ class LRUIndex:
         total = sum(self._sizes.values())
         assert self._nbytes == total, f"{what} counts {self._nbytes} bytes, holds {total}"
         assert total <= self.capacity_bytes, f"{what} holds {total} bytes over its capacity {self.capacity_bytes}"
+
+
+class LRUTransport(Transport):
+    """A tier whose values are bounded in bytes and evicted least recently used first.
+
+    Holds the ``LRUIndex`` (key -> size, in LRU order) and the lock that guards it together
+    with the subclass's values. Invariant (under the lock): the index and the values hold
+    the same keys, each value at its indexed size. A subclass stores and reads the values
+    (``get_many``, ``put_many``, ``close``) and says how to drop one (``_drop_value``) and
+    how to check them (``_check_values``).
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._index = LRUIndex(capacity_bytes)
+        self._lock = threading.Lock()
+
+    @abstractmethod
+    def _drop_value(self, key: bytes) -> None:
+        """Delete the value of ``key``, which the index has just forgotten. Caller holds the lock."""
+
+    @abstractmethod
+    def _check_values(self) -> None:
+        """Assert that the values match the index (same keys and sizes). Caller holds the lock."""
+
+    def _check_open(self) -> None:
+        """Raise for a call on a closed tier; a tier usable after ``close`` keeps this no-op."""
+
+    def _evict(self, nbytes: int) -> None:
+        """Drop least recently used values until ``nbytes`` more fit. Caller holds the lock."""
+        for key in self._index.evict(nbytes):
+            self._drop_value(key)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        self._check_open()
+        with self._lock:
+            return [key in self._index for key in keys]
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        self._check_open()
+        with self._lock:
+            for key in keys:
+                if self._index.pop(key) is not None:
+                    self._drop_value(key)
+
+    @property
+    def nbytes_used(self) -> int:
+        return self._index.nbytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._index.capacity_bytes
+
+    def keys_lru_first(self) -> list[bytes]:
+        """The keys held, least recently used first (the order evictions take)."""
+        with self._lock:
+            return self._index.keys_lru_first()
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._index.check_integrity(f"{self.name} tier")
+            self._check_values()

@@ -70,6 +70,18 @@ class Sampler:
                     errors[row], token_ids[row] = f"sampling failed: {e}", None
         return Sampled(token_ids, errors)
 
+    @staticmethod
+    def logprobs(logits: torch.Tensor, requests: list[Request], token_ids: list[int | None]) -> dict[int, TokenLogprob]:
+        """Row -> the drawn token's logprob and the top alternatives, for each row whose request
+        asks for logprobs and got a token: the model's own distribution (``logits`` as the
+        model gave them, before penalties, bias and grammar), as in vLLM."""
+        chosen = [(i, t) for i, t in enumerate(token_ids) if t is not None and requests[i].params.logprobs is not None]
+        if not chosen:
+            return {}
+        logprobs = torch.log_softmax(logits[[i for i, _ in chosen]], dim=-1)
+        return {i: top_logprobs(logprobs[k:k + 1], [t], requests[i].params.logprobs or 0)[0]
+                for k, (i, t) in enumerate(chosen)}
+
     def _sample_row(self, logits: torch.Tensor, req: Request) -> int:
         p = req.params
         scaled = logits / p.temperature

@@ -25,13 +25,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.cache_control import CacheControl
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
-from kvserve.request import BlendSpec
+from kvserve.request import BlendSpec, EncodedPrompt
 from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.server")
@@ -78,9 +77,8 @@ class RequestSpec(NamedTuple):
     blend: BlendSpec | None = None         # the prompt's segments, reused by blending (kvserve/blend/)
 
     @property
-    def prompt(self) -> list[int] | SegmentedPrompt:
-        return self.prompt_token_ids if self.blend is None else SegmentedPrompt.from_spans(self.prompt_token_ids,
-                                                                                           self.blend)
+    def prompt(self) -> EncodedPrompt:
+        return EncodedPrompt(self.prompt_token_ids, self.blend)
 
 
 class StreamItem(NamedTuple):

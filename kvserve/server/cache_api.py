@@ -80,7 +80,7 @@ async def _encode_messages(ctx: ServingContext, messages: list[ChatMessage], par
         text = ctx.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=False)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
-    return await ctx.encode(text, param)
+    return (await ctx.encode(text, param)).token_ids
 
 
 # -- the routes ---------------------------------------------------------------------
@@ -123,7 +123,7 @@ def cache_router(ctx: ServingContext) -> APIRouter:
         if body.all:
             if body.prompt is not None or body.messages is not None or body.num_tokens is not None:
                 raise bad_request("all: true unpins every pin; give no prompt, messages or num_tokens with it", "all")
-            infos = await ctx.engine.call(lambda engine: engine.unpin_all())
+            infos = await ctx.engine.call(lambda engine: engine.kv.unpin_all())
             return JSONResponse({"object": "list", "data": [_pin_body(i, block_size, pinned=False) for i in infos]})
         ids = await _prefix_ids(ctx, body)
         try:
@@ -134,7 +134,7 @@ def cache_router(ctx: ServingContext) -> APIRouter:
 
     @router.get("/cache/pins")
     async def list_pins() -> Response:
-        infos = await ctx.engine.call(lambda engine: engine.list_pins())
+        infos = await ctx.engine.call(lambda engine: engine.kv.list_pins())
         return JSONResponse({"object": "list", "data": [_pin_body(i, block_size, pinned=True) for i in infos]})
 
     return router
@@ -149,7 +149,7 @@ async def _prefix_ids(ctx: ServingContext, body: _PrefixBody) -> list[int]:
             raise bad_request("messages must hold at least one message", "messages")
         return await _encode_messages(ctx, body.messages, "messages")
     assert body.prompt is not None
-    return await ctx.encode(body.prompt, "prompt")
+    return (await ctx.encode(body.prompt, "prompt")).token_ids
 
 
 async def _pin(ctx: ServingContext, ids: list[int], body: PinBody) -> PinInfo:

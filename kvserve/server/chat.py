@@ -44,8 +44,7 @@ async def plan_chat(ctx: ServingContext, request: Request) -> _Plan:
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     segmented = req.segmented(prompt, "messages")
-    ids, blend = (prompt, None) if segmented is None else segmented.encode(ctx.tokenizer)
-    ids = await ctx.encode(ids, "messages")
+    ids, blend = await ctx.encode(prompt if segmented is None else segmented, "messages")
     ctx.check_room(len(ids), req.max_new_tokens,
                    "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -99,7 +98,7 @@ def _usage(plan: _Plan, outs: list[RequestOutput]) -> dict[str, Any]:
 
 
 def _stream(ctx: ServingContext, plan: _Plan, stream: RequestStream, rid: str, created: int) -> AsyncIterator[str]:
-    deltas = [DeltaText(spec.params.stop) for spec in plan.specs]
+    deltas = [DeltaText() for spec in plan.specs]
     num_logprobs_sent = [0] * len(plan.specs)
     last: dict[int, RequestOutput] = {}
 
@@ -108,7 +107,7 @@ def _stream(ctx: ServingContext, plan: _Plan, stream: RequestStream, rid: str, c
         last[i] = out
         if plan.tools.reads_calls:
             return _tool_chunk(i, out)
-        text = deltas[i].next(out.text, out.finished)
+        text = deltas[i].next(out.text)
         new_logprobs = (out.logprobs or [])[num_logprobs_sent[i]:]
         num_logprobs_sent[i] += len(new_logprobs)
         if not text and not out.finished and not (plan.req.logprobs and new_logprobs):

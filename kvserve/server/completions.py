@@ -49,9 +49,9 @@ async def plan_completion(ctx: ServingContext, request: Request) -> _Plan:
     if len(prompts) * req.n > MAX_BATCH_REQUESTS:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} is more than {MAX_BATCH_REQUESTS} completions "
                           "in one request", "n")
-    blends = [_segmented(req, p) for p in prompts]
-    encoded = [None if b is None else b.encode(ctx.tokenizer) for b in blends]
-    prompt_ids = [await ctx.encode(p if e is None else e[0], "prompt") for p, e in zip(prompts, encoded)]
+    segmented = [_segmented(req, p) for p in prompts]
+    encoded = [await ctx.encode(p if s is None else s, "prompt") for p, s in zip(prompts, segmented)]
+    prompt_ids = [e.token_ids for e in encoded]
     for ids in prompt_ids:
         ctx.check_room(len(ids), req.max_tokens)
     texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
@@ -60,9 +60,9 @@ async def plan_completion(ctx: ServingContext, request: Request) -> _Plan:
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     structured, param = req.structured()
     cache = completion_cache(req)
-    specs = [RequestSpec(ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs, structured), cache,
-                         None if e is None else e[1])
-             for ids, e in zip(prompt_ids, encoded) for j in range(req.n)]
+    specs = [RequestSpec(e.token_ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs, structured),
+                         cache, e.blend)
+             for e in encoded for j in range(req.n)]
     await ctx.check_params(specs[0].params, param)
     return _Plan(req, texts, prompt_ids, specs, score_only)
 
@@ -143,7 +143,7 @@ def _usage(plan: _Plan, outs: list[RequestOutput]) -> dict[str, Any]:
 
 
 def _stream(ctx: ServingContext, plan: _Plan, stream: RequestStream, rid: str, created: int) -> AsyncIterator[str]:
-    deltas = [DeltaText(spec.params.stop) for spec in plan.specs]
+    deltas = [DeltaText() for spec in plan.specs]
     num_logprobs_sent = [0] * len(plan.specs)
     last: dict[int, RequestOutput] = {}
 
@@ -151,7 +151,7 @@ def _stream(ctx: ServingContext, plan: _Plan, stream: RequestStream, rid: str, c
         i, out = item.choice, item.output
         p, first = plan.prompt_of(i), i not in last
         last[i] = out
-        text = deltas[i].next(out.text, out.finished)
+        text = deltas[i].next(out.text)
         if plan.score_only:
             text = ""
         if first and plan.req.echo:

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvserve.blend.prompt import DEFAULT_BLEND_FRACTION, SegmentedPrompt
+from kvserve.blend.prompt import SegmentedPrompt
+from kvserve.request import DEFAULT_BLEND_FRACTION, check_blend_fraction
 from kvserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
 MAX_CHOICES = 16          # n: each choice is one engine request
@@ -109,7 +110,7 @@ class _SamplingFields(_Body):
     # kvserve's: texts in the prompt (documents) whose KV is reused from a standalone
     # computation, wherever they appear, recomputing blend_fraction of them (lossy; docs/blend.md)
     segments: list[str] | None = Field(None, max_length=MAX_SEGMENTS)
-    blend_fraction: float | None = Field(None, ge=0.0, le=1.0)
+    blend_fraction: float | None = None
     # OpenAI fields that do not change the output: accepted, ignored
     user: str | None = None
     service_tier: str | None = None
@@ -127,7 +128,10 @@ class _SamplingFields(_Body):
             return None
         if not self.segments:
             raise bad_request("segments must hold at least one text", "segments")
-        fraction = DEFAULT_BLEND_FRACTION if self.blend_fraction is None else self.blend_fraction
+        try:
+            fraction = DEFAULT_BLEND_FRACTION if self.blend_fraction is None else check_blend_fraction(self.blend_fraction)
+        except ValueError as e:
+            raise bad_request(str(e), "blend_fraction") from None
         try:
             return SegmentedPrompt.from_text(text, self.segments, fraction)
         except ValueError as e:

@@ -6,16 +6,18 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
 
+from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.request import EncodedPrompt
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import (
     EngineError,
@@ -82,7 +84,7 @@ class ServingContext:
         self.tokenizer: Tokenizer = card.tokenizer
         self.max_model_len = card.max_model_len
         self.block_size = card.block_size
-        self._encode_prompt = card.encode_prompt   # reads only the tokenizer and limits
+        self._encode = card.encode   # reads only the tokenizer and limits
         self._token_text: dict[int, str] = {}
         self._byte_of_char = _byte_level_decoder()
 
@@ -107,10 +109,11 @@ class ServingContext:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{self.settings.model_name!r}", param="model", code="model_not_found")
 
-    async def encode(self, prompt: str | list[int], param: str) -> list[int]:
-        """Token ids (off the event loop: a 1 MiB prompt takes a while); 400 on bad prompts."""
+    async def encode(self, prompt: str | list[int] | SegmentedPrompt, param: str) -> EncodedPrompt:
+        """Token ids and segment spans, tokenized once, here (off the event loop: a 1 MiB
+        prompt takes a while); 400 on bad prompts."""
         try:
-            return await asyncio.to_thread(self._encode_prompt, prompt)
+            return await asyncio.to_thread(self._encode, prompt)
         except ValueError as e:
             code = CONTEXT_LENGTH_EXCEEDED if "context window" in str(e) else None
             raise APIError(400, str(e), param=param, code=code) from None
@@ -128,7 +131,7 @@ class ServingContext:
         if params.structured is None and not params.logit_bias:
             return
         try:
-            await self.engine.call(lambda engine: engine.check_params(params))
+            await self.engine.call(lambda engine: engine.checks.check_params(params))
         except ValueError as e:
             message = str(e)
             if message.startswith("logit_bias"):
@@ -205,23 +208,20 @@ def _too_large(limit: int) -> APIError:
 
 
 class DeltaText:
-    """Turns the full text so far into the new part to stream.
+    """Turns the text so far into the new part to stream: what follows the characters sent.
 
-    While a request runs, the last ``holdback`` characters (longest stop string - 1) are
-    held back, so a stop string the engine will cut is never streamed, and so is a
-    trailing U+FFFD (a multi-byte character whose remaining bytes are in the next token).
+    The engine's running texts already hold back a stop string it may cut and a character
+    whose bytes are still arriving, and each is a prefix of the next and of the final text
+    (engine/output_processor.py), so nothing is held back here.
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+    def __init__(self) -> None:
         self.num_sent_chars = 0
 
-    def next(self, text: str, finished: bool) -> str:
-        end = len(text) if finished else len(text.rstrip("\ufffd")) - self.holdback
-        if end <= self.num_sent_chars:
-            return ""
-        delta = text[self.num_sent_chars:end]
-        self.num_sent_chars = end
+    def next(self, text: str) -> str:
+        """The part of ``text`` not sent yet ("" when none)."""
+        delta = text[self.num_sent_chars:]
+        self.num_sent_chars += len(delta)
         return delta
 
 

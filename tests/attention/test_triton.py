@@ -412,7 +412,7 @@ def test_the_engine_on_the_triton_backend_gives_the_torch_paths_tokens(fmt: str)
     for backend in ("torch", "triton"):
         llm = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=32, max_num_batched_tokens=24, device=device,
                   dtype="float32", attention_backend=backend)
-        assert llm.engine.attention.name == backend
+        assert llm.engine.runner.backend.name == backend
         outs[backend] = [(o.token_ids, o.num_cached_tokens) for o in llm.generate(prompts, params)]
         llm.engine.check_integrity()
     assert outs["triton"] == outs["torch"]

@@ -36,3 +36,18 @@ def test_kv_decode_takes_json_plot_and_the_weight_format(tmp_path):
     args = parser.parse_args(["bench", "kv-decode", "--json", str(tmp_path / "r.json"), "--plot",
                               str(tmp_path / "r.png"), "--weight-format", "native"])
     assert (args.json, args.plot, args.weight_format) == (str(tmp_path / "r.json"), str(tmp_path / "r.png"), "native")
+
+
+def test_json_rows_carry_the_derived_figures_and_draw_the_plot(tmp_path):
+    from kvserve.bench import plots
+
+    results = [kv_decode.DecodeResult("native", "cpu", 1 << 20, 1 << 26, [90.0, 100.0, 95.0], 40.0, 30.0, 5.0, "gguf"),
+               kv_decode.DecodeResult("int8", "torch", 1 << 18, 1 << 26, [150.0], 20.0, None, 5.0, "gguf")]
+    rows = kv_decode.result_rows(results)
+    assert rows[0] == {"kv_format": "native", "backend": "cpu", "kv_bytes_per_step": 1 << 20,
+                       "weight_bytes": 1 << 26, "tok_s": [90.0, 100.0, 95.0], "step_ms": 40.0, "attention_ms": 30.0,
+                       "products_ms": 5.0, "weight_format": "gguf", "median": 95.0, "rest_ms": 5.0}
+    assert (rows[1]["median"], rows[1]["rest_ms"]) == (150.0, None)
+    path = tmp_path / "kv.png"
+    assert plots.PLOTS["kv-decode"](rows, path) == path
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,6 +11,8 @@ import pytest
 from kvserve.bench import plots
 from kvserve.bench.capacity import CapacityResult
 from kvserve.bench.cli import add_bench_parser
+from kvserve.bench.cluster import Run
+from kvserve.bench.rag import Answer, RagResult
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -45,33 +47,79 @@ def capacity_results() -> list[CapacityResult]:
                                   ("kivi2", 2880, 5200, 73, 95.0))]
 
 
-@pytest.mark.parametrize(("name", "draw", "ncols"), [
-    ("chat", lambda p: plots.plot_chat(chat_results(), p), 2),
-    ("tiers", lambda p: plots.plot_tiers(tier_results(), p), 2),
-    ("capacity", lambda p: plots.plot_capacity(capacity_results(), p), 2),
-    ("decode", lambda p: plots.plot_decode([{"batch": 1, "kvserve_tok_s": 17.6, "transformers_tok_s": 15.9},
-                                            {"batch": 8, "kvserve_tok_s": 60.4, "transformers_tok_s": 63.7}], p), 1),
-    ("serve", lambda p: plots.plot_serve([0.2, 1.5, 0.7, 4.0], [6.0, 7.5, 9.1, 10.8], p), 1),
-    ("kv-decode", lambda p: plots.plot_step_parts(
-        [{"kv_format": "native", "backend": "cpu", "tok_s": [97.7, 97.6], "products_ms": 3.5, "attention_ms": 30.1,
-          "rest_ms": 5.5},
-         {"kv_format": "int8", "backend": "cpu", "tok_s": [155.8], "products_ms": 3.5, "attention_ms": 13.2,
-          "rest_ms": None}], p), 2),
-    ("structured", lambda p: plots.plot_structured(
-        [{"batch": 1, "baseline_sampling_ms": 0.29, "constrained_sampling_ms": 1.06},
-         {"batch": 8, "baseline_sampling_ms": 0.15, "constrained_sampling_ms": 0.8}], p), 1),
-])
-def test_each_bench_draws_a_png(tmp_path, name, draw, ncols):
+def rag_results() -> list[RagResult]:
+    def answers(ttfts: list[float], correct: int) -> tuple[Answer, ...]:
+        return tuple(Answer(t, (1, 2), "42", i < correct, 2000, 0, 1800, 180, 0) for i, t in enumerate(ttfts))
+
+    return [RagResult("full", None, answers([1.2, 1.4, 1.3], 3), (1.0, 1.0, 1.0), 3),
+            RagResult("blend@0.1", 0.1, answers([0.3, 0.25, 0.4], 2), (1.0, 0.5, 0.0), 1)]
+
+
+def peer_rows() -> list[dict]:
+    return [{"label": "decode, batch 1", "kvserve_tok_s": 250.5, "llama_tok_s": 132.3, "ratio": 1.89},
+            {"label": "prefill 512", "kvserve_tok_s": 1878.0, "llama_tok_s": None, "ratio": None}]
+
+
+def cluster_runs() -> list[dict]:
+    return [Run(name, ttft_s=ttft, prompt_tokens=1000, cached_tokens=cached, routed_to_holder=holder).summary()
+            for name, ttft, cached, holder in (("single", [0.08, 0.1, 0.5], 858, None),
+                                               ("kv", [0.2, 0.25, 0.9], 858, 1.0),
+                                               ("pow2", [0.3, 0.35, 1.3], 732, 0.5))]
+
+
+# bench name -> (the results its --plot is drawn from, up to the path; the figure's columns)
+SAMPLES: dict[str, tuple[tuple, int]] = {
+    "chat": ((chat_results(),), 2),
+    "tiers": ((tier_results(),), 2),
+    "capacity": ((capacity_results(),), 2),
+    "decode": (([{"batch": 1, "kvserve_tok_s": 17.6, "transformers_tok_s": 15.9},
+                 {"batch": 8, "kvserve_tok_s": 60.4, "transformers_tok_s": 63.7}],), 1),
+    "serve": (([0.2, 1.5, 0.7, 4.0], [6.0, 7.5, 9.1, 10.8]), 1),
+    "kv-decode": (([{"kv_format": "native", "backend": "cpu", "tok_s": [97.7, 97.6], "products_ms": 3.5,
+                     "attention_ms": 30.1, "rest_ms": 5.5},
+                    {"kv_format": "int8", "backend": "cpu", "tok_s": [155.8], "products_ms": 3.5,
+                     "attention_ms": 13.2, "rest_ms": None}],), 2),
+    "structured": (([{"batch": 1, "baseline_sampling_ms": 0.29, "constrained_sampling_ms": 1.06},
+                     {"batch": 8, "baseline_sampling_ms": 0.15, "constrained_sampling_ms": 0.8}],), 1),
+    "rag": ((rag_results(),), 1),
+    "peer": ((peer_rows(),), 2),
+    "cluster": ((cluster_runs(),), 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_each_bench_draws_a_png(tmp_path, name):
+    results, ncols = SAMPLES[name]
     path = tmp_path / f"{name}.png"
-    assert draw(path) == path
+    assert plots.PLOTS[name](*results, path) == path
     width, height = png_size(path)
     assert (width, height) == (int(6.0 * ncols * plots.DPI), int(4.2 * plots.DPI))
     assert path.stat().st_size > 10_000        # axes, lines and labels, not a blank canvas
 
 
-def test_every_bench_takes_plot(tmp_path):
+def bench_subparsers() -> dict[str, argparse.ArgumentParser]:
+    """``kvserve bench``'s subcommands, from the parser itself."""
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
-    for bench in ("chat", "decode", "serve", "capacity", "tiers", "structured"):
-        args = parser.parse_args(["bench", bench, "--plot", str(tmp_path / "x.png")])
-        assert args.plot == str(tmp_path / "x.png"), bench
+
+    def choices(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        (action,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        return dict(action.choices)
+
+    return choices(choices(parser)["bench"])
+
+
+def test_every_bench_that_offers_plot_draws_it():
+    """A bench offers --plot exactly when ``plots.PLOTS`` names what it draws, and each of
+    those draws a sample above: a new bench with an ignored --plot fails here."""
+    offering = {name for name, p in bench_subparsers().items() if "--plot" in p._option_string_actions}
+    assert offering == set(plots.PLOTS)
+    assert set(SAMPLES) == set(plots.PLOTS)
+
+
+def test_every_bench_takes_json_and_plot(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    for bench in plots.PLOTS:
+        args = parser.parse_args(["bench", bench, "--json", str(tmp_path / "x.json"), "--plot", str(tmp_path / "x.png")])
+        assert (args.json, args.plot) == (str(tmp_path / "x.json"), str(tmp_path / "x.png")), bench

@@ -51,14 +51,14 @@ def test_segments_are_shared_across_requests_and_lossy_blocks_never_cached(loade
     engine = llm.engine
     assert llm.cache_segments([DOCS[0], DOCS[1], DOCS[2], DOCS[3]]) == 32 + 32 + 48 + 16
     assert llm.cache_segments([DOCS[2]]) == 0
-    cached_before = engine.pool.num_cached_blocks
+    cached_before = engine.kv.pool.num_cached_blocks
     outs = llm.generate([rag([2, 0], 0.15), rag([0, 2, 1], 0.15), rag([1], 0.15)], GREEDY)
     assert [o.num_reused_tokens for o in outs] == [48 + 32, 32 + 48 + 32, 32]
     # ceil(0.15 * run) tokens per reused run
     assert [o.num_recomputed_tokens for o in outs] == [8 + 5, 5 + 8 + 5, 5]
     # the blended prompts' own blocks were never cached (the prefix of 11 tokens is not a block)
-    assert engine.pool.num_cached_blocks == cached_before
-    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+    assert engine.kv.pool.num_cached_blocks == cached_before
+    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
     engine.check_integrity()
     assert engine.stats().blend.num_blended == 3
 
@@ -115,7 +115,7 @@ def test_segments_come_back_from_a_tier(loaded):
     llm.cache_segments([DOCS[2]])                       # 3 blocks
     filler = [tokens(16 * 23 + 3, 20)]
     llm.generate(filler, SamplingParams(max_tokens=1))  # evicts the segment's blocks to the host tier
-    assert engine.blender.segments.locate(DOCS[2]).num_device_blocks == 0
+    assert engine.blending.blender.segments.locate(DOCS[2]).num_device_blocks == 0
     out = llm.generate([rag([2], 1.0)], GREEDY)[0]
     want = LLM(loaded=loaded, enable_prefix_caching=False).generate([plain(rag([2], 1.0))], GREEDY)[0]
     assert out.num_reused_tokens == 48 and out.token_ids == want.token_ids
@@ -155,7 +155,7 @@ def test_a_waiting_segmented_request_can_be_aborted(loaded):
     engine.abort(rid)
     assert not engine.has_unfinished and engine.step() == []
     engine.check_integrity()
-    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
 
 
 def test_a_preempted_blended_request_is_recomputed_and_finishes(loaded):
@@ -178,7 +178,7 @@ def test_a_preempted_blended_request_is_recomputed_and_finishes(loaded):
     assert [len(done[r].token_ids) for r in (blended, plain_id)] == [60, 60]
     # preempted, then recomputed in full (exact), its reuse counts kept from its blend
     assert done[blended].num_preemptions >= 1 and done[blended].num_reused_tokens == 32
-    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
 
 
 def test_no_room_to_load_a_segment_computes_it_instead(loaded):
@@ -187,13 +187,13 @@ def test_no_room_to_load_a_segment_computes_it_instead(loaded):
     engine = llm.engine
     llm.cache_segments([DOCS[2]])
     llm.generate([tokens(16 * 9 + 3, 21)], SamplingParams(max_tokens=1))   # the segment goes to the host tier
-    assert engine.blender.segments.locate(DOCS[2]).tier_run.num_blocks == 3
+    assert engine.blending.blender.segments.locate(DOCS[2]).tier_run.num_blocks == 3
     prompt = SegmentedPrompt([tokens(11, 0), Segment(DOCS[2]), tokens(60, 22)], 0.15)
     out = llm.generate([prompt], GREEDY)[0]
     want = LLM(loaded=loaded, enable_prefix_caching=False).generate([plain(prompt)], GREEDY)[0]
     assert out.error is None and out.num_reused_tokens == 0 and out.token_ids == want.token_ids
     engine.check_integrity()
-    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
 
 
 @pytest.mark.parametrize("speed", ["slow", "fast"])
@@ -206,11 +206,11 @@ def test_the_cost_model_weighs_a_tier_load_against_the_partial_recompute(loaded,
     engine = llm.engine
     llm.cache_segments([DOCS[2]])
     llm.generate([tokens(16 * 23 + 3, 20)], SamplingParams(max_tokens=1))
-    load_s = engine.tiering.load_seconds(engine.blender.segments.locate(DOCS[2]).tier_run)
+    load_s = engine.kv.tiering.load_seconds(engine.blending.blender.segments.locate(DOCS[2]).tier_run)
     assert load_s > 0
     tokens_per_s = (20.4 + 48) / 2 / load_s if speed == "fast" else 10.0 / load_s
     for _ in range(80):                 # the measured speed is a moving average: settle it here
-        engine.tiering.observe_prefill(int(tokens_per_s), 1.0)
+        engine.kv.tiering.observe_prefill(int(tokens_per_s), 1.0)
     prompt = SegmentedPrompt([tokens(11, 0), Segment(DOCS[2]), tokens(7, 9)], 0.15)
     out = llm.generate([prompt], GREEDY)[0]
     stats = engine.stats().blend

@@ -27,3 +27,14 @@ def test_replicas_cannot_share_a_disk_directory(tmp_path, capsys):
     pytest.importorskip("ray")
     assert main(["serve", "--replicas", "2", "--disk-cache", str(tmp_path)]) == 2
     assert "one engine per directory" in capsys.readouterr().err
+
+
+def test_cluster_flags_without_replicas_are_refused(capsys):
+    assert main(["serve", "--routing", "pow2", "--replica-cpus", "0.5"]) == 2
+    assert "--routing, --replica-cpus configure a cluster of engine replicas; give --replicas N" in capsys.readouterr().err
+
+
+def test_cluster_flags_take_their_defaults():
+    from kvserve.cluster.cli import CLUSTER_DEFAULTS, cluster_flags
+    flags = cluster_flags(build_parser().parse_args(["serve", "--replicas", "2", "--routing", "pow2"]))
+    assert vars(flags) == {**CLUSTER_DEFAULTS, "routing": "pow2"}

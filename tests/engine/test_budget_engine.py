@@ -32,7 +32,7 @@ def greedy(max_tokens: int, **budget) -> SamplingParams:
 
 
 def used_blocks(llm: LLM) -> int:
-    return sum(1 for b in llm.engine.pool.blocks if b.ref_count > 0)
+    return sum(1 for b in llm.engine.kv.pool.blocks if b.ref_count > 0)
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -42,7 +42,7 @@ def test_budget_covering_the_context_gives_the_unbudgeted_tokens(loaded, policy)
     llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64)
     out = llm.generate(prompt, greedy(40, kv_budget=192, kv_policy=policy))[0]
     assert out.token_ids == ref
-    assert llm.engine.budgets.num_compactions == 0
+    assert llm.engine.kv.budgets.num_compactions == 0
 
 
 def run_prefill(llm: LLM, prompt: list[int], params: SamplingParams) -> str:
@@ -66,7 +66,7 @@ def test_each_policy_keeps_exactly_its_budget_per_layer_and_frees_blocks(loaded,
     assert used_blocks(full) == 10           # 150 tokens
     llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False)
     rid = run_prefill(llm, prompt, greedy(20, kv_budget=64, kv_policy=policy))
-    state = llm.engine.budgets.get(rid)
+    state = llm.engine.kv.budgets.get(rid)
     assert state is not None and state.is_compacted
     num_slots = llm.engine.kv.num_slots(llm.engine._requests[rid])
     kept = [state.num_kept(layer, num_slots) for layer in range(2)]
@@ -79,7 +79,7 @@ def test_each_policy_keeps_exactly_its_budget_per_layer_and_frees_blocks(loaded,
     if policy.startswith("arkvale"):
         assert isinstance(state, ArkValeState)
         assert [len(r) for r in state.resident] == [4, 4] and [len(h) for h in state.host] == [5, 5]
-        assert llm.engine.budgets.host_nbytes == 2 * 5 * 2 * BLOCK * 2 * 16 * 4
+        assert llm.engine.kv.budgets.host_nbytes == 2 * 5 * 2 * BLOCK * 2 * 16 * 4
     # decode: the budget holds, compacting whenever a whole block can be freed
     while llm.engine.has_unfinished:
         llm.engine.step()
@@ -104,7 +104,7 @@ def test_decode_compacts_a_block_at_a_time_and_kv_usage_follows(loaded):
     # the first compaction when the slots reach budget + a block (48), then every 16 tokens
     assert (48, 32, 2) in seen and (64, 32, 2) in seen and (47, 47, 3) in seen
     assert max(s for _, s, _ in seen) == 47
-    assert llm.engine.budgets.num_compactions == 4      # at 48, 64, 80, 96 (99 tokens computed)
+    assert llm.engine.kv.budgets.num_compactions == 4      # at 48, 64, 80, 96 (99 tokens computed)
 
 
 def test_shared_prefix_blocks_are_never_altered_for_other_requests(loaded):
@@ -128,14 +128,14 @@ def test_shared_prefix_blocks_are_never_altered_for_other_requests(loaded):
             if o.finished:
                 outs[o.request_id] = o.token_ids
                 assert o.request_id != rid_b or o.num_cached_tokens == 64
-        if rid_a in e._requests and e.budgets.get(rid_a).is_compacted:
+        if rid_a in e._requests and e.kv.budgets.get(rid_a).is_compacted:
             # a copied the shared blocks before compacting; b still holds the originals
             assert not set(e.kv.block_ids(rid_a)) & set(shared)
             if rid_b in e._requests:
                 assert e.kv.block_ids(rid_b)[:4] == shared
         e.check_integrity()
     assert outs[rid_b] == ref_b
-    assert all(e.pool.blocks[i].is_cached for i in shared)
+    assert all(e.kv.pool.blocks[i].is_cached for i in shared)
     out_c = llm.generate(c, greedy(30))[0]
     assert out_c.num_cached_tokens == 64 and out_c.token_ids == ref_c
 
@@ -148,15 +148,15 @@ def test_compaction_writes_fresh_blocks_and_cached_ones_stay_hits(loaded):
     rid = e.add_request(prompt, greedy(4, kv_budget=32, kv_policy="snapkv"))
     e.step()                                         # 64 tokens: 4 full blocks, cached
     table = e.kv.block_ids(rid)
-    assert all(e.pool.blocks[i].is_cached for i in table[:4])
+    assert all(e.kv.pool.blocks[i].is_cached for i in table[:4])
     e.step()                                         # the rest of the prompt, then the compaction
     head = e.kv.block_ids(rid)
     assert len(head) == 2 and not set(head) & set(table)
-    assert not any(e.pool.blocks[i].is_cached for i in head)        # rewritten blocks have no key
-    assert all(b.is_cached for b in e.pool.blocks[:6])               # the computed ones keep theirs
+    assert not any(e.kv.pool.blocks[i].is_cached for i in head)        # rewritten blocks have no key
+    assert all(b.is_cached for b in e.kv.pool.blocks[:6])               # the computed ones keep theirs
     while e.has_unfinished:
         e.step()
-        assert not any(e.pool.blocks[i].is_cached for i in e.kv.block_ids(rid))
+        assert not any(e.kv.pool.blocks[i].is_cached for i in e.kv.block_ids(rid))
     again = llm.generate(prompt, greedy(4))[0]
     assert again.num_cached_tokens == 96 and again.token_ids == ref
     e.check_integrity()
@@ -170,7 +170,7 @@ def test_a_budgeted_request_with_prefix_hits_selects_over_its_whole_context(load
     rid = run_prefill(llm, prompt, greedy(20, kv_budget=64, kv_policy=policy))
     req = llm.engine._requests[rid]
     assert req.num_cached_tokens == 112
-    state = llm.engine.budgets.get(rid)
+    state = llm.engine.kv.budgets.get(rid)
     # the hits count as context: 64 kept of 150, positions from the whole prompt
     assert [state.num_kept(layer, 64) for layer in range(2)] == [64, 64]
     assert int(state.pos[0][:, :32].min()) < 112
@@ -190,9 +190,9 @@ def test_engine_default_budget_and_per_request_override(loaded):
     llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, kv_budget=32, kv_policy="streaming",
               enable_prefix_caching=False)
     rid = run_prefill(llm, tokens(100), greedy(5))
-    assert llm.engine.budgets.get(rid).policy.name == "streaming"
+    assert llm.engine.kv.budgets.get(rid).policy.name == "streaming"
     rid2 = run_prefill(llm, tokens(100), greedy(5, kv_budget=48, kv_policy="h2o"))
-    state = llm.engine.budgets.get(rid2)
+    state = llm.engine.kv.budgets.get(rid2)
     assert state.policy.name == "h2o" and state.budget == 48
 
 
@@ -227,7 +227,7 @@ def arkvale_engine(loaded, budget_host_bytes: int = 4 << 30, num_blocks: int = 6
 
 def test_stashed_blocks_leave_the_host_store_with_their_request(loaded):
     e = arkvale_engine(loaded)
-    store = e.budgets.host_store
+    store = e.kv.budgets.host_store
     done = e.add_request(tokens(150), greedy(4))
     aborted = e.add_request(tokens(150, seed=1), greedy(40))
     while done in e._requests:
@@ -249,13 +249,13 @@ def test_a_preempted_request_leaves_the_host_store(loaded):
     req = e._requests[rid]
     num_preempted_with_stash = 0
     while e.has_unfinished:
-        stashed, preemptions = e.budgets.host_store.nbytes_of(rid), req.num_preemptions
+        stashed, preemptions = e.kv.budgets.host_store.nbytes_of(rid), req.num_preemptions
         e.step()
         if req.num_preemptions > preemptions:
             num_preempted_with_stash += stashed > 0
-            assert e.budgets.host_store.nbytes_of(rid) == 0
+            assert e.kv.budgets.host_store.nbytes_of(rid) == 0
         e.check_integrity()        # no stashed block of a request without a budget state
-    assert num_preempted_with_stash >= 1 and e.budgets.host_store.num_blocks == 0
+    assert num_preempted_with_stash >= 1 and e.kv.budgets.host_store.num_blocks == 0
 
 
 def test_a_small_host_store_evicts_stashed_blocks_and_counts_them(loaded):
@@ -268,8 +268,8 @@ def test_a_small_host_store_evicts_stashed_blocks_and_counts_them(loaded):
         while e._requests[rid].num_computed_tokens < len(prompt):
             e.step()
     # 5 blocks of each of 2 layers went to the host; the small store kept the newest 4
-    assert ref.budgets.stats().num_host_evictions == 0 and ref.budgets.host_nbytes == 10 * block_nbytes
-    stats = small.budgets.stats()
+    assert ref.kv.budgets.stats().num_host_evictions == 0 and ref.kv.budgets.host_nbytes == 10 * block_nbytes
+    stats = small.kv.budgets.stats()
     assert stats.num_host_evictions == 6 and stats.host_nbytes == 4 * block_nbytes
     assert stats.host_capacity_bytes == 4 * block_nbytes
     assert small.stats().budgets == stats            # what /metrics reads
@@ -282,4 +282,4 @@ def test_a_small_host_store_evicts_stashed_blocks_and_counts_them(loaded):
     while small.has_unfinished:
         outs = small.step()
         small.check_integrity()
-    assert len(outs[0].token_ids) == 20 and small.budgets.host_store.num_blocks == 0
+    assert len(outs[0].token_ids) == 20 and small.kv.budgets.host_store.num_blocks == 0

@@ -44,7 +44,7 @@ def test_streaming_attends_exactly_to_its_kept_positions():
     visible: dict[int, list[int]] = {}
     evicted = []
     while not req.is_finished:
-        state = engine.budgets.get(rid)
+        state = engine.kv.budgets.get(rid)
         start = req.num_computed_tokens
         kept = kept_positions(state, start)
         engine.step()

@@ -9,7 +9,7 @@ import torch
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
-from kvserve.kv.quantized_cache import QuantizedKVCache
+from kvserve.kv.storage.quantized import QuantizedKVCache
 
 FORMATS = ["fp16", "bf16", "fp8", "int8", "int4g8", "kivi4g8", "kivi2g8", "int8+had", "int4g8+out2",
            "0=fp16;1-=kivi2g8", "k=int8,v=int4g8"]
@@ -62,7 +62,7 @@ def test_the_cpu_kernel_gives_the_torch_paths_tokens(loaded, fmt):
     torch_path = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=64, max_num_batched_tokens=24,
                      attention_backend="torch")
     kernel = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=64, max_num_batched_tokens=24, attention_backend="cpu")
-    assert kernel.engine.attention.name == "cpu" and kernel.engine.attention.reads_in_place
+    assert kernel.engine.runner.backend.name == "cpu" and kernel.engine.runner.backend.reads_in_place
     for llm in (torch_path, kernel):
         llm.generate(prompts()[:1], GREEDY)
     got, ref = kernel.generate(prompts(), GREEDY), torch_path.generate(prompts(), GREEDY)
@@ -83,7 +83,7 @@ def test_an_aborted_request_under_the_kernel_leaves_nothing_behind(loaded):
         e.step()
         e.check_integrity()
     assert e.kv.residual.num_free_rows == e.kv.residual.num_rows
-    assert e.pool.num_free_blocks == e.pool.num_blocks
+    assert e.kv.pool.num_free_blocks == e.kv.pool.num_blocks
 
 
 def test_formats_never_share_block_keys(loaded):
@@ -98,7 +98,7 @@ def test_cache_bytes_follow_the_format(loaded):
     # tiny: 2 layers, 2 KV heads, head_dim 16, block 16: int8 = 2 * 2 * 2 * 16 * (16 + 2) bytes a block;
     # int8 stores each token as it comes, so it keeps no residual rows
     llm = LLM(loaded=loaded, kv_format="int8", num_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=32)
-    cache = llm.engine.kv_cache
+    cache = llm.engine.runner.cache
     assert isinstance(cache, QuantizedKVCache)
     assert cache.nbytes == 10 * 2 * 2 * 2 * 16 * (16 + 2)
     # kivi2g8: keys per channel over a block (16 * 4 + 16 * 4 bytes a block and head), values per token
@@ -107,24 +107,24 @@ def test_cache_bytes_follow_the_format(loaded):
     rows = 32 // 16 + 2 * 4 + 1
     per_block = 2 * 2 * (16 * 4 + 16 * 4 + 16 * (4 + 2 * 4))
     reserved = rows * 2 * 16 * 2 * 16 * 4
-    assert llm.engine.kv_cache.nbytes == 10 * per_block + reserved
+    assert llm.engine.runner.cache.nbytes == 10 * per_block + reserved
     # sized from memory: the residual rows are reserved first
     llm = LLM(loaded=loaded, kv_format="kivi2g8", kv_cache_memory_gb=(reserved + 100 * per_block) / 2**30,
               max_num_seqs=4, max_num_batched_tokens=32)
-    assert llm.engine.pool.num_blocks == 100
+    assert llm.engine.kv.pool.num_blocks == 100
 
 
 def test_quantized_storage_is_really_used(loaded):
     llm = LLM(loaded=loaded, kv_format="int8", num_kv_blocks=8)
     llm.generate(list(range(40)), SamplingParams(max_tokens=1))
-    parts = llm.engine.kv_cache.key_parts[0]
+    parts = llm.engine.runner.cache.key_parts[0]
     codes = next(t for t in parts.values() if t.dtype == torch.int8)
     assert codes[:2].abs().sum() > 0          # the two full blocks were encoded
     assert codes[2, :8].abs().sum() > 0       # the open third block holds its 8 tokens, encoded as they came
     assert codes[2, 8:].abs().sum() == 0 and codes[3:].abs().sum() == 0
     kivi = LLM(loaded=loaded, kv_format="kivi2g8", num_kv_blocks=8)
     kivi.generate(list(range(40)), SamplingParams(max_tokens=1))
-    cache = kivi.engine.kv_cache
+    cache = kivi.engine.runner.cache
     assert cache.key_parts[0]["codes"][2].sum() == 0       # the open block's keys live in a residual row
     assert cache.value_parts[0]["codes"][2, :8].sum() > 0  # its values are in the block already
 

@@ -12,7 +12,7 @@ def test_payload_round_trips_between_blocks_and_engines(fmt):
     src = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=8)
     prompt = list(range(40))
     ref = src.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
-    tensors = src.engine.kv_cache.block_tensors()
+    tensors = src.engine.runner.cache.block_tensors()
     nbytes = block_nbytes(tensors)
     # tiny: 2 layers x (K, V) x 16 tokens x 2 heads x 16 dims
     per_half = {"native": 16 * 2 * 16 * 4, "int8": 16 * 2 * (16 + 2)}.get(fmt)
@@ -22,7 +22,7 @@ def test_payload_round_trips_between_blocks_and_engines(fmt):
     assert payloads.shape == (2, nbytes) and payloads.dtype == torch.uint8
     # another engine gets the two full blocks by payload, then reads them as its own
     dst = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=8)
-    dst_tensors = dst.engine.kv_cache.block_tensors()
+    dst_tensors = dst.engine.runner.cache.block_tensors()
     write_blocks(dst_tensors, [5, 6], payloads)
     assert torch.equal(read_blocks(dst_tensors, [5, 6]), payloads)
     assert torch.equal(read_blocks(dst_tensors, [0]), torch.zeros(1, nbytes, dtype=torch.uint8))

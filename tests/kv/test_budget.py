@@ -12,7 +12,7 @@ from kvserve.kv.budget.arkvale import ArkValeState, block_scores
 from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import POLICIES, ArkVale, check_budget, get_policy, pyramid_budgets
 from kvserve.kv.budget.state import BudgetState
-from kvserve.kv.paged_cache import PagedKVCache
+from kvserve.kv.storage.paged import PagedKVCache
 
 CPU = torch.device("cpu")
 

@@ -10,10 +10,10 @@ from tiny import TINY
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv.codecs import parse_kv_format
-from kvserve.kv.paged_cache import PagedKVCache
-from kvserve.kv.quantized_cache import QuantizedKVCache
 from kvserve.kv.residual import ROWS_FORMULA, ResidualRows, num_residual_rows
 from kvserve.kv.storage.factory import make_storage
+from kvserve.kv.storage.paged import PagedKVCache
+from kvserve.kv.storage.quantized import QuantizedKVCache
 
 CPU = torch.device("cpu")
 F32 = torch.float32

@@ -12,6 +12,7 @@ from tiers_util import GREEDY, MIB, POOL, PROMPT, PROMPT_HIT, cold_batch, cold_t
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
+from kvserve.kv.block_io import block_nbytes
 from kvserve.offload import HostConfig
 from kvserve.offload.host import HostTransport
 
@@ -101,7 +102,7 @@ def test_a_slow_tier_is_measured_then_not_used(loaded):
         cost = llm.engine.stats().cost
         assert cost is not None and cost.prefill_tokens_per_s is not None
         (slow,) = cost.tiers
-        assert slow.is_measured and slow.load_seconds(4, llm.engine.block_mover.nbytes_per_block) > 0.1
+        assert slow.is_measured and slow.load_seconds(4, block_nbytes(llm.engine.runner.cache.block_tensors())) > 0.1
         assert (cost.runs_loaded, cost.runs_cut, cost.blocks_recomputed) == (1, 1, 4)
 
 

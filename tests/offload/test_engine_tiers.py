@@ -29,6 +29,7 @@ from tiers_util import (
 from tiny import tiny_model
 
 from kvserve import LLM
+from kvserve.kv.block_io import block_nbytes
 from kvserve.kv.prefix import extend_block_keys
 from kvserve.kv.tiering import OffloadTiering
 
@@ -84,7 +85,7 @@ def test_a_hit_from_each_tier_gives_the_cold_tokens(loaded, tier, kv_format, tmp
         (t,) = stats.tiers
         assert t.tier == tier
         assert (t.hit_tokens, t.loaded_tokens) == (PROMPT_HIT, PROMPT_HIT)
-        assert t.bytes_loaded == 4 * llm.engine.block_mover.nbytes_per_block
+        assert t.bytes_loaded == 4 * block_nbytes(llm.engine.runner.cache.block_tensors())
         assert t.store.blocks_written >= 4 and t.store.corrupt == 0
         assert stats.prefix_hit_tokens == 0 and stats.recompute_tokens_avoided == PROMPT_HIT
         llm.engine.check_integrity()
@@ -92,7 +93,7 @@ def test_a_hit_from_each_tier_gives_the_cold_tokens(loaded, tier, kv_format, tmp
 
 def test_no_tier_configured_keeps_the_null_offload(loaded):
     llm = LLM(loaded=loaded, num_kv_blocks=POOL)
-    assert not isinstance(llm.engine.tiering, OffloadTiering)
+    assert not isinstance(llm.engine.kv.tiering, OffloadTiering)
     llm.generate(PROMPT, GREEDY)
     evict_everything_without_tiers = llm.generate(filler(0), FILL)
     assert evict_everything_without_tiers[0].finished

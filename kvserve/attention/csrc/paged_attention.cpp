@@ -295,7 +295,7 @@ void write_halves(const Halves& h, const at::Tensor& key, const at::Tensor& valu
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvserve paged attention over compressed KV blocks (CPU)";
   m.def("run", &kvs::run, "paged attention: see kvserve/attention/cpu.py");
-  m.def("write_kv", &kvs::write_kv, "one layer's new keys and values into their blocks: see kvserve/kv/cpu_writes.py");
+  m.def("write_kv", &kvs::write_kv, "one layer's new keys and values into their blocks: see kvserve/attention/cpu_writes.py");
   // module_local: two builds of this extension (two instruction sets) each register it
   pybind11::class_<kvs::Halves, std::shared_ptr<kvs::Halves>>(m, "Halves", pybind11::module_local());
   m.def("make_halves", &kvs::make_halves, "a layer's key and value halves, checked once");

@@ -1,6 +1,6 @@
 """Paged KV storage: the protocol (``base``) and the factory that picks an implementation
-for a KV format (``factory``). The implementations are ``kv/paged_cache.py`` (the native
-layout) and ``kv/quantized_cache.py`` (blocks through a codec)."""
+for a KV format (``factory``). The implementations are ``paged`` (the native layout)
+and ``quantized`` (blocks through a codec)."""
 
 from kvserve.kv.storage.base import KVStorage, Overlay, StepWrites, WritePlanner
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvserve.kv.residual import ResidualRows
-from kvserve.kv.storage.layout import HalfStore
+from kvserve.kv.storage.layout import HalfStore, MakeRowWriter
 
 if TYPE_CHECKING:
     from typing import Self
@@ -105,10 +105,11 @@ class KVStorage(ABC):
     @classmethod
     @abstractmethod
     def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
-              dtype: torch.dtype, device: torch.device) -> Self:
+              dtype: torch.dtype, device: torch.device, make_writer: MakeRowWriter | None = None) -> Self:
         """Storage for ``fmt``: ``cache.num_blocks`` blocks, or as many as ``cache.memory_bytes``
         holds after whatever the storage must reserve for ``scheduler``'s limits. Raises
-        ValueError, with what to change, when not one block fits."""
+        ValueError, with what to change, when not one block fits. ``make_writer``: where it
+        gives a writer, new rows go through it instead of the torch path."""
 
     @property
     @abstractmethod

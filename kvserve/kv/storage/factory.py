@@ -7,12 +7,13 @@ import torch
 
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.kv.codecs import KVFormat
-from kvserve.kv.paged_cache import PagedKVCache
-from kvserve.kv.quantized_cache import QuantizedKVCache
 from kvserve.kv.storage.base import KVStorage
+from kvserve.kv.storage.layout import MakeRowWriter
+from kvserve.kv.storage.paged import PagedKVCache
+from kvserve.kv.storage.quantized import QuantizedKVCache
 
 
 def make_storage(model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
-                 dtype: torch.dtype, device: torch.device) -> KVStorage:
+                 dtype: torch.dtype, device: torch.device, make_writer: MakeRowWriter | None = None) -> KVStorage:
     cls: type[KVStorage] = PagedKVCache if fmt.is_lossless else QuantizedKVCache
-    return cls.build(model, fmt, cache, scheduler, dtype, device)
+    return cls.build(model, fmt, cache, scheduler, dtype, device, make_writer)

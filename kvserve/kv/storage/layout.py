@@ -16,9 +16,10 @@ sequence reads and where its queries sit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Protocol
 
 import torch
 
@@ -94,6 +95,19 @@ class HalfStore:
     def __post_init__(self) -> None:
         if self.layout.encodes_whole_blocks and self.residual is None:
             raise ValueError("a half that encodes whole blocks needs its residual rows")
+
+
+class RowWriter(Protocol):
+    """Writes a step's new keys and values of one layer into its halves, as the storage's
+    torch path would, byte for byte (the index tensors: ``StepWrites``' fields, int64)."""
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+              residual_slots: torch.Tensor | None = None, encode_rows: torch.Tensor | None = None,
+              encode_block_ids: torch.Tensor | None = None) -> None: ...
+
+
+# (device, each layer's (key, value) halves, head_dim) -> a writer, or None where it cannot run
+MakeRowWriter = Callable[[torch.device, Sequence[tuple[HalfStore, HalfStore]], int], RowWriter | None]
 
 
 @dataclass(frozen=True)

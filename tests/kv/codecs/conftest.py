@@ -45,7 +45,7 @@ def real_kv(default_model) -> RealKV:
     assert len(ids) == NUM_BLOCKS * 16
     with torch_threads(1):
         llm.generate(ids, SamplingParams(max_tokens=1))
-    cache = llm.engine.kv_cache
+    cache = llm.engine.runner.cache
     return RealKV([k[:NUM_BLOCKS].clone() for k in cache.key_caches],
                   [v[:NUM_BLOCKS].clone() for v in cache.value_caches])
 

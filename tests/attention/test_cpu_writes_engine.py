@@ -12,8 +12,8 @@ from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention import cpu
+from kvserve.attention.cpu_writes import CpuWrites
 from kvserve.kv.codecs import fp8_supported
-from kvserve.kv.cpu_writes import CpuWrites
 
 pytestmark = pytest.mark.skipif(not cpu.is_available(), reason="the C++ CPU extension cannot be built here")
 
@@ -72,7 +72,7 @@ def test_cpu_writes_give_the_torch_writes_tokens_and_bytes(loaded, fmt, monkeypa
     ref = torch_writes.generate(prompts(), GREEDY)
     assert len(layer_writes) == count
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    for a, b in zip(kernel.engine.kv_cache.block_tensors(), torch_writes.engine.kv_cache.block_tensors()):
+    for a, b in zip(kernel.engine.runner.cache.block_tensors(), torch_writes.engine.runner.cache.block_tensors()):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     kernel.engine.check_integrity()
 

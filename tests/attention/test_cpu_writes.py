@@ -1,4 +1,4 @@
-"""The C++ quantize-on-write (kv/cpu_writes.py, attention/csrc/encode.h) against the storages'
+"""The C++ quantize-on-write (attention/cpu_writes.py, attention/csrc/encode.h) against the storages'
 torch path: the same steps written both ways must leave the same bytes in every part and
 residual row, in every format, compute dtype and instruction set."""
 
@@ -14,11 +14,11 @@ from tiny import TINY
 
 from kvserve.attention import cpu
 from kvserve.attention.cpu_extension import load_extension, supported_isas
+from kvserve.attention.cpu_writes import CpuWrites
 from kvserve.kv.codecs import fp8_supported, parse_kv_format
-from kvserve.kv.cpu_writes import CpuWrites
-from kvserve.kv.paged_cache import PagedKVCache
-from kvserve.kv.quantized_cache import QuantizedKVCache
 from kvserve.kv.storage import KVStorage
+from kvserve.kv.storage.paged import PagedKVCache
+from kvserve.kv.storage.quantized import QuantizedKVCache
 
 pytestmark = pytest.mark.skipif(not cpu.is_available(), reason="the C++ CPU extension cannot be built here")
 
@@ -56,9 +56,10 @@ def make_storage(spec: str, dtype: torch.dtype, shape: Shape, *, cpu_writes: boo
     config = dataclasses.replace(TINY, num_kv_heads=shape.kv_heads, num_heads=shape.kv_heads,
                                  head_dim=shape.head_dim)
     fmt = parse_kv_format(spec, config.num_layers, dtype, head_dim=shape.head_dim)
+    writer = CpuWrites.for_storage if cpu_writes else None
     if fmt.is_lossless:
-        return PagedKVCache(config, NUM_BLOCKS, BLOCK, dtype, CPU, cpu_writes=cpu_writes)
-    return QuantizedKVCache(config, NUM_BLOCKS, BLOCK, fmt, NUM_ROWS, dtype, CPU, cpu_writes=cpu_writes)
+        return PagedKVCache(config, NUM_BLOCKS, BLOCK, dtype, CPU, make_writer=writer)
+    return QuantizedKVCache(config, NUM_BLOCKS, BLOCK, fmt, NUM_ROWS, dtype, CPU, make_writer=writer)
 
 
 def new_tokens(n: int, shape: Shape, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,9 @@ The call takes each layer's halves as the attention kernel reads them (registere
 
 The bytes are the torch codecs' own (same float32 operations in the same order), so the
 torch path stays the reference and the fallback: a storage takes this writer only on CPU
-tensors and where the extension builds (``for_storage`` returns None otherwise).
+tensors and where the extension builds (``for_storage`` returns None otherwise). The engine's
+wiring hands ``CpuWrites.for_storage`` to the storage (``make_storage(make_writer=...)``), so
+kv/ never imports the attention package.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from types import ModuleType
 
 import torch
 
+from kvserve.attention.cpu import register_halves
+from kvserve.attention.cpu_extension import load_extension
 from kvserve.kv.storage.layout import HalfStore
 
 _NO_INDICES = torch.empty(0, dtype=torch.long)
@@ -31,7 +35,6 @@ class CpuWrites:
     storages hand out the same part tensors for their whole life."""
 
     def __init__(self, ext: ModuleType, halves: Sequence[tuple[HalfStore, HalfStore]], head_dim: int) -> None:
-        from kvserve.attention.cpu import register_halves
         self._ext = ext
         self._layers = [register_halves(ext, k, v, head_dim) for k, v in halves]
 
@@ -42,7 +45,6 @@ class CpuWrites:
         CPU storage, or the extension cannot be built: its log line says why)."""
         if device.type != "cpu":
             return None
-        from kvserve.attention.cpu_extension import load_extension
         ext = load_extension()
         return None if ext is None else cls(ext, halves, head_dim)
 

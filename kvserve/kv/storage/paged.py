@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.kv.cpu_writes import CpuWrites
 from kvserve.kv.residual import NoResidual
 from kvserve.kv.storage.base import KVStorage, Overlay, StepWrites, WritePlanner
-from kvserve.kv.storage.layout import CodecKind, HalfLayout, HalfStore
+from kvserve.kv.storage.layout import CodecKind, HalfLayout, HalfStore, MakeRowWriter
 
 if TYPE_CHECKING:
     from typing import Self
@@ -31,9 +30,9 @@ class PagedKVCache(KVStorage):
     supports_budgets = True
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, *, cpu_writes: bool = True) -> None:
-        """``cpu_writes``: write rows through the C++ extension where it runs (one call per layer
-        for keys and values); False keeps the two ``index_copy_`` calls."""
+                 dtype: torch.dtype, device: torch.device, *, make_writer: MakeRowWriter | None = None) -> None:
+        """``make_writer``: a faster writer of new rows where it runs (the engine gives the C++
+        one, one call per layer for keys and values); None or its None: two ``index_copy_``."""
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.num_layers = config.num_layers
         self.num_blocks = num_blocks
@@ -46,13 +45,13 @@ class PagedKVCache(KVStorage):
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self._halves = [(HalfStore(self._layout, {"data": k}), HalfStore(self._layout, {"data": v}))
                         for k, v in zip(self.key_caches, self.value_caches)]
-        self._cpu_writes = CpuWrites.for_storage(device, self._halves, config.head_dim) if cpu_writes else None
+        self._writer = make_writer(device, self._halves, config.head_dim) if make_writer is not None else None
 
     @classmethod
     def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
-              dtype: torch.dtype, device: torch.device) -> Self:
+              dtype: torch.dtype, device: torch.device, make_writer: MakeRowWriter | None = None) -> Self:
         num_blocks = cache.resolve_num_blocks(cls.bytes_per_block(model, cache.block_size, dtype))
-        return cls(model, num_blocks, cache.block_size, dtype, device)
+        return cls(model, num_blocks, cache.block_size, dtype, device, make_writer=make_writer)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -87,8 +86,8 @@ class PagedKVCache(KVStorage):
         return self._halves[layer]
 
     def write_slots(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        if self._cpu_writes is not None:
-            self._cpu_writes.write(layer, key, value, slots)
+        if self._writer is not None:
+            self._writer.write(layer, key, value, slots)
             return
         k_flat = self.key_caches[layer].view(-1, *key.shape[1:])
         v_flat = self.value_caches[layer].view(-1, *value.shape[1:])

@@ -12,7 +12,8 @@ halves have rows, so a KIVI cache reserves rows for its keys alone, and int8 non
 
 Attention reads what is stored, for old and new tokens alike, so a prefix-cache hit sees
 exactly what a cold run saw. On the CPU a layer's write is one C++ call for both halves
-(kv/cpu_writes.py), byte for byte the torch path below, which stays the reference.
+(attention/cpu_writes.py, handed in by the engine's wiring), byte for byte the torch path
+below, which stays the reference.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.kv.cpu_writes import CpuWrites
 from kvserve.kv.residual import NoResidual, ResidualRows, num_residual_rows
 from kvserve.kv.storage.base import KVStorage, Overlay, StepWrites, WritePlanner
-from kvserve.kv.storage.layout import HalfLayout, HalfStore
+from kvserve.kv.storage.layout import HalfLayout, HalfStore, MakeRowWriter
 
 if TYPE_CHECKING:
     from typing import Self
@@ -41,9 +41,9 @@ class QuantizedKVCache(KVStorage):
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat,
                  num_residual_rows: int, dtype: torch.dtype, device: torch.device, *,
-                 cpu_writes: bool = True) -> None:
-        """``cpu_writes``: write through the C++ encoders where they run (CPU, extension built);
-        False keeps the torch path (the reference)."""
+                 make_writer: MakeRowWriter | None = None) -> None:
+        """``make_writer``: a faster writer where it runs (the engine gives the C++ encoders: CPU,
+        extension built); None or its None keeps the torch path (the reference)."""
         if len(fmt.layers) != config.num_layers:
             raise ValueError(f"KV format has {len(fmt.layers)} layers, the model {config.num_layers}")
         self.num_layers = config.num_layers
@@ -74,7 +74,7 @@ class QuantizedKVCache(KVStorage):
         self._halves = [(HalfStore(self.key_layouts[i], self.key_parts[i], self.key_residual[i]),
                          HalfStore(self.value_layouts[i], self.value_parts[i], self.value_residual[i]))
                         for i in range(len(fmt.layers))]
-        self._cpu_writes = CpuWrites.for_storage(device, self._halves, d) if cpu_writes else None
+        self._writer = make_writer(device, self._halves, d) if make_writer is not None else None
 
     @staticmethod
     def keeps_residual(fmt: KVFormat) -> bool:
@@ -82,7 +82,7 @@ class QuantizedKVCache(KVStorage):
 
     @classmethod
     def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
-              dtype: torch.dtype, device: torch.device) -> Self:
+              dtype: torch.dtype, device: torch.device, make_writer: MakeRowWriter | None = None) -> Self:
         """The residual rows are reserved out of the memory first (kv/residual.py says how many)."""
         bs = cache.block_size
         num_rows = num_residual_rows(bs, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
@@ -96,7 +96,7 @@ class QuantizedKVCache(KVStorage):
                 f"({scheduler.max_num_seqs}) or max_num_batched_tokens ({scheduler.max_num_batched_tokens}), "
                 f"or give the KV cache more memory")
         num_blocks = cache.resolve_num_blocks(per_block, reserved)
-        return cls(model, num_blocks, bs, fmt, num_rows, dtype, device)
+        return cls(model, num_blocks, bs, fmt, num_rows, dtype, device, make_writer=make_writer)
 
     @staticmethod
     def residual_row_nbytes(config: ModelConfig, fmt: KVFormat, block_size: int, dtype: torch.dtype) -> int:
@@ -123,8 +123,8 @@ class QuantizedKVCache(KVStorage):
         return _QuantizedPlanner(self.residual, self.block_size, self.device)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
-        if self._cpu_writes is not None:
-            self._cpu_writes.write(layer, key, value, writes.slots, writes.residual_slots, writes.encode_rows,
+        if self._writer is not None:
+            self._writer.write(layer, key, value, writes.slots, writes.residual_slots, writes.encode_rows,
                                    writes.encode_block_ids)
             return
         self._write_torch(layer, key, value, writes)

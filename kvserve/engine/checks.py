@@ -1,0 +1,41 @@
+"""What this engine can run: the checks of a request's parameters and prompt, before it is queued."""
+
+from __future__ import annotations
+
+from kvserve.kv.budget.budgets import Budgets
+from kvserve.kv.budget.policies import get_policy
+from kvserve.request import EncodedPrompt
+from kvserve.sampling.structured import GrammarCompiler
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestChecks:
+    def __init__(self, budgets: Budgets, grammars: GrammarCompiler, vocab_size: int) -> None:
+        self.budgets = budgets
+        self.grammars = grammars
+        self.vocab_size = vocab_size
+
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError for parameters this engine cannot run: an unknown KV budget policy, a KV
+        budget it cannot apply, a token id outside the vocabulary, a grammar that does not compile."""
+        if params.kv_policy is not None:
+            get_policy(params.kv_policy)
+        self.budgets.check(params)
+        for token_id, _ in params.logit_bias:
+            if token_id >= self.vocab_size:
+                raise ValueError(f"logit_bias: token id {token_id} is out of range for a vocabulary of "
+                                 f"{self.vocab_size}")
+        if params.structured is not None:
+            self.grammars.check(params.structured)
+
+    def check_request(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
+        """``check_params``, and what a segmented prompt cannot run with (ValueError)."""
+        self.check_params(params)
+        if prompt.blend is None:
+            return
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs need every prompt token computed; a segmented prompt reuses "
+                             "its segments' KV (send it as plain text instead)")
+        if self.budgets.max_blocks(params, len(prompt.token_ids)) is not None:
+            raise ValueError("a KV budget and a segmented prompt do not mix: budgets compact a full-precision "
+                             "cache computed token by token")

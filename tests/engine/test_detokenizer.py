@@ -1,0 +1,132 @@
+"""IncrementalDetokenizer on the default model's byte-level BPE tokenizer: the same text as a
+full decode, for O(new tokens) work a step."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import pytest
+
+from kvserve.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from kvserve.model.tokenizer import Tokenizer
+
+NUM_OUTPUT_TOKENS = 4096
+# Characters of 2, 3 and 4 UTF-8 bytes; byte-level BPE splits many of them over tokens.
+MULTI_BYTE = "吾輩は猫である。名前はまだ無い。🎉👍🏽 naïve café 😀😀 “quotes” … 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🇯🇵 親譲りの無鉄砲"
+# A step decodes ids[prefix:read] (the a tokens committed last) and ids[prefix:] (those and
+# the b tokens since): 2a + b ids. A token holds >= 1 byte and a character <= 4, and no token
+# of this vocabulary starts inside one character and ends inside another (checked below), so
+# at most 3 tokens wait on a character: a, b <= 4 and a step decodes <= 12 ids, at any length.
+MAX_HELD_TOKENS = 3
+MAX_IDS_PER_STEP = 3 * (MAX_HELD_TOKENS + 1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model) -> Tokenizer:
+    assert default_model.tokenizer is not None
+    return default_model.tokenizer
+
+
+def botchan() -> str:
+    return resources.files("kvserve").joinpath("data/botchan.txt").read_text(encoding="utf-8")
+
+
+def output_ids(tokenizer: Tokenizer, num_tokens: int) -> list[int]:
+    """Botchan's tokens with the multi-byte text every 40 tokens: ~10% of the ids."""
+    text_ids, multi_ids = tokenizer.encode(botchan()), tokenizer.encode(MULTI_BYTE)
+    ids: list[int] = []
+    for start in range(0, len(text_ids), 40):
+        ids += text_ids[start:start + 40] + multi_ids[:4 + start % 37]
+        if len(ids) >= num_tokens:
+            return ids[:num_tokens]
+    raise AssertionError("botchan.txt is shorter than expected")
+
+
+def test_byte_level_splits_characters_over_tokens(tokenizer):
+    """The premise: single tokens of the multi-byte text decode to U+FFFD."""
+    pieces = [tokenizer.decode([i]) for i in tokenizer.encode(MULTI_BYTE)]
+    assert sum(REPLACEMENT_CHAR in p for p in pieces) >= 10
+    assert "".join(pieces) != MULTI_BYTE
+
+
+def gpt2_byte_of_char() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    shifted = [b for b in range(256) if b not in printable]     # these map to 256, 257, ...
+    printable += shifted
+    chars += [256 + k for k in range(len(shifted))]
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def ends_inside_a_character(data: bytes) -> bool:
+    num_continuations = len(data) - len(data.rstrip(bytes(range(0x80, 0xC0))))
+    lead = data[-1 - num_continuations] if num_continuations < len(data) else 0
+    needed = 3 if lead >= 0xF0 else 2 if lead >= 0xE0 else 1 if lead >= 0xC0 else 0
+    return num_continuations < needed
+
+
+def test_no_token_spans_two_incomplete_characters(tokenizer):
+    """What bounds the held tokens: a token that began inside one character and ended inside the
+    next could chain, holding every token of a run of such characters."""
+    byte_of_char = gpt2_byte_of_char()
+    assert len(set(byte_of_char.values())) == 256
+    for token_id in range(tokenizer.vocab_size):
+        piece = tokenizer.id_to_token(token_id) or ""
+        if token_id in tokenizer.special_token_ids or not all(c in byte_of_char for c in piece):
+            continue
+        data = bytes(byte_of_char[c] for c in piece)
+        assert not (0x80 <= data[0] < 0xC0 and ends_inside_a_character(data)), (token_id, data)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_one_token_at_a_time_equals_full_decode_in_constant_work(tokenizer, skip_special_tokens):
+    ids = output_ids(tokenizer, NUM_OUTPUT_TOKENS)
+    ids[100:100] = sorted(tokenizer.special_token_ids)[:3]     # skipped or kept, as a full decode does
+    ids = ids[:NUM_OUTPUT_TOKENS]
+    final = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    growing: list[int] = []
+    deltas, max_held, ids_per_step = [], 0, []
+    for token_id in ids:
+        growing.append(token_id)
+        before = detok.num_decoded_tokens
+        deltas.append(detok.step(growing))
+        ids_per_step.append(detok.num_decoded_tokens - before)
+        max_held = max(max_held, detok.num_pending_tokens)
+        # committed text never ends in a character still arriving: it is a prefix of the final text
+        assert final.startswith(detok.text)
+    deltas.append(detok.finish(growing)[len("".join(deltas)):])
+    assert "".join(deltas) == detok.text == final
+    assert 1 <= max_held <= MAX_HELD_TOKENS     # characters did wait for their bytes
+    assert max(ids_per_step) <= MAX_IDS_PER_STEP
+    # O(n): English steps decode 3 ids (1 committed + 2); a full decode a step would be ~n^2/2
+    assert detok.num_decoded_tokens <= 4 * NUM_OUTPUT_TOKENS
+    assert detok.num_decode_calls <= 2 * NUM_OUTPUT_TOKENS + 2
+
+
+def test_finish_flushes_an_incomplete_character_as_a_full_decode_does(tokenizer):
+    ids = tokenizer.encode("ok 🎉")
+    cut = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith(REPLACEMENT_CHAR))
+    detok = IncrementalDetokenizer(tokenizer)
+    for n in range(1, cut + 1):
+        detok.step(ids[:n])
+    held = tokenizer.decode(ids[:cut])
+    assert detok.text == "ok" and detok.num_pending_tokens >= 1 and held.endswith(REPLACEMENT_CHAR)
+    assert detok.finish(ids[:cut]) == held
+    calls = detok.num_decode_calls
+    assert detok.finish(ids[:cut]) == detok.text and detok.num_decode_calls == calls    # idempotent
+
+
+def test_a_step_without_new_tokens_decodes_nothing(tokenizer):
+    ids = tokenizer.encode("Botchan")
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.step(ids) == "Botchan"
+    calls = detok.num_decode_calls
+    assert detok.step(ids) == "" and detok.num_decode_calls == calls
+
+
+def test_no_tokenizer_gives_no_text():
+    detok = IncrementalDetokenizer(None)
+    assert detok.step([1, 2, 3]) == "" and detok.finish([1, 2, 3, 4]) == "" and detok.text == ""
+    assert detok.num_decode_calls == 0
