@@ -12,7 +12,8 @@ the engine builds the part or admits the request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -275,6 +276,53 @@ class RedisConfig:
 
 TierConfig = HostConfig | DiskConfig | RedisConfig
 TIER_CONFIGS: tuple[type[TierConfig], ...] = (HostConfig, DiskConfig, RedisConfig)   # lookup order
+SPEC_METHODS = ("ngram",)    # kvserve/spec/proposers.py
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/spec.md): a proposer drafts up to ``num_speculative_tokens``
+    tokens after a running request's last one and the model checks them in the next step.
+    ``ngram`` (prompt lookup) proposes what followed the most recent earlier occurrence of the
+    last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens of the prompt and output.
+    Given as vLLM's ``--speculative-config`` JSON: ``{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}``."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative config: {name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """The config a ``--speculative-config`` JSON object gives; ValueError naming what is wrong
+        (bad JSON, an unknown key, a missing method, a bad value)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative config is not JSON: {e}") from None
+        if not isinstance(data, dict):   # a user's text, not a programming error: ValueError as the rest
+            raise ValueError(f"speculative config must be a JSON object, got {text!r:.80}")  # noqa: TRY004  # noqa: TRY004 - user input
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "method" not in data:
+            raise ValueError(f"speculative config needs a method ({', '.join(SPEC_METHODS)})")
+        return cls(**data)
+
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")   # kvserve/model/linear.py
 
@@ -310,8 +358,16 @@ class EngineConfig:
         "write every computed full KV block to the shared tiers (Redis) at once, in the background, not only "
         "when the device evicts it: engine replicas then find each other's history (docs/cluster.md)",
         flag="--write-through", group="offload"))
+    speculative_config: str | None = field(default=None, metadata=opt(
+        "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1} (docs/spec.md); a dict as a keyword",
+        default_text="off", metavar="JSON"))
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config))
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_json(self.speculative_config)   # refused here, before any model loads
         if self.write_through and not self.tiers:
             raise ValueError("write_through needs a shared offload tier to write to: give redis_url (--redis-url)")
         if self.dtype not in DTYPES:
@@ -320,3 +376,8 @@ class EngineConfig:
             raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {self.linear_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed (None: no speculative decoding)."""
+        return None if self.speculative_config is None else SpeculativeConfig.from_json(self.speculative_config)

@@ -108,6 +108,8 @@ class Request:
     num_reused_tokens: int = 0             # blended: prompt tokens whose KV came from stored segments
     num_recomputed_tokens: int = 0         # of those, recomputed by blending
     num_preemptions: int = 0
+    num_draft_tokens: int = 0              # speculative decoding: drafted tokens checked for it
+    num_accepted_tokens: int = 0           # of those, accepted
     waited_steps: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

@@ -83,6 +83,7 @@ class SamplingParams:
     ``min_tokens``: eos and ``stop_token_ids`` cannot end the output, nor stop strings cut
     it, before that many tokens. ``structured``: a ``StructuredOutputs`` constraint (with
     one, the grammar decides when the output ends and ``min_tokens`` does not hold it back).
+    ``speculate=False``: this request never takes drafted tokens, on an engine that speculates.
     """
 
     max_tokens: int | None = 16
@@ -105,6 +106,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     structured: StructuredOutputs | None = None
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         # accept lists and a single stop string, store tuples (the object is frozen)

@@ -98,3 +98,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_rag_parser(bsub, common)
     from kvserve.bench.peer import add_peer_parser
     add_peer_parser(bsub, common)
+    from kvserve.bench.spec import add_spec_parser
+    add_spec_parser(bsub, common)

@@ -188,6 +188,17 @@ def plot_peer(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def plot_spec(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """``bench spec``: tokens / s of plain and speculative decoding per workload and batch, with
+    the bound (plain x mean accepted length); and the acceptance rate."""
+    fig, (speed, acceptance) = _figure(2, "Speculative decoding vs plain decoding (greedy, same tokens)")
+    labels = [f"{r['workload']}\nbatch {r['batch']}" for r in rows]
+    _bars(speed, labels, {"plain": [r["plain_tok_s"] for r in rows], "speculative": [r["spec_tok_s"] for r in rows],
+                          "bound": [r["bound_tok_s"] for r in rows]}, "tokens / s")
+    _bars(acceptance, labels, {"acceptance (%)": [100 * r["acceptance"] for r in rows]}, "drafted tokens accepted (%)")
+    return _save(fig, path)
+
+
 def plot_cluster(runs: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     """``bench cluster``: time to first token (mean, p50, p95) and the share of prompt tokens
     served from a cache, per configuration (``Run.summary()``s); a label says the share of
@@ -214,4 +225,5 @@ PLOTS: dict[str, Callable[..., Path]] = {
     "structured": plot_structured,
     "rag": plot_rag,
     "peer": plot_peer,
+    "spec": plot_spec,
 }

@@ -47,6 +47,8 @@ from kvserve.sampling.sampler import Sampler
 from kvserve.sampling.structured import GrammarCompiler
 from kvserve.scheduler.policies import policy_class
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.spec.proposers import make_proposer
+from kvserve.spec.speculator import Speculator
 
 log = logging.getLogger("kvserve")
 
@@ -98,6 +100,7 @@ class EngineParts:
     sampler: Sampler
     grammars: GrammarCompiler
     attention: AttentionBackend
+    speculator: Speculator | None       # None: no speculative decoding
 
 
 def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Transport] | None,
@@ -139,12 +142,24 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
         runner=ModelRunner(model, storage, kv, budgets, attention),
         blender=Blender(model, storage, kv, tiering, cc.blend_select_layer, cc.blend_cost_model),
         sampler=Sampler(config.seed, eos), grammars=GrammarCompiler(tokenizer_json, mc.vocab_size, eos),
-        attention=attention)
+        attention=attention, speculator=_make_speculator(config, kv_format, budgets, max_model_len))
     log.info("engine ready: %s on %s/%s, weights %s (%.1f MiB), KV format %s, %d blocks of %d tokens (%.1f MiB), "
              "attention %s, offload tiers: %s", loaded.source, device, dtype, products.name,
              model.weight_nbytes / 2**20, kv_format.spec, storage.num_blocks, cc.block_size,
              storage.nbytes / 2**20, attention.name, ", ".join(tiering.tier_names) or "none")
     return parts
+
+
+def _make_speculator(config: EngineConfig, kv_format: KVFormat, budgets: Budgets,
+                     max_model_len: int) -> Speculator | None:
+    spec = config.speculative
+    if spec is None:
+        return None
+    if any(c.encodes_whole_blocks for lf in kv_format.layers for c in (lf.key, lf.value)):
+        raise ValueError(f"speculative decoding does not run yet with KV formats that encode whole blocks "
+                         f"(--kv-format {kv_format.spec}: a block would be encoded before its drafted tokens "
+                         f"are checked); use a format whose halves encode token by token (e.g. native, int8)")
+    return Speculator(spec, make_proposer(spec), budgets, max_model_len)
 
 
 def _make_budgets(config: EngineConfig, storage: KVStorage, kv_format: KVFormat, mc: ModelConfig) -> Budgets:

@@ -25,9 +25,10 @@ from kvserve.engine.stats import EngineStats, take_stats
 from kvserve.kv.pins import Clock, PinInfo
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.offload.base import Transport
-from kvserve.request import EncodedPrompt, FinishReason, Request
+from kvserve.request import EncodedPrompt, FinishReason, Request, TokenLogprob
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import SchedulerOutput
+from kvserve.spec.speculator import num_accepted
 
 log = logging.getLogger("kvserve")
 
@@ -49,7 +50,7 @@ class LLMEngine:
         self.model, self.weight_format, self.fingerprint = parts.model, parts.weight_format, parts.fingerprint
         self.kv_format, self.model_card = parts.kv_format, parts.model_card
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
-        self.sampler, self.grammars = parts.sampler, parts.grammars
+        self.sampler, self.grammars, self.speculator = parts.sampler, parts.grammars, parts.speculator
         self.checks = RequestChecks(parts.kv.budgets, parts.grammars, parts.model_config.vocab_size)
         self.blending = BlendAdmission(parts.blender, parts.kv, parts.scheduler)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(parts.model_config.eos_token_ids),
@@ -115,7 +116,7 @@ class LLMEngine:
         if req is not None:
             self.blending.remove(req)
             self.scheduler.finish(req, FinishReason.ABORT)
-            self.outputs.remove(request_id)
+            self._forget(request_id)
 
     # -- pins --------------------------------------------------------------
     def pin(self, prompt: str | Sequence[int], ttl_s: float | None = None, num_tokens: int | None = None) -> PinInfo:
@@ -158,7 +159,8 @@ class LLMEngine:
         return outputs + self._run_batch(wait=not outputs)
 
     def _run_batch(self, wait: bool) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        drafts = self.speculator.propose(self.scheduler.running) if self.speculator is not None else {}
+        out = self.scheduler.schedule(drafts)
         if out.is_empty:
             # nothing to run: the only work left may be loads from slow tiers
             if wait:
@@ -179,37 +181,59 @@ class LLMEngine:
             req.prompt_logprobs.extend([None, *lps] if not req.prompt_logprobs else lps)
         if not result.sample_requests:
             return []
-        return self._sample(result.logits, result.sample_requests)
+        return self._sample(result.logits, result.sample_requests, result.drafts)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[RequestOutput]:
-        """Draw a token for each request and apply it. A failure that belongs to one request
-        (its row could give no token, its grammar rejected the token) fails that request only."""
+    def _sample(self, logits: torch.Tensor, requests: list[Request],
+                drafts: Sequence[tuple[int, ...]] | None = None) -> list[RequestOutput]:
+        """Draw a token for each row and apply them: one row per request, or 1 + k for a request
+        with k drafted tokens, of which the run the target agrees with is accepted, then the
+        target's own token (kvserve/spec/speculator.py). A failure that belongs to one request
+        (a row that gives no token, a grammar that rejects the token) fails that request only."""
+        drafts = drafts if drafts is not None else [()] * len(requests)
+        rows = [r for r, draft in zip(requests, drafts) for _ in range(len(draft) + 1)]
         try:
-            token_ids, errors = self.sampler.sample(logits, requests)
-            logprobs = self.sampler.logprobs(logits, requests, token_ids)
+            token_ids, errors = self.sampler.sample(logits, rows)
+            logprobs = self.sampler.logprobs(logits, rows, token_ids)
         except Exception as e:
             log.exception("sampling failed; failing its %d requests", len(requests))
             return [self._fail(r, f"sampling failed: {type(e).__name__}: {e}") for r in requests]
-        outputs = []
-        for i, (req, token_id) in enumerate(zip(requests, token_ids)):
-            if token_id is None:
-                outputs.append(self._fail(req, errors[i]))
+        outputs, first = [], 0
+        for req, draft in zip(requests, drafts):
+            own = range(first, first + len(draft) + 1)
+            first += len(draft) + 1
+            error = next((errors[i] for i in own if token_ids[i] is None), None)
+            if error is not None:
+                outputs.append(self._fail(req, error))
                 continue
+            targets = [t for t in token_ids[own.start:own.stop] if t is not None]
+            accepted = num_accepted(draft, targets)
             try:
-                if i in logprobs:
-                    req.output_logprobs.append(logprobs[i])
-                if req.constraint is not None:
-                    req.constraint.accept(token_id)
-                req.append_token(token_id)
-                reason = self.outputs.process(req, token_id)
+                reason = self._apply(req, targets[:accepted + 1], [logprobs.get(i) for i in own])
             except Exception as e:
                 log.exception("request %s failed after sampling", req.request_id)
                 outputs.append(self._fail(req, f"{type(e).__name__}: {e}"))
                 continue
+            if draft and self.speculator is not None:
+                self.speculator.record(req, len(draft), accepted)
             if reason is not None:
                 self._retire(req, reason)
+            elif draft:
+                self.scheduler.accept_draft(req, accepted)
             outputs.append(self._output(req))
         return outputs
+
+    def _apply(self, req: Request, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> FinishReason | None:
+        """Append the tokens in order until one ends the request; its finish reason, if any."""
+        for token_id, logprob in zip(token_ids, logprobs):
+            if logprob is not None:
+                req.output_logprobs.append(logprob)
+            if req.constraint is not None:
+                req.constraint.accept(token_id)
+            req.append_token(token_id)
+            reason = self.outputs.process(req, token_id)
+            if reason is not None:
+                return reason
+        return None
 
     def _retire(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)
@@ -225,8 +249,13 @@ class LLMEngine:
     def _output(self, req: Request) -> RequestOutput:
         out = self.outputs.make_output(req)
         if req.is_finished:
-            self.outputs.remove(req.request_id)
+            self._forget(req.request_id)
         return out
+
+    def _forget(self, request_id: str) -> None:
+        self.outputs.remove(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Feed the load-or-recompute cost model with steps that are mostly prefill."""
@@ -235,7 +264,8 @@ class LLMEngine:
             self.kv.tiering.observe_prefill(out.num_batched_tokens, seconds)
 
     def stats(self) -> EngineStats:
-        return take_stats(self.num_steps, self.scheduler, self.kv, self.blending.blender.stats)
+        spec = None if self.speculator is None else self.speculator.stats
+        return take_stats(self.num_steps, self.scheduler, self.kv, self.blending.blender.stats, spec)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

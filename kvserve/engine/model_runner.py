@@ -25,8 +25,9 @@ from kvserve.scheduler.scheduler import SchedulerOutput
 
 @dataclass(frozen=True)
 class StepResult:
-    sample_requests: list[Request]          # requests whose sequence is complete: sample one token
-    logits: torch.Tensor                    # [len(sample_requests), vocab] float32 on CPU
+    sample_requests: list[Request]          # requests whose sequence is complete: sample
+    drafts: list[tuple[int, ...]]           # each one's drafted tokens (kvserve/spec/; mostly empty)
+    logits: torch.Tensor                    # float32 on CPU: 1 + len(draft) rows per sample request, in order
     prompt_logprobs: dict[str, list[TokenLogprob]]  # request id -> logprobs of prompt tokens this step
 
 
@@ -47,12 +48,15 @@ class _StepBuilder:
         # sequences a backend reads in place: (flat start, new tokens, context length, block ids)
         self.paged: list[tuple[int, int, int, list[int]]] = []
 
-    def add(self, req: Request, n: int) -> None:
+    def add(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> None:
+        """``n`` new tokens of ``req`` from its first not computed, the last ``len(draft)`` of
+        them drafted: they take the next positions and slots like known tokens."""
         r, bs = self.r, self.r.block_size
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
         block_ids = r.kv.block_ids(req.request_id)
         flat_start = len(self.input_ids)
-        self.input_ids.extend(req.all_token_ids[start:end])
+        self.input_ids.extend(req.all_token_ids[start:end - len(draft)])
+        self.input_ids.extend(draft)
         self.positions.extend(range(start, end))
         step = r.budgets.begin_step(req, n)
         slot_start = start if step is None else step.slot_start
@@ -150,7 +154,7 @@ class ModelRunner:
     def build_metadata(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         builder = _StepBuilder(self)
         for chunk in out.chunks:
-            builder.add(chunk.request, chunk.num_new_tokens)
+            builder.add(chunk.request, chunk.num_new_tokens, chunk.draft)
         return builder.build()
 
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -159,6 +163,7 @@ class ModelRunner:
         self.cache.finish_step(meta.write)
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        drafts: list[tuple[int, ...]] = []
         prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         flat = 0
         for chunk in out.chunks:
@@ -166,15 +171,16 @@ class ModelRunner:
             if req.wants_prompt_logprobs and req.num_computed_tokens < req.num_prompt_tokens:
                 prompt_logprobs[req.request_id] = self._prompt_logprobs(hidden[flat:flat + n], req, n)
             if chunk.completes_sequence:
-                sample_rows.append(flat + n - 1)
+                sample_rows.extend(range(flat + n - 1 - len(chunk.draft), flat + n))
                 sample_requests.append(req)
+                drafts.append(chunk.draft)
             flat += n
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[rows]).cpu()
         else:
             logits = torch.empty(0, 0)
-        return StepResult(sample_requests, logits, prompt_logprobs)
+        return StepResult(sample_requests, drafts, logits, prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, n: int) -> list[TokenLogprob]:
         # hidden row i (position start+i) predicts prompt token start+i+1

@@ -25,6 +25,8 @@ class RequestOutput:
     error: str | None = None        # with finish_reason "error": what failed (this request only)
     num_reused_tokens: int = 0      # blended prompt: tokens whose KV came from stored segments
     num_recomputed_tokens: int = 0  # of those, recomputed (kvserve/blend/)
+    num_draft_tokens: int = 0       # speculative decoding: drafted tokens checked (kvserve/spec/)
+    num_accepted_tokens: int = 0    # of those, accepted
 
     @property
     def num_prompt_tokens(self) -> int:

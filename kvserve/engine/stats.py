@@ -12,6 +12,7 @@ from kvserve.kv.pins import NO_PIN_STATS, PinStats
 from kvserve.kv.tiering import TierMetrics
 from kvserve.offload.cost import CostSnapshot
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.spec.speculator import SpecStats
 
 NO_BUDGET_STATS = BudgetStats(0, 0, 0, 0)
 
@@ -37,6 +38,7 @@ class EngineStats:
     pins: PinStats = NO_PIN_STATS            # pinned prefixes (kv/pins.py)
     pin_hit_tokens: int = 0                  # prompt tokens served from pinned device blocks, first admissions
     blend: BlendStats = field(default_factory=BlendStats)   # segments and blended prompts (kvserve/blend/)
+    spec: SpecStats | None = None            # speculative decoding (kvserve/spec/; None: off)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -53,7 +55,8 @@ class EngineStats:
         return sum(t.loaded_tokens for t in self.tiers)
 
 
-def take_stats(num_steps: int, scheduler: Scheduler, kv: KVCacheManager, blend: BlendStats) -> EngineStats:
+def take_stats(num_steps: int, scheduler: Scheduler, kv: KVCacheManager, blend: BlendStats,
+               spec: SpecStats | None) -> EngineStats:
     """The snapshot, read from each part's owner."""
     pool, tiering = kv.pool, kv.tiering
     return EngineStats(
@@ -64,4 +67,5 @@ def take_stats(num_steps: int, scheduler: Scheduler, kv: KVCacheManager, blend: 
         prefix_query_tokens=scheduler.num_prefix_query_tokens, prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
         num_evicted_blocks=pool.num_evicted_blocks, tiers=tiering.metrics(), cost=tiering.cost_snapshot(),
         num_swapped_blocks=scheduler.num_swapped_blocks, budgets=kv.budgets.stats(), pins=kv.pins.stats(),
-        pin_hit_tokens=scheduler.num_pin_hit_tokens, blend=dataclasses.replace(blend))
+        pin_hit_tokens=scheduler.num_pin_hit_tokens, blend=dataclasses.replace(blend),
+        spec=None if spec is None else dataclasses.replace(spec))

@@ -300,6 +300,17 @@ class KVCacheManager:
         self.pool.free(reversed(table))
         self._num_cached_blocks.pop(rid, None)
 
+    def release_unused_blocks(self, request: Request) -> None:
+        """Free the request's blocks past its computed tokens' (allocated for drafted tokens
+        that were rejected), tail first; a plain request holds none."""
+        table = self._blocks.get(request.request_id, [])
+        keep = self.num_blocks_needed(self.num_slots(request))
+        if len(table) > keep:
+            unused = table[keep:]
+            del table[keep:]
+            self.residual.release(b.block_id for b in unused)
+            self.pool.free(reversed(unused))
+
     def forget(self, request: Request) -> None:
         """Drop per-request state of a finished request."""
         self.free(request)

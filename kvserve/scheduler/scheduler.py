@@ -21,7 +21,9 @@ The KV manager gives a load its blocks and caches them after; the tiering
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
@@ -33,12 +35,14 @@ from kvserve.scheduler.policies import make_policy
 @dataclass(frozen=True)
 class ScheduledChunk:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int                 # the drafted tokens included
+    draft: tuple[int, ...] = ()         # tokens drafted after the request's last (kvserve/spec/)
 
     @property
     def completes_sequence(self) -> bool:
-        """After this chunk every known token is computed, so a token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """After this chunk every known token is computed, so a token is sampled (one per row
+        from the last known token on, with a draft)."""
+        return self.request.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.request.num_tokens
 
 
 @dataclass
@@ -99,7 +103,9 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, Sequence[int]] = MappingProxyType({})) -> SchedulerOutput:
+        """The step's chunks. ``drafts``: tokens drafted after a decoding request's last one,
+        scheduled with it when budget and blocks allow (else dropped: it decodes one token)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
@@ -111,6 +117,12 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            draft = tuple(drafts.get(req.request_id, ()))[:budget - 1] if num_new == 1 else ()
+            if draft and self.kv.try_allocate(req, 1 + len(draft)):
+                out.chunks.append(ScheduledChunk(req, 1 + len(draft), draft))
+                scheduled.add(req.request_id)
+                budget -= 1 + len(draft)
+                continue
             while not self.kv.try_allocate(req, num_new):
                 victim = max((r for r in self.running if r.request_id not in scheduled),
                              key=self.policy.victim_key)
@@ -206,9 +218,18 @@ class Scheduler:
         request over its KV budget compacts after, into fresh blocks)."""
         for chunk in out.chunks:
             req = chunk.request
-            req.num_computed_tokens += chunk.num_new_tokens
+            req.num_computed_tokens += chunk.num_new_tokens - len(chunk.draft)   # drafts: accept_draft
             self.kv.cache_computed_blocks(req)
             self.kv.apply_budget(req)
+
+    def accept_draft(self, req: Request, num_accepted: int) -> None:
+        """The first ``num_accepted`` drafted tokens of ``req``'s last chunk were accepted (and
+        appended): their KV is exact, so they count as computed; the slots of the rejected
+        ones are written again by later steps, and blocks that hold none of the accepted
+        tokens go back to the pool."""
+        req.num_computed_tokens += num_accepted
+        self.kv.cache_computed_blocks(req)
+        self.kv.release_unused_blocks(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Retire a request (stopped, out of length, or aborted) and free its blocks."""

@@ -68,6 +68,11 @@ def cluster_runs() -> list[dict]:
 
 
 # bench name -> (the results its --plot is drawn from, up to the path; the figure's columns)
+def spec_rows() -> list[dict]:
+    return [{"workload": w, "batch": b, "plain_tok_s": 200.0 / b, "spec_tok_s": 400.0 / b, "bound_tok_s": 500.0 / b,
+             "acceptance": 0.6} for w in ("grounded", "open") for b in (1, 4)]
+
+
 SAMPLES: dict[str, tuple[tuple, int]] = {
     "chat": ((chat_results(),), 2),
     "tiers": ((tier_results(),), 2),
@@ -83,6 +88,7 @@ SAMPLES: dict[str, tuple[tuple, int]] = {
                      {"batch": 8, "baseline_sampling_ms": 0.15, "constrained_sampling_ms": 0.8}],), 1),
     "rag": ((rag_results(),), 1),
     "peer": ((peer_rows(),), 2),
+    "spec": ((spec_rows(),), 2),
     "cluster": ((cluster_runs(),), 2),
 }
 

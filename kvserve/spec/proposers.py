@@ -1,0 +1,84 @@
+"""Proposers: each drafts the tokens likely to follow a running request's sequence.
+
+A proposer is looked up by the ``method`` of the speculative config. ``ngram`` (prompt
+lookup) needs no model: the last n tokens often occurred before (a quoted document, code
+being edited, a repeated name), and what followed them then is the draft:
+
+    sequence   ... a b c d e ... x a b c      last n=3 tokens: "a b c"
+    match            ^^^^^                    its most recent earlier occurrence
+    draft                  d e ...            the tokens after it (up to k)
+
+n goes from ``prompt_lookup_max`` down to ``prompt_lookup_min``; the longest n that matches wins,
+at its most recent occurrence followed by k tokens (a run "x x x x" drafts "x x .."), else at
+its most recent occurrence.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from array import array
+
+from kvserve.config import SpeculativeConfig
+from kvserve.request import Request
+
+
+class Proposer(ABC):
+    name: str
+
+    @abstractmethod
+    def propose(self, request: Request, num_tokens: int) -> list[int]:
+        """Up to ``num_tokens`` tokens to follow ``request.all_token_ids`` (empty: no guess)."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop what the proposer keeps for a finished request (nothing by default)."""
+
+
+class NgramProposer(Proposer):
+    name = "ngram"
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+        self._tokens: dict[str, array[int]] = {}    # each request's ids as int32, appended to as it grows
+
+    def propose(self, request: Request, num_tokens: int) -> list[int]:
+        tokens = self._tokens.setdefault(request.request_id, array("i"))
+        ids = request.all_token_ids
+        if len(ids) < len(tokens):          # the sequence was never shortened; a reused id starts over
+            del tokens[:]
+        tokens.extend(ids[len(tokens):])
+        n_tokens = len(tokens)
+        # an occurrence must end before the last token, so that at least one token follows it;
+        # one that ends num_tokens before gives a whole draft
+        whole, some = tokens[:max(0, n_tokens - num_tokens)].tobytes(), tokens[:n_tokens - 1].tobytes()
+        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
+            suffix = tokens[n_tokens - n:].tobytes()
+            at = _rfind_aligned(whole, suffix, tokens.itemsize)
+            if at is None:
+                at = _rfind_aligned(some, suffix, tokens.itemsize)
+            if at is not None:
+                start = at + n
+                return tokens[start:start + num_tokens].tolist()
+        return []
+
+    def forget(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+
+
+def _rfind_aligned(haystack: bytes, needle: bytes, itemsize: int) -> int | None:
+    """The last token index where ``needle`` occurs in ``haystack`` (both packed ids), or None."""
+    end = len(haystack)
+    while True:
+        at = haystack.rfind(needle, 0, end)
+        if at < 0:
+            return None
+        if at % itemsize == 0:
+            return at // itemsize
+        end = at + len(needle) - 1      # a match straddling two ids: look further left
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer ``config.method`` names (SpeculativeConfig checked the name)."""
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    raise ValueError(f"no proposer is named {config.method!r}")

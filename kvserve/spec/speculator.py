@@ -1,0 +1,96 @@
+"""The engine's side of speculative decoding: which requests draft, how far, and what is accepted.
+
+A step with drafts, for one request whose known tokens are all computed but the last:
+
+    known     ... t                       the last token, not computed yet
+    draft           d1 d2 d3              from the proposer (k = 3)
+    chunk         [ t  d1 d2 d3 ]         one chunk of k + 1 tokens in the batch: k + 1 logits rows
+    targets       [ g1 g2 g3 g4 ]         the target's token after each row (greedy: argmax)
+    accepted        d1 d2 == g1 g2, d3 != g3   -> appended: g1 g2 g3 (2 drafts + the target's own)
+
+The KV of t, d1, d2 is now exact; d3's slot is overwritten by g3's in the next step
+(``Scheduler.accept_draft`` moves ``num_computed_tokens`` past the accepted drafts only, and the
+KV manager releases blocks that hold nothing accepted). Greedy requests only, without
+penalties, bias, a grammar or a KV budget, past their ``min_tokens``: for those every row's
+target is the argmax of the model's own logits, so the output is token for token the output
+without speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvserve.config import SpeculativeConfig
+from kvserve.kv.budget.budgets import Budgets
+from kvserve.request import Request
+from kvserve.spec.proposers import Proposer
+
+
+@dataclass
+class SpecStats:
+    """Counters since the engine started (read by the metrics observer)."""
+
+    method: str = ""
+    num_drafts: int = 0               # chunks that carried a draft
+    num_draft_tokens: int = 0         # tokens proposed and checked
+    num_accepted_tokens: int = 0      # of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a drafted chunk gave on average: accepted drafts plus the target's own."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def num_accepted(draft: Sequence[int], targets: Sequence[int]) -> int:
+    """The longest run of drafted tokens the target agrees with, from the first."""
+    n = 0
+    while n < len(draft) and draft[n] == targets[n]:
+        n += 1
+    return n
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, budgets: Budgets, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.budgets = budgets
+        self.max_model_len = max_model_len
+        self.stats = SpecStats(config.method)
+
+    def can_draft(self, req: Request) -> bool:
+        """Whether ``req`` takes drafts (the module docstring says which do)."""
+        p = req.params
+        return (p.speculate and p.is_greedy and not p.has_penalties and not p.logit_bias and p.structured is None
+                and req.num_output_tokens >= p.min_tokens
+                and self.budgets.max_blocks(p, req.num_prompt_tokens) is None)
+
+    def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
+        """Drafts for the running requests about to decode (request id -> tokens)."""
+        drafts: dict[str, list[int]] = {}
+        for req in running:
+            if req.num_computed_tokens != req.num_tokens - 1 or not self.can_draft(req):
+                continue
+            # room for the drafts and the target's own token, within max_tokens and the context
+            room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            k = min(self.config.num_speculative_tokens, room)
+            if k > 0:
+                draft = self.proposer.propose(req, k)
+                if draft:
+                    drafts[req.request_id] = draft
+        return drafts
+
+    def record(self, req: Request, num_draft_tokens: int, accepted: int) -> None:
+        req.num_draft_tokens += num_draft_tokens
+        req.num_accepted_tokens += accepted
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_draft_tokens
+        s.num_accepted_tokens += accepted
+
+    def forget(self, request_id: str) -> None:
+        self.proposer.forget(request_id)

@@ -1,0 +1,30 @@
+"""Speculative decoding on the default model: greedy outputs token for token plain decoding's,
+on an input-grounded prompt (repeat a passage) where prompt lookup drafts well."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.bench.common import find_text
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def repeat_prompt(llm: LLM) -> str:
+    passage = " ".join(find_text().split()[2000:2120])
+    return llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this text word for word:\n\n{passage}"}], add_generation_prompt=True)
+
+
+@pytest.mark.parametrize(("kv_format", "backend"), [("native", "cpu"), ("int8", "torch")])
+def test_greedy_ids_equal_plain_decoding(default_model, kv_format, backend):
+    options = {"num_kv_blocks": 64, "kv_format": kv_format, "attention_backend": backend}
+    plain = LLM(loaded=default_model, **options)
+    spec = LLM(loaded=default_model, speculative_config=NGRAM, **options)
+    prompt = repeat_prompt(plain)
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    want, got = plain.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert got.num_accepted_tokens > 16 and spec.engine.num_steps < plain.engine.num_steps
+    spec.engine.check_integrity()

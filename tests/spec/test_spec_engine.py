@@ -1,0 +1,179 @@
+"""Speculative decoding in the engine (tiny random model): greedy outputs token for token those
+of plain decoding, in every per-token KV format and attention backend, with prefix hits,
+preemption, aborts and requests that do not draft in the same batch; pool integrity after
+every step; the same cached blocks as a plain run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny import tiny_model
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.outputs import RequestOutput
+from kvserve.request import Request
+from kvserve.spec.proposers import Proposer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_model()
+
+
+def prompts(seed: int, n: int = 6) -> list[list[int]]:
+    """Prompts that repeat themselves (a quoted passage), so prompt lookup finds drafts."""
+    rng = random.Random(seed)
+    passage = [rng.randrange(128) for _ in range(24)]
+    return [[rng.randrange(128) for _ in range(rng.randrange(3, 20))] + passage + passage[:rng.randrange(4, 20)]
+            for _ in range(n)]
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]],
+        abort_at: dict[int, str] | None = None) -> dict[str, RequestOutput]:
+    """Every request to the end, checking the pool after every step; ``abort_at``: step -> id."""
+    ids = [engine.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(requests)]
+    done: dict[str, RequestOutput] = {}
+    step = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+        step += 1
+        if abort_at and step in abort_at:
+            engine.abort(abort_at[step])
+    assert set(done) | set((abort_at or {}).values()) == set(ids)
+    return done
+
+
+def tokens(outs: dict[str, RequestOutput]) -> dict[str, list[int]]:
+    return {rid: o.token_ids for rid, o in sorted(outs.items()) if o.finish_reason != "abort"}
+
+
+@pytest.mark.parametrize("kv_format", ["native", "fp16", "int8", "int4g8", "fp8"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_greedy_tokens_equal_plain_decoding(loaded, kv_format, backend):
+    if kv_format == "fp8":
+        from kvserve.kv.codecs import fp8_supported
+        if not fp8_supported():
+            pytest.skip("torch without float8")
+    work = [(p, GREEDY) for p in prompts(0)]
+    options = {"num_kv_blocks": 64, "kv_format": kv_format, "attention_backend": backend}
+    plain = LLM(loaded=loaded, **options).engine
+    spec = LLM(loaded=loaded, speculative_config=NGRAM, **options).engine
+    want, got = run(plain, work), run(spec, work)
+    assert tokens(got) == tokens(want)
+    stats = spec.stats().spec
+    assert stats is not None and stats.num_accepted_tokens > 0 and spec.num_steps < plain.num_steps
+    assert sum(o.num_accepted_tokens for o in got.values()) == stats.num_accepted_tokens
+    assert sum(o.num_draft_tokens for o in got.values()) == stats.num_draft_tokens
+    # blocks full of accepted tokens only were cached: the same keys as the plain run's
+    assert sorted(spec.kv.pool.cached_keys()) == sorted(plain.kv.pool.cached_keys())
+    assert spec.kv.pool.num_free_blocks == spec.kv.pool.num_blocks
+
+
+def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded):
+    ps = prompts(1, 8)
+    shared = ps[0][:40]
+    work = [(p, GREEDY) for p in ps]
+    work += [(shared + [5, 6], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, speculate=False)),
+             (ps[1], SamplingParams(max_tokens=20, temperature=0.8, seed=3)),       # sampled: never drafts
+             (ps[2], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)),   # short max_tokens
+             (ps[3], SamplingParams(max_tokens=48, temperature=0.0, logprobs=2, ignore_eos=True))]
+    plain = LLM(loaded=loaded, num_kv_blocks=96).engine
+    spec = LLM(loaded=loaded, num_kv_blocks=96, speculative_config=NGRAM).engine
+    want = run(plain, work)
+    # a stop token met while speculating: the output is cut at the same place
+    stop_at = want["r0"].token_ids[20]
+    work.append((ps[0], SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True)))
+    want = run(LLM(loaded=loaded, num_kv_blocks=96).engine, work)
+    got = run(spec, work)
+    assert tokens(got) == tokens(want)
+    assert got["r8"].num_draft_tokens == 0 and got["r9"].num_draft_tokens == 0
+    assert len(got["r10"].token_ids) == 9
+    assert [lp.token_id for lp in got["r11"].logprobs] == got["r11"].token_ids
+    assert [round(lp.logprob, 4) for lp in got["r11"].logprobs] == [round(lp.logprob, 4) for lp in want["r11"].logprobs]
+    assert got["r12"].stop_reason == stop_at and got["r12"].token_ids[-1] == stop_at
+    assert got["r12"].token_ids == want["r12"].token_ids
+    assert any(o.num_cached_tokens > 0 for o in got.values())
+
+
+def test_preemption_and_aborts_mid_speculation(loaded):
+    work = [(p, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)) for p in prompts(2, 8)]
+    options = {"num_kv_blocks": 14, "max_num_batched_tokens": 64, "enable_prefix_caching": False}
+    want = run(LLM(loaded=loaded, **options).engine, work)
+    spec = LLM(loaded=loaded, speculative_config=NGRAM, **options).engine
+    got = run(spec, work, abort_at={6: "r3", 11: "r5"})
+    assert spec.scheduler.num_preemptions > 0 and spec.stats().spec.num_accepted_tokens > 0
+    assert tokens(got) == {rid: t for rid, t in tokens(want).items() if rid not in ("r3", "r5")}
+    assert spec.kv.pool.num_free_blocks == spec.kv.pool.num_blocks
+
+
+def test_whole_block_formats_and_bad_configs_are_refused(loaded):
+    with pytest.raises(ValueError, match="encode whole blocks"):
+        LLM(loaded=loaded, kv_format="kivi2g8", speculative_config=NGRAM)
+    with pytest.raises(ValueError, match="unknown key"):
+        LLM(loaded=loaded, speculative_config={"method": "ngram", "lookahead": 3})
+
+
+def appended_per_step(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """The tokens each step appended to one request."""
+    engine.add_request(prompt, params)
+    steps, prev = [], 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            steps.append(out.token_ids[prev:])
+            prev = len(out.token_ids)
+        engine.check_integrity()
+    return steps
+
+
+class OracleProposer(Proposer):
+    """Drafts the plain run's own next tokens, the ``wrong``-th of each draft changed (None:
+    all right): every step's acceptance is then known."""
+
+    name = "oracle"
+
+    def __init__(self, prompt_len: int, output: list[int], wrong: int | None = None) -> None:
+        self.prompt_len, self.output, self.wrong = prompt_len, output, wrong
+
+    def propose(self, request: Request, num_tokens: int) -> list[int]:
+        done = request.num_tokens - self.prompt_len
+        draft = self.output[done:done + num_tokens]
+        if self.wrong is not None and self.wrong < len(draft):
+            draft[self.wrong] = (draft[self.wrong] + 1) % 128
+        return draft
+
+
+def with_oracle(loaded, prompt: list[int], output: list[int], wrong: int | None = None) -> LLMEngine:
+    engine = LLM(loaded=loaded, speculative_config=NGRAM).engine
+    assert engine.speculator is not None
+    engine.speculator.proposer = OracleProposer(len(prompt), output, wrong)
+    return engine
+
+
+@pytest.mark.parametrize("wrong", [None, 0, 2])
+def test_known_drafts_are_accepted_up_to_the_first_wrong_token(loaded, wrong):
+    prompt = prompts(3, 1)[0]
+    plain = LLM(loaded=loaded).generate([prompt], GREEDY)[0].token_ids
+    steps = appended_per_step(with_oracle(loaded, prompt, plain, wrong), prompt, GREEDY)
+    assert [t for s in steps for t in s] == plain
+    per_step = 4 + 1 if wrong is None else wrong + 1      # accepted drafts + the target's own token
+    assert [len(s) for s in steps[1:-1]] == [per_step] * (len(steps) - 2)
+
+
+def test_a_stop_token_inside_an_accepted_run_cuts_the_output_there(loaded):
+    prompt = prompts(3, 1)[0]
+    plain = LLM(loaded=loaded).generate([prompt], GREEDY)[0].token_ids
+    # steps: the prefill's token, then runs of 5 (tokens 1-5, 6-10, ...): stop at the middle of
+    # the second run, a token the output has not held before
+    at = next(i for i in range(7, 10) if plain[i] not in plain[:i])
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop_token_ids=[plain[at]])
+    steps = appended_per_step(with_oracle(loaded, prompt, plain), prompt, params)
+    assert [t for s in steps for t in s] == plain[:at + 1] == LLM(loaded=loaded).generate([prompt], params)[0].token_ids
+    assert [len(s) for s in steps] == [1, 5, at - 5]      # the run cut at the stop token
