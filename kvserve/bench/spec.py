@@ -3,7 +3,7 @@
 Two workloads of chat prompts, greedy, ``max_tokens`` each (eos ends an answer early, the
 same in both runs since their tokens are the same):
 
-    grounded   answer by repeating or editing a given passage (a different one per request):
+    grounded   answer by editing a given passage (a different one per request):
                the output quotes the input, so prompt lookup drafts well
     open       open-ended requests (a story, an explanation): little to look up
 
@@ -28,6 +28,9 @@ from kvserve.bench.common import find_text, table
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
+# edits of a given passage this small model carries out (it declines "repeat word for word")
+GROUNDED_ASKS = ['Rewrite this text with every "I" replaced by "we"', "Translate this text into simple English",
+                 "Correct any spelling mistakes in this text and return it", "Rewrite this text in the present tense"]
 TOPICS = ["a lighthouse keeper", "a lost umbrella", "the first snow", "a chess match", "an old bridge",
           "a quiet library", "a runaway kite", "a night train", "a village baker", "a broken clock",
           "a summer storm", "a market day", "a paper boat", "a mountain road", "a sleepy cat", "a street musician"]
@@ -38,7 +41,7 @@ def grounded_prompts(text: str, n: int) -> list[list[dict[str, str]]]:
     out = []
     for i in range(n):
         passage = " ".join(words[3000 + 150 * i:3000 + 150 * i + 110])
-        ask = "Repeat this text word for word" if i % 2 == 0 else "Rewrite this text with every \"I\" replaced by \"we\""
+        ask = GROUNDED_ASKS[i % len(GROUNDED_ASKS)]
         out.append([{"role": "user", "content": f"{ask}:\n\n{passage}"}])
     return out
 

@@ -174,7 +174,10 @@ class LLMEngine:
             # not attributable to one request: fail the step's requests, keep the engine going
             log.exception("step %d failed; failing its %d requests", self.num_steps, len(out.chunks))
             return [self._fail(c.request, f"the model step failed: {type(e).__name__}: {e}") for c in out.chunks]
-        self._observe_step(out, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self._observe_step(out, seconds)
+        if self.speculator is not None and all(c.num_new_tokens - len(c.draft) == 1 for c in out.chunks):
+            self.speculator.observe_step(out.num_batched_tokens, seconds)
         self.scheduler.update(out)
         for rid, lps in result.prompt_logprobs.items():
             req = self._requests[rid]

@@ -70,6 +70,7 @@ class _StatsCollector(Collector):
                                   b.num_host_evictions)
         yield from _pin_metrics(s)
         yield from _blend_metrics(s)
+        yield from _spec_metrics(s)
         yield from _tier_metrics(s)
 
 
@@ -87,6 +88,23 @@ def _blend_metrics(s: EngineStats) -> Iterator[Metric]:
                               b.computed_tokens)
     yield CounterMetricFamily("kvserve_segment_stored_tokens", "Segment tokens computed standalone and stored",
                               b.stored_tokens)
+
+
+def _spec_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding's counters, labelled by proposer (none when the engine does not speculate)."""
+    if s.spec is None:
+        return
+    for name, doc, value in (
+            ("kvserve_spec_drafts", "Chunks that carried drafted tokens", s.spec.num_drafts),
+            ("kvserve_spec_draft_tokens", "Drafted tokens checked by the model", s.spec.num_draft_tokens),
+            ("kvserve_spec_accepted_tokens", "Drafted tokens accepted", s.spec.num_accepted_tokens),
+            ("kvserve_spec_rejected_tokens", "Drafted tokens rejected",
+             s.spec.num_draft_tokens - s.spec.num_accepted_tokens),
+            ("kvserve_spec_skipped_drafts", "Drafts not made because they would not pay (kvserve/spec/cost.py)",
+             s.spec.num_skipped)):
+        family = CounterMetricFamily(name, doc, labels=["method"])
+        family.add_metric([s.spec.method], value)
+        yield family
 
 
 def _pin_metrics(s: EngineStats) -> Iterator[Metric]:

@@ -105,6 +105,7 @@ class _SamplingFields(_Body):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)      # vLLM's extension
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)                             # vLLM's extension
+    speculate: bool = True       # kvserve's: false keeps this request out of speculative decoding (docs/spec.md)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None      # vLLM's extension
     # kvserve's: texts in the prompt (documents) whose KV is reused from a standalone
@@ -203,7 +204,7 @@ class _SamplingFields(_Body):
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logit_bias=tuple(self.logit_bias_ids().items()),
-                min_tokens=self.min_tokens, structured=structured)
+                min_tokens=self.min_tokens, structured=structured, speculate=self.speculate)
         except ValueError as e:
             raise bad_request(str(e)) from None
 

@@ -14,6 +14,10 @@ KV manager releases blocks that hold nothing accepted). Greedy requests only, wi
 penalties, bias, a grammar or a KV budget, past their ``min_tokens``: for those every row's
 target is the argmax of the model's own logits, so the output is token for token the output
 without speculation.
+
+How far each request drafts is decided per step (spec/cost.py): k grows with the request's
+measured acceptance and shrinks as the batch grows, down to no draft at all; a request that
+stopped drafting tries one token every ``PROBE_EVERY`` steps, so its acceptance stays known.
 """
 
 from __future__ import annotations
@@ -24,7 +28,32 @@ from dataclasses import dataclass
 from kvserve.config import SpeculativeConfig
 from kvserve.kv.budget.budgets import Budgets
 from kvserve.request import Request
+from kvserve.spec.cost import StepCosts, draft_length
 from kvserve.spec.proposers import Proposer
+
+PROBE_EVERY = 8              # steps between one-token drafts of a request that stopped drafting
+PRIOR_ACCEPTANCE = 0.5       # p of a proposer before any draft was checked
+# a decode step's cost on this project's CPU box (SmolLM2-135M, gguf weights: 4.2 ms at 1 row,
+# 15.7 ms at 16; docs/weights.md) until the engine's own steps are measured
+PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S = 3.5e-3, 0.75e-3
+
+
+class Acceptance:
+    """p, the chance that a drafted token is accepted when those before it were: accepted
+    tokens over tokens checked up to the first rejection, older drafts weighing less."""
+
+    def __init__(self, prior: float, weight: float = 2.0, decay: float = 0.8) -> None:
+        self.decay = decay
+        self._accepted, self._checked = prior * weight, weight
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        checked = num_accepted + (1 if num_accepted < num_drafted else 0)
+        self._accepted = self.decay * self._accepted + num_accepted
+        self._checked = self.decay * self._checked + checked
+
+    @property
+    def p(self) -> float:
+        return self._accepted / self._checked
 
 
 @dataclass
@@ -35,6 +64,7 @@ class SpecStats:
     num_drafts: int = 0               # chunks that carried a draft
     num_draft_tokens: int = 0         # tokens proposed and checked
     num_accepted_tokens: int = 0      # of those, accepted
+    num_skipped: int = 0              # decoding requests that could draft but whose draft would not pay
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,6 +91,10 @@ class Speculator:
         self.budgets = budgets
         self.max_model_len = max_model_len
         self.stats = SpecStats(config.method)
+        self.costs = StepCosts(PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S)
+        self.acceptance = Acceptance(PRIOR_ACCEPTANCE)           # the proposer's, over every request
+        self._acceptance: dict[str, Acceptance] = {}             # each request's
+        self._idle: dict[str, int] = {}                          # steps since a request last drafted
 
     def can_draft(self, req: Request) -> bool:
         """Whether ``req`` takes drafts (the module docstring says which do)."""
@@ -72,21 +106,37 @@ class Speculator:
     def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
         """Drafts for the running requests about to decode (request id -> tokens)."""
         drafts: dict[str, list[int]] = {}
-        for req in running:
-            if req.num_computed_tokens != req.num_tokens - 1 or not self.can_draft(req):
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        q = self.costs.row_share(len(decoding))
+        for req in decoding:
+            if not self.can_draft(req):
                 continue
+            rid = req.request_id
             # room for the drafts and the target's own token, within max_tokens and the context
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            k = min(self.config.num_speculative_tokens, room)
+            p = self._acceptance[rid].p if rid in self._acceptance else self.acceptance.p
+            k = draft_length(p, q, self.config.num_speculative_tokens)
+            if k == 0:
+                self.stats.num_skipped += 1
+                idle = self._idle[rid] = self._idle.get(rid, 0) + 1
+                k = 1 if idle >= PROBE_EVERY else 0
+            k = min(k, room)
             if k > 0:
                 draft = self.proposer.propose(req, k)
                 if draft:
-                    drafts[req.request_id] = draft
+                    drafts[rid] = draft
+                    self._idle[rid] = 0
         return drafts
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A step that only decoded (one known token per request, drafts besides) took ``seconds``."""
+        self.costs.observe(num_rows, seconds)
 
     def record(self, req: Request, num_draft_tokens: int, accepted: int) -> None:
         req.num_draft_tokens += num_draft_tokens
         req.num_accepted_tokens += accepted
+        self._acceptance.setdefault(req.request_id, Acceptance(self.acceptance.p)).observe(num_draft_tokens, accepted)
+        self.acceptance.observe(num_draft_tokens, accepted)
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += num_draft_tokens
@@ -94,3 +144,5 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
+        self._acceptance.pop(request_id, None)
+        self._idle.pop(request_id, None)

@@ -14,6 +14,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.request import Request
+from kvserve.spec.cost import StepCosts
 from kvserve.spec.proposers import Proposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -133,6 +134,19 @@ def appended_per_step(engine: LLMEngine, prompt: list[int], params: SamplingPara
     return steps
 
 
+class FreeRows(StepCosts):
+    """A machine where drafted rows cost nothing: every request drafts k_max tokens."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0, 0.0)
+
+    def observe(self, num_rows: int, seconds: float) -> None:
+        pass
+
+    def row_share(self, batch: int) -> float:
+        return 0.0
+
+
 class OracleProposer(Proposer):
     """Drafts the plain run's own next tokens, the ``wrong``-th of each draft changed (None:
     all right): every step's acceptance is then known."""
@@ -154,6 +168,7 @@ def with_oracle(loaded, prompt: list[int], output: list[int], wrong: int | None 
     engine = LLM(loaded=loaded, speculative_config=NGRAM).engine
     assert engine.speculator is not None
     engine.speculator.proposer = OracleProposer(len(prompt), output, wrong)
+    engine.speculator.costs = FreeRows()
     return engine
 
 
