@@ -20,10 +20,13 @@ import torch
 
 from kvserve.attention.backends import AttentionBackend, make_attention_backend
 from kvserve.attention.cpu_writes import CpuWrites
+from kvserve.blend.admission import BlendAdmission
 from kvserve.blend.blender import Blender
 from kvserve.config import EngineConfig, ModelConfig
+from kvserve.engine.checks import RequestChecks
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.block_io import BlockMover
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.budget.budgets import Budgets, KVBudgets, NoBudgets
@@ -96,11 +99,13 @@ class EngineParts:
     kv: KVCacheManager
     scheduler: Scheduler
     runner: ModelRunner
-    blender: Blender
     sampler: Sampler
     grammars: GrammarCompiler
     attention: AttentionBackend
     speculator: Speculator | None       # None: no speculative decoding
+    checks: RequestChecks
+    blending: BlendAdmission            # segmented requests' queue and first admission
+    outputs: OutputProcessor
 
 
 def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Transport] | None,
@@ -135,14 +140,17 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     kv = KVCacheManager(pool, extra_key, cc.enable_prefix_caching, storage.residual, tiering, budgets, pins)
     eos = sorted(mc.eos_token_ids)
     tokenizer_json = loaded.tokenizer.to_tokenizer_json() if loaded.tokenizer is not None else None
+    scheduler = Scheduler(config.scheduler, kv, tiering)
+    blender = Blender(model, storage, kv, tiering, cc.blend_select_layer, cc.blend_cost_model)
+    grammars = GrammarCompiler(tokenizer_json, mc.vocab_size, eos)
     parts = EngineParts(
         model_config=mc, device=device, dtype=dtype, max_model_len=max_model_len, model=model,
         weight_format=products.name, fingerprint=fingerprint, kv_format=kv_format, model_card=model_card, kv=kv,
-        scheduler=Scheduler(config.scheduler, kv, tiering),
-        runner=ModelRunner(model, storage, kv, budgets, attention),
-        blender=Blender(model, storage, kv, tiering, cc.blend_select_layer, cc.blend_cost_model),
-        sampler=Sampler(config.seed, eos), grammars=GrammarCompiler(tokenizer_json, mc.vocab_size, eos),
-        attention=attention, speculator=_make_speculator(config, kv_format, budgets, max_model_len))
+        scheduler=scheduler, runner=ModelRunner(model, storage, kv, budgets, attention),
+        sampler=Sampler(config.seed, eos), grammars=grammars, attention=attention,
+        speculator=_make_speculator(config, kv_format, budgets, max_model_len),
+        checks=RequestChecks(budgets, grammars, mc.vocab_size), blending=BlendAdmission(blender, kv, scheduler),
+        outputs=OutputProcessor(loaded.tokenizer, frozenset(mc.eos_token_ids), max_model_len))
     log.info("engine ready: %s on %s/%s, weights %s (%.1f MiB), KV format %s, %d blocks of %d tokens (%.1f MiB), "
              "attention %s, offload tiers: %s", loaded.source, device, dtype, products.name,
              model.weight_nbytes / 2**20, kv_format.spec, storage.num_blocks, cc.block_size,

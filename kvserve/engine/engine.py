@@ -13,13 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.blend.admission import BlendAdmission, Blended
+from kvserve.blend.admission import Blended
 from kvserve.cache_control import DEFAULT_PIN_TTL_S, NO_CACHE_CONTROL, CacheControl, PrefixPin
 from kvserve.config import EngineConfig
 from kvserve.engine.build import build_parts, check_names
-from kvserve.engine.checks import RequestChecks
 from kvserve.engine.model_card import Prompt
-from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats, take_stats
 from kvserve.kv.pins import Clock, PinInfo
@@ -28,7 +26,6 @@ from kvserve.offload.base import Transport
 from kvserve.request import EncodedPrompt, FinishReason, Request, TokenLogprob
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import SchedulerOutput
-from kvserve.spec.speculator import num_accepted
 
 log = logging.getLogger("kvserve")
 
@@ -51,10 +48,7 @@ class LLMEngine:
         self.kv_format, self.model_card = parts.kv_format, parts.model_card
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
         self.sampler, self.grammars, self.speculator = parts.sampler, parts.grammars, parts.speculator
-        self.checks = RequestChecks(parts.kv.budgets, parts.grammars, parts.model_config.vocab_size)
-        self.blending = BlendAdmission(parts.blender, parts.kv, parts.scheduler)
-        self.outputs = OutputProcessor(self.tokenizer, frozenset(parts.model_config.eos_token_ids),
-                                       self.max_model_len)
+        self.checks, self.blending, self.outputs = parts.checks, parts.blending, parts.outputs
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_steps = 0
@@ -121,10 +115,8 @@ class LLMEngine:
     # -- pins --------------------------------------------------------------
     def pin(self, prompt: str | Sequence[int], ttl_s: float | None = None, num_tokens: int | None = None) -> PinInfo:
         """Pin the full blocks of the prompt's first ``num_tokens`` tokens (all by default) for
-        ``ttl_s`` seconds (default 300), whether they are cached yet or not: on the device they
-        are evicted after every unpinned block. Pinning a pinned prefix again extends it.
-        ValueError (PinLimitError past the limit) for a prefix shorter than one block, a ttl over
-        ``max_pin_ttl_s``; nothing is pinned then."""
+        ``ttl_s`` seconds (default 300), cached yet or not (``LLM.pin`` says what a pin does);
+        ValueError (PinLimitError past the limit) pins nothing."""
         spec = PrefixPin(num_tokens, DEFAULT_PIN_TTL_S if ttl_s is None else ttl_s)
         return self.kv.pin_prefixes(self.encode_prompt(prompt), [spec], skip_short=False)[0]
 
@@ -174,10 +166,7 @@ class LLMEngine:
             # not attributable to one request: fail the step's requests, keep the engine going
             log.exception("step %d failed; failing its %d requests", self.num_steps, len(out.chunks))
             return [self._fail(c.request, f"the model step failed: {type(e).__name__}: {e}") for c in out.chunks]
-        seconds = time.perf_counter() - start
-        self._observe_step(out, seconds)
-        if self.speculator is not None and all(c.num_new_tokens - len(c.draft) == 1 for c in out.chunks):
-            self.speculator.observe_step(out.num_batched_tokens, seconds)
+        self._observe_step(out, time.perf_counter() - start)
         self.scheduler.update(out)
         for rid, lps in result.prompt_logprobs.items():
             req = self._requests[rid]
@@ -196,7 +185,6 @@ class LLMEngine:
         rows = [r for r, draft in zip(requests, drafts) for _ in range(len(draft) + 1)]
         try:
             token_ids, errors = self.sampler.sample(logits, rows)
-            logprobs = self.sampler.logprobs(logits, rows, token_ids)
         except Exception as e:
             log.exception("sampling failed; failing its %d requests", len(requests))
             return [self._fail(r, f"sampling failed: {type(e).__name__}: {e}") for r in requests]
@@ -208,20 +196,21 @@ class LLMEngine:
             if error is not None:
                 outputs.append(self._fail(req, error))
                 continue
-            targets = [t for t in token_ids[own.start:own.stop] if t is not None]
-            accepted = num_accepted(draft, targets)
             try:
-                reason = self._apply(req, targets[:accepted + 1], [logprobs.get(i) for i in own])
+                row_tokens = [t for t in token_ids[own.start:own.stop] if t is not None]
+                emitted = (self.speculator.verify(logits[own.start:own.stop], req, draft, row_tokens, self.sampler)
+                           if draft and self.speculator is not None else row_tokens)
+                logprobs = self.sampler.logprobs(logits[own.start:own.start + len(emitted)], [req] * len(emitted),
+                                                 list(emitted))
+                reason = self._apply(req, emitted, [logprobs.get(j) for j in range(len(emitted))])
             except Exception as e:
                 log.exception("request %s failed after sampling", req.request_id)
                 outputs.append(self._fail(req, f"{type(e).__name__}: {e}"))
                 continue
-            if draft and self.speculator is not None:
-                self.speculator.record(req, len(draft), accepted)
             if reason is not None:
                 self._retire(req, reason)
             elif draft:
-                self.scheduler.accept_draft(req, accepted)
+                self.scheduler.accept_draft(req, len(emitted) - 1)
             outputs.append(self._output(req))
         return outputs
 
@@ -261,10 +250,13 @@ class LLMEngine:
             self.speculator.forget(request_id)
 
     def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """Feed the load-or-recompute cost model with steps that are mostly prefill."""
-        num_prefill = sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1)
+        """Feed the step's time to the cost models: the tiers' load-or-recompute (steps mostly
+        prefill), speculation's (steps that only decode, drafts besides)."""
+        num_prefill = sum(n for c in out.chunks if (n := c.num_new_tokens - len(c.draft)) > 1)
         if 2 * num_prefill >= out.num_batched_tokens:
             self.kv.tiering.observe_prefill(out.num_batched_tokens, seconds)
+        elif num_prefill == 0 and self.speculator is not None:
+            self.speculator.observe_step(out.num_batched_tokens, seconds)
 
     def stats(self) -> EngineStats:
         spec = None if self.speculator is None else self.speculator.stats

@@ -7,7 +7,7 @@ fails its own request: ``sample`` reports it by row and draws the other rows as 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 import torch
@@ -83,6 +83,39 @@ class Sampler:
                 for k, (i, t) in enumerate(chosen)}
 
     def _sample_row(self, logits: torch.Tensor, req: Request) -> int:
+        return self._draw(self.probs(logits, req), req)
+
+    def _draw(self, probs: torch.Tensor, req: Request) -> int:
+        gen = req.generator if req.generator is not None else self._generator
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+    def verify_draft(self, logits: torch.Tensor, req: Request, draft: Sequence[int]) -> list[int]:
+        """Speculative sampling of a sampled request's rows (``logits`` [k + 1, vocab] for
+        ``draft``'s k tokens): drafted token i is kept with probability p_i(d_i) (a proposer
+        that drafts one token for sure: min(1, p / q) with q = 1), and at the first one
+        rejected a token is drawn from p_i with d_i removed (the residual max(0, p - q),
+        renormalized); after k kept ones, from p_k. The tokens this gives are distributed
+        exactly as drawing from the target one token at a time. Returns the kept drafts and
+        the drawn token."""
+        gen = req.generator if req.generator is not None else self._generator
+        kept: list[int] = []
+        for i, token in enumerate(draft):
+            probs = self.probs(logits[i], req)
+            if torch.rand((), generator=gen).item() < probs[token].item():
+                kept.append(token)
+                continue
+            residual = probs.clone()
+            residual[token] = 0.0
+            mass = residual.sum()
+            if mass <= 0:       # p_i(d_i) rounded to 1 and the draw still missed it: keep it
+                kept.append(token)
+                continue
+            return [*kept, self._draw(residual / mass, req)]
+        return [*kept, self._draw(self.probs(logits[len(draft)], req), req)]
+
+    def probs(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
+        """The distribution a sampled request draws its token from: ``logits`` (one row, already
+        processed) scaled by temperature, filtered by top-k and top-p, softmaxed."""
         p = req.params
         scaled = logits / p.temperature
         if 0 < p.top_k < scaled.shape[-1]:
@@ -96,6 +129,4 @@ class Sampler:
             drop = (probs.cumsum(-1) - probs) >= p.top_p
             drop[0] = False
             scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = scaled.softmax(-1)
-        gen = req.generator if req.generator is not None else self._generator
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+        return scaled.softmax(-1)

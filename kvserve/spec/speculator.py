@@ -10,10 +10,13 @@ A step with drafts, for one request whose known tokens are all computed but the 
 
 The KV of t, d1, d2 is now exact; d3's slot is overwritten by g3's in the next step
 (``Scheduler.accept_draft`` moves ``num_computed_tokens`` past the accepted drafts only, and the
-KV manager releases blocks that hold nothing accepted). Greedy requests only, without
-penalties, bias, a grammar or a KV budget, past their ``min_tokens``: for those every row's
-target is the argmax of the model's own logits, so the output is token for token the output
-without speculation.
+KV manager releases blocks that hold nothing accepted). Requests without penalties, bias, a
+grammar or a KV budget, past their ``min_tokens``, draft: each row's distribution is then the
+model's own (temperature, top-k, top-p), so a greedy request's output is token for token the
+output without speculation, and a sampled one's is drawn by speculative sampling
+(``Sampler.verify_draft``) from exactly the distribution of drawing one token at a time. A
+request with a seed does not draft: its draws must repeat, and how far a request drafts
+follows the machine's measured timing.
 
 How far each request drafts is decided per step (spec/cost.py): k grows with the request's
 measured acceptance and shrinks as the batch grows, down to no draft at all; a request that
@@ -25,9 +28,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kvserve.config import SpeculativeConfig
 from kvserve.kv.budget.budgets import Budgets
 from kvserve.request import Request
+from kvserve.sampling.sampler import Sampler
 from kvserve.spec.cost import StepCosts, draft_length
 from kvserve.spec.proposers import Proposer
 
@@ -99,7 +105,8 @@ class Speculator:
     def can_draft(self, req: Request) -> bool:
         """Whether ``req`` takes drafts (the module docstring says which do)."""
         p = req.params
-        return (p.speculate and p.is_greedy and not p.has_penalties and not p.logit_bias and p.structured is None
+        return (p.speculate and (p.is_greedy or p.seed is None) and not p.has_penalties and not p.logit_bias
+                and p.structured is None
                 and req.num_output_tokens >= p.min_tokens
                 and self.budgets.max_blocks(p, req.num_prompt_tokens) is None)
 
@@ -131,6 +138,18 @@ class Speculator:
     def observe_step(self, num_rows: int, seconds: float) -> None:
         """A step that only decoded (one known token per request, drafts besides) took ``seconds``."""
         self.costs.observe(num_rows, seconds)
+
+    def verify(self, logits: torch.Tensor, req: Request, draft: Sequence[int], row_tokens: list[int],
+               sampler: Sampler) -> list[int]:
+        """The tokens ``req``'s rows give (``logits`` [k + 1, vocab], ``row_tokens`` the sampler's
+        token for each): the drafts kept, then one of the model's. Greedy: the drafts that
+        agree with each row's argmax; sampled: speculative sampling. Counted in the stats."""
+        if req.params.is_greedy:
+            emitted = row_tokens[:num_accepted(draft, row_tokens) + 1]
+        else:
+            emitted = sampler.verify_draft(logits, req, draft)
+        self.record(req, len(draft), len(emitted) - 1)
+        return emitted
 
     def record(self, req: Request, num_draft_tokens: int, accepted: int) -> None:
         req.num_draft_tokens += num_draft_tokens
