@@ -34,12 +34,18 @@ class PrefixPin:
             raise ValueError(f"a pin's ttl must be a positive number of seconds, got {self.ttl_s!r}")
 
 
+MAX_SALT_CHARS = 256
+
+
 @dataclass(frozen=True)
 class CacheControl:
-    """A request's retention class and the prefixes it pins (at most ``MAX_PINS_PER_REQUEST``)."""
+    """A request's retention class, the prefixes it pins (at most ``MAX_PINS_PER_REQUEST``) and
+    its cache salt: requests share cached blocks (prefix hits, tier entries, pins) only with
+    requests of the same salt ("" is the engine's own namespace, as vLLM's ``cache_salt``)."""
 
     priority: str = "normal"
     pins: tuple[PrefixPin, ...] = ()
+    salt: str = ""
 
     def __post_init__(self) -> None:
         if self.priority not in CACHE_PRIORITIES:
@@ -49,6 +55,8 @@ class CacheControl:
             raise ValueError(f"at most {MAX_PINS_PER_REQUEST} pinned prefixes per request, got {len(self.pins)}")
         if any(not isinstance(p, PrefixPin) for p in self.pins):
             raise ValueError("pins must be PrefixPin objects")
+        if not isinstance(self.salt, str) or len(self.salt) > MAX_SALT_CHARS:
+            raise ValueError(f"cache_salt must be a string of at most {MAX_SALT_CHARS} characters")
 
     @property
     def retention_class(self) -> int:

@@ -123,6 +123,10 @@ class CacheConfig:
         "turn automatic prefix caching off", flag="--no-prefix-caching"))
     cache_salt: str = field(default="", metadata=opt(
         "mixed into every block's key: engines with different salts share no cached blocks", default_text="none"))
+    key_secret_file: str | None = field(default=None, metadata=opt(
+        "file of the secret block keys are keyed with (HMAC), created on first use: no one without it can "
+        "compute a block's key offline; engines that share cached blocks (replicas, restarts, the disk and "
+        "Redis tiers) share it", default_text="$KVSERVE_CACHE_DIR/block-key-secret", metavar="FILE"))
     kv_format: str = field(default="native", metadata=opt(
         "KV storage: native, fp16, bf16, fp8, int8, int4, kivi2, kivi4, with +outN/+had and per-layer or "
         "per-half specs, e.g. '0-1=fp16;2-=kivi2' (docs/kv_formats.md)"))

@@ -100,6 +100,7 @@ class Request:
     priority: int = 0
     max_tokens: int = 16
     retention_class: int = 0                # eviction class of the blocks it holds (kvserve/cache_control.py)
+    cache_salt: str = ""                    # its blocks' keys are salted with it (kvserve/cache_control.py)
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING

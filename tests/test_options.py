@@ -29,6 +29,7 @@ SAMPLES = {
     "num_kv_blocks": (["12"], 12, 12),
     "enable_prefix_caching": ([], False, False),
     "cache_salt": (["s1"], "s1", "s1"),
+    "key_secret_file": (["/tmp/secret"], "/tmp/secret", "/tmp/secret"),
     "kv_format": (["int8"], "int8", "int8"),
     "kv_budget": (["64"], 64, 64),
     "kv_policy": (["arkvale-w0.25"], "arkvale-w0.25", "arkvale-w0.25"),

@@ -70,7 +70,8 @@ class ReplicaClient:
             raise EngineError("the cluster client is not running")
         prefix = f"{prefix}-{uuid.uuid4().hex[:12]}"     # engine ids unique across replicas
         ids = [f"{prefix}-0-{i}" for i in range(len(specs))]   # what AsyncEngine.submit names them
-        hint = RouteHint(digests(self._card.block_keys(specs[0].prompt_token_ids)), self._tag)
+        salt = specs[0].cache.salt if specs[0].cache is not None else ""
+        hint = RouteHint(digests(self._card.block_keys(specs[0].prompt_token_ids, salt)), self._tag)
         queue: asyncio.Queue[StreamItem | BaseException] = asyncio.Queue()
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(self._run(hint, specs, prefix, queue, accepted))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,7 +36,7 @@ from kvserve.kv.budget.policies import check_budget, get_policy
 from kvserve.kv.codecs import KVFormat, parse_kv_format
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import Clock, Pins
-from kvserve.kv.prefix import make_extra_key
+from kvserve.kv.prefix import load_or_create_secret, make_extra_key
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
 from kvserve.kv.tiering import make_tiering
@@ -43,7 +44,7 @@ from kvserve.model.formats.build import make_products
 from kvserve.model.formats.spec import parse_weight_format
 from kvserve.model.linear import make_linear
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import LoadedModel
+from kvserve.model.loader import LoadedModel, default_cache_dir
 from kvserve.offload.base import Transport
 from kvserve.offload.tiered import open_transports
 from kvserve.sampling.sampler import Sampler
@@ -127,7 +128,9 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     # new rows through the C++ writer where it runs (attention/cpu_writes.py), else the torch path
     storage = make_storage(mc, kv_format, cc, config.scheduler, dtype, device, CpuWrites.for_storage)
     pool = BlockPool(storage.num_blocks, cc.block_size)
-    extra_key = make_extra_key(fingerprint, f"{kv_format.spec}:{dtype}", cc.cache_salt)
+    secret_path = Path(cc.key_secret_file) if cc.key_secret_file else default_cache_dir() / "block-key-secret"
+    extra_key = make_extra_key(fingerprint, f"{kv_format.spec}:{dtype}", cc.cache_salt,
+                               load_or_create_secret(secret_path))
     # what a front end needs to parse requests for this engine (a cluster's ingress gets it over the wire)
     model_card = ModelCard(loaded.tokenizer, mc.vocab_size, max_model_len, cc.block_size, extra_key)
     # the tiering copies blocks through the mover; Redis keys are namespaced by the extra key

@@ -86,9 +86,12 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.kv.check_fits(params, len(ids), max_tokens)
-        self.kv.pin_prefixes(ids, cache.pins, skip_short=True)
+        if cache.salt and encoded.blend is not None:
+            raise ValueError("cache_salt does not apply to segmented prompts yet (segments are stored under the "
+                             "engine's own keys); send the prompt without segments, or without a salt")
+        self.kv.pin_prefixes(ids, cache.pins, skip_short=True, salt=cache.salt)
         req = Request(rid, ids, params, arrival_seq=seq, priority=priority, max_tokens=max_tokens,
-                      retention_class=cache.retention_class, blend=encoded.blend)
+                      retention_class=cache.retention_class, cache_salt=cache.salt, blend=encoded.blend)
         if params.structured is not None:
             req.constraint = self.grammars.matcher(params.structured)
         self._requests[rid] = req
@@ -113,17 +116,18 @@ class LLMEngine:
             self._forget(request_id)
 
     # -- pins --------------------------------------------------------------
-    def pin(self, prompt: str | Sequence[int], ttl_s: float | None = None, num_tokens: int | None = None) -> PinInfo:
+    def pin(self, prompt: str | Sequence[int], ttl_s: float | None = None, num_tokens: int | None = None,
+            salt: str = "") -> PinInfo:
         """Pin the full blocks of the prompt's first ``num_tokens`` tokens (all by default) for
         ``ttl_s`` seconds (default 300), cached yet or not (``LLM.pin`` says what a pin does);
         ValueError (PinLimitError past the limit) pins nothing."""
         spec = PrefixPin(num_tokens, DEFAULT_PIN_TTL_S if ttl_s is None else ttl_s)
-        return self.kv.pin_prefixes(self.encode_prompt(prompt), [spec], skip_short=False)[0]
+        return self.kv.pin_prefixes(self.encode_prompt(prompt), [spec], skip_short=False, salt=salt)[0]
 
-    def unpin(self, prompt: str | Sequence[int], num_tokens: int | None = None) -> PinInfo:
+    def unpin(self, prompt: str | Sequence[int], num_tokens: int | None = None, salt: str = "") -> PinInfo:
         """Remove the pin over exactly the full blocks of the prompt's first ``num_tokens``
-        tokens (all by default); PinNotFoundError if no pin covers exactly those."""
-        return self.kv.unpin(self.encode_prompt(prompt)[:num_tokens])
+        tokens (all by default) under cache salt ``salt``; PinNotFoundError if none."""
+        return self.kv.unpin(self.encode_prompt(prompt)[:num_tokens], salt)
 
     @property
     def has_unfinished(self) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.blend.prompt import SegmentedPrompt
-from kvserve.kv.prefix import extend_block_keys
+from kvserve.kv.prefix import extend_block_keys, salted_extra_key
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import EncodedPrompt
 
@@ -68,10 +68,11 @@ class ModelCard:
                 "and at least one must be left to generate")
         return ids
 
-    def block_keys(self, token_ids: Sequence[int]) -> list[bytes]:
-        """The content keys of the full blocks of ``token_ids``, as the engine computes them."""
+    def block_keys(self, token_ids: Sequence[int], salt: str = "") -> list[bytes]:
+        """The content keys of the full blocks of ``token_ids`` under cache salt ``salt``, as the
+        engine computes them."""
         keys: list[bytes] = []
-        extend_block_keys(keys, token_ids, self.block_size, self.extra_key)
+        extend_block_keys(keys, token_ids, self.block_size, salted_extra_key(self.extra_key, salt))
         return keys
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -41,7 +41,7 @@ from kvserve.cache_control import PrefixPin
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.budget.budgets import Budgets, NoBudgets
 from kvserve.kv.pins import PinInfo, Pins
-from kvserve.kv.prefix import extend_block_keys
+from kvserve.kv.prefix import extend_block_keys, salted_extra_key
 from kvserve.kv.residual import NoResidual, ResidualRows
 from kvserve.kv.tiering import NoTiering, Promotion, Tiering
 from kvserve.offload.tiered import EMPTY_RUN, TierRun
@@ -127,7 +127,7 @@ class KVCacheManager:
     def block_keys(self, request: Request) -> list[bytes]:
         """Keys of the request's full blocks, extended as its tokens grow."""
         keys = self._keys.setdefault(request.request_id, [])
-        extend_block_keys(keys, request.all_token_ids, self.block_size, self.extra_key)
+        extend_block_keys(keys, request.all_token_ids, self.block_size, self.extra_key_for(request.cache_salt))
         return keys
 
     def match_prefix(self, request: Request) -> PrefixMatch:
@@ -320,20 +320,26 @@ class KVCacheManager:
         return self.pool.evict_all_cached()
 
     # -- pins --------------------------------------------------------------
-    def prefix_keys(self, token_ids: Sequence[int], num_tokens: int | None = None) -> list[bytes]:
+    def extra_key_for(self, salt: str) -> bytes:
+        """The extra key of requests with cache salt ``salt`` (kv/prefix.salted_extra_key)."""
+        return salted_extra_key(self.extra_key, salt)
+
+    def prefix_keys(self, token_ids: Sequence[int], num_tokens: int | None = None, salt: str = "") -> list[bytes]:
         """Keys of the full blocks among the first ``num_tokens`` tokens (all by default)."""
         keys: list[bytes] = []
-        extend_block_keys(keys, token_ids[:num_tokens], self.block_size, self.extra_key)
+        extend_block_keys(keys, token_ids[:num_tokens], self.block_size, self.extra_key_for(salt))
         return keys
 
-    def pin(self, token_ids: Sequence[int], prefixes: Sequence[tuple[int | None, float]]) -> list[PinInfo]:
-        """Pin the full blocks of each ``(num_tokens, ttl_s)`` prefix of ``token_ids`` (all or
-        none; Pins.pin's errors)."""
+    def pin(self, token_ids: Sequence[int], prefixes: Sequence[tuple[int | None, float]],
+            salt: str = "") -> list[PinInfo]:
+        """Pin the full blocks of each ``(num_tokens, ttl_s)`` prefix of ``token_ids`` under cache
+        salt ``salt`` (all or none; Pins.pin's errors)."""
         if not self.enable_prefix_caching:
             raise ValueError("pinning needs prefix caching, which is off on this engine")
-        return self.pins.pin([(self.prefix_keys(token_ids, n), ttl_s) for n, ttl_s in prefixes])
+        return self.pins.pin([(self.prefix_keys(token_ids, n, salt), ttl_s) for n, ttl_s in prefixes], salt)
 
-    def pin_prefixes(self, token_ids: Sequence[int], pins: Sequence[PrefixPin], skip_short: bool) -> list[PinInfo]:
+    def pin_prefixes(self, token_ids: Sequence[int], pins: Sequence[PrefixPin], skip_short: bool,
+                     salt: str = "") -> list[PinInfo]:
         """Pin each ``PrefixPin`` of a prompt (all or none). ValueError for a prefix longer than
         the prompt, and for one shorter than a block unless ``skip_short`` (a request's pins:
         such a prefix pins nothing, as a prompt too short to cache is not cached)."""
@@ -347,20 +353,21 @@ class KVCacheManager:
             elif not skip_short:
                 raise ValueError(f"nothing to pin: the prefix has {n} tokens, fewer than one block of "
                                  f"{self.block_size}")
-        return self.pin(token_ids, prefixes) if prefixes else []
+        return self.pin(token_ids, prefixes, salt) if prefixes else []
 
-    def unpin(self, token_ids: Sequence[int]) -> PinInfo:
+    def unpin(self, token_ids: Sequence[int], salt: str = "") -> PinInfo:
         """Remove the pin over exactly the full blocks of ``token_ids`` (PinNotFoundError)."""
-        return self.pins.unpin(self.prefix_keys(token_ids))
+        return self.pins.unpin(self.prefix_keys(token_ids, salt=salt))
 
-    def unpin_all(self) -> list[PinInfo]:
-        """Remove every pin; returns them."""
-        return self.pins.unpin_all()
+    def unpin_all(self, salt_prefix: str = "") -> list[PinInfo]:
+        """Remove every pin whose cache salt starts with ``salt_prefix`` (all by default)."""
+        return self.pins.unpin_all(salt_prefix)
 
-    def list_pins(self) -> list[PinInfo]:
-        """Every live pin (expired ones dropped first), soonest to expire first."""
+    def list_pins(self, salt_prefix: str = "") -> list[PinInfo]:
+        """Every live pin whose cache salt starts with ``salt_prefix`` (expired ones dropped
+        first), soonest to expire first."""
         self.pins.expire()
-        return self.pins.infos()
+        return self.pins.infos(salt_prefix)
 
     def num_pinned_hits(self, request: Request, num_blocks: int) -> int:
         """How many of the request's first ``num_blocks`` blocks hold pinned keys."""

@@ -42,6 +42,7 @@ class PinInfo(NamedTuple):
     num_tokens: int                 # tokens the pinned blocks hold
     expires_in_s: float             # seconds left (0 for a pin just removed)
     num_device_blocks: int          # of its blocks, those on the device now
+    salt: str = ""                  # the cache salt its keys were made with (its namespace)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ NO_PIN_STATS = PinStats(0, 0, 0, 0, 0, 0)
 class _Pin:
     keys: tuple[bytes, ...]
     expires_at: float
+    salt: str = ""
 
 
 class Pins:
@@ -80,8 +82,8 @@ class Pins:
         return len(self._pins)
 
     # -- verbs -------------------------------------------------------------
-    def pin(self, prefixes: Sequence[tuple[Sequence[bytes], float]]) -> list[PinInfo]:
-        """Pin each ``(keys, ttl_s)``, all or none: PinLimitError (nothing pinned) when the new
+    def pin(self, prefixes: Sequence[tuple[Sequence[bytes], float]], salt: str = "") -> list[PinInfo]:
+        """Pin each ``(keys, ttl_s)`` (keys made with cache salt ``salt``), all or none: PinLimitError (nothing pinned) when the new
         keys would pass the limit, ValueError for a ttl over ``max_ttl_s`` or an empty prefix."""
         self.expire()
         for keys, ttl_s in prefixes:
@@ -105,7 +107,7 @@ class Pins:
             name, expires_at = keys[-1], now + ttl_s
             pin = self._pins.get(name)
             if pin is None:
-                pin = self._pins[name] = _Pin(tuple(keys), expires_at)
+                pin = self._pins[name] = _Pin(tuple(keys), expires_at, salt)
                 self.pool.pin_keys(pin.keys)
                 heapq.heappush(self._expiry, (expires_at, name))
             elif expires_at > pin.expires_at:
@@ -123,10 +125,9 @@ class Pins:
         self._remove(keys[-1])
         return self._info(pin, pin.expires_at)
 
-    def unpin_all(self) -> list[PinInfo]:
-        """Remove every pin; returns them."""
-        removed = [self.unpin(p.keys) for p in list(self._pins.values())]
-        return removed
+    def unpin_all(self, salt_prefix: str = "") -> list[PinInfo]:
+        """Remove every pin whose salt starts with ``salt_prefix`` (all by default); returns them."""
+        return [self.unpin(p.keys) for p in list(self._pins.values()) if p.salt.startswith(salt_prefix)]
 
     def expire(self) -> int:
         """Remove the pins whose time is up; returns how many."""
@@ -145,15 +146,16 @@ class Pins:
         self.pool.unpin_keys(self._pins.pop(name).keys)
 
     # -- queries -----------------------------------------------------------
-    def infos(self) -> list[PinInfo]:
-        """Every pin, soonest to expire first."""
+    def infos(self, salt_prefix: str = "") -> list[PinInfo]:
+        """Every pin whose salt starts with ``salt_prefix`` (all by default), soonest to expire first."""
         now = self.clock()
-        return [self._info(p, now) for p in sorted(self._pins.values(), key=lambda p: p.expires_at)]
+        return [self._info(p, now) for p in sorted(self._pins.values(), key=lambda p: p.expires_at)
+                if p.salt.startswith(salt_prefix)]
 
     def _info(self, pin: _Pin, now: float) -> PinInfo:
         bs = self.pool.block_size
         on_device = sum(self.pool.holds(k) for k in pin.keys)
-        return PinInfo(pin.keys, len(pin.keys) * bs, max(0.0, pin.expires_at - now), on_device)
+        return PinInfo(pin.keys, len(pin.keys) * bs, max(0.0, pin.expires_at - now), on_device, pin.salt)
 
     def is_pinned(self, key: bytes) -> bool:
         return self.pool.pin_count(key) > 0

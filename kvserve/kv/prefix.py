@@ -12,16 +12,57 @@ therefore never depends on where a block lives, in this process or any other.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
+import secrets
 import struct
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvserve.offload.base import KEY_NBYTES  # the key size every tier stores
 
 
-def make_extra_key(model_fingerprint: str, kv_format: str, salt: str = "") -> bytes:
-    """Fold the non-token inputs of a block's contents into one digest."""
-    text = f"model={model_fingerprint}\x00format={kv_format}\x00salt={salt}"
-    return hashlib.sha256(text.encode()).digest()
+def make_extra_key(model_fingerprint: str, kv_format: str, salt: str = "", secret: bytes = b"") -> bytes:
+    """Fold the non-token inputs of a block's contents into one digest, keyed with ``secret``
+    (HMAC-SHA256) when there is one: then every block key depends on it, and a key seen in
+    a listing cannot be matched to guessed tokens by anyone without the secret."""
+    text = f"model={model_fingerprint}\x00format={kv_format}\x00salt={salt}".encode()
+    return hmac.new(secret, text, hashlib.sha256).digest() if secret else hashlib.sha256(text).digest()
+
+
+SECRET_NBYTES = 32
+
+
+def load_or_create_secret(path: Path) -> bytes:
+    """The secret in ``path``, created (random, mode 0600, atomically: concurrent engines
+    agree on one) when the file does not exist. ValueError for a file of the wrong size."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(SECRET_NBYTES))
+        try:
+            os.link(tmp, path)          # fails if another engine created it first: theirs wins
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        data = path.read_bytes()
+    if len(data) != SECRET_NBYTES:
+        raise ValueError(f"block key secret {path} holds {len(data)} bytes, not {SECRET_NBYTES}; "
+                         "remove it to have a new one made (cached blocks keyed with the old one then miss)")
+    return data
+
+
+def salted_extra_key(extra_key: bytes, salt: str) -> bytes:
+    """The extra key of a request with a cache salt: its blocks' keys share nothing with
+    those of another salt (or of none: "" gives ``extra_key`` itself)."""
+    if not salt:
+        return extra_key
+    return hashlib.sha256(extra_key + b"\x00salt\x00" + salt.encode()).digest()
 
 
 def block_key(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes) -> bytes:

@@ -54,7 +54,9 @@ class DiskTransport(LRUTransport):
         self._fsync = config.fsync
         self._closed = False
         self.num_write_errors = 0
-        self._root.mkdir(parents=True, exist_ok=True)
+        # block files are named by their keys: only this user may list them
+        self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self._root, 0o700)
         self._lock_file = open(self._root / ".lock", "a+b")  # noqa: SIM115 - held until close()
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -75,8 +77,13 @@ class DiskTransport(LRUTransport):
         found: list[tuple[int, str, bytes, int]] = []
         num_temp = 0
         for folder in self._root.iterdir():
+            if folder.name.endswith(_TEMP_SUFFIX) and folder.is_file():   # a stray temp at the root
+                folder.unlink()
+                num_temp += 1
+                continue
             if not (folder.is_dir() and len(folder.name) == 2):
                 continue
+            os.chmod(folder, 0o700)
             for entry in os.scandir(folder):
                 if entry.name.endswith(_TEMP_SUFFIX):
                     os.unlink(entry.path)
@@ -147,7 +154,7 @@ class DiskTransport(LRUTransport):
         final = self._path(key)
         tmp: str | None = None
         try:
-            final.parent.mkdir(exist_ok=True)
+            final.parent.mkdir(mode=0o700, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=final.stem + ".", suffix=_TEMP_SUFFIX)
             with open(fd, "wb") as f:
                 f.write(value)

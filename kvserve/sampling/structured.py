@@ -41,7 +41,7 @@ class GrammarMatcher:
 
     def accept(self, token_id: int) -> None:
         if not self._matcher.consume_token(token_id):
-            raise ValueError(f"the grammar rejected token {token_id}: {self._matcher.get_error()}")
+            raise ValueError(f"the grammar rejected token {token_id}: {_without_state(self._matcher.get_error())}")
 
     @property
     def is_finished(self) -> bool:
@@ -49,7 +49,7 @@ class GrammarMatcher:
 
     def _raise_if_error(self) -> None:
         if self._matcher.is_error():
-            raise ValueError(f"the grammar failed: {self._matcher.get_error()}")
+            raise ValueError(f"the grammar failed: {_without_state(self._matcher.get_error())}")
 
 
 class GrammarCompiler:
@@ -67,13 +67,23 @@ class GrammarCompiler:
         self._grammars: OrderedDict[StructuredOutputs, str] = OrderedDict()
 
     def check(self, spec: StructuredOutputs) -> None:
-        """ValueError naming the problem when ``spec`` does not compile."""
-        self._grammar(spec)
+        """ValueError naming the problem when ``spec`` does not compile, or allows no output at
+        all (a regex matching nothing, a rule with no way out: its first mask is empty)."""
+        matcher = self.matcher(spec)
+        words = (self._vocab_size + 31) // 32
+        mask = torch.zeros((1, words), dtype=torch.int32)
+        try:
+            matcher.fill_bitmask(mask, 0)
+        except ValueError:
+            raise ValueError(f"structured {spec.kind}: the constraint allows no output (it matches nothing, or "
+                             "a rule refers to itself with no way out)") from None
+        if not mask.any():
+            raise ValueError(f"structured {spec.kind}: the constraint allows no token at all")
 
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
         m = llguidance.LLMatcher(self._llg_tokenizer(), self._grammar(spec), log_level=0)
         if m.is_error():
-            raise ValueError(f"structured {spec.kind}: {m.get_error()}")
+            raise ValueError(f"structured {spec.kind}: {_without_state(m.get_error())}")
         return GrammarMatcher(m)
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
@@ -92,7 +102,7 @@ class GrammarCompiler:
         grammar = grammar_text(spec)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._llg_tokenizer())
         if is_error:
-            raise ValueError(f"structured {spec.kind}: {messages[0] if messages else 'invalid'}")
+            raise ValueError(f"structured {spec.kind}: {_without_state(messages[0]) if messages else 'invalid'}")
         self._grammars[spec] = grammar
         if len(self._grammars) > _CACHE_SIZE:
             self._grammars.popitem(last=False)
@@ -114,3 +124,8 @@ def grammar_text(spec: StructuredOutputs) -> str:
     if kind == "choice":
         return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in spec.choice or ()))
     return llguidance.LLMatcher.grammar_from_lark(spec.grammar or "")
+
+
+def _without_state(message: str) -> str:
+    """llguidance's message without the parser state it appends (internal, and long)."""
+    return message.split("<state>")[0].strip() or "invalid"

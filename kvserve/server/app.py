@@ -12,8 +12,8 @@ models, errors naming the field), so the OpenAPI schema gets the request models 
 
 from __future__ import annotations
 
-import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -44,6 +44,8 @@ def create_app(llm_engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     """The app serving ``llm_engine``; its lifespan starts the engine thread and stops it at
     shutdown. ``app.state.ctx`` is the ``ServingContext`` (tests reach the engine through it)."""
     metrics = ServerMetrics()
+    # the KV figures from start-up: a first snapshot, taken before the engine thread owns the engine
+    metrics.on_step(llm_engine.stats(), [], time.monotonic())
     engine = AsyncEngine(llm_engine, metrics)
     return build_app(ServingContext(engine, settings, metrics), engine.start, engine.stop)
 
@@ -87,13 +89,16 @@ def build_app(ctx: ServingContext, start: Callable[[], None], stop: Callable[[],
 
 def _v1_router(ctx: ServingContext) -> APIRouter:
     async def check_api_key(request: Request) -> None:
-        key = ctx.settings.api_key
-        if key is None:
+        """The caller's tenant in ``request.state.tenant`` ("": the server's own namespace)."""
+        request.state.tenant = ""
+        if not ctx.settings.requires_key:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        tenant = ctx.settings.tenant_of(token.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key")
+        request.state.tenant = tenant
 
     router = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
     name = ctx.settings.model_name

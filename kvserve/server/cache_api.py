@@ -15,7 +15,7 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvserve.cache_control import DEFAULT_PIN_TTL_S, MAX_PINS_PER_REQUEST, CacheControl, PrefixPin
+from kvserve.cache_control import DEFAULT_PIN_TTL_S, MAX_PINS_PER_REQUEST, MAX_SALT_CHARS, CacheControl, PrefixPin
 from kvserve.kv.pins import PinInfo, PinLimitError, PinNotFoundError
 from kvserve.kv.prefix import common_prefix_len
 from kvserve.sampling_params import SamplingParams
@@ -29,23 +29,24 @@ from kvserve.server.protocol import (
     bad_request,
     parse_body,
 )
-from kvserve.server.serving import ServingContext
+from kvserve.server.serving import ServingContext, tenant_salt
 from kvserve.server.tools import template_messages
 
 PIN_LIMIT_EXCEEDED = "pin_limit_exceeded"
 
 
 # -- the request fields -----------------------------------------------------------
-def completion_cache(req: CompletionRequest) -> CacheControl | None:
-    """The retention class and pin of every prompt of a completions call."""
+def completion_cache(req: CompletionRequest, tenant: str) -> CacheControl | None:
+    """The retention class, pin and cache salt of every prompt of a completions call."""
     pins: tuple[PrefixPin, ...] = ()
     if req.cache_control is not None:
         pins = (_prefix_pin(req.cache_control.num_tokens, req.cache_control.ttl, "cache_control"),)
-    return _cache_control(req.cache_priority, pins)
+    return _cache_control(req.cache_priority, pins, tenant_salt(tenant, req.cache_salt))
 
 
-async def chat_cache(ctx: ServingContext, req: ChatCompletionRequest, prompt_ids: list[int]) -> CacheControl | None:
-    """The retention class and the pins of a chat call: a breakpoint per marked message."""
+async def chat_cache(ctx: ServingContext, req: ChatCompletionRequest, prompt_ids: list[int],
+                     tenant: str) -> CacheControl | None:
+    """The retention class, the pins (a breakpoint per marked message) and the cache salt of a chat call."""
     marked = [i for i, m in enumerate(req.messages) if m.cache_control is not None]
     if len(marked) > MAX_PINS_PER_REQUEST:
         raise bad_request(f"at most {MAX_PINS_PER_REQUEST} messages may carry cache_control, got {len(marked)}",
@@ -58,13 +59,13 @@ async def chat_cache(ctx: ServingContext, req: ChatCompletionRequest, prompt_ids
         assert cache_pin is not None
         if n:
             pins.append(_prefix_pin(n, cache_pin.ttl, f"messages.{i}.cache_control"))
-    return _cache_control(req.cache_priority, tuple(pins))
+    return _cache_control(req.cache_priority, tuple(pins), tenant_salt(tenant, req.cache_salt))
 
 
-def _cache_control(priority: str | None, pins: tuple[PrefixPin, ...]) -> CacheControl | None:
-    if priority is None and not pins:
+def _cache_control(priority: str | None, pins: tuple[PrefixPin, ...], salt: str) -> CacheControl | None:
+    if priority is None and not pins and not salt:
         return None
-    return CacheControl(priority=priority or "normal", pins=pins)
+    return CacheControl(priority=priority or "normal", pins=pins, salt=salt)
 
 
 def _prefix_pin(num_tokens: int | None, ttl: float | None, param: str) -> PrefixPin:
@@ -89,6 +90,7 @@ class _PrefixBody(_Body):
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     num_tokens: int | None = Field(None, ge=1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)   # the requests' salt
 
 
 class PinBody(_PrefixBody):
@@ -109,12 +111,14 @@ def cache_router(ctx: ServingContext) -> APIRouter:
     async def pin(request: Request) -> Response:
         body = parse_body(PinBody, await ctx.read_body(request))
         ids = await _prefix_ids(ctx, body)
-        info = await _pin(ctx, ids, body)
+        salt = tenant_salt(request.state.tenant, body.cache_salt)
+        info = await _pin(ctx, ids, body, salt)
         if body.warm and info.num_device_blocks < len(info.block_keys) and info.num_tokens < ctx.max_model_len:
             # a one-token request over the pinned blocks computes (and so caches) them
-            warm = RequestSpec(ids[:info.num_tokens], SamplingParams(max_tokens=1, temperature=0.0))
+            warm = RequestSpec(ids[:info.num_tokens], SamplingParams(max_tokens=1, temperature=0.0),
+                               CacheControl(salt=salt))
             await ctx.collect(await ctx.submit([warm], "pin"), request)
-            info = await _pin(ctx, ids, body)   # the same pin again: its blocks on the device now
+            info = await _pin(ctx, ids, body, salt)   # the same pin again: its blocks on the device now
         return JSONResponse(_pin_body(info, block_size, pinned=True))
 
     @router.post("/cache/unpin")
@@ -123,18 +127,21 @@ def cache_router(ctx: ServingContext) -> APIRouter:
         if body.all:
             if body.prompt is not None or body.messages is not None or body.num_tokens is not None:
                 raise bad_request("all: true unpins every pin; give no prompt, messages or num_tokens with it", "all")
-            infos = await ctx.engine.call(lambda engine: engine.kv.unpin_all())
+            namespace = _namespace(request)     # computed here: the call may be pickled to replicas
+            infos = await ctx.engine.call(lambda engine: engine.kv.unpin_all(namespace))
             return JSONResponse({"object": "list", "data": [_pin_body(i, block_size, pinned=False) for i in infos]})
         ids = await _prefix_ids(ctx, body)
         try:
-            info = await ctx.engine.call(lambda engine: engine.unpin(ids, body.num_tokens))
+            salt = tenant_salt(request.state.tenant, body.cache_salt)
+            info = await ctx.engine.call(lambda engine: engine.unpin(ids, body.num_tokens, salt))
         except PinNotFoundError as e:
             raise APIError(404, str(e), type="not_found_error", code="pin_not_found") from None
         return JSONResponse(_pin_body(info, block_size, pinned=False))
 
     @router.get("/cache/pins")
-    async def list_pins() -> Response:
-        infos = await ctx.engine.call(lambda engine: engine.kv.list_pins())
+    async def list_pins(request: Request) -> Response:
+        namespace = _namespace(request)
+        infos = await ctx.engine.call(lambda engine: engine.kv.list_pins(namespace))
         return JSONResponse({"object": "list", "data": [_pin_body(i, block_size, pinned=True) for i in infos]})
 
     return router
@@ -152,9 +159,15 @@ async def _prefix_ids(ctx: ServingContext, body: _PrefixBody) -> list[int]:
     return (await ctx.encode(body.prompt, "prompt")).token_ids
 
 
-async def _pin(ctx: ServingContext, ids: list[int], body: PinBody) -> PinInfo:
+def _namespace(request: Request) -> str:
+    """The salt prefix of the caller's pins: its tenant's ("" without tenants: every pin)."""
+    tenant = request.state.tenant
+    return tenant_salt(tenant, None) if tenant else ""
+
+
+async def _pin(ctx: ServingContext, ids: list[int], body: PinBody, salt: str) -> PinInfo:
     try:
-        return await ctx.engine.call(lambda engine: engine.pin(ids, body.ttl, body.num_tokens))
+        return await ctx.engine.call(lambda engine: engine.pin(ids, body.ttl, body.num_tokens, salt))
     except PinLimitError as e:
         raise APIError(400, str(e), code=PIN_LIMIT_EXCEEDED) from None
     except ValueError as e:

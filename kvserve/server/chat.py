@@ -48,7 +48,7 @@ async def plan_chat(ctx: ServingContext, request: Request) -> _Plan:
     ctx.check_room(len(ids), req.max_new_tokens,
                    "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    cache = await chat_cache(ctx, req, ids)
+    cache = await chat_cache(ctx, req, ids, request.state.tenant)
     specs = [RequestSpec(ids, req.sampling_params(j, req.max_new_tokens, logprobs, structured=structured), cache,
                          blend) for j in range(req.n)]
     await ctx.check_params(specs[0].params, param)

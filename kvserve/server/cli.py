@@ -22,6 +22,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}; "
                         "unset or empty = no authentication)")
+    g.add_argument("--tenant-keys", default=None, metavar="FILE",
+                   help="a file of 'TENANT KEY' lines: each key authenticates its tenant, whose requests share "
+                        "cached KV only with each other (docs/server.md \"Tenants\")")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model's name)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20,
@@ -59,4 +62,20 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     from kvserve.server.serving import ServerSettings
 
     return ServerSettings(model_name=args.served_model_name or default_model_name(args.model),
-                          api_key=resolve_api_key(args.api_key), max_body_bytes=args.max_request_bytes)
+                          api_key=resolve_api_key(args.api_key), max_body_bytes=args.max_request_bytes,
+                          tenant_keys=read_tenant_keys(args.tenant_keys) if args.tenant_keys else {})
+
+
+def read_tenant_keys(path: str) -> dict[str, str]:
+    """Key -> tenant from a file of ``TENANT KEY`` lines (blank lines and ``#`` comments skipped);
+    ValueError naming the line that is not two fields or repeats a key."""
+    keys: dict[str, str] = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            if len(fields) != 2 or fields[1] in keys:
+                raise ValueError(f"{path}:{number}: want 'TENANT KEY' with a key used once")
+            keys[fields[1]] = fields[0]
+    return keys

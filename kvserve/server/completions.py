@@ -59,7 +59,7 @@ async def plan_completion(ctx: ServingContext, request: Request) -> _Plan:
     max_tokens = 1 if score_only else req.max_tokens
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     structured, param = req.structured()
-    cache = completion_cache(req)
+    cache = completion_cache(req, request.state.tenant)
     specs = [RequestSpec(e.token_ids, req.sampling_params(j, max_tokens, req.logprobs, prompt_logprobs, structured),
                          cache, e.blend)
              for e in encoded for j in range(req.n)]

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvserve.blend.prompt import SegmentedPrompt
+from kvserve.cache_control import MAX_SALT_CHARS
 from kvserve.request import DEFAULT_BLEND_FRACTION, check_blend_fraction
 from kvserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
@@ -100,6 +101,8 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                        # vLLM's extension, for benchmarks
     cache_priority: Literal["normal", "high"] | None = None   # kvserve's: the retention class of its blocks
+    # vLLM's: blocks are shared only between requests with the same salt (docs/server.md "Tenants")
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)      # vLLM's extension

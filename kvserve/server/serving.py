@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
@@ -33,19 +34,48 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 T = TypeVar("T")
 
 
+TENANT_SEP = "\x1f"      # between a tenant's name and a request's own cache salt
+
+
 @dataclass(frozen=True)
 class ServerSettings:
+    """``api_key``: the key of the server's own namespace; ``tenant_keys``: key -> tenant name,
+    each tenant's requests in a cache namespace of its own (docs/server.md "Tenants")."""
+
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    tenant_keys: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("the served model name must be non-empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key must be non-empty when set")
+        for key, tenant in self.tenant_keys.items():
+            if not key or not tenant or TENANT_SEP in tenant or key == self.api_key:
+                raise ValueError(f"tenant {tenant!r}: a tenant needs a non-empty name and a key of its own")
         if self.max_body_bytes < 1024:
             raise ValueError(f"the request body limit must be at least 1024 bytes, got {self.max_body_bytes}")
+
+    @property
+    def requires_key(self) -> bool:
+        return self.api_key is not None or bool(self.tenant_keys)
+
+    def tenant_of(self, key: str) -> str | None:
+        """The tenant a key authenticates ("" for ``api_key``), None for an unknown key."""
+        if self.api_key is not None and hmac.compare_digest(key.encode(), self.api_key.encode()):
+            return ""
+        found = None
+        for candidate, tenant in self.tenant_keys.items():   # compare with every key: no early exit
+            if hmac.compare_digest(key.encode(), candidate.encode()):
+                found = tenant
+        return found
+
+
+def tenant_salt(tenant: str, cache_salt: str | None) -> str:
+    """The cache salt of a tenant's request: its tenant's namespace, then its own salt."""
+    return f"{tenant}{TENANT_SEP}{cache_salt or ''}" if tenant else (cache_salt or "")
 
 
 class ClientGone(Exception):
@@ -90,7 +120,9 @@ class ServingContext:
 
     # -- input -------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
-        """The body, or 413 past the limit (checked on the header and while reading)."""
+        """The body, or 413 past the limit (checked on the header and while reading), then 415
+        unless it is declared JSON: a web page can send text/plain to a local server without
+        the browser asking first (no CORS preflight), but not application/json."""
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -102,6 +134,10 @@ class ServingContext:
             if size > limit:
                 raise _too_large(limit)
             chunks.append(chunk)
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise APIError(415, f"the request body must be JSON, sent as Content-Type: application/json "
+                                f"(got {media or 'none'})", code="unsupported_media_type")
         return b"".join(chunks)
 
     def check_model(self, name: str | None) -> None:

@@ -169,3 +169,18 @@ def test_a_write_that_fails_is_dropped_and_counted_not_raised(tmp_path):
     assert store.get([key(0), key(1)]) == [None, payload(1)]
     store.check_integrity()
     store.close()
+
+
+def test_only_its_owner_can_list_the_directories_and_stray_temps_are_swept(tmp_path):
+    root = tmp_path / "tier"
+    root.mkdir(mode=0o755)
+    (root / "stray.0123.tmp").write_bytes(b"half a block")        # a temp left at the root
+    store = open_store(root)
+    store.put([(key(1), payload(1))])
+    folder = root / key(1).hex()[:2]
+    assert store.transport.num_temp_files_removed == 1 and not (root / "stray.0123.tmp").exists()
+    assert root.stat().st_mode & 0o777 == 0o700 and folder.stat().st_mode & 0o777 == 0o700
+    store.close()
+    os.chmod(folder, 0o755)                                        # made by an older version
+    open_store(root).close()
+    assert folder.stat().st_mode & 0o777 == 0o700

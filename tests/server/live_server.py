@@ -54,11 +54,12 @@ class Server:
 
 @contextmanager
 def running_server(loaded: LoadedModel, api_key: str | None = None, clock: Callable[[], float] | None = None,
-                   **options: Any) -> Iterator[Server]:
-    """``clock``: the engine's, for pin retention times (default: monotonic)."""
+                   tenant_keys: dict[str, str] | None = None, **options: Any) -> Iterator[Server]:
+    """``clock``: the engine's, for pin retention times (default: monotonic); ``tenant_keys``:
+    key -> tenant (ServerSettings)."""
     config = engine_config(None, **{**ENGINE_OPTIONS, **options})
     engine = LLMEngine(config, loaded) if clock is None else LLMEngine(config, loaded, clock=clock)
-    app = create_app(engine, ServerSettings(model_name=MODEL, api_key=api_key))
+    app = create_app(engine, ServerSettings(model_name=MODEL, api_key=api_key, tenant_keys=tenant_keys or {}))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))   # a free port, chosen now, never exposed beyond loopback
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
