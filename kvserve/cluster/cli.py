@@ -6,16 +6,21 @@ Only ``run_cluster`` imports Ray: ``kvserve serve`` without ``--replicas`` never
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.options import engine_options
 from kvserve.server.cli import run_serve as serve_one
 from kvserve.server.cli import server_settings
 from kvserve.server.serving import ServerSettings
+
+if TYPE_CHECKING:
+    from kvserve.cluster.app import ClusterConfig
 
 ROUTINGS = ("kv", "pow2")
 
@@ -64,6 +69,25 @@ def cluster_flags(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**CLUSTER_DEFAULTS, **given})
 
 
+def fit_cluster(cluster: ClusterConfig, available_cpus: float, cpus_given: bool) -> ClusterConfig:
+    """``cluster`` placed on ``available_cpus`` Ray CPUs: replicas whose CPUs the user did not
+    give share what the ingress leaves (at most 1 each); ValueError with the numbers, and the
+    flag to change, when the replicas and the ingress cannot all be placed (Ray would wait
+    for them forever)."""
+    ingress = cluster.ingress_replicas * cluster.ingress_cpus
+    fit = math.floor((available_cpus - ingress) / cluster.num_replicas * 100) / 100
+    if not cpus_given and fit > 0:
+        return dataclasses.replace(cluster, replica_cpus=min(1.0, fit))
+    needed = cluster.num_replicas * cluster.replica_cpus + ingress
+    if needed > available_cpus + 1e-9:
+        hint = f"--replica-cpus {fit:g}" if fit > 0 else "fewer --replicas"
+        raise ValueError(
+            f"{cluster.num_replicas} replicas x {cluster.replica_cpus:g} CPUs + {cluster.ingress_replicas} ingress x "
+            f"{cluster.ingress_cpus:g} CPUs = {needed:g} CPUs, but the Ray cluster has {available_cpus:g}: it would wait "
+            f"for them forever; give {hint} (or a larger --ray-num-cpus / cluster)")
+    return cluster
+
+
 def run_serve(args: argparse.Namespace) -> int:
     flags = cluster_flags(args)
     if args.replicas is None:
@@ -81,23 +105,36 @@ def run_cluster(args: argparse.Namespace, flags: argparse.Namespace, settings: S
                             replica_gpus=flags.replica_gpus, ingress_replicas=flags.ingress_replicas,
                             routing=flags.routing, max_imbalance=flags.max_load_imbalance,
                             stats_period_s=flags.routing_stats_period_s, max_ongoing_requests=flags.max_ongoing_requests)
+    cpus_given = args.replica_cpus is not None
     options = engine_options(args)
     if options.get("disk_cache_dir") and cluster.num_replicas > 1:
         # a disk tier directory belongs to one engine (it holds a lock); replicas would share it
         raise ValueError("--disk-cache cannot be given to several replicas (one engine per directory); "
                          "share blocks through --redis-url and --write-through instead")
-    app = build_application(args.model, options, settings, cluster)
     started_ray = flags.ray_address is None
+    if started_ray:      # a local cluster's CPUs are known before it starts: refuse without starting it
+        cluster = fit_cluster(cluster, flags.ray_num_cpus or os.cpu_count() or 1, cpus_given)
+    # SIGTERM unwinds like Ctrl-C from the first Ray call on: the finally below stops Serve and a
+    # Ray this process started, even while a deployment is still coming up
+    signal.signal(signal.SIGTERM, _interrupt)
     if started_ray:
         ray.init(**local_ray_options(flags.ray_num_cpus, flags.ray_object_store_mb))
     else:
         ray.init(address=flags.ray_address)
+        try:
+            cluster = fit_cluster(cluster, ray.cluster_resources().get("CPU", 0.0), cpus_given)
+        except ValueError:
+            ray.shutdown()
+            raise
+    app = build_application(args.model, options, settings, cluster)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         print(f"kvserve: {cluster.num_replicas} engine replicas ({cluster.routing} routing) serving on "
               f"http://{args.host}:{args.port}", flush=True)
         wait_for_signal()
+    except KeyboardInterrupt:
+        print("kvserve: stopping the cluster", flush=True)
     finally:
         serve.delete(APP_NAME)
         if started_ray:
@@ -117,8 +154,10 @@ def local_ray_options(num_cpus: float | None, object_store_mb: int) -> dict[str,
             "_node_ip_address": "127.0.0.1", "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def wait_for_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    """Until SIGINT or SIGTERM (both raise KeyboardInterrupt here, see ``run_cluster``)."""
+    threading.Event().wait()

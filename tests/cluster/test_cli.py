@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 import sys
 
 import pytest
@@ -38,3 +39,23 @@ def test_cluster_flags_take_their_defaults():
     from kvserve.cluster.cli import CLUSTER_DEFAULTS, cluster_flags
     flags = cluster_flags(build_parser().parse_args(["serve", "--replicas", "2", "--routing", "pow2"]))
     assert vars(flags) == {**CLUSTER_DEFAULTS, "routing": "pow2"}
+
+
+def test_an_impossible_placement_is_refused_at_once_with_the_numbers(capsys):
+    pytest.importorskip("ray")
+    start = time.monotonic()
+    assert main(["serve", "--replicas", "2", "--replica-cpus", "1", "--ray-num-cpus", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "2 replicas x 1 CPUs + 1 ingress x 0.25 CPUs = 2.25 CPUs, but the Ray cluster has 2" in err
+    assert "--replica-cpus 0.87" in err and time.monotonic() - start < 30
+
+
+def test_replicas_without_a_size_share_the_node():
+    pytest.importorskip("ray")
+    from kvserve.cluster.app import ClusterConfig
+    from kvserve.cluster.cli import fit_cluster
+    assert fit_cluster(ClusterConfig(num_replicas=2), 2, cpus_given=False).replica_cpus == 0.87
+    assert fit_cluster(ClusterConfig(num_replicas=2), 16, cpus_given=False).replica_cpus == 1.0
+    assert fit_cluster(ClusterConfig(num_replicas=2, replica_cpus=0.5), 2, cpus_given=True).replica_cpus == 0.5
+    with pytest.raises(ValueError, match="give fewer --replicas"):
+        fit_cluster(ClusterConfig(num_replicas=4), 0.25, cpus_given=False)
