@@ -29,11 +29,11 @@ from starlette.responses import JSONResponse, Response
 
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.async_engine import AsyncEngine, EngineError, RequestFailed
-from kvserve.server.cache_api import cache_router
+from kvserve.server.cache_api import PinBody, UnpinBody, cache_router
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, json_body
 from kvserve.server.serving import ClientGone, ServerSettings, ServingContext, now_s
 
 log = logging.getLogger("kvserve.server")
@@ -116,11 +116,11 @@ def _v1_router(ctx: ServingContext) -> APIRouter:
         ctx.check_model(model)
         return JSONResponse(model_card())
 
-    @router.post("/completions", openapi_extra=_json_body(CompletionRequest))
+    @router.post("/completions", openapi_extra=json_body(CompletionRequest.__name__))
     async def completions(request: Request) -> Response:
         return await create_completion(ctx, request)
 
-    @router.post("/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
+    @router.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest.__name__))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
 
@@ -133,13 +133,8 @@ def _v1_router(ctx: ServingContext) -> APIRouter:
     return router
 
 
-_BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest)
+_BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, PinBody, UnpinBody)
 _REF = "#/components/schemas/{model}"
-
-
-def _json_body(model: type[BaseModel]) -> dict[str, Any]:
-    schema = {"$ref": _REF.format(model=model.__name__)}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from kvserve.server.protocol import (
     CompletionRequest,
     _Body,
     bad_request,
+    json_body,
     parse_body,
 )
 from kvserve.server.serving import ServingContext, tenant_salt
@@ -107,7 +108,7 @@ def cache_router(ctx: ServingContext) -> APIRouter:
     router = APIRouter()
     block_size = ctx.block_size
 
-    @router.post("/cache/pin")
+    @router.post("/cache/pin", openapi_extra=json_body(PinBody.__name__))
     async def pin(request: Request) -> Response:
         body = parse_body(PinBody, await ctx.read_body(request))
         ids = await _prefix_ids(ctx, body)
@@ -121,7 +122,7 @@ def cache_router(ctx: ServingContext) -> APIRouter:
             info = await _pin(ctx, ids, body, salt)   # the same pin again: its blocks on the device now
         return JSONResponse(_pin_body(info, block_size, pinned=True))
 
-    @router.post("/cache/unpin")
+    @router.post("/cache/unpin", openapi_extra=json_body(UnpinBody.__name__))
     async def unpin(request: Request) -> Response:
         body = parse_body(UnpinBody, await ctx.read_body(request))
         if body.all:

@@ -356,3 +356,27 @@ def _api_error(e: ValidationError) -> APIError:
 
 def _is_union_member(part: str) -> bool:
     return "[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper()
+
+
+# -- the OpenAPI schema's answers -------------------------------------------------------------
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+ERROR_ANSWERS = {
+    "400": "invalid request: the message and param name the problem",
+    "401": "missing or invalid API key",
+    "404": "unknown model, route or pin",
+    "413": "body over the server's limit",
+    "415": "body not declared application/json",
+}
+
+
+def json_body(model_name: str) -> dict[str, Any]:
+    """A route's ``openapi_extra``: its JSON body (a model in the schema's components) and the
+    error answers it can give, each an ``{"error": {...}}`` object."""
+    error = {"content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    return {"requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model_name}"}}}},
+            "responses": {status: {"description": text, **error} for status, text in ERROR_ANSWERS.items()}}

@@ -1,5 +1,5 @@
-"""A bounded, reproducible schemathesis run over the generation endpoints: no 5xx, and the
-server healthy after.
+"""A bounded, reproducible schemathesis run over every route that takes a body: no 5xx, every
+answer's status one the schema lists and its body the schema's, and the server healthy after.
 
 Bounds: a fixed number of examples per operation, Hypothesis derandomized (the same cases
 every run), a 48-token context so that any accepted request finishes in a few steps, and a
@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from live_server import running_server
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
 
 # per operation and mode; KVSERVE_FUZZ_EXAMPLES=500 runs a deeper (slower) search
 MAX_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "25"))
@@ -40,7 +41,7 @@ def api_schema(fuzzed_server):
 # schemathesis' own pytest plugin does not run under pytest 9 (it reads a private node
 # attribute), so each operation's strategy is driven with Hypothesis directly
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/cache/pin", "/v1/cache/unpin"])
 def test_no_server_errors(api_schema, path, mode):
     operations = [result.ok() for result in api_schema.include(path=path, method="POST").get_all_operations()]
     assert len(operations) == 1
@@ -49,7 +50,8 @@ def test_no_server_errors(api_schema, path, mode):
     @settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None, database=None,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
     def run(case):
-        case.call_and_validate(checks=[not_a_server_error], timeout=30)
+        case.call_and_validate(checks=[not_a_server_error, status_code_conformance, response_schema_conformance],
+                               timeout=30)
 
     run()
 
