@@ -90,10 +90,11 @@ class LLM:
             [SegmentedPrompt.from_text(t, segments, blend_fraction) for t in texts]
         return self.generate(prompts, params, cache=cache)
 
-    def cache_segments(self, segments: Sequence[str | Sequence[int]]) -> int:
+    def cache_segments(self, segments: Sequence[str | Sequence[int]], salt: str = "") -> int:
         """Store segments' standalone KV ahead of the prompts that reuse them (text or token
-        ids, each a segment as ``Segment`` would mark it); returns the tokens newly stored."""
-        return self.engine.cache_segments(segments)
+        ids, each a segment as ``Segment`` would mark it) for the requests of cache salt ``salt``;
+        returns the tokens newly stored."""
+        return self.engine.cache_segments(segments, salt)
 
     # -- pins --------------------------------------------------------------
     def pin(self, prompt: Prompt | list[Message], ttl_s: float | None = None, num_tokens: int | None = None,

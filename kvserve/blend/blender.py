@@ -101,14 +101,14 @@ class Blender:
         self.select_layer = select_layer
         self.stats = BlendStats()
 
-    def store(self, token_ids: list[int]) -> int:
+    def store(self, token_ids: list[int], salt: str = "") -> int:
         """Compute a segment standalone and store its full blocks unless the device or the
         tiers hold it already; returns the tokens stored (0 when stored, or shorter than a
         block). NoFreeBlocksError when the pool cannot hold it."""
-        location = self.segments.locate(token_ids)
+        location = self.segments.locate(token_ids, salt)
         if location.num_full_blocks == 0 or location.num_blocks:
             return 0
-        return self._put(compute_kv(self.model, token_ids))
+        return self._put(compute_kv(self.model, token_ids), salt)
 
     def choose(self, req: Request, num_known: int) -> BlendPlan | None:
         """How to blend ``req`` (its first ``num_known`` tokens an exact prefix hit), or None
@@ -122,10 +122,10 @@ class Blender:
             segment = None
             if start + length > num_known:
                 ids = req.prompt_token_ids[start:start + length]
-                location = self.segments.locate(ids)
+                location = self.segments.locate(ids, req.cache_salt)
                 if location.num_blocks == 0 and location.num_full_blocks:
                     segment = compute_kv(self.model, ids)
-                    self._put(segment)
+                    self._put(segment, req.cache_salt)
                     usable = length
                 else:
                     load_s += self.tiering.load_seconds(location.tier_run)
@@ -148,7 +148,7 @@ class Blender:
         exact hit (in its blocks already) into ``block_ids`` (its table)."""
         spec, num_known = _spec(req), plan.num_known
         cached = [fresh if fresh is not None or start + length <= num_known
-                  else self.segments.get(req.prompt_token_ids[start:start + length], 0, self.rope)
+                  else self.segments.get(req.prompt_token_ids[start:start + length], 0, self.rope, req.cache_salt)
                   for (start, length), fresh in zip(spec.spans, plan.fresh)]
         known = read_tokens(self.storage, block_ids, req.prompt_token_ids[:num_known]) if num_known else None
         prompt = BlendPrompt(tuple(req.prompt_token_ids), spec.spans)
@@ -164,10 +164,10 @@ class Blender:
                             blended.num_recomputed_tokens, blended.num_computed_tokens)
 
     # -- inside ----------------------------------------------------------------
-    def _put(self, segment: SegmentKV) -> int:
+    def _put(self, segment: SegmentKV, salt: str) -> int:
         """Store a standalone segment; the tokens stored (0 when the pool has no room)."""
         try:
-            stored = self.segments.put(segment) * self.segments.block_size
+            stored = self.segments.put(segment, salt) * self.segments.block_size
         except NoFreeBlocksError:
             log.debug("segment of %d tokens not stored: no free block", segment.num_tokens)
             return 0

@@ -86,9 +86,6 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.kv.check_fits(params, len(ids), max_tokens)
-        if cache.salt and encoded.blend is not None:
-            raise ValueError("cache_salt does not apply to segmented prompts yet (segments are stored under the "
-                             "engine's own keys); send the prompt without segments, or without a salt")
         self.kv.pin_prefixes(ids, cache.pins, skip_short=True, salt=cache.salt)
         req = Request(rid, ids, params, arrival_seq=seq, priority=priority, max_tokens=max_tokens,
                       retention_class=cache.retention_class, cache_salt=cache.salt, blend=encoded.blend)
@@ -101,12 +98,12 @@ class LLMEngine:
             self.scheduler.add(req)
         return rid
 
-    def cache_segments(self, segments: Sequence[str | Sequence[int]]) -> int:
+    def cache_segments(self, segments: Sequence[str | Sequence[int]], salt: str = "") -> int:
         """Compute each segment standalone and store it (device pool, then tiers as blocks are
-        evicted) unless it is stored already; returns the tokens newly stored. Only whole
-        blocks are stored. Runs between steps (call it from the engine's thread)."""
+        evicted) under cache salt ``salt`` unless it is stored already; returns the tokens newly
+        stored. Only whole blocks are stored. Runs between steps (from the engine's thread)."""
         encoded = [self.encode_prompt(segment) for segment in segments]
-        return sum(self.blending.blender.store(ids) for ids in encoded)
+        return sum(self.blending.blender.store(ids, salt) for ids in encoded)
 
     def abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)

@@ -40,13 +40,22 @@ def test_pins_are_per_salt():
     assert llm.engine.unpin(prompt, 32, salt="a").salt == "a"
 
 
-def test_a_salt_with_segments_is_refused():
-    llm = LLM(loaded=tiny_model(), num_kv_blocks=64)
-    with pytest.raises(ValueError, match="cache_salt does not apply to segmented prompts"):
-        llm.generate([SegmentedPrompt([Segment(random_tokens(20, 3)), [5, 6]])], GREEDY,
-                     cache=CacheControl(salt="a"))
+def test_segments_are_stored_per_salt():
+    llm = LLM(loaded=tiny_model(), num_kv_blocks=64, blend_cost_model=False)
+    doc = random_tokens(40, 3)
+    assert llm.cache_segments([doc], salt="a") == 32
+    assert llm.cache_segments([doc], salt="a") == 0                # stored already, in salt a
+    prompt = SegmentedPrompt([[5, 6], Segment(doc), [7, 8]])
+    same = llm.generate([prompt], GREEDY, cache=CacheControl(salt="a"))[0]
+    other = llm.generate([prompt], GREEDY, cache=CacheControl(salt="b"))[0]
+    stats = llm.engine.stats().blend
+    # salt a reused its 2 stored blocks; salt b found nothing of a's: it computed the segment
+    # (used whole, 40 tokens) and stored its blocks itself
+    assert (same.num_reused_tokens, other.num_reused_tokens, stats.stored_tokens) == (32, 40, 64)
+    assert llm.cache_segments([doc], salt="b") == 0 and llm.cache_segments([doc]) == 32
     with pytest.raises(ValueError, match="cache_salt must be a string of at most 256"):
         CacheControl(salt="x" * 257)
+    llm.engine.check_integrity()
 
 
 def test_engines_with_other_secrets_share_no_keys_and_the_same_secret_file_does(tmp_path):
