@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +104,10 @@ def run(llm: LLM, batch_sizes: list[int], max_tokens: int,
     clock = _Clock()
     real_matcher, real_sample = engine.grammars.matcher, engine.sampler.sample
 
-    def timed_sample(logits: torch.Tensor, requests: list[Request]) -> Sampled:
+    def timed_sample(logits: torch.Tensor, requests: list[Request], undrawn: Collection[int] = ()) -> Sampled:
         start = time.perf_counter()
         try:
-            return real_sample(logits, requests)
+            return real_sample(logits, requests, undrawn)
         finally:
             clock.add("sample", time.perf_counter() - start)
 

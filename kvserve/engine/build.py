@@ -39,6 +39,7 @@ from kvserve.kv.pins import Clock, Pins
 from kvserve.kv.prefix import load_or_create_secret, make_extra_key
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
+from kvserve.kv.storage.quantized import QuantizedKVCache
 from kvserve.kv.tiering import make_tiering
 from kvserve.model.formats.build import make_products
 from kvserve.model.formats.spec import parse_weight_format
@@ -166,7 +167,7 @@ def _make_speculator(config: EngineConfig, kv_format: KVFormat, budgets: Budgets
     spec = config.speculative
     if spec is None:
         return None
-    if any(c.encodes_whole_blocks for lf in kv_format.layers for c in (lf.key, lf.value)):
+    if QuantizedKVCache.keeps_residual(kv_format):
         raise ValueError(f"speculative decoding does not run yet with KV formats that encode whole blocks "
                          f"(--kv-format {kv_format.spec}: a block would be encoded before its drafted tokens "
                          f"are checked); use a format whose halves encode token by token (e.g. native, int8)")

@@ -183,9 +183,14 @@ class LLMEngine:
         target's own token (kvserve/spec/speculator.py). A failure that belongs to one request
         (a row that gives no token, a grammar that rejects the token) fails that request only."""
         drafts = drafts if drafts is not None else [()] * len(requests)
-        rows = [r for r, draft in zip(requests, drafts) for _ in range(len(draft) + 1)]
+        rows: list[Request] = []
+        undrawn: set[int] = set()     # a sampled request's drafted rows: speculative sampling draws them
+        for req, draft in zip(requests, drafts):
+            if draft and not req.params.is_greedy:
+                undrawn.update(range(len(rows), len(rows) + len(draft) + 1))
+            rows += [req] * (len(draft) + 1)
         try:
-            token_ids, errors = self.sampler.sample(logits, rows)
+            token_ids, errors = self.sampler.sample(logits, rows, undrawn)
         except Exception as e:
             log.exception("sampling failed; failing its %d requests", len(requests))
             return [self._fail(r, f"sampling failed: {type(e).__name__}: {e}") for r in requests]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -110,8 +110,8 @@ class ForcedSampler(Sampler):
         self.targets = targets
         self.target_logprobs: dict[str, list[float]] = {rid: [] for rid in targets}
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
-        out = super().sample(logits, requests)
+    def sample(self, logits: torch.Tensor, requests: list[Request], undrawn: Collection[int] = ()) -> Sampled:
+        out = super().sample(logits, requests, undrawn)
         for row, req in enumerate(requests):
             forced = self.targets.get(req.request_id)
             if forced is not None:

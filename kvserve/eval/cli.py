@@ -80,6 +80,17 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_quality_args(e: argparse.ArgumentParser, chunk_help: str) -> None:
+    """The perplexity and greedy-agreement flags ``eval`` and ``eval-weights`` share."""
+    e.add_argument("--text", default=None, help="perplexity text (default: the shipped botchan.txt)")
+    e.add_argument("--ppl-tokens", type=int, default=2048, help="score the first N tokens of the text")
+    e.add_argument("--window", type=int, default=1024)
+    e.add_argument("--stride", type=int, default=512)
+    e.add_argument("--chunk", type=int, default=64, help=chunk_help)
+    e.add_argument("--num-prompts", type=int, default=8, help="chat prompts for greedy agreement")
+    e.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens per chat prompt")
+
+
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval", help="KV format quality: perplexity, greedy agreement, passkey retrieval")
     e.add_argument("--model", default=None)
@@ -90,13 +101,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--hf-dense-passkey", action="store_true",
                    help="also run passkey on transformers' uncompressed cache (same weights as native)")
     e.add_argument("--tasks", default="ppl,agree,passkey", help="comma-separated subset of ppl,agree,passkey")
-    e.add_argument("--text", default=None, help="perplexity text (default: the shipped botchan.txt)")
-    e.add_argument("--ppl-tokens", type=int, default=2048, help="score the first N tokens of the text")
-    e.add_argument("--window", type=int, default=1024)
-    e.add_argument("--stride", type=int, default=512)
-    e.add_argument("--chunk", type=int, default=64, help="prompt tokens per forward (both engines)")
-    e.add_argument("--num-prompts", type=int, default=8, help="chat prompts for greedy agreement")
-    e.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens per chat prompt")
+    add_quality_args(e, "prompt tokens per forward (both engines)")
     e.add_argument("--passkey-lengths", default="1024,2048,4096", help="filler tokens")
     e.add_argument("--passkey-depths", default="0,0.25,0.5,0.75,1")
     e.add_argument("--passkey-trials", type=int, default=1, help="keys per length and depth")
@@ -196,13 +201,7 @@ def add_eval_weights_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--format", action="append", default=None,
                    help=f"a weight format to evaluate (repeatable; native always runs, as the reference; default: "
                         f"{' | '.join(DEFAULT_WEIGHT_FORMATS)})")
-    e.add_argument("--text", default=None, help="perplexity text (default: the shipped botchan.txt)")
-    e.add_argument("--ppl-tokens", type=int, default=2048, help="score the first N tokens of the text")
-    e.add_argument("--window", type=int, default=1024)
-    e.add_argument("--stride", type=int, default=512)
-    e.add_argument("--chunk", type=int, default=64, help="prompt tokens per forward")
-    e.add_argument("--num-prompts", type=int, default=8, help="chat prompts for greedy agreement")
-    e.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens per chat prompt")
+    add_quality_args(e, "prompt tokens per forward")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     e.add_argument("--json", default=None, help="also write the results to this JSON file")
     e.set_defaults(run=run_eval_weights)

@@ -40,9 +40,11 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
         self._eos_token_ids = tuple(eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
+    def sample(self, logits: torch.Tensor, requests: list[Request], undrawn: Collection[int] = ()) -> Sampled:
         """One token per row of ``logits`` ([n, vocab], float32, on CPU), after each request's
-        penalties, bias and grammar (kvserve/sampling/processors.py)."""
+        penalties, bias and grammar (kvserve/sampling/processors.py). ``undrawn``: rows checked
+        but not drawn from (speculative sampling draws them, ``verify_draft``): their token is
+        the argmax."""
         logits, errors = process_logits(logits, requests, self._eos_token_ids)
         # one pass over the vocabulary finds every odd row: a row's max is NaN when it holds
         # a NaN, +inf when it holds +inf, -inf when every token is masked
@@ -63,7 +65,7 @@ class Sampler:
         for row, req in enumerate(requests):
             if row in errors:
                 token_ids[row] = None
-            elif not req.params.is_greedy:
+            elif not req.params.is_greedy and row not in undrawn:
                 try:
                     token_ids[row] = self._sample_row(logits[row], req)
                 except RuntimeError as e:   # torch's complaint about this row's distribution
@@ -86,8 +88,11 @@ class Sampler:
         return self._draw(self.probs(logits, req), req)
 
     def _draw(self, probs: torch.Tensor, req: Request) -> int:
-        gen = req.generator if req.generator is not None else self._generator
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+        return int(torch.multinomial(probs, 1, generator=self._generator_of(req)).item())
+
+    def _generator_of(self, req: Request) -> torch.Generator:
+        """The request's own (seeded) generator, else the engine's."""
+        return req.generator if req.generator is not None else self._generator
 
     def verify_draft(self, logits: torch.Tensor, req: Request, draft: Sequence[int]) -> list[int]:
         """Speculative sampling of a sampled request's rows (``logits`` [k + 1, vocab] for
@@ -97,7 +102,7 @@ class Sampler:
         renormalized); after k kept ones, from p_k. The tokens this gives are distributed
         exactly as drawing from the target one token at a time. Returns the kept drafts and
         the drawn token."""
-        gen = req.generator if req.generator is not None else self._generator
+        gen = self._generator_of(req)
         kept: list[int] = []
         for i, token in enumerate(draft):
             probs = self.probs(logits[i], req)

@@ -162,8 +162,7 @@ async def _prefix_ids(ctx: ServingContext, body: _PrefixBody) -> list[int]:
 
 def _namespace(request: Request) -> str:
     """The salt prefix of the caller's pins: its tenant's ("" without tenants: every pin)."""
-    tenant = request.state.tenant
-    return tenant_salt(tenant, None) if tenant else ""
+    return tenant_salt(request.state.tenant, None)
 
 
 async def _pin(ctx: ServingContext, ids: list[int], body: PinBody, salt: str) -> PinInfo:

@@ -47,15 +47,16 @@ class NgramProposer(Proposer):
         if len(ids) < len(tokens):          # the sequence was never shortened; a reused id starts over
             del tokens[:]
         tokens.extend(ids[len(tokens):])
-        n_tokens = len(tokens)
+        n_tokens, size = len(tokens), tokens.itemsize
+        packed = tokens.tobytes()
         # an occurrence must end before the last token, so that at least one token follows it;
         # one that ends num_tokens before gives a whole draft
-        whole, some = tokens[:max(0, n_tokens - num_tokens)].tobytes(), tokens[:n_tokens - 1].tobytes()
+        whole_end, some_end = max(0, n_tokens - num_tokens) * size, (n_tokens - 1) * size
         for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
-            suffix = tokens[n_tokens - n:].tobytes()
-            at = _rfind_aligned(whole, suffix, tokens.itemsize)
+            suffix = packed[(n_tokens - n) * size:]
+            at = _rfind_aligned(packed, suffix, size, whole_end)
             if at is None:
-                at = _rfind_aligned(some, suffix, tokens.itemsize)
+                at = _rfind_aligned(packed, suffix, size, some_end)
             if at is not None:
                 start = at + n
                 return tokens[start:start + num_tokens].tolist()
@@ -65,9 +66,8 @@ class NgramProposer(Proposer):
         self._tokens.pop(request_id, None)
 
 
-def _rfind_aligned(haystack: bytes, needle: bytes, itemsize: int) -> int | None:
-    """The last token index where ``needle`` occurs in ``haystack`` (both packed ids), or None."""
-    end = len(haystack)
+def _rfind_aligned(haystack: bytes, needle: bytes, itemsize: int, end: int) -> int | None:
+    """The last token index where ``needle`` occurs in ``haystack[:end]`` (both packed ids), or None."""
     while True:
         at = haystack.rfind(needle, 0, end)
         if at < 0:

@@ -129,7 +129,7 @@ def test_end_to_end_on_the_tiny_model():
 
 
 def test_find_text_reads_the_shipped_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.chdir(tmp_path)          # no ../shared/data from here
+    monkeypatch.chdir(tmp_path)          # no data folder beside the working directory
     text = find_text()
     assert text == resources.files("kvserve").joinpath("data/botchan.txt").read_text(encoding="utf-8")
     assert "BOTCHAN" in text[:200]

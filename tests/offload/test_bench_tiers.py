@@ -17,7 +17,7 @@ PLACES = ["river", "hill", "barn", "field", "wood", "lake", "road", "town", "sho
 
 
 def story() -> str:
-    """Distinct sentences of 12 words (no reliance on ../shared/data): 9 passages and a spare."""
+    """Distinct sentences of 12 words (no outside text file): 9 passages and a spare."""
     return " ".join(f"The {a} walked to the {p} and saw {n} small stones there."
                     for n, (a, p) in enumerate(zip(ANIMALS, PLACES), start=2))
 
