@@ -280,15 +280,22 @@ class RedisConfig:
 
 TierConfig = HostConfig | DiskConfig | RedisConfig
 TIER_CONFIGS: tuple[type[TierConfig], ...] = (HostConfig, DiskConfig, RedisConfig)   # lookup order
-SPEC_METHODS = ("ngram",)    # kvserve/spec/proposers.py
+SPEC_METHODS = ("ngram", "self", "draft")    # kvserve/spec/proposers.py, kvserve/spec/drafters.py
+_NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
+_MODEL_KEYS = ("quantization", "skip_layers")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (docs/spec.md): a proposer drafts up to ``num_speculative_tokens``
     tokens after a running request's last one and the model checks them in the next step.
+
     ``ngram`` (prompt lookup) proposes what followed the most recent earlier occurrence of the
     last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens of the prompt and output.
+    ``self``: the served model drafts, over its own KV cache, with the layers in
+    ``skip_layers`` left out and its weights in the format ``quantization`` names (default:
+    the served weights themselves, shared). ``draft``: the model at ``model`` (same vocabulary)
+    drafts, over a paged cache of its own; ``quantization`` and ``skip_layers`` apply to it.
     Given as vLLM's ``--speculative-config`` JSON: ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}``."""
 
@@ -296,35 +303,58 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    model: str | None = None                     # draft: the drafting model (a path or name, as --model)
+    quantization: str | None = None              # self / draft: the drafting weights' format (--weight-format)
+    skip_layers: tuple[int, ...] | None = None   # self / draft: layers the draft leaves out (None: the default)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative config: {name} must be an integer >= 1, got {value!r}")
+        for name in ("num_speculative_tokens", *_NGRAM_KEYS):
+            _check_count(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative config: model must be a path or name, got {self.model!r}")
+        if self.method != "draft" and self.model is not None:
+            raise ValueError(f'speculative config: "model" is the draft method\'s; method {self.method!r} '
+                             f'{"drafts with the served model" if self.method == "self" else "needs no model"}')
+        if self.quantization is not None and (not isinstance(self.quantization, str) or not self.quantization):
+            raise ValueError(f"speculative config: quantization must be a weight format name, got {self.quantization!r}")
+        if self.skip_layers is not None:
+            layers = self.skip_layers
+            if not isinstance(layers, (list, tuple)) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers) \
+                    or len(set(layers)) != len(layers):
+                raise ValueError(f"speculative config: skip_layers must be distinct layer indices >= 0, got {layers!r}")
+            object.__setattr__(self, "skip_layers", tuple(sorted(layers)))
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """The config a ``--speculative-config`` JSON object gives; ValueError naming what is wrong
-        (bad JSON, an unknown key, a missing method, a bad value)."""
+        (bad JSON, an unknown key, a missing method, a bad value, a key the method does not use)."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"speculative config is not JSON: {e}") from None
         if not isinstance(data, dict):   # a user's text, not a programming error: ValueError as the rest
-            raise ValueError(f"speculative config must be a JSON object, got {text!r:.80}")  # noqa: TRY004  # noqa: TRY004 - user input
+            raise ValueError(f"speculative config must be a JSON object, got {text!r:.80}")  # noqa: TRY004
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if "method" not in data:
             raise ValueError(f"speculative config needs a method ({', '.join(SPEC_METHODS)})")
+        unused = [k for k in (_MODEL_KEYS if data["method"] == "ngram" else _NGRAM_KEYS) if k in data]
+        if unused:
+            raise ValueError(f"speculative config: method {data['method']!r} does not use {', '.join(unused)}")
         return cls(**data)
+
+
+def _check_count(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"speculative config: {name} must be an integer >= 1, got {value!r}")
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -364,7 +394,8 @@ class EngineConfig:
         flag="--write-through", group="offload"))
     speculative_config: str | None = field(default=None, metadata=opt(
         "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1} (docs/spec.md); a dict as a keyword",
+        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}; methods ngram, self, draft (docs/spec.md); "
+        "a dict as a keyword",
         default_text="off", metavar="JSON"))
 
     def __post_init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Self
 
@@ -30,10 +31,12 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None,
-                 tiers: Sequence[Transport] | None = None, clock: Clock | None = None, **options: Any) -> None:
-        """``clock``: seconds for pin retention times (tests step a fake one; default monotonic)."""
+                 tiers: Sequence[Transport] | None = None, clock: Clock | None = None,
+                 draft: LoadedModel | None = None, **options: Any) -> None:
+        """``clock``: seconds for pin retention times (tests step a fake one; default monotonic).
+        ``draft``: the speculative ``draft`` method's model, loaded (LLMEngine's docstring)."""
         config = engine_config(model, **options)
-        self.engine = LLMEngine(config, loaded, tiers) if clock is None else LLMEngine(config, loaded, tiers, clock)
+        self.engine = LLMEngine(config, loaded, tiers, clock if clock is not None else time.monotonic, draft)
 
     @property
     def tokenizer(self):

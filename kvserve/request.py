@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -44,6 +45,13 @@ class TokenConstraint(Protocol):
     @property
     def is_finished(self) -> bool:
         """The grammar is complete and allows nothing more: the output ends here."""
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, from the first, the grammar accepts from here (drafts)."""
+
+    def masks_after(self, tokens: Sequence[int], words: int) -> list[torch.Tensor]:
+        """The bitmasks after ``tokens[:1]``, ``tokens[:2]``, ... as far as the grammar accepts them
+        and goes on; the state is left as it was (drafted rows, kvserve/sampling/rows.py)."""
 
 
 DEFAULT_BLEND_FRACTION = 0.15     # CacheBlend's recompute ratio

@@ -116,10 +116,14 @@ def run_spec(args: argparse.Namespace) -> int:
     options = engine_options(args)
     plain = LLM(loaded=loaded, **options)
     spec = LLM(loaded=loaded, speculative_config=args.spec_config, **options)
+    if args.always_draft:
+        assert spec.engine.speculator is not None
+        spec.engine.speculator.always_draft()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     rows = run(plain, spec, find_text(args.text), sizes, args.max_tokens, args.repeats)
     print(f"speculative decoding {args.spec_config} vs plain, {loaded.source}, device {plain.engine.device}, "
-          f"weights {plain.engine.weight_format}, greedy, max_tokens {args.max_tokens}, median of {args.repeats}")
+          f"weights {plain.engine.weight_format}, greedy, max_tokens {args.max_tokens}, median of {args.repeats}"
+          f"{', always drafting (cost model off)' if args.always_draft else ''}")
     print(render(rows))
     write_plot(args.plot, lambda path: plots.plot_spec(rows, path))
     if args.json:
@@ -135,6 +139,9 @@ def add_spec_parser(bsub: Any, common: Any) -> None:
     s = bsub.add_parser("spec", parents=[common], help="speculative decoding vs plain decoding (grounded and open)")
     s.add_argument("--speculative-config", dest="spec_config", default='{"method": "ngram", "num_speculative_tokens": 4}',
                    help="the speculative engine's config, as --speculative-config (default: ngram, k=4)")
+    s.add_argument("--always-draft", action="store_true",
+                   help="draft num_speculative_tokens every step, the cost model off: what the proposer gives "
+                        "when it never backs off")
     s.add_argument("--text", default=None, help="passages for the grounded prompts (default: the shipped botchan.txt)")
     s.add_argument("--batch-sizes", default="1,4,16")
     s.add_argument("--max-tokens", type=int, default=128)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 
 from kvserve.bench.common import median_times, table
 from kvserve.llm import LLM
-from kvserve.request import Request
+from kvserve.sampling.rows import RowRequest
 from kvserve.sampling.sampler import Sampled
 from kvserve.sampling.structured import GrammarMatcher
 from kvserve.sampling_params import SamplingParams, StructuredOutputs
@@ -81,6 +81,16 @@ class _TimedMatcher:
     def is_finished(self) -> bool:
         return self._inner.is_finished
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        return self._inner.valid_prefix(tokens)
+
+    def masks_after(self, tokens: Sequence[int], words: int) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        try:
+            return self._inner.masks_after(tokens, words)
+        finally:
+            self._clock.add("fill", time.perf_counter() - start)
+
 
 def compile_ms(llm: LLM) -> float:
     """Milliseconds to check a schema never seen and make its first matcher."""
@@ -104,7 +114,7 @@ def run(llm: LLM, batch_sizes: list[int], max_tokens: int,
     clock = _Clock()
     real_matcher, real_sample = engine.grammars.matcher, engine.sampler.sample
 
-    def timed_sample(logits: torch.Tensor, requests: list[Request], undrawn: Collection[int] = ()) -> Sampled:
+    def timed_sample(logits: torch.Tensor, requests: Sequence[RowRequest], undrawn: Collection[int] = ()) -> Sampled:
         start = time.perf_counter()
         try:
             return real_sample(logits, requests, undrawn)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from kvserve.attention.backends import AttentionBackend, make_attention_backend
 from kvserve.attention.cpu_writes import CpuWrites
 from kvserve.blend.admission import BlendAdmission
 from kvserve.blend.blender import Blender
-from kvserve.config import EngineConfig, ModelConfig
+from kvserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from kvserve.engine.checks import RequestChecks
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.model_runner import ModelRunner
@@ -39,21 +39,21 @@ from kvserve.kv.pins import Clock, Pins
 from kvserve.kv.prefix import load_or_create_secret, make_extra_key
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
-from kvserve.kv.storage.quantized import QuantizedKVCache
 from kvserve.kv.tiering import make_tiering
 from kvserve.model.formats.build import make_products
 from kvserve.model.formats.spec import parse_weight_format
 from kvserve.model.linear import make_linear
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import LoadedModel, default_cache_dir
+from kvserve.model.loader import LoadedModel, default_cache_dir, load_model
 from kvserve.offload.base import Transport
 from kvserve.offload.tiered import open_transports
 from kvserve.sampling.sampler import Sampler
 from kvserve.sampling.structured import GrammarCompiler
 from kvserve.scheduler.policies import policy_class
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.spec.drafters import DraftModelProposer, ModelProposer, SelfProposer, TokenPass
 from kvserve.spec.proposers import make_proposer
-from kvserve.spec.speculator import Speculator
+from kvserve.spec.speculator import PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S, Speculator
 
 log = logging.getLogger("kvserve")
 
@@ -76,11 +76,19 @@ def resolve_dtype(name: str, device: torch.device, model_dtype: str) -> torch.dt
     return getattr(torch, name)
 
 
-def check_names(config: EngineConfig) -> None:
+def check_names(config: EngineConfig, draft: LoadedModel | None = None) -> None:
     """Raise ValueError for a name no registry knows (or a default budget its policy cannot
-    run), before a model is loaded or a tier opened."""
+    run, or a draft method with no drafting model), before a model is loaded or a tier opened."""
     policy_class(config.scheduler.policy)
     parse_weight_format(config.weight_format)
+    spec = config.speculative
+    if spec is not None:
+        if spec.quantization is not None:
+            parse_weight_format(spec.quantization)
+        if spec.method == "draft" and spec.model is None and draft is None:
+            raise ValueError('speculative config: method "draft" needs the drafting model ("model": a path or name)')
+        if draft is not None and (spec.method != "draft" or spec.model is not None):
+            raise ValueError("a loaded draft model is for the draft method without a \"model\" in its config")
     cc = config.cache
     budget_policy = get_policy(cc.kv_policy)
     if cc.kv_budget is not None:
@@ -111,9 +119,9 @@ class EngineParts:
 
 
 def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Transport] | None,
-                clock: Clock) -> EngineParts:
+                clock: Clock, draft: LoadedModel | None = None) -> EngineParts:
     """Every part of an engine for ``loaded``; ``tiers`` replace the transports ``config.tiers``
-    would open (LLMEngine's docstring)."""
+    would open, ``draft`` the draft method's model (LLMEngine's docstring)."""
     mc, cc = loaded.config, config.cache
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)
@@ -152,7 +160,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
         weight_format=products.name, fingerprint=fingerprint, kv_format=kv_format, model_card=model_card, kv=kv,
         scheduler=scheduler, runner=ModelRunner(model, storage, kv, budgets, attention),
         sampler=Sampler(config.seed, eos), grammars=grammars, attention=attention,
-        speculator=_make_speculator(config, kv_format, budgets, max_model_len),
+        speculator=_make_speculator(config, budgets, max_model_len,
+                                    _Drafting(loaded, model, storage, kv, draft, device, dtype)),
         checks=RequestChecks(budgets, grammars, mc.vocab_size), blending=BlendAdmission(blender, kv, scheduler),
         outputs=OutputProcessor(loaded.tokenizer, frozenset(mc.eos_token_ids), max_model_len))
     log.info("engine ready: %s on %s/%s, weights %s (%.1f MiB), KV format %s, %d blocks of %d tokens (%.1f MiB), "
@@ -162,16 +171,84 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     return parts
 
 
-def _make_speculator(config: EngineConfig, kv_format: KVFormat, budgets: Budgets,
-                     max_model_len: int) -> Speculator | None:
+@dataclass(frozen=True)
+class _Drafting:
+    """What a model proposer is built from: the served model and its cache, a loaded draft model."""
+
+    loaded: LoadedModel
+    model: LlamaModel
+    storage: KVStorage
+    kv: KVCacheManager
+    draft: LoadedModel | None
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _make_speculator(config: EngineConfig, budgets: Budgets, max_model_len: int,
+                     drafting: _Drafting) -> Speculator | None:
     spec = config.speculative
     if spec is None:
         return None
-    if QuantizedKVCache.keeps_residual(kv_format):
-        raise ValueError(f"speculative decoding does not run yet with KV formats that encode whole blocks "
-                         f"(--kv-format {kv_format.spec}: a block would be encoded before its drafted tokens "
-                         f"are checked); use a format whose halves encode token by token (e.g. native, int8)")
-    return Speculator(spec, make_proposer(spec), budgets, max_model_len)
+    proposer = make_proposer(spec) if spec.method == "ngram" else _make_model_proposer(config, spec, drafting)
+    whole_blocks = drafting.storage.residual.num_rows > 0       # a format that encodes whole blocks
+    return Speculator(spec, proposer, budgets, max_model_len, config.cache.block_size if whole_blocks else None)
+
+
+def _make_model_proposer(config: EngineConfig, spec: SpeculativeConfig, d: _Drafting) -> ModelProposer:
+    """The ``self`` or ``draft`` proposer: its model (the served weights shared, or in the format
+    ``spec.quantization`` names), the layers it runs, and for ``draft`` its own cache."""
+    cc = config.cache
+    if spec.method == "self":
+        loaded, model = d.loaded, d.model
+    else:
+        loaded = d.draft if d.draft is not None else load_model(spec.model)
+        _check_draft_model(d.loaded, loaded)
+        model = None
+    if model is None or spec.quantization is not None:
+        weight_format = spec.quantization or config.weight_format
+        products = make_products(weight_format, loaded, d.device, d.dtype,
+                                 make_linear(config.linear_backend, d.device, d.dtype))
+        model = LlamaModel(loaded.config, loaded.weights, d.device, d.dtype, products)
+    num_layers = loaded.config.num_layers
+    skip = spec.skip_layers if spec.skip_layers is not None else (default_skip_layers(num_layers)
+                                                                  if spec.method == "self" else ())
+    bad = [i for i in skip if i >= num_layers]
+    if bad or len(skip) >= num_layers:
+        raise ValueError(f"speculative config: skip_layers {list(skip)} must name layers below {num_layers} and "
+                         f"leave at least one")
+    layers = [i for i in range(num_layers) if i not in set(skip)]
+    # a drafting pass's prior cost: a step's, for the layers it runs (measured passes take over)
+    share = len(layers) / d.loaded.config.num_layers
+    prior = (PRIOR_STEP_BASE_S * share, PRIOR_STEP_ROW_S * share)
+    backend = make_attention_backend(config.attention_backend, d.device)
+    if spec.method == "self":
+        log.info("self-drafting proposer: weights %s, %d of %d layers (%s left out)", model.products.name,
+                 len(layers), num_layers, list(skip) or "none")
+        return SelfProposer(TokenPass(model, d.storage, backend, layers), d.kv, *prior)
+    storage = make_storage(loaded.config, parse_kv_format("native", num_layers, d.dtype,
+                                                          head_dim=loaded.config.head_dim),
+                           replace(cc, num_blocks=d.storage.num_blocks), config.scheduler,
+                           d.dtype, d.device, CpuWrites.for_storage)
+    log.info("draft-model proposer: %s, weights %s, %d of %d layers, its own cache of %d blocks (%.1f MiB)",
+             loaded.source, model.products.name, len(layers), num_layers, storage.num_blocks, storage.nbytes / 2**20)
+    return DraftModelProposer(TokenPass(model, storage, backend, layers), storage.num_blocks, cc.block_size,
+                              loaded.config.max_position_embeddings, *prior)
+
+
+def default_skip_layers(num_layers: int) -> tuple[int, ...]:
+    """The self draft's layers left out by default: every other one of the middle half."""
+    return tuple(range(num_layers // 4, num_layers - num_layers // 4, 2))
+
+
+def _check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft model must speak the target's vocabulary: the same size, the same tokenizer."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft model {draft.source} has a vocabulary of {draft.config.vocab_size} tokens; "
+                         f"the served model's has {target.config.vocab_size}: they must be the same")
+    if target.tokenizer is not None and draft.tokenizer is not None and \
+            target.tokenizer.to_tokenizer_json() != draft.tokenizer.to_tokenizer_json():
+        raise ValueError(f"the draft model {draft.source} has another tokenizer than the served model's: "
+                         f"drafts would name other tokens")
 
 
 def _make_budgets(config: EngineConfig, storage: KVStorage, kv_format: KVFormat, mc: ModelConfig) -> Budgets:

@@ -24,6 +24,7 @@ from kvserve.kv.pins import Clock, PinInfo
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.offload.base import Transport
 from kvserve.request import EncodedPrompt, FinishReason, Request, TokenLogprob
+from kvserve.sampling.rows import RowRequest, drafted_rows
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import SchedulerOutput
 
@@ -32,14 +33,17 @@ log = logging.getLogger("kvserve")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 tiers: Sequence[Transport] | None = None, clock: Clock = time.monotonic) -> None:
+                 tiers: Sequence[Transport] | None = None, clock: Clock = time.monotonic,
+                 draft: LoadedModel | None = None) -> None:
         """``tiers``: transports to use as the offload tiers, in lookup order, instead of
         those ``config.tiers`` configure (tests, embedders with their own storage).
-        ``clock``: seconds, for the pins' retention times (tests step a fake one)."""
+        ``clock``: seconds, for the pins' retention times (tests step a fake one).
+        ``draft``: the speculative ``draft`` method's model, loaded (instead of its config's
+        ``model``)."""
         config = config if config is not None else EngineConfig()
-        check_names(config)
+        check_names(config, draft)
         loaded = loaded if loaded is not None else load_model(config.model)
-        parts = build_parts(config, loaded, tiers, clock)
+        parts = build_parts(config, loaded, tiers, clock, draft)
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_config = parts.model_config
@@ -160,8 +164,10 @@ class LLMEngine:
                 self.scheduler.wait_for_loads(timeout=0.05)
             return []
         self.num_steps += 1
-        start = time.perf_counter()
         try:
+            if drafts and self.speculator is not None:
+                self.speculator.fill(out)       # a model proposer drafts into the scheduled chunks
+            start = time.perf_counter()
             result = self.runner.execute(out)
         except Exception as e:
             # not attributable to one request: fail the step's requests, keep the engine going
@@ -179,18 +185,19 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, requests: list[Request],
                 drafts: Sequence[tuple[int, ...]] | None = None) -> list[RequestOutput]:
         """Draw a token for each row and apply them: one row per request, or 1 + k for a request
-        with k drafted tokens, of which the run the target agrees with is accepted, then the
-        target's own token (kvserve/spec/speculator.py). A failure that belongs to one request
-        (a row that gives no token, a grammar that rejects the token) fails that request only."""
+        with k drafted tokens (row i as if the first i were appended: kvserve/sampling/rows.py),
+        of which the run the target agrees with is accepted, then the target's own token
+        (kvserve/spec/speculator.py). A failure that belongs to one request (a row that gives no
+        token, a grammar that rejects the token) fails that request only."""
         drafts = drafts if drafts is not None else [()] * len(requests)
-        rows: list[Request] = []
+        rows: list[RowRequest] = []
         undrawn: set[int] = set()     # a sampled request's drafted rows: speculative sampling draws them
-        for req, draft in zip(requests, drafts):
-            if draft and not req.params.is_greedy:
-                undrawn.update(range(len(rows), len(rows) + len(draft) + 1))
-            rows += [req] * (len(draft) + 1)
         try:
-            token_ids, errors = self.sampler.sample(logits, rows, undrawn)
+            for req, draft in zip(requests, drafts):
+                if draft and not req.params.is_greedy:
+                    undrawn.update(range(len(rows), len(rows) + len(draft) + 1))
+                rows += drafted_rows(req, draft, logits.shape[-1]) if draft else [req]
+            sampled = self.sampler.sample(logits, rows, undrawn)
         except Exception as e:
             log.exception("sampling failed; failing its %d requests", len(requests))
             return [self._fail(r, f"sampling failed: {type(e).__name__}: {e}") for r in requests]
@@ -198,16 +205,21 @@ class LLMEngine:
         for req, draft in zip(requests, drafts):
             own = range(first, first + len(draft) + 1)
             first += len(draft) + 1
-            error = next((errors[i] for i in own if token_ids[i] is None), None)
-            if error is not None:
-                outputs.append(self._fail(req, error))
+            row_tokens = sampled.token_ids[own.start:own.stop]
+            if row_tokens[0] is None:
+                outputs.append(self._fail(req, sampled.errors[own.start]))
                 continue
+            # a drafted row with no token (its grammar state failed) is never reached: the draft
+            # is cut so that the rows verified are the ones before it
+            cut = next((j for j, t in enumerate(row_tokens) if t is None), None)
+            checked = draft if cut is None else draft[:cut - 1]
+            tokens = [t for t in row_tokens[:len(checked) + 1] if t is not None]
             try:
-                row_tokens = [t for t in token_ids[own.start:own.stop] if t is not None]
-                emitted = (self.speculator.verify(logits[own.start:own.stop], req, draft, row_tokens, self.sampler)
-                           if draft and self.speculator is not None else row_tokens)
-                logprobs = self.sampler.logprobs(logits[own.start:own.start + len(emitted)], [req] * len(emitted),
-                                                 list(emitted))
+                emitted = (self.speculator.verify(sampled.logits[own.start:own.start + len(checked) + 1], req,
+                                                  checked, tokens, self.sampler)
+                           if checked and self.speculator is not None else tokens)
+                logprobs = self.sampler.logprobs(logits[own.start:own.start + len(emitted)],
+                                                 rows[own.start:own.start + len(emitted)], list(emitted))
                 reason = self._apply(req, emitted, [logprobs.get(j) for j in range(len(emitted))])
             except Exception as e:
                 log.exception("request %s failed after sampling", req.request_id)

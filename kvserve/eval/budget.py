@@ -35,6 +35,7 @@ from kvserve.kv.budget.policies import get_policy
 from kvserve.llm import LLM
 from kvserve.model.loader import LoadedModel
 from kvserve.request import Request
+from kvserve.sampling.rows import RowRequest
 from kvserve.sampling.sampler import Sampled, Sampler
 from kvserve.sampling_params import SamplingParams
 
@@ -110,9 +111,10 @@ class ForcedSampler(Sampler):
         self.targets = targets
         self.target_logprobs: dict[str, list[float]] = {rid: [] for rid in targets}
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], undrawn: Collection[int] = ()) -> Sampled:
+    def sample(self, logits: torch.Tensor, requests: Sequence[RowRequest], undrawn: Collection[int] = ()) -> Sampled:
         out = super().sample(logits, requests, undrawn)
         for row, req in enumerate(requests):
+            assert isinstance(req, Request), "the forced engine does not speculate: every row is a request"
             forced = self.targets.get(req.request_id)
             if forced is not None:
                 token = forced[req.num_output_tokens]

@@ -300,10 +300,14 @@ class KVCacheManager:
         self.pool.free(reversed(table))
         self._num_cached_blocks.pop(rid, None)
 
-    def release_unused_blocks(self, request: Request) -> None:
-        """Free the request's blocks past its computed tokens' (allocated for drafted tokens
-        that were rejected), tail first; a plain request holds none."""
+    def release_unused_blocks(self, request: Request, since: int = 0) -> None:
+        """After a drafted chunk starting at position ``since`` was checked: give back the
+        residual rows of its blocks now full of computed tokens (kept while their drafted tokens
+        were unchecked: kv/storage/base.py), and free the request's blocks past its computed
+        tokens' (allocated for drafted tokens that were rejected), tail first."""
         table = self._blocks.get(request.request_id, [])
+        self.residual.release(b.block_id for b in table[since // self.block_size:
+                                                        self.num_slots(request) // self.block_size])
         keep = self.num_blocks_needed(self.num_slots(request))
         if len(table) > keep:
             unused = table[keep:]

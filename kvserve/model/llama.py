@@ -10,7 +10,7 @@ into the residual after O and down, SwiGLU before down.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -166,11 +166,12 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVStorage,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm."""
+                meta: AttentionMetadata, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm. ``layers``: the layers to run,
+        in order (default: all; a self-drafting pass leaves some out, kvserve/spec/drafters.py)."""
         h = self.embed(input_ids)
         angles = self.rope.angles(positions)
-        for i in range(self.config.num_layers):
+        for i in range(self.config.num_layers) if layers is None else layers:
             q, k, v = self.layer_qkv(i, h, angles)
             attn = paged_attention(q, k, v, i, cache, meta, self.scale)
             h = self.layer_output(i, h, attn)

@@ -13,12 +13,12 @@ from functools import partial
 import numpy as np
 import torch
 
-from kvserve.request import Request
+from kvserve.sampling.rows import RowRequest
 
 NEG_INF = float("-inf")
 
 
-def process_logits(logits: torch.Tensor, requests: Sequence[Request],
+def process_logits(logits: torch.Tensor, requests: Sequence[RowRequest],
                    eos_token_ids: Collection[int]) -> tuple[torch.Tensor, dict[int, str]]:
     """``logits`` ([n, vocab], float32, CPU) with each request's options applied, and the rows
     that failed (row -> why). The input is never written: a copy is made when anything applies."""
@@ -41,16 +41,16 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request],
     return out, errors
 
 
-def _holds_back_stop(req: Request) -> bool:
+def _holds_back_stop(req: RowRequest) -> bool:
     return req.constraint is None and req.num_output_tokens < req.params.min_tokens
 
 
-def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
+def _padded(rows: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)
+    return torch.tensor([[*r, *[pad] * (width - len(r))] for r in rows], dtype=torch.long).reshape(len(rows), width)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> None:
+def apply_penalties(logits: torch.Tensor, rows: list[int], requests: Sequence[RowRequest]) -> None:
     """Repetition (prompt and output tokens), then frequency and presence (output tokens)."""
     vocab = logits.shape[-1]
     sub = logits[rows]
@@ -71,7 +71,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], requests: Sequence[Re
     logits[rows] = sub
 
 
-def _apply_logit_bias(logits: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> None:
+def _apply_logit_bias(logits: torch.Tensor, rows: list[int], requests: Sequence[RowRequest]) -> None:
     vocab = logits.shape[-1]
     for i in rows:
         pairs = [(t, b) for t, b in requests[i].params.logit_bias if t < vocab]   # ids checked when added
@@ -80,7 +80,7 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[int], requests: Sequence[
             logits[i, list(ids)] += torch.tensor(biases)
 
 
-def _hold_back_stop(logits: torch.Tensor, rows: list[int], requests: Sequence[Request],
+def _hold_back_stop(logits: torch.Tensor, rows: list[int], requests: Sequence[RowRequest],
                     eos_token_ids: Collection[int]) -> None:
     vocab = logits.shape[-1]
     for i in rows:
@@ -90,7 +90,7 @@ def _hold_back_stop(logits: torch.Tensor, rows: list[int], requests: Sequence[Re
             logits[i, ids] = NEG_INF
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> dict[int, str]:
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], requests: Sequence[RowRequest]) -> dict[int, str]:
     """Mask each constrained row of ``logits`` (contiguous, on CPU; written in place) to the
     tokens its grammar allows; a grammar that fails fails its own row only."""
     vocab = logits.shape[-1]

@@ -14,6 +14,7 @@ import torch
 
 from kvserve.request import Request, TokenLogprob
 from kvserve.sampling.processors import process_logits
+from kvserve.sampling.rows import RowRequest
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
@@ -33,6 +34,7 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[T
 class Sampled(NamedTuple):
     token_ids: list[int | None]     # None for a row that failed
     errors: dict[int, str]          # row -> why it has no token
+    logits: torch.Tensor            # the rows after penalties, bias and grammar (what was drawn from)
 
 
 class Sampler:
@@ -40,7 +42,7 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
         self._eos_token_ids = tuple(eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], undrawn: Collection[int] = ()) -> Sampled:
+    def sample(self, logits: torch.Tensor, requests: Sequence[RowRequest], undrawn: Collection[int] = ()) -> Sampled:
         """One token per row of ``logits`` ([n, vocab], float32, on CPU), after each request's
         penalties, bias and grammar (kvserve/sampling/processors.py). ``undrawn``: rows checked
         but not drawn from (speculative sampling draws them, ``verify_draft``): their token is
@@ -70,10 +72,11 @@ class Sampler:
                     token_ids[row] = self._sample_row(logits[row], req)
                 except RuntimeError as e:   # torch's complaint about this row's distribution
                     errors[row], token_ids[row] = f"sampling failed: {e}", None
-        return Sampled(token_ids, errors)
+        return Sampled(token_ids, errors, logits)
 
     @staticmethod
-    def logprobs(logits: torch.Tensor, requests: list[Request], token_ids: list[int | None]) -> dict[int, TokenLogprob]:
+    def logprobs(logits: torch.Tensor, requests: Sequence[RowRequest],
+                 token_ids: list[int | None]) -> dict[int, TokenLogprob]:
         """Row -> the drawn token's logprob and the top alternatives, for each row whose request
         asks for logprobs and got a token: the model's own distribution (``logits`` as the
         model gave them, before penalties, bias and grammar), as in vLLM."""
@@ -84,13 +87,13 @@ class Sampler:
         return {i: top_logprobs(logprobs[k:k + 1], [t], requests[i].params.logprobs or 0)[0]
                 for k, (i, t) in enumerate(chosen)}
 
-    def _sample_row(self, logits: torch.Tensor, req: Request) -> int:
+    def _sample_row(self, logits: torch.Tensor, req: RowRequest) -> int:
         return self._draw(self.probs(logits, req), req)
 
-    def _draw(self, probs: torch.Tensor, req: Request) -> int:
+    def _draw(self, probs: torch.Tensor, req: RowRequest) -> int:
         return int(torch.multinomial(probs, 1, generator=self._generator_of(req)).item())
 
-    def _generator_of(self, req: Request) -> torch.Generator:
+    def _generator_of(self, req: RowRequest) -> torch.Generator:
         """The request's own (seeded) generator, else the engine's."""
         return req.generator if req.generator is not None else self._generator
 
@@ -118,7 +121,7 @@ class Sampler:
             return [*kept, self._draw(residual / mass, req)]
         return [*kept, self._draw(self.probs(logits[len(draft)], req), req)]
 
-    def probs(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, req: RowRequest) -> torch.Tensor:
         """The distribution a sampled request draws its token from: ``logits`` (one row, already
         processed) scaled by temperature, filtered by top-k and top-p, softmaxed."""
         p = req.params

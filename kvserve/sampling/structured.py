@@ -47,6 +47,33 @@ class GrammarMatcher:
     def is_finished(self) -> bool:
         return self._matcher.is_stopped()
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, from the first, the grammar accepts from here."""
+        return int(self._matcher.validate_tokens(list(tokens)))
+
+    def masks_after(self, tokens: Sequence[int], words: int) -> list[torch.Tensor]:
+        """The bitmask ([words] int32) of the tokens allowed after ``tokens[:1]``, ``tokens[:2]``, ...,
+        as far as the grammar accepts them and has not stopped (drafted rows, kvserve/spec/);
+        the state is left as it was."""
+        masks: list[torch.Tensor] = []
+        consumed = 0
+        try:
+            for token in tokens[:self.valid_prefix(tokens)]:
+                if not self._matcher.consume_token(token):
+                    break
+                consumed += 1
+                if self._matcher.is_stopped() or self._matcher.is_error():
+                    break
+                mask = torch.full((1, words), -1, dtype=torch.int32)
+                try:
+                    self.fill_bitmask(mask, 0)
+                except ValueError:      # the grammar failed here: rows from here on are never accepted
+                    break
+                masks.append(mask[0])
+        finally:
+            self._matcher.rollback(consumed)
+        return masks
+
     def _raise_if_error(self) -> None:
         if self._matcher.is_error():
             raise ValueError(f"the grammar failed: {_without_state(self._matcher.get_error())}")

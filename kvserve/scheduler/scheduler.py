@@ -227,9 +227,10 @@ class Scheduler:
         appended): their KV is exact, so they count as computed; the slots of the rejected
         ones are written again by later steps, and blocks that hold none of the accepted
         tokens go back to the pool."""
+        first = req.num_computed_tokens - 1        # the chunk's first position: the last known token's
         req.num_computed_tokens += num_accepted
         self.kv.cache_computed_blocks(req)
-        self.kv.release_unused_blocks(req)
+        self.kv.release_unused_blocks(req, since=first)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Retire a request (stopped, out of length, or aborted) and free its blocks."""

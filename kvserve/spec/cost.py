@@ -57,9 +57,13 @@ class StepCosts:
         """a: seconds of a step with no rows."""
         return max(0.0, (self._y - self.row_s * self._x) / self._w)
 
+    def step_s(self, num_rows: int) -> float:
+        """t(n): seconds of a step of ``num_rows`` rows."""
+        return self.base_s + self.row_s * num_rows
+
     def row_share(self, batch: int) -> float:
         """q: a row's cost over the cost per token of a plain step of ``batch`` rows."""
-        step = self.base_s + self.row_s * batch
+        step = self.step_s(batch)
         return self.row_s * batch / step if step > 0 else 1.0
 
 
@@ -71,3 +75,14 @@ def draft_length(p: float, q: float, k_max: int) -> int:
         return k_max
     # p^k > q  <=>  k < log q / log p (both logs negative): the largest such integer
     return min(k_max, math.ceil(math.log(q) / math.log(p)) - 1)
+
+
+class FixedCosts(StepCosts):
+    """Costs that observations do not move (``kvserve bench spec --always-draft`` sets a step's
+    drafted rows and drafting passes free this way, so every request drafts all it may)."""
+
+    def __init__(self, base_s: float, row_s: float) -> None:
+        super().__init__(base_s, row_s, decay=1.0)
+
+    def observe(self, num_rows: int, seconds: float) -> None:
+        pass

@@ -10,23 +10,29 @@ A step with drafts, for one request whose known tokens are all computed but the 
 
 The KV of t, d1, d2 is now exact; d3's slot is overwritten by g3's in the next step
 (``Scheduler.accept_draft`` moves ``num_computed_tokens`` past the accepted drafts only, and the
-KV manager releases blocks that hold nothing accepted). Requests without penalties, bias, a
-grammar or a KV budget, past their ``min_tokens``, draft: each row's distribution is then the
-model's own (temperature, top-k, top-p), so a greedy request's output is token for token the
-output without speculation, and a sampled one's is drawn by speculative sampling
+KV manager releases blocks that hold nothing accepted). Row i is processed as if the first i
+drafts were appended (penalties count them, ``min_tokens`` counts them, the grammar's mask is
+the one after them: kvserve/sampling/rows.py), so each row's distribution is the one plain
+decoding would draw from there: a greedy request's output is token for token the output
+without speculation, and a sampled one's is drawn by speculative sampling
 (``Sampler.verify_draft``) from exactly the distribution of drawing one token at a time. A
-request with a seed does not draft: its draws must repeat, and how far a request drafts
-follows the machine's measured timing.
+grammar's request keeps only the drafted tokens its grammar accepts. Requests with a KV budget
+do not draft (a budget compacts by the tokens observed, drafted ones included), nor do
+requests with a seed: their draws must repeat, and how far a request drafts follows the
+machine's measured timing.
 
 How far each request drafts is decided per step (spec/cost.py): k grows with the request's
 measured acceptance and shrinks as the batch grows, down to no draft at all; a request that
-stopped drafting tries one token every ``PROBE_EVERY`` steps, so its acceptance stays known.
+stopped drafting tries one token every ``PROBE_EVERY`` steps, so its acceptance stays known. A
+probe costs prompt lookup one row, but a model proposer a drafting pass: with one, the interval
+doubles after each probe that did not make drafting pay, up to ``PROBE_MAX``. Probes fall on
+steps that are multiples of the interval, so the requests that probe share one pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,10 +40,13 @@ from kvserve.config import SpeculativeConfig
 from kvserve.kv.budget.budgets import Budgets
 from kvserve.request import Request
 from kvserve.sampling.sampler import Sampler
-from kvserve.spec.cost import StepCosts, draft_length
+from kvserve.scheduler.scheduler import SchedulerOutput
+from kvserve.spec.cost import FixedCosts, StepCosts, draft_length
+from kvserve.spec.drafters import ModelProposer
 from kvserve.spec.proposers import Proposer
 
-PROBE_EVERY = 8              # steps between one-token drafts of a request that stopped drafting
+PROBE_EVERY = 8              # steps between one-token drafts of a request that stopped drafting, at first
+PROBE_MAX = 128              # ... and at most
 PRIOR_ACCEPTANCE = 0.5       # p of a proposer before any draft was checked
 # a decode step's cost on this project's CPU box (SmolLM2-135M, gguf weights: 4.2 ms at 1 row,
 # 15.7 ms at 16; docs/weights.md) until the engine's own steps are measured
@@ -90,9 +99,28 @@ def num_accepted(draft: Sequence[int], targets: Sequence[int]) -> int:
     return n
 
 
+def before_block_end(position: int, block_size: int) -> int:
+    """How many tokens may follow ``position`` in a chunk that holds no block's last slot but
+    (maybe) at ``position`` itself.
+
+    Where a format encodes whole blocks, a step encodes a block as its last slot is written,
+    before it attends: a query at that slot or later reads the block encoded, one before it
+    reads the block's full-precision row. Plain decoding has one query per step, so each query
+    reads the block as this rule says; a chunk holding queries on both sides of a block's last
+    slot could not (one representation per block and step), so drafts stop short of it."""
+    offset = position % block_size
+    next_last = position + (block_size if offset == block_size - 1 else block_size - 1 - offset)
+    return next_last - position - 1
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, budgets: Budgets, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | ModelProposer, budgets: Budgets,
+                 max_model_len: int, whole_block_size: int | None = None) -> None:
+        """``whole_block_size``: the block size, where the KV format encodes whole blocks (KIVI keys,
+        ``+outN``): a chunk with drafts then never holds a block's last slot but at its start
+        (``before_block_end``)."""
         self.config = config
+        self.whole_block_size = whole_block_size
         self.proposer = proposer
         self.budgets = budgets
         self.max_model_len = max_model_len
@@ -100,21 +128,23 @@ class Speculator:
         self.costs = StepCosts(PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S)
         self.acceptance = Acceptance(PRIOR_ACCEPTANCE)           # the proposer's, over every request
         self._acceptance: dict[str, Acceptance] = {}             # each request's
-        self._idle: dict[str, int] = {}                          # steps since a request last drafted
+        self._probe_every: dict[str, int] = {}                   # each non-drafting request's probe interval
+        self._step = 0
 
     def can_draft(self, req: Request) -> bool:
         """Whether ``req`` takes drafts (the module docstring says which do)."""
         p = req.params
-        return (p.speculate and (p.is_greedy or p.seed is None) and not p.has_penalties and not p.logit_bias
-                and p.structured is None
-                and req.num_output_tokens >= p.min_tokens
+        return (p.speculate and (p.is_greedy or p.seed is None)
                 and self.budgets.max_blocks(p, req.num_prompt_tokens) is None)
 
     def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
-        """Drafts for the running requests about to decode (request id -> tokens)."""
+        """Drafts for the running requests about to decode (request id -> tokens). A model
+        proposer's are placeholders of the length it will draft, filled by ``fill`` once the
+        step is scheduled."""
         drafts: dict[str, list[int]] = {}
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
-        q = self.costs.row_share(len(decoding))
+        q = self._row_share(len(decoding))
+        self._step += 1
         for req in decoding:
             if not self.can_draft(req):
                 continue
@@ -125,15 +155,54 @@ class Speculator:
             k = draft_length(p, q, self.config.num_speculative_tokens)
             if k == 0:
                 self.stats.num_skipped += 1
-                idle = self._idle[rid] = self._idle.get(rid, 0) + 1
-                k = 1 if idle >= PROBE_EVERY else 0
+                every = self._probe_every.setdefault(rid, PROBE_EVERY)
+                if self._step % every == 0:
+                    k = 1
+                    if isinstance(self.proposer, ModelProposer):
+                        self._probe_every[rid] = min(2 * every, PROBE_MAX)
+            else:
+                self._probe_every.pop(rid, None)
             k = min(k, room)
-            if k > 0:
+            if self.whole_block_size is not None:
+                k = min(k, before_block_end(req.num_tokens - 1, self.whole_block_size))
+            if k <= 0:
+                continue
+            if isinstance(self.proposer, ModelProposer):
+                draft = [req.all_token_ids[-1]] * self.proposer.room(req, k)
+            else:
                 draft = self.proposer.propose(req, k)
-                if draft:
-                    drafts[rid] = draft
-                    self._idle[rid] = 0
+                if draft and req.constraint is not None:     # what the grammar rejects is never accepted
+                    draft = draft[:req.constraint.valid_prefix(draft)]
+            if draft:
+                drafts[rid] = draft
         return drafts
+
+    def always_draft(self) -> None:
+        """Turn the cost model off: every request that can draft drafts ``num_speculative_tokens``
+        tokens each step, paying or not (to measure what a proposer gives when never backing off)."""
+        self.costs = FixedCosts(1.0, 0.0)
+        if isinstance(self.proposer, ModelProposer):
+            self.proposer.costs = FixedCosts(0.0, 0.0)
+
+    def _row_share(self, batch: int) -> float:
+        """q of spec/cost.py: what a drafted token costs (its row in the step, and for a model
+        proposer a drafting pass's share) over what a plain step's token costs."""
+        q = self.costs.row_share(batch)
+        if isinstance(self.proposer, ModelProposer):
+            step = self.costs.step_s(batch)
+            q += self.proposer.costs.step_s(batch) / step if step > 0 else 1.0
+        return q
+
+    def fill(self, out: SchedulerOutput) -> None:
+        """A model proposer's drafts for the scheduled chunks that carry placeholders."""
+        if not isinstance(self.proposer, ModelProposer):
+            return
+        at = [i for i, c in enumerate(out.chunks) if c.draft]
+        if not at:
+            return
+        drafts = self.proposer.draft([(out.chunks[i].request, len(out.chunks[i].draft)) for i in at])
+        for i, draft in zip(at, drafts):
+            out.chunks[i] = replace(out.chunks[i], draft=tuple(draft))
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
         """A step that only decoded (one known token per request, drafts besides) took ``seconds``."""
@@ -164,4 +233,4 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
         self._acceptance.pop(request_id, None)
-        self._idle.pop(request_id, None)
+        self._probe_every.pop(request_id, None)

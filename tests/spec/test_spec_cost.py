@@ -6,7 +6,9 @@ import pytest
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
-from kvserve.spec.cost import StepCosts, draft_length
+from kvserve.request import Request
+from kvserve.spec.cost import FixedCosts, StepCosts, draft_length
+from kvserve.spec.proposers import Proposer
 from kvserve.spec.speculator import PROBE_EVERY, Acceptance
 
 
@@ -45,6 +47,15 @@ def test_acceptance_counts_tokens_up_to_the_first_rejection():
     assert a.p == pytest.approx((1 + 4 + 1) / (2 + 4 + 2))
 
 
+class AlwaysZero(Proposer):
+    """Drafts token 0, whatever the sequence: every probe is a draft."""
+
+    name = "zero"
+
+    def propose(self, request: Request, num_tokens: int) -> list[int]:
+        return [0] * num_tokens
+
+
 def test_a_large_batch_stops_drafting_and_probes_now_and_then():
     loaded = tiny_model()
     llm = LLM(loaded=loaded, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
@@ -52,12 +63,30 @@ def test_a_large_batch_stops_drafting_and_probes_now_and_then():
     assert spec is not None
     spec.costs = StepCosts(prior_base_s=0.0, prior_row_s=1.0)     # rows are all a step costs: q = 1
     spec.costs.observe = lambda num_rows, seconds: None            # type: ignore[method-assign]
+    spec.proposer = AlwaysZero()
     prompt = [5, 6, 7, 8] * 6
-    params = SamplingParams(max_tokens=4 * PROBE_EVERY + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=15 * PROBE_EVERY, temperature=0.0, ignore_eos=True)
     out = llm.generate([prompt], params)[0]
     plain = LLM(loaded=loaded).generate([prompt], params)[0]
     assert out.token_ids == plain.token_ids
     # every decode step judged its draft not to pay; the only drafts are one-token probes
     num_decode_steps = llm.engine.num_steps - 1
     assert spec.stats.num_skipped == num_decode_steps
-    assert out.num_draft_tokens == spec.stats.num_drafts <= num_decode_steps // PROBE_EVERY
+    assert num_decode_steps >= 14 * PROBE_EVERY
+    # a probe costs prompt lookup one row: one every PROBE_EVERY steps (8, 16, ..., 112; at step
+    # 120 the request makes its last token: no room for a draft)
+    assert out.num_draft_tokens == spec.stats.num_drafts == 14
+
+
+def test_a_model_proposer_probes_less_and_less_often():
+    """A probe costs a model proposer a drafting pass: the interval doubles after each one."""
+    llm = LLM(loaded=tiny_model(), speculative_config={"method": "self"})
+    spec = llm.engine.speculator
+    assert spec is not None
+    spec.costs = FixedCosts(0.0, 1.0)           # rows are all a step costs: q = 1, no draft pays
+    prompt = [5, 6, 7, 8] * 6
+    params = SamplingParams(max_tokens=15 * PROBE_EVERY, temperature=0.0, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    assert llm.engine.num_steps - 1 >= 14 * PROBE_EVERY
+    # probes at steps 8, 16 (then every 16), 32 (every 32), 64 (every 64; 128 is past the end)
+    assert out.num_draft_tokens == spec.stats.num_drafts == 4

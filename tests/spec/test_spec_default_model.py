@@ -17,14 +17,35 @@ def repeat_prompt(llm: LLM) -> str:
         [{"role": "user", "content": f"Repeat this text word for word:\n\n{passage}"}], add_generation_prompt=True)
 
 
-@pytest.mark.parametrize(("kv_format", "backend"), [("native", "cpu"), ("int8", "torch")])
+@pytest.mark.parametrize(("kv_format", "backend"), [("native", "cpu"), ("int8", "torch"), ("kivi2", "cpu")])
 def test_greedy_ids_equal_plain_decoding(default_model, kv_format, backend):
     options = {"num_kv_blocks": 64, "kv_format": kv_format, "attention_backend": backend}
     plain = LLM(loaded=default_model, **options)
     spec = LLM(loaded=default_model, speculative_config=NGRAM, **options)
+    assert spec.engine.speculator is not None
+    spec.engine.speculator.always_draft()       # no timing decides the test
     prompt = repeat_prompt(plain)
     params = SamplingParams(max_tokens=64, temperature=0.0)
     want, got = plain.generate([prompt], params)[0], spec.generate([prompt], params)[0]
     assert got.token_ids == want.token_ids and got.text == want.text
     assert got.num_accepted_tokens > 16 and spec.engine.num_steps < plain.engine.num_steps
+    spec.engine.check_integrity()
+
+
+@pytest.mark.parametrize("method", ["self", "draft"])
+def test_model_proposers_give_plain_decodings_ids(default_model, method):
+    """``self`` with its default layers left out, ``draft`` with the default model drafting for
+    itself (its own cache, so every draft is the target's own token): drafting forced."""
+    plain = LLM(loaded=default_model, num_kv_blocks=64)
+    spec = LLM(loaded=default_model, num_kv_blocks=64, speculative_config={"method": method},
+               draft=default_model if method == "draft" else None)
+    assert spec.engine.speculator is not None
+    spec.engine.speculator.always_draft()
+    prompt = repeat_prompt(plain)
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    want, got = plain.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+    assert got.token_ids == want.token_ids
+    assert got.num_draft_tokens > 0
+    if method == "draft":
+        assert got.num_accepted_tokens == got.num_draft_tokens
     spec.engine.check_integrity()

@@ -16,6 +16,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.request import Request
 from kvserve.spec.cost import StepCosts
 from kvserve.spec.proposers import Proposer
+from kvserve.spec.speculator import before_block_end
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -32,6 +33,13 @@ def prompts(seed: int, n: int = 6) -> list[list[int]]:
     passage = [rng.randrange(128) for _ in range(24)]
     return [[rng.randrange(128) for _ in range(rng.randrange(3, 20))] + passage + passage[:rng.randrange(4, 20)]
             for _ in range(n)]
+
+
+def drafting(engine: LLMEngine) -> LLMEngine:
+    """Every request that can draft drafts all it may, every step (no timing decides a test)."""
+    assert engine.speculator is not None
+    engine.speculator.always_draft()
+    return engine
 
 
 def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]],
@@ -66,7 +74,7 @@ def test_greedy_tokens_equal_plain_decoding(loaded, kv_format, backend):
     work = [(p, GREEDY) for p in prompts(0)]
     options = {"num_kv_blocks": 64, "kv_format": kv_format, "attention_backend": backend}
     plain = LLM(loaded=loaded, **options).engine
-    spec = LLM(loaded=loaded, speculative_config=NGRAM, **options).engine
+    spec = drafting(LLM(loaded=loaded, speculative_config=NGRAM, **options).engine)
     want, got = run(plain, work), run(spec, work)
     assert tokens(got) == tokens(want)
     stats = spec.stats().spec
@@ -87,7 +95,7 @@ def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded):
              (ps[2], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)),   # short max_tokens
              (ps[3], SamplingParams(max_tokens=48, temperature=0.0, logprobs=2, ignore_eos=True))]
     plain = LLM(loaded=loaded, num_kv_blocks=96).engine
-    spec = LLM(loaded=loaded, num_kv_blocks=96, speculative_config=NGRAM).engine
+    spec = drafting(LLM(loaded=loaded, num_kv_blocks=96, speculative_config=NGRAM).engine)
     want = run(plain, work)
     # a stop token met while speculating: the output is cut at the same place
     stop_at = want["r0"].token_ids[20]
@@ -112,18 +120,64 @@ def test_preemption_and_aborts_mid_speculation(loaded):
     work = [(p, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)) for p in prompts(2, 8)]
     options = {"num_kv_blocks": 14, "max_num_batched_tokens": 64, "enable_prefix_caching": False}
     want = run(LLM(loaded=loaded, **options).engine, work)
-    spec = LLM(loaded=loaded, speculative_config=NGRAM, **options).engine
+    spec = drafting(LLM(loaded=loaded, speculative_config=NGRAM, **options).engine)
     got = run(spec, work, abort_at={6: "r3", 11: "r5"})
     assert spec.scheduler.num_preemptions > 0 and spec.stats().spec.num_accepted_tokens > 0
     assert tokens(got) == {rid: t for rid, t in tokens(want).items() if rid not in ("r3", "r5")}
     assert spec.kv.pool.num_free_blocks == spec.kv.pool.num_blocks
 
 
-def test_whole_block_formats_and_bad_configs_are_refused(loaded):
-    with pytest.raises(ValueError, match="encode whole blocks"):
-        LLM(loaded=loaded, kv_format="kivi2g8", speculative_config=NGRAM)
+def test_bad_configs_are_refused(loaded):
     with pytest.raises(ValueError, match="unknown key"):
         LLM(loaded=loaded, speculative_config={"method": "ngram", "lookahead": 3})
+
+
+def open_rows_held(engine: LLMEngine) -> tuple[set[int], set[int]]:
+    """Blocks holding residual rows, and the running requests' open blocks (their computed
+    tokens end inside them): after a step, only open blocks may hold rows."""
+    held = set(engine.kv.residual._rows)
+    bs = engine.kv.block_size
+    open_blocks = {engine.kv.block_ids(r.request_id)[r.num_computed_tokens // bs]
+                   for r in engine.scheduler.running if r.num_computed_tokens % bs}
+    return held, open_blocks
+
+
+@pytest.mark.parametrize("kv_format", ["kivi2g8", "kivi4g8", "int4g8+out2", "0=fp16;1-=kivi2g8"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
+def test_formats_that_encode_whole_blocks_give_plain_decodings_tokens(loaded, kv_format, backend, method):
+    """A block is encoded as its last slot is written (drafts stop short of a block's last slot
+    but at a chunk's start); a block a drafting pass fills keeps its row until the step
+    verifies it: the same tokens and cached keys as plain decoding, rows held by open blocks only."""
+    work = [(p, GREEDY) for p in prompts(5)]
+    options = {"num_kv_blocks": 64, "kv_format": kv_format, "attention_backend": backend}
+    config = NGRAM if method == "ngram" else {"method": method, "num_speculative_tokens": 4}
+    if method == "self":
+        config = {**config, "skip_layers": [1]}
+    plain = LLM(loaded=loaded, **options).engine
+    spec = drafting(LLM(loaded=loaded, speculative_config=config, draft=tiny_model(seed=3) if method == "draft"
+                        else None, **options).engine)
+    want = run(plain, work)
+    for i, (p, sp) in enumerate(work):
+        spec.add_request(p, sp, request_id=f"r{i}")
+    got: dict[str, RequestOutput] = {}
+    while spec.has_unfinished:
+        for out in spec.step():
+            if out.finished:
+                got[out.request_id] = out
+        spec.check_integrity()
+        held, open_blocks = open_rows_held(spec)
+        assert held <= open_blocks
+    assert tokens(got) == tokens(want)
+    stats = spec.stats().spec
+    assert stats is not None and stats.num_draft_tokens > 0
+    assert sorted(spec.kv.pool.cached_keys()) == sorted(plain.kv.pool.cached_keys())
+    assert spec.kv.pool.num_free_blocks == spec.kv.pool.num_blocks and not spec.kv.residual._rows
+
+
+@pytest.mark.parametrize(("position", "room"), [(0, 14), (13, 1), (14, 0), (15, 15), (16, 14), (31, 15)])
+def test_drafts_stop_short_of_a_blocks_last_slot(position, room):
+    assert before_block_end(position, 16) == room
 
 
 def appended_per_step(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[list[int]]:

@@ -52,16 +52,20 @@ class StepWrites:
     encode_block_ids: torch.Tensor  # [n] those blocks' ids
     residual_slots: torch.Tensor | None = None  # [num_tokens] row * block_size + offset, where a half
                                                 # keeps residual rows (codecs that encode whole blocks)
+    kept_block_ids: tuple[int, ...] = ()        # encoded blocks that keep their rows: they hold drafted
+                                                # tokens (the KV manager releases them once accepted)
 
 
 class WritePlanner(ABC):
     """One step's writes, added chunk by chunk (CPU lists until ``build``)."""
 
     @abstractmethod
-    def add(self, block_ids: list[int], first_slot: int, num_new: int) -> None:
+    def add(self, block_ids: list[int], first_slot: int, num_new: int, num_drafted: int = 0) -> None:
         """``num_new`` tokens of one request going to its slots ``first_slot, ...``, where slot
-        s lies in block ``block_ids[s // block_size]``. May take storage-side room (a residual
-        row) for the blocks they touch; ``finish_step`` or the KV manager's free gives it back."""
+        s lies in block ``block_ids[s // block_size]``, the last ``num_drafted`` of them drafted
+        (kvserve/spec/). May take storage-side room (a residual row) for the blocks they touch;
+        ``finish_step`` or the KV manager gives it back (a block that holds drafted tokens keeps
+        its row until they are checked: ``KVCacheManager.release_unused_blocks``)."""
 
     @abstractmethod
     def overlay(self, last_blocks: Sequence[tuple[int, int]]) -> Overlay | None:

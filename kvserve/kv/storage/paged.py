@@ -108,7 +108,7 @@ class _SlotPlanner(WritePlanner):
         self.device = device
         self.slots: list[int] = []
 
-    def add(self, block_ids: list[int], first_slot: int, num_new: int) -> None:
+    def add(self, block_ids: list[int], first_slot: int, num_new: int, num_drafted: int = 0) -> None:
         bs = self.block_size
         self.slots.extend(block_ids[s // bs] * bs + s % bs for s in range(first_slot, first_slot + num_new))
 

@@ -165,8 +165,10 @@ class QuantizedKVCache(KVStorage):
         return self._halves[layer]
 
     def finish_step(self, writes: StepWrites) -> None:
-        # the blocks filled this step are encoded now: their rows are free again
-        self.residual.release(writes.encode_block_ids.tolist())
+        # the blocks filled this step are encoded now: their rows are free again (but for blocks
+        # holding drafted tokens, which keep theirs until the tokens are checked)
+        kept = set(writes.kept_block_ids)
+        self.residual.release(b for b in writes.encode_block_ids.tolist() if b not in kept)
 
 
 def _check_token_parts(codec: HalfCodec, block_size: int, heads: int, dim: int) -> None:
@@ -193,8 +195,9 @@ class _QuantizedPlanner(WritePlanner):
         self.encode_rows: list[int] = []
         self.encode_blocks: list[int] = []
         self.open_rows_of: dict[int, int] = {}      # block id -> row, blocks left open by this step
+        self.kept_blocks: list[int] = []            # blocks encoded while holding drafted tokens
 
-    def add(self, block_ids: list[int], first_slot: int, num_new: int) -> None:
+    def add(self, block_ids: list[int], first_slot: int, num_new: int, num_drafted: int = 0) -> None:
         bs = self.block_size
         start, end = first_slot, first_slot + num_new
         self.slots.extend(block_ids[s // bs] * bs + s % bs for s in range(start, end))
@@ -206,6 +209,11 @@ class _QuantizedPlanner(WritePlanner):
             if (i + 1) * bs <= end:
                 self.encode_rows.append(row)
                 self.encode_blocks.append(block_ids[i])
+                # a block that holds drafted tokens is encoded for this step's reads, as a plain step
+                # would; its row stays, so that a rejected draft's slots can be written again and the
+                # block encoded again from its accepted rows
+                if (i + 1) * bs > end - num_drafted:
+                    self.kept_blocks.append(block_ids[i])
         if end % bs:
             self.open_rows_of[block_ids[end // bs]] = rows[end // bs]
 
@@ -224,4 +232,5 @@ class _QuantizedPlanner(WritePlanner):
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         residual = tensor(self.residual_slots) if self.keeps_rows else None
-        return StepWrites(tensor(self.slots), tensor(self.encode_rows), tensor(self.encode_blocks), residual)
+        return StepWrites(tensor(self.slots), tensor(self.encode_rows), tensor(self.encode_blocks), residual,
+                          tuple(self.kept_blocks))

@@ -1,0 +1,144 @@
+"""One forward pass's batch over the paged KV cache: input ids, positions, where new keys and
+values go, and the attention metadata (attention/paged.py) that says how each token attends.
+
+Built fresh for every pass and handed to the model with the call: by the model runner for a
+scheduled step (engine/model_runner.py), and by drafting models for their passes
+(spec/drafters.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvserve.attention.backends import AttentionBackend
+from kvserve.attention.paged import AttentionMetadata, BudgetedChunk, DecodeGroup, PagedChunks, PrefillChunk
+from kvserve.kv.budget.budgets import Budgets, BudgetStep
+from kvserve.kv.storage import KVStorage
+from kvserve.kv.storage.layout import PagedBatch
+from kvserve.request import Request
+
+
+class BatchBuilder:
+    """Accumulates one forward pass's batch, chunk by chunk (CPU lists, then tensors): the
+    tokens, their positions, where their keys and values go and how each attends. Where the
+    new keys and values go, and how open blocks are read, is the storage's plan."""
+
+    def __init__(self, cache: KVStorage, backend: AttentionBackend, device: torch.device) -> None:
+        self.cache, self.backend, self.device = cache, backend, device
+        self.block_size = cache.block_size
+        self.writes = cache.planner()
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.decode_idx: list[int] = []
+        self.decode_tables: list[list[int]] = []
+        self.decode_lens: list[int] = []
+        self.prefills: list[PrefillChunk] = []
+        self.budgeted: list[BudgetedChunk] = []
+        # sequences a backend reads in place: (flat start, new tokens, context length, block ids)
+        self.paged: list[tuple[int, int, int, list[int]]] = []
+
+    def add(self, req: Request, n: int, block_ids: list[int], budgets: Budgets, draft: tuple[int, ...] = ()) -> None:
+        """``n`` new tokens of ``req`` from its first not computed, the last ``len(draft)`` of
+        them drafted: they take the next positions and slots like known tokens."""
+        start = req.num_computed_tokens
+        tokens = [*req.all_token_ids[start:start + n - len(draft)], *draft]
+        step = budgets.begin_step(req, n)
+        if step is None:
+            self.add_tokens(block_ids, start, tokens, len(draft))
+            return
+        flat_start = self._take(start, tokens)
+        self.writes.add(block_ids, step.slot_start, n, len(draft))
+        self._add_budgeted(step, flat_start, start, n, block_ids)
+        if not step.is_compacted:       # else attended on its own (attention/paged.py)
+            self._attend(flat_start, start, n, block_ids)
+
+    def add_tokens(self, block_ids: list[int], start: int, tokens: Sequence[int], num_drafted: int = 0) -> None:
+        """``tokens`` at positions ``start, ...`` of the sequence held in ``block_ids`` (the last
+        ``num_drafted`` of them drafted), written to their slots there, each attending to the
+        positions before it and itself."""
+        flat_start = self._take(start, tokens)
+        self.writes.add(block_ids, start, len(tokens), num_drafted)
+        self._attend(flat_start, start, len(tokens), block_ids)
+
+    def _take(self, start: int, tokens: Sequence[int]) -> int:
+        flat_start = len(self.input_ids)
+        self.input_ids.extend(tokens)
+        self.positions.extend(range(start, start + len(tokens)))
+        return flat_start
+
+    def _attend(self, flat_start: int, start: int, n: int, block_ids: list[int]) -> None:
+        bs, end = self.block_size, start + n
+        num_blocks = -(-end // bs)
+        fresh = start == 0 and self.cache.reads_as_written     # attends to its own new keys and values
+        # a backend that reads in place takes first chunks too: every query is then attended
+        # by one kernel whose result depends on nothing but its own context (batch-invariant)
+        if self.backend.reads_in_place:
+            self.paged.append((flat_start, n, end, block_ids[:num_blocks]))
+        elif n == 1:
+            self.decode_idx.append(flat_start)
+            self.decode_tables.append(block_ids[:num_blocks])
+            self.decode_lens.append(end)
+        elif fresh:
+            self.prefills.append(PrefillChunk(flat_start, flat_start + n, 0, None, None))
+        else:
+            dev = self.device
+            table = torch.tensor([block_ids[:num_blocks]], dtype=torch.long, device=dev)
+            key_pos = torch.arange(num_blocks * bs, device=dev)
+            query_pos = torch.arange(start, end, device=dev)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            overlay = self.writes.overlay([(num_blocks - 1, block_ids[num_blocks - 1])])
+            self.prefills.append(PrefillChunk(flat_start, flat_start + n, start, table, mask, overlay))
+
+    def _add_budgeted(self, step: BudgetStep, flat_start: int, start: int, n: int, block_ids: list[int]) -> None:
+        if not step.is_observed:
+            return
+        ids = block_ids[:-(-(step.slot_start + n) // self.block_size)]
+        self.budgeted.append(BudgetedChunk(
+            flat_start, flat_start + n, step.slot_start, start, ids,
+            torch.tensor([ids], dtype=torch.long, device=self.device), step.state, step.is_compacted,
+            step.observe_from))
+
+    def build(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        dev = self.device
+        decode = self._decode_group() if self.decode_idx else None
+        paged = self._paged_chunks() if self.paged else None
+        meta = AttentionMetadata(write=self.writes.build(), decode=decode, prefills=tuple(self.prefills),
+                                 budgeted=tuple(self.budgeted), paged=paged, backend=self.backend)
+        ids = torch.tensor(self.input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(self.positions, dtype=torch.long, device=dev)
+        return ids, pos, meta
+
+    def _paged_chunks(self) -> PagedChunks:
+        dev = self.device
+        max_blocks = max(len(ids) for _, _, _, ids in self.paged)
+        tables = [ids + [ids[-1]] * (max_blocks - len(ids)) for _, _, _, ids in self.paged]
+        starts = [0]
+        for _, n, _, _ in self.paged:
+            starts.append(starts[-1] + n)
+        token_idx = [i for flat, n, _, _ in self.paged for i in range(flat, flat + n)]
+
+        def int32(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=dev)
+
+        batch = PagedBatch(
+            block_tables=int32(tables), context_lens=int32([end for _, _, end, _ in self.paged]),
+            query_starts=int32(starts), open_rows=int32(self.writes.open_rows([ids[-1] for *_, ids in self.paged])),
+            block_size=self.block_size, max_query_len=max(n for _, n, _, _ in self.paged),
+            max_context_len=max(end for _, _, end, _ in self.paged))
+        return PagedChunks(torch.tensor(token_idx, dtype=torch.long, device=dev), batch,
+                           is_whole_batch=len(token_idx) == len(self.input_ids) and not self.budgeted)
+
+    def _decode_group(self) -> DecodeGroup:
+        bs, dev = self.block_size, self.device
+        max_blocks = max(len(t) for t in self.decode_tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in self.decode_tables]
+        lengths = torch.tensor(self.decode_lens, device=dev)
+        mask = torch.arange(max_blocks * bs, device=dev)[None, :] < lengths[:, None]
+        overlay = self.writes.overlay([(i * max_blocks + len(t) - 1, t[-1]) for i, t in enumerate(self.decode_tables)])
+        return DecodeGroup(
+            token_idx=torch.tensor(self.decode_idx, dtype=torch.long, device=dev),
+            block_table=torch.tensor(padded, dtype=torch.long, device=dev), mask=mask[:, None, None, :],
+            is_whole_batch=len(self.decode_idx) == len(self.input_ids) and not self.budgeted,
+            overlay=overlay)
