@@ -54,6 +54,14 @@ class TokenConstraint(Protocol):
         and goes on; the state is left as it was (drafted rows, kvserve/sampling/rows.py)."""
 
 
+class Resumed(NamedTuple):
+    """Output a request already produced elsewhere (an engine replica that died mid-stream:
+    kvserve/cluster/client.py): it continues from these tokens as if it had made them here."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()      # theirs, where the request asked for logprobs
+
+
 DEFAULT_BLEND_FRACTION = 0.15     # CacheBlend's recompute ratio
 
 

@@ -5,9 +5,13 @@
             |                 KVAwareRouter picks a replica; its stream answers Accepted
             |                 or Rejected (-> ValueError, a 400) before submit returns
             `--> RequestStream <-- a task moves the replica's StreamItems into its queue
- replica dies before the request's first output: the task sends it again, to another
-   replica (the dead one excluded), at most ``max_attempts`` times; after the first
-   output the stream ends with EngineError (503 / an error event), as on one engine
+ replica dies: the task sends the requests not finished again, to another replica (the
+   dead one excluded), at most ``max_attempts`` times in all; one that had streamed goes
+   with the tokens (and logprobs) it streamed (``RequestSpec.resume``), and continues from
+   there: its KV is found in the shared tier (write-through) or computed with the prompt's,
+   and the client reads one stream (the same greedy tokens: prefix hits are exact). A
+   request that cannot go on fails with EngineError (503 / an error event), counted as
+   ``error``
  abort(ids) (client gone) --> cancel the task --> Serve cancels the replica's stream --> abort
 ```
 """
@@ -19,6 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -29,6 +34,8 @@ from kvserve.cluster.metrics import FleetMetrics
 from kvserve.cluster.wire import Accepted, Rejected, RouteHint, digests, key_tag
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_card import ModelCard
+from kvserve.engine.outputs import RequestOutput
+from kvserve.request import Resumed
 from kvserve.server.async_engine import EngineError, RequestSpec, RequestStream, StreamItem
 
 log = logging.getLogger("kvserve.cluster")
@@ -116,52 +123,79 @@ class ReplicaClient:
                    queue: asyncio.Queue[StreamItem | BaseException], accepted: asyncio.Future[None]) -> None:
         start = time.monotonic()
         finished: set[int] = set()
+        last: dict[int, RequestOutput] = {}         # each choice's latest output relayed
+        started = False
+        todo = list(range(len(specs)))              # the choices the attempt's specs stand for
+        attempt_specs = specs
+
+        def fail(error: Exception) -> None:
+            """End the stream with ``error``; requests it ends unfinished count as ``error``."""
+            was_accepted = accepted.done()
+            _fail(accepted, queue, error)
+            if was_accepted:
+                for choice in range(len(specs)):
+                    if choice not in finished:
+                        self.fleet.server.on_failed(last[choice].request_id if choice in last else "")
+
         for attempt in range(1, self.max_attempts + 1):
             replica: str | None = None
-            started = False
-            stream: DeploymentResponseGenerator[object] = self._generate.remote(hint, specs, prefix)  # type: ignore[assignment]
+            stream: DeploymentResponseGenerator[object] = self._generate.remote(hint, attempt_specs, prefix)  # type: ignore[assignment]
             try:
                 async for item in stream:
                     if isinstance(item, Rejected):
-                        _fail(accepted, queue, ValueError(item.message) if not accepted.done()
-                              else EngineError(f"a retry was refused: {item.message}"))
+                        fail(ValueError(item.message) if not accepted.done()
+                             else EngineError(f"a retry was refused: {item.message}"))
                         return
                     if isinstance(item, Accepted):
                         replica = item.replica
                         _settle(accepted)
                         continue
                     assert isinstance(item, StreamItem)
+                    choice = todo[item.choice]
+                    output = item.output
+                    if choice in last:      # a resumed stream: the same request to its readers
+                        output = replace(output, request_id=last[choice].request_id)
                     if not started:
                         started = True
                         self.fleet.on_first_output(hint, replica, time.monotonic() - start)
-                    self.fleet.server.observe_outputs([item.output], time.monotonic())
-                    queue.put_nowait(item)
-                    if item.output.finished:
-                        finished.add(item.choice)
+                    self.fleet.server.observe_outputs([output], time.monotonic())
+                    last[choice] = output
+                    queue.put_nowait(StreamItem(choice, output))
+                    if output.finished:
+                        finished.add(choice)
                 if len(finished) < len(specs):   # the stream ended early: nothing more will come
-                    _fail(accepted, queue, EngineError(f"engine replica {replica} ended the stream early"))
+                    fail(EngineError(f"engine replica {replica} ended the stream early"))
                 return
             except asyncio.CancelledError:
                 stream.cancel()
                 raise
             except REPLICA_GONE as e:
                 failed = replica or hint.routed_to
-                self.fleet.on_replica_failure(failed, retried=not started and attempt < self.max_attempts)
-                if started or attempt == self.max_attempts:
-                    _fail(accepted, queue, EngineError(f"engine replica {failed} failed: {type(e).__name__}"))
+                self.fleet.on_replica_failure(failed, retried=attempt < self.max_attempts, resumed=started)
+                if attempt == self.max_attempts:
+                    fail(EngineError(f"engine replica {failed} failed: {type(e).__name__}"))
                     return
-                log.warning("engine replica %s failed before %s's first output (%s); sending it elsewhere",
-                            failed, prefix, type(e).__name__)
+                log.warning("engine replica %s failed on %s (%s); sending %s elsewhere", failed, prefix,
+                            type(e).__name__, "what it had not finished" if started else "it")
                 if failed is not None:
                     hint.exclude = hint.exclude | {failed}
                 hint.holder, hint.routed_to = None, None
+                todo = [c for c in range(len(specs)) if c not in finished]
+                attempt_specs = [_resumed(specs[c], last.get(c)) for c in todo]
             except DeploymentUnavailableError as e:
-                _fail(accepted, queue, EngineError(f"no engine replica is available: {e}"))
+                fail(EngineError(f"no engine replica is available: {e}"))
                 return
             except Exception as e:
                 log.exception("engine replica %s failed on %s", replica, prefix)
-                _fail(accepted, queue, EngineError(f"the engine failed: {type(e).__name__}: {e}"))
+                fail(EngineError(f"the engine failed: {type(e).__name__}: {e}"))
                 return
+
+
+def _resumed(spec: RequestSpec, output: RequestOutput | None) -> RequestSpec:
+    """``spec`` to send again, going on from ``output`` (what it streamed) when there is one."""
+    if output is None or not output.token_ids:
+        return spec
+    return spec._replace(blend=None, resume=Resumed(tuple(output.token_ids), tuple(output.logprobs or ())))
 
 
 def _settle(fut: asyncio.Future[None], error: BaseException | None = None) -> None:

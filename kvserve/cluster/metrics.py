@@ -49,6 +49,8 @@ class FleetMetrics:
         self.outcomes: Tally[tuple[str, str]] = Tally()
         self.retries = Counter("kvserve_cluster_retries", "Requests sent again after their replica failed "
                                "before their first output", registry=r)
+        self.resumes = Counter("kvserve_cluster_resumes", "Streams that went on on another replica after "
+                               "theirs failed mid-stream", registry=r)
         self.failures = Counter("kvserve_cluster_replica_failures", "Replica failures seen by the ingress",
                                 ["replica"], registry=r)
         self.first_output = Histogram("kvserve_cluster_time_to_first_output_seconds",
@@ -76,10 +78,12 @@ class FleetMetrics:
             outcome = "holder" if hint.holder == served else "away"
         self.outcomes[(served, outcome)] += 1
 
-    def on_replica_failure(self, replica: str | None, retried: bool) -> None:
+    def on_replica_failure(self, replica: str | None, retried: bool, resumed: bool = False) -> None:
+        """``retried``: the request goes to another replica; ``resumed``: it had streamed, and goes
+        on there from what it streamed."""
         self.failures.labels(replica or "unknown").inc()
         if retried:
-            self.retries.inc()
+            (self.resumes if resumed else self.retries).inc()
 
     async def refresh(self, handle: Any) -> None:
         results = await handle.broadcast("stats").results_async(timeout_s=max(5.0, 5 * self.poll_s),

@@ -23,7 +23,7 @@ from kvserve.engine.stats import EngineStats, take_stats
 from kvserve.kv.pins import Clock, PinInfo
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.offload.base import Transport
-from kvserve.request import EncodedPrompt, FinishReason, Request, TokenLogprob
+from kvserve.request import EncodedPrompt, FinishReason, Request, Resumed, TokenLogprob
 from kvserve.sampling.rows import RowRequest, drafted_rows
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import SchedulerOutput
@@ -67,13 +67,16 @@ class LLMEngine:
         return self.model_card.encode_prompt(prompt)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, cache: CacheControl | None = None) -> str:
+                    priority: int = 0, cache: CacheControl | None = None, resume: Resumed | None = None) -> str:
         """Validate and queue a request; raises ValueError, changing nothing, on bad input.
 
         ``prompt``: text, token ids, a ``SegmentedPrompt`` or an ``EncodedPrompt`` with segment
         spans (their KV reused by blending; lossy; kvserve/blend/). ``cache``: its retention
         class and the prefixes of its prompt to pin (pinned at once, so later requests find
-        them pinned too; a pin over the limit raises PinLimitError)."""
+        them pinned too; a pin over the limit raises PinLimitError). ``resume``: output it
+        already produced elsewhere; it goes on from there (its text, stop checks, penalties,
+        grammar and ``max_tokens`` count those tokens; their KV is found in the cache or
+        computed with the prompt's)."""
         params = params if params is not None else SamplingParams()
         cache = cache if cache is not None else NO_CACHE_CONTROL
         if not isinstance(cache, CacheControl):
@@ -90,17 +93,48 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.kv.check_fits(params, len(ids), max_tokens)
-        self.kv.pin_prefixes(ids, cache.pins, skip_short=True, salt=cache.salt)
         req = Request(rid, ids, params, arrival_seq=seq, priority=priority, max_tokens=max_tokens,
                       retention_class=cache.retention_class, cache_salt=cache.salt, blend=encoded.blend)
         if params.structured is not None:
             req.constraint = self.grammars.matcher(params.structured)
+        if resume is not None and resume.token_ids:
+            if req.blend is not None:
+                raise ValueError("resume: a resumed request is computed exactly; give it without segments")
+            self._resume(req, resume)
+        try:
+            self.kv.pin_prefixes(ids, cache.pins, skip_short=True, salt=cache.salt)
+        except Exception:
+            self.outputs.remove(rid)
+            raise
         self._requests[rid] = req
         if req.blend is not None:
             self.blending.wait(req)
         else:
             self.scheduler.add(req)
         return rid
+
+    def _resume(self, req: Request, resume: Resumed) -> None:
+        """Append ``resume``'s tokens to ``req`` (not yet queued) as its own output; ValueError
+        when they cannot be its output (out of range, beyond its length, rejected by its grammar,
+        or ending it already), the request then never having existed."""
+        tokens = resume.token_ids
+        if len(tokens) >= req.max_tokens:
+            raise ValueError(f"resume: {len(tokens)} tokens already reach the request's {req.max_tokens}")
+        if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in tokens):
+            raise ValueError(f"resume: token ids must be in [0, {self.model_config.vocab_size})")
+        try:
+            for token_id in tokens:
+                if req.constraint is not None:
+                    req.constraint.accept(token_id)
+                req.append_token(token_id)
+                reason = self.outputs.process(req, token_id)
+                if reason is not None:
+                    raise ValueError(f"resume: the request already ended ({reason.value}) at token "
+                                     f"{req.num_output_tokens} of {len(tokens)}")
+        except Exception:
+            self.outputs.remove(req.request_id)
+            raise
+        req.output_logprobs = list(resume.logprobs)
 
     def cache_segments(self, segments: Sequence[str | Sequence[int]], salt: str = "") -> int:
         """Compute each segment standalone and store it (device pool, then tiers as blocks are

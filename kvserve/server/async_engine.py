@@ -30,7 +30,7 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
-from kvserve.request import BlendSpec, EncodedPrompt
+from kvserve.request import BlendSpec, EncodedPrompt, Resumed
 from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.server")
@@ -75,6 +75,7 @@ class RequestSpec(NamedTuple):
     params: SamplingParams
     cache: CacheControl | None = None      # retention class and pinned prefixes
     blend: BlendSpec | None = None         # the prompt's segments, reused by blending (kvserve/blend/)
+    resume: Resumed | None = None          # output already streamed (a replica died: kvserve/cluster/)
 
     @property
     def prompt(self) -> EncodedPrompt:
@@ -300,7 +301,8 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for rid, spec in zip(cmd.request_ids, cmd.specs):
-                self.engine.add_request(spec.prompt, spec.params, request_id=rid, cache=spec.cache)
+                self.engine.add_request(spec.prompt, spec.params, request_id=rid, cache=spec.cache,
+                                        resume=spec.resume)
                 added.append(rid)
         except Exception as e:
             for rid in added:

@@ -212,6 +212,11 @@ class ServerMetrics:
         self._progress.pop(request_id, None)
         self.requests.labels("abort").inc()
 
+    def on_failed(self, request_id: str) -> None:
+        """A request that ended without a finished output (a cluster's replica failed under it)."""
+        self._progress.pop(request_id, None)
+        self.requests.labels("error").inc()
+
     def on_error(self, status: int) -> None:
         self.api_errors.labels(str(status)).inc()
 
