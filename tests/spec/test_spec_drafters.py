@@ -8,6 +8,7 @@ refused."""
 from __future__ import annotations
 
 import pytest
+from spec_runs import run_all
 from tiny import TINY, random_tokens, tiny_model
 
 from kvserve import LLM, SamplingParams
@@ -37,22 +38,13 @@ def drafting(engine: LLMEngine) -> LLMEngine:
 def run(engine: LLMEngine, work: list[tuple[list[int], SamplingParams]],
         abort_at: dict[int, str] | None = None) -> dict[str, RequestOutput]:
     """Every request to the end, checking the pool (and a draft model's cache) after every step."""
-    for i, (p, sp) in enumerate(work):
-        engine.add_request(p, sp, request_id=f"r{i}")
-    done: dict[str, RequestOutput] = {}
-    step = 0
-    while engine.has_unfinished:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-        proposer = engine.speculator.proposer if engine.speculator is not None else None
-        if isinstance(proposer, DraftModelProposer):
-            proposer.check_integrity()
-        step += 1
-        if abort_at and step in abort_at:
-            engine.abort(abort_at[step])
-    return done
+    return run_all(engine, work, abort_at, check=check_draft_cache)
+
+
+def check_draft_cache(engine: LLMEngine) -> None:
+    proposer = engine.speculator.proposer if engine.speculator is not None else None
+    if isinstance(proposer, DraftModelProposer):
+        proposer.check_integrity()
 
 
 def tokens(outs: dict[str, RequestOutput]) -> dict[str, list[int]]:

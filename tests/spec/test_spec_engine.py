@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from spec_runs import run_all
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
@@ -45,19 +46,7 @@ def drafting(engine: LLMEngine) -> LLMEngine:
 def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]],
         abort_at: dict[int, str] | None = None) -> dict[str, RequestOutput]:
     """Every request to the end, checking the pool after every step; ``abort_at``: step -> id."""
-    ids = [engine.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(requests)]
-    done: dict[str, RequestOutput] = {}
-    step = 0
-    while engine.has_unfinished:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-        step += 1
-        if abort_at and step in abort_at:
-            engine.abort(abort_at[step])
-    assert set(done) | set((abort_at or {}).values()) == set(ids)
-    return done
+    return run_all(engine, requests, abort_at)
 
 
 def tokens(outs: dict[str, RequestOutput]) -> dict[str, list[int]]:
@@ -158,16 +147,12 @@ def test_formats_that_encode_whole_blocks_give_plain_decodings_tokens(loaded, kv
     spec = drafting(LLM(loaded=loaded, speculative_config=config, draft=tiny_model(seed=3) if method == "draft"
                         else None, **options).engine)
     want = run(plain, work)
-    for i, (p, sp) in enumerate(work):
-        spec.add_request(p, sp, request_id=f"r{i}")
-    got: dict[str, RequestOutput] = {}
-    while spec.has_unfinished:
-        for out in spec.step():
-            if out.finished:
-                got[out.request_id] = out
-        spec.check_integrity()
-        held, open_blocks = open_rows_held(spec)
+
+    def rows_held_by_open_blocks(engine: LLMEngine) -> None:
+        held, open_blocks = open_rows_held(engine)
         assert held <= open_blocks
+
+    got = run_all(spec, work, check=rows_held_by_open_blocks)
     assert tokens(got) == tokens(want)
     stats = spec.stats().spec
     assert stats is not None and stats.num_draft_tokens > 0

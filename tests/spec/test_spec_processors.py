@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spec_runs import run_all
 from tiny import random_tokens, tiny_model
 
 from kvserve import LLM, SamplingParams
@@ -42,15 +43,7 @@ class Oracle(Proposer):
 
 
 def generate(engine: LLMEngine, work: list[tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(prompt, params, request_id=f"r{i}")
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-    return done
+    return run_all(engine, work)
 
 
 def with_oracle(llm: LLM, plain: dict[str, RequestOutput], wrong: tuple[int, int] | None = None) -> LLMEngine:
