@@ -50,9 +50,12 @@ class BatchBuilder:
             return
         flat_start = self._take(start, tokens)
         self.writes.add(block_ids, step.slot_start, n, len(draft))
-        self._add_budgeted(step, flat_start, start, n, block_ids)
-        if not step.is_compacted:       # else attended on its own (attention/paged.py)
-            self._attend(flat_start, start, n, block_ids)
+        # a compacted request whose every layer holds an entry in every slot is a plain sequence
+        # of slots: attended like any other (in place, by the backend); else on its own, masked
+        dense = not step.is_compacted or step.state.is_dense
+        self._add_budgeted(step, flat_start, start, n, block_ids, attended_here=not dense)
+        if dense:
+            self._attend(flat_start, step.slot_start, n, block_ids)
 
     def add_tokens(self, block_ids: list[int], start: int, tokens: Sequence[int], num_drafted: int = 0) -> None:
         """``tokens`` at positions ``start, ...`` of the sequence held in ``block_ids`` (the last
@@ -91,14 +94,15 @@ class BatchBuilder:
             overlay = self.writes.overlay([(num_blocks - 1, block_ids[num_blocks - 1])])
             self.prefills.append(PrefillChunk(flat_start, flat_start + n, start, table, mask, overlay))
 
-    def _add_budgeted(self, step: BudgetStep, flat_start: int, start: int, n: int, block_ids: list[int]) -> None:
+    def _add_budgeted(self, step: BudgetStep, flat_start: int, start: int, n: int, block_ids: list[int],
+                      attended_here: bool) -> None:
         if not step.is_observed:
             return
         ids = block_ids[:-(-(step.slot_start + n) // self.block_size)]
         self.budgeted.append(BudgetedChunk(
             flat_start, flat_start + n, step.slot_start, start, ids,
-            torch.tensor([ids], dtype=torch.long, device=self.device), step.state, step.is_compacted,
-            step.observe_from))
+            torch.tensor([ids], dtype=torch.long, device=self.device), step.state, attended_here,
+            step.observe_from, step.is_compacted))
 
     def build(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device

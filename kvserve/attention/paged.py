@@ -15,13 +15,16 @@ and open to the request's earlier tokens already in the cache.
     decode group: token_idx = [4, 7], block_table [2, max_blocks], mask [2, 1, 1, max_blocks * block_size]
     prefills    : (start 0, end 4), (start 5, end 7)
 
-A request under a KV budget (kv/budget/) that has compacted its cache is attended
-on its own (``BudgetedChunk``): its slots are no longer its positions, and each
-layer masks the slots it does not hold. Before its first compaction it takes the
-common path (so a budget larger than the context changes nothing), and its
-budgeted chunk only *observes*: it adds the attention weights its policy scores by.
-In each layer the state's ``before_attention`` hook runs first (ArkVale keeps the query
-and, in decode, brings back the blocks it ranks highest).
+A request under a KV budget (kv/budget/) takes the common path, in place where the backend
+reads in place, as long as every layer holds an entry in every slot it has: before its first
+compaction (slot = position), and after it where the policy keeps the same number of entries
+in every layer (``BudgetState.is_dense``: all but pyramid; the slots are then a plain
+sequence, the kept entries first, RoPE already applied). Its budgeted chunk then only
+*observes*: it adds the attention weights its policy scores by. A compacted request with holes
+(pyramid's smaller layers) is attended on its own (``BudgetedChunk.attended_here``), each
+layer masking the slots it does not hold. In each layer the states' ``before_attention`` hooks
+run before any attention (ArkVale keeps the query and, in decode, brings back the blocks it
+ranks highest, which the step's attention then reads).
 
 Keys and values are read through the storage protocol (kv/storage/), whatever the format.
 """
@@ -68,8 +71,9 @@ class BudgetedChunk:
     block_ids: list[int]      # the request's blocks holding slots [0, slot_start + n)
     block_table: torch.Tensor  # the same, [1, num_blocks]
     state: BudgetState
-    computes_output: bool     # attended here (compacted); else only observed
+    attended_here: bool       # attended here, masked (compacted with holes); else only observed
     observe_from: int         # first query position whose attention weights the policy scores
+    is_compacted: bool = False  # its slots are no longer its positions
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                     cache: KVStorage, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, Hkv, D] for the step's new tokens. Returns [T, H, D]."""
     cache.write(layer, k, v, meta.write)
+    for b in meta.budgeted:     # before any attention: a hook may bring blocks back
+        b.state.before_attention(layer, q[b.start:b.end], cache, b.block_ids, b.is_compacted)
     num_kv_heads = k.shape[1]
     group = q.shape[1] // num_kv_heads
     d, paged = meta.decode, meta.paged
@@ -151,8 +157,7 @@ def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
     """Observe (and, once compacted, attend) one budgeted request's chunk: q [n, H, D]."""
     st = b.state
     n, _, dim = q.shape
-    st.before_attention(layer, q, cache, b.block_ids, b.computes_output)
-    if not b.computes_output and not st.scores_attention:
+    if not b.attended_here and not st.scores_attention:
         return None         # observing for a policy that scores no attention weights: the hook was all
     ks, vs = cache.gather(layer, b.block_table)
     num_keys = ks.shape[1]
@@ -169,7 +174,7 @@ def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
         logits = torch.einsum("hgnd,hld->hgnl", qo, kh.float()) * scale
         logits = logits.masked_fill(~mask[first_row:], float("-inf"))
         st.add_scores(layer, logits.softmax(dim=-1).sum(dim=(1, 2)))
-    if not b.computes_output:
+    if not b.attended_here:
         return None
     vh = vs[0].to(q.dtype).transpose(0, 1)
     o = F.scaled_dot_product_attention(qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=mask,

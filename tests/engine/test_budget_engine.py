@@ -283,3 +283,32 @@ def test_a_small_host_store_evicts_stashed_blocks_and_counts_them(loaded):
         outs = small.step()
         small.check_integrity()
     assert len(outs[0].token_ids) == 20 and small.kv.budgets.host_store.num_blocks == 0
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_compacted_requests_attend_through_the_backends_as_the_masked_reference(loaded, policy, monkeypatch):
+    """A compacted request whose layers keep equal counts (every policy but pyramid) is a plain
+    sequence of slots: the cpu kernel and the torch path read it in place and give the tokens of
+    the masked reference (each layer's valid slots gathered and masked), which pyramid keeps."""
+    from kvserve.kv.budget.state import BudgetState
+
+    prompt = tokens(200, seed=5)
+    params = greedy(60, kv_budget=64, kv_policy=policy)
+    got = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, attention_backend=backend)
+        rid = run_prefill(llm, prompt, params)
+        state = llm.engine.kv.budgets._states[rid]
+        assert state.num_compactions > 0 and state.is_dense == (policy != "pyramid")
+        num_slots = llm.engine._requests[rid].num_computed_tokens - state.num_evicted
+        if state.is_dense:      # no slot is masked in any layer
+            assert all(bool(state.key_mask(layer, num_slots).all()) for layer in range(len(state.layer_budgets)))
+        while llm.engine.has_unfinished:
+            for out in llm.engine.step():
+                if out.finished:
+                    got[backend] = out.token_ids
+            llm.engine.check_integrity()
+    monkeypatch.setattr(BudgetState, "is_dense", property(lambda self: False))    # every slot masked by hand
+    reference = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64,
+                    attention_backend="torch").generate(prompt, params)[0].token_ids
+    assert got["torch"] == got["cpu"] == reference

@@ -131,9 +131,9 @@ class ArkValeState(BudgetState):
         return self.num_resident * self.block_size + num_computed % self.block_size
 
     def before_attention(self, layer: int, q: torch.Tensor, storage: KVStorage, block_ids: list[int],
-                         computes_output: bool) -> None:
+                         is_compacted: bool) -> None:
         self.capture_query(layer, q[-1])
-        if computes_output and q.shape[0] == 1:
+        if is_compacted and q.shape[0] == 1:
             self.select(layer, q[0], storage, block_ids)
 
     def release(self) -> None:

@@ -86,6 +86,12 @@ class BudgetState:
         return max(self.layer_budgets)
 
     @property
+    def is_dense(self) -> bool:
+        """Every layer keeps as many entries as the others, so once compacted each layer holds an
+        entry in every slot (kept ones first, then the tokens since): no slot is masked."""
+        return len(set(self.layer_budgets)) == 1
+
+    @property
     def scores_attention(self) -> bool:
         """The policy accumulates the attention weights its slots receive (``add_scores``)."""
         return self.score is not None
@@ -99,9 +105,9 @@ class BudgetState:
         return self.max_layer_budget
 
     def before_attention(self, layer: int, q: torch.Tensor, storage: KVStorage, block_ids: list[int],
-                         computes_output: bool) -> None:
+                         is_compacted: bool) -> None:
         """Layer ``layer`` is about to attend the chunk's queries ``q`` ([n, heads, dim]) over
-        the request's blocks ``block_ids`` (its output only when ``computes_output``)."""
+        the request's blocks ``block_ids`` (``is_compacted``: its slots are no longer positions)."""
 
     def release(self) -> None:
         """The request finished or was preempted: give back what the state holds outside it."""
