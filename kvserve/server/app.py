@@ -33,7 +33,8 @@ from kvserve.server.cache_api import PinBody, UnpinBody, cache_router
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, json_body
+from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ResponsesRequest, json_body
+from kvserve.server.responses import create_response
 from kvserve.server.serving import ClientGone, ServerSettings, ServingContext, now_s
 
 log = logging.getLogger("kvserve.server")
@@ -124,6 +125,10 @@ def _v1_router(ctx: ServingContext) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
 
+    @router.post("/responses", openapi_extra=json_body(ResponsesRequest.__name__))
+    async def responses(request: Request) -> Response:
+        return await create_response(ctx, request)
+
     @router.post("/cache/reset")
     async def reset_cache() -> Response:
         num_blocks = await ctx.engine.call(lambda engine: engine.reset_prefix_cache())
@@ -133,7 +138,8 @@ def _v1_router(ctx: ServingContext) -> APIRouter:
     return router
 
 
-_BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, PinBody, UnpinBody)
+_BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, PinBody,
+                                             UnpinBody)
 _REF = "#/components/schemas/{model}"
 
 

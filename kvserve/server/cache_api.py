@@ -22,9 +22,9 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import RequestSpec
 from kvserve.server.protocol import (
     APIError,
-    ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    GenerationFields,
     _Body,
     bad_request,
     json_body,
@@ -45,18 +45,19 @@ def completion_cache(req: CompletionRequest, tenant: str) -> CacheControl | None
     return _cache_control(req.cache_priority, pins, tenant_salt(tenant, req.cache_salt))
 
 
-async def chat_cache(ctx: ServingContext, req: ChatCompletionRequest, prompt_ids: list[int],
+async def chat_cache(ctx: ServingContext, req: GenerationFields, messages: list[ChatMessage], prompt_ids: list[int],
                      tenant: str) -> CacheControl | None:
-    """The retention class, the pins (a breakpoint per marked message) and the cache salt of a chat call."""
-    marked = [i for i, m in enumerate(req.messages) if m.cache_control is not None]
+    """The retention class, the pins (a breakpoint per marked message) and the cache salt of a
+    conversation (chat's ``messages``, a response's ``input``)."""
+    marked = [i for i, m in enumerate(messages) if m.cache_control is not None]
     if len(marked) > MAX_PINS_PER_REQUEST:
         raise bad_request(f"at most {MAX_PINS_PER_REQUEST} messages may carry cache_control, got {len(marked)}",
                           "messages")
     pins = []
     for i in marked:
-        ids = await _encode_messages(ctx, req.messages[:i + 1], f"messages.{i}.cache_control")
+        ids = await _encode_messages(ctx, messages[:i + 1], f"messages.{i}.cache_control")
         n = common_prefix_len(ids, prompt_ids)
-        cache_pin = req.messages[i].cache_control
+        cache_pin = messages[i].cache_control
         assert cache_pin is not None
         if n:
             pins.append(_prefix_pin(n, cache_pin.ttl, f"messages.{i}.cache_control"))

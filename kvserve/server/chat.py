@@ -12,9 +12,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.request import TokenLogprob
+from kvserve.sampling_params import StructuredOutputs
 from kvserve.server.async_engine import RequestSpec, RequestStream, StreamItem
 from kvserve.server.cache_api import chat_cache
-from kvserve.server.protocol import ChatCompletionRequest, bad_request, parse_body
+from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, GenerationFields, bad_request
 from kvserve.server.serving import DeltaText, ServingContext, now_s, response_id, sse_stream, usage
 from kvserve.server.tools import ToolPlan, parse_calls, plan_tools, template_messages
 
@@ -27,10 +28,44 @@ class _Plan:
     tools: ToolPlan
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """Messages to run through the chat template, and the fields that govern the reply (named
+    as the request's endpoint names them, for its errors)."""
+
+    messages: list[ChatMessage]
+    param: str                                    # the body field holding the messages
+    max_tokens: int | None
+    max_tokens_param: str
+    structured: StructuredOutputs | None
+    structured_param: str | None
+    template_tools: list[dict[str, Any]] | None = None
+    n: int = 1
+    logprobs: int | None = None
+
+
+async def plan_conversation(ctx: ServingContext, req: GenerationFields, conv: Conversation,
+                            tenant: str) -> tuple[list[int], list[RequestSpec]]:
+    """The prompt's token ids and a request per choice: chat's planning, which ``/v1/responses``
+    shares. 400 naming the field for a conversation the template refuses, a prompt too long,
+    a constraint that does not compile."""
+    try:
+        prompt = ctx.tokenizer.apply_chat_template(template_messages(conv.messages), add_generation_prompt=True,
+                                                   tools=conv.template_tools)
+    except ValueError as e:
+        raise bad_request(str(e), conv.param) from None
+    segmented = req.segmented(prompt, conv.param)
+    ids, blend = await ctx.encode(prompt if segmented is None else segmented, conv.param)
+    ctx.check_room(len(ids), conv.max_tokens, conv.max_tokens_param)
+    cache = await chat_cache(ctx, req, conv.messages, ids, tenant)
+    specs = [RequestSpec(ids, req.sampling_params(j, conv.max_tokens, conv.logprobs, structured=conv.structured),
+                         cache, blend) for j in range(conv.n)]
+    await ctx.check_params(specs[0].params, conv.structured_param)
+    return ids, specs
+
+
 async def plan_chat(ctx: ServingContext, request: Request) -> _Plan:
-    req = parse_body(ChatCompletionRequest, await ctx.read_body(request))
-    ctx.check_model(req.model)
-    req.check_unsupported()
+    req = await ctx.read_request(ChatCompletionRequest, request)
     req.stop_strings()   # a bad stop list is reported before the prompt is looked at
     tools = plan_tools(req, ctx.tokenizer.template_declares_tools)
     structured, param = req.structured()
@@ -38,20 +73,10 @@ async def plan_chat(ctx: ServingContext, request: Request) -> _Plan:
         if structured is not None:
             raise bad_request(f"tool_choice {tools.mode} constrains the output; drop {param}", param)
         structured, param = tools.structured, "tools"
-    try:
-        prompt = ctx.tokenizer.apply_chat_template(template_messages(req.messages), add_generation_prompt=True,
-                                                   tools=tools.template_tools)
-    except ValueError as e:
-        raise bad_request(str(e), "messages") from None
-    segmented = req.segmented(prompt, "messages")
-    ids, blend = await ctx.encode(prompt if segmented is None else segmented, "messages")
-    ctx.check_room(len(ids), req.max_new_tokens,
-                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    cache = await chat_cache(ctx, req, ids, request.state.tenant)
-    specs = [RequestSpec(ids, req.sampling_params(j, req.max_new_tokens, logprobs, structured=structured), cache,
-                         blend) for j in range(req.n)]
-    await ctx.check_params(specs[0].params, param)
+    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    conv = Conversation(req.messages, "messages", req.max_new_tokens, max_tokens_param, structured, param,
+                        tools.template_tools, req.n, (req.top_logprobs or 0) if req.logprobs else None)
+    ids, specs = await plan_conversation(ctx, req, conv, request.state.tenant)
     return _Plan(req, ids, specs, tools)
 
 

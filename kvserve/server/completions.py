@@ -8,7 +8,7 @@ Choice ``i * n + j`` is sample ``j`` of prompt ``i``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.request import TokenLogprob
 from kvserve.server.async_engine import RequestSpec, RequestStream, StreamItem
 from kvserve.server.cache_api import completion_cache
-from kvserve.server.protocol import MAX_BATCH_REQUESTS, CompletionRequest, bad_request, parse_body
+from kvserve.server.protocol import MAX_BATCH_REQUESTS, CompletionRequest, bad_request
 from kvserve.server.serving import DeltaText, ServingContext, now_s, response_id, sse_stream, usage
 
 LogprobEntry = tuple[int, TokenLogprob | None]   # token id, its logprob (None for the first prompt token)
@@ -41,11 +41,9 @@ class _Plan:
 
 
 async def plan_completion(ctx: ServingContext, request: Request) -> _Plan:
-    req = parse_body(CompletionRequest, await ctx.read_body(request))
-    ctx.check_model(req.model)
-    req.check_unsupported()
+    req = await ctx.read_request(CompletionRequest, request)
     req.stop_strings()   # a bad stop list is reported before the prompt is looked at
-    prompts = req.prompts()
+    prompts: Sequence[str | list[int]] = req.prompts()
     if len(prompts) * req.n > MAX_BATCH_REQUESTS:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} is more than {MAX_BATCH_REQUESTS} completions "
                           "in one request", "n")

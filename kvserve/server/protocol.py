@@ -4,11 +4,13 @@ Request models are strict (no "5" for 5, no true for 1) and forbid unknown field
 OpenAI API does ("Unrecognized request argument"): a typo such as ``max_token`` is an error,
 not a silently ignored option. OpenAI fields that do not change the output (``user``,
 ``metadata``, ``store``, ``service_tier``, ...) are accepted and ignored; fields this server
-cannot honour (``suffix``, ``best_of != n``) are accepted only at their neutral value.
+cannot honour (``suffix``, ``best_of != n``, the Responses API's ``tools``, ``store: true``,
+``previous_response_id``, ...) are accepted only at their neutral value, else a 400 saying why.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -87,18 +89,15 @@ class StructuredOutputsBody(_Body):
     json_object: bool | None = None
 
 
-class _SamplingFields(_Body):
-    """What completions and chat share."""
+class GenerationFields(_Body):
+    """What every generation endpoint shares (completions, chat, responses)."""
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)          # vLLM's extension; 0 disables it
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
-    stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_CHOICES)   # choice j uses seed + j
     stream: bool = False
-    stream_options: StreamOptions | None = None
     ignore_eos: bool = False                        # vLLM's extension, for benchmarks
     cache_priority: Literal["normal", "high"] | None = None   # kvserve's: the retention class of its blocks
     # vLLM's: blocks are shared only between requests with the same salt (docs/server.md "Tenants")
@@ -109,7 +108,6 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)                             # vLLM's extension
     speculate: bool = True       # kvserve's: false keeps this request out of speculative decoding (docs/spec.md)
-    response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None      # vLLM's extension
     # kvserve's: texts in the prompt (documents) whose KV is reused from a standalone
     # computation, wherever they appear, recomputing blend_fraction of them (lossy; docs/blend.md)
@@ -142,6 +140,95 @@ class _SamplingFields(_Body):
             raise bad_request(f"segments: {e} ({param})", "segments") from None
 
     def stop_strings(self) -> tuple[str, ...]:
+        return ()
+
+    def check_unsupported(self) -> None:
+        """APIError(400) for what the endpoint accepts only at a neutral value."""
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise bad_request(f"logit_bias keys must be token ids (strings of digits), got {key!r:.40}",
+                                  "logit_bias")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for {key}", "logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def output_format(self) -> tuple[StructuredOutputs, str] | None:
+        """The constraint the endpoint's own format field asks for, and that field."""
+        return None
+
+    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
+        """The output constraint asked for, and the field that asked; 400 when more than one does."""
+        asked: list[tuple[StructuredOutputs, str]] = []
+        own = self.output_format()
+        if own is not None:
+            asked.append(own)
+        so = self.structured_outputs
+        if so is not None:
+            asked.append((_constraint("structured_outputs", json=so.json_, regex=so.regex, choice=so.choice,
+                                      grammar=so.grammar, json_object=bool(so.json_object)), "structured_outputs"))
+        if len(asked) > 1:
+            raise bad_request(f"give one output constraint, not {' and '.join(p for _, p in asked)}", asked[1][1])
+        return asked[0] if asked else (None, None)
+
+    def sampling_params(self, choice: int, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutputs | None = None) -> SamplingParams:
+        """The parameters of choice ``choice`` (its seed is ``seed + choice``), with the
+        endpoint's own token limit, logprobs and output constraint; APIError(400) for values
+        they refuse."""
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=self.effective_temperature, top_p=self.effective_top_p,
+                top_k=self.top_k or 0, seed=None if self.seed is None else self.seed + choice,
+                stop=self.stop_strings(), ignore_eos=self.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                logit_bias=tuple(self.logit_bias_ids().items()), min_tokens=self.min_tokens, structured=structured,
+                speculate=self.speculate)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    @property
+    def effective_temperature(self) -> float:
+        return 1.0 if self.temperature is None else self.temperature
+
+    @property
+    def effective_top_p(self) -> float:
+        return 1.0 if self.top_p is None else self.top_p
+
+
+def _constraint(param: str, **fields: Any) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(**fields)
+    except ValueError as e:
+        raise bad_request(f"{param}: {e}", param) from None
+
+
+def _json_format(kind: str, schema: dict[str, Any] | None, param: str,
+                 schema_field: str) -> tuple[StructuredOutputs, str] | None:
+    """The constraint of a ``json_object`` or ``json_schema`` format (None for ``text``)."""
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True), param
+    if kind != "json_schema":
+        return None
+    if schema is None:
+        raise bad_request(f"{param} json_schema needs {schema_field}", param)
+    return _constraint(param, json=schema), param
+
+
+class _SamplingFields(GenerationFields):
+    """What completions and chat add."""
+
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
@@ -157,59 +244,12 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def logit_bias_ids(self) -> dict[int, float]:
-        bias: dict[int, float] = {}
-        for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
-                raise bad_request(f"logit_bias keys must be token ids (strings of digits), got {key!r:.40}",
-                                  "logit_bias")
-            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for {key}", "logit_bias")
-            bias[int(key)] = value
-        return bias
-
-    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
-        """The output constraint asked for, and the field that asked; 400 when more than one does."""
-        asked: list[tuple[StructuredOutputs, str]] = []
+    def output_format(self) -> tuple[StructuredOutputs, str] | None:
         rf = self.response_format
-        if rf is not None and rf.type == "json_object":
-            asked.append((StructuredOutputs(json_object=True), "response_format"))
-        elif rf is not None and rf.type == "json_schema":
-            if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
-            asked.append((self._spec("response_format", json=rf.json_schema.schema_), "response_format"))
-        so = self.structured_outputs
-        if so is not None:
-            asked.append((self._spec("structured_outputs", json=so.json_, regex=so.regex, choice=so.choice,
-                                     grammar=so.grammar, json_object=bool(so.json_object)), "structured_outputs"))
-        if len(asked) > 1:
-            raise bad_request(f"give one output constraint, not {' and '.join(p for _, p in asked)}", asked[1][1])
-        return asked[0] if asked else (None, None)
-
-    @staticmethod
-    def _spec(param: str, **fields: Any) -> StructuredOutputs:
-        try:
-            return StructuredOutputs(**fields)
-        except ValueError as e:
-            raise bad_request(f"{param}: {e}", param) from None
-
-    def sampling_params(self, choice: int, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None,
-                        structured: StructuredOutputs | None = None) -> SamplingParams:
-        """The parameters of choice ``choice`` (its seed is ``seed + choice``), with the
-        endpoint's own token limit, logprobs and output constraint; APIError(400) for values
-        they refuse."""
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                seed=None if self.seed is None else self.seed + choice, stop=self.stop_strings(),
-                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty, logit_bias=tuple(self.logit_bias_ids().items()),
-                min_tokens=self.min_tokens, structured=structured, speculate=self.speculate)
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+        if rf is None:
+            return None
+        return _json_format(rf.type, None if rf.json_schema is None else rf.json_schema.schema_, "response_format",
+                            "json_schema.schema")
 
 
 class CompletionRequest(_SamplingFields):
@@ -269,8 +309,12 @@ class ChatMessage(_Body):
 
     @property
     def text(self) -> str:
-        content = self.content
-        return "".join(part.text for part in content) if isinstance(content, list) else content or ""
+        return _joined(self.content)
+
+
+def _joined(content: str | list[TextPart] | list[ResponseTextPart] | None) -> str:
+    """A message's text: the string, or its text parts joined."""
+    return "".join(part.text for part in content) if isinstance(content, list) else content or ""
 
 
 class FunctionDef(_Body):
@@ -316,11 +360,118 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+
+# -- /v1/responses ------------------------------------------------------------------------------
+class ResponseTextPart(_Body):
+    """A text part of a Responses input message: the caller's text, or an earlier answer's
+    passed back (its ``annotations``, citations, are carried along and not shown to the model)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[dict[str, Any]] | None = None
+
+
+class ResponseInputMessage(_Body):
+    """A message item of ``input``. An earlier response's output item may be passed back as it
+    came (``id``, ``status``: they name it and change nothing); other item types (tool calls,
+    reasoning, images) are not accepted."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ResponseTextPart]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class ResponseTextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseTextConfig(_Body):
+    format: ResponseTextFormat | None = None
+
+
+# OpenAI Responses options this server cannot honour: accepted only at the values that ask for
+# nothing (first), otherwise a 400 saying why (second)
+NO_STORED_RESPONSES = "this server keeps no responses; send the whole conversation in input"
+RESPONSES_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((None, []), "no tools on /v1/responses (/v1/chat/completions takes function tools)"),
+    "tool_choice": ((None, "none", "auto"), "there are no tools to call on /v1/responses"),
+    "previous_response_id": ((None,), NO_STORED_RESPONSES),
+    "conversation": ((None,), NO_STORED_RESPONSES),
+    "store": ((None, False), "this server keeps no responses to retrieve; send false or leave it out"),
+    "background": ((None, False), "a background response is polled from storage, and none is kept"),
+    "reasoning": ((None,), "the served model has no reasoning mode (effort, summaries)"),
+    "include": ((None, []), "there is nothing extra to include (no reasoning, tool or logprob outputs)"),
+    "truncation": ((None, "disabled"), "only 'disabled': an input beyond the context window is a 400"),
+    "top_logprobs": ((None, 0), "no logprobs on /v1/responses (/v1/chat/completions returns them)"),
+    "prompt": ((None,), "no stored prompt templates; send the text in input and instructions"),
+}
+
+
+class ResponsesRequest(GenerationFields):
+    """``POST /v1/responses``: the chat engine path with the Responses API's fields."""
+
+    input: list[ResponseInputMessage] | str
+    instructions: str | None = None               # a leading system message
+    max_output_tokens: int | None = Field(None, ge=1)
+    text: ResponseTextConfig | None = None
+    parallel_tool_calls: bool | None = None       # no tools, so nothing to call in parallel either way
+    # refused unless neutral (RESPONSES_REFUSED)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        for name, (neutral, why) in RESPONSES_REFUSED.items():
+            value = getattr(self, name)
+            if value not in neutral:
+                shown = json.dumps(value, ensure_ascii=False)
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                raise bad_request(f"{name} {shown} is not supported by this server: {why}", name)
+        if isinstance(self.input, list) and not self.input:
+            raise bad_request("input must hold at least one message", "input")
+
+    def messages(self) -> list[ChatMessage]:
+        """``instructions`` as a system message, then ``input`` (a string is one user message)."""
+        items = self.input if isinstance(self.input, list) else [ResponseInputMessage(role="user", content=self.input)]
+        system = [] if self.instructions is None else [ChatMessage(role="system", content=self.instructions)]
+        return system + [ChatMessage(role=m.role, content=_joined(m.content)) for m in items]
+
+    @property
+    def text_format(self) -> ResponseTextFormat | None:
+        return None if self.text is None else self.text.format
+
+    def output_format(self) -> tuple[StructuredOutputs, str] | None:
+        fmt = self.text_format
+        if fmt is None:
+            return None
+        param = "text.format"
+        if fmt.type != "json_schema" and (fmt.name, fmt.schema_, fmt.description, fmt.strict) != (None,) * 4:
+            raise bad_request(f"{param}: name, schema, description and strict go with type json_schema", param)
+        if fmt.type == "json_schema" and fmt.name is None:
+            raise bad_request(f"{param} json_schema needs name", param)
+        return _json_format(fmt.type, fmt.schema_, param, "schema")
+
+
 _HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "must be a string or a list of strings",
     "messages": "must be a list of {'role', 'content'} objects",
-    "content": "must be a string or a list of {'type': 'text', 'text': ...} parts",
+    "content": "must be a string or a list of {'type', 'text'} text parts",
+    "input": "must be a string or a list of {'role', 'content'} message items",
     "tools": "must be a list of {'type': 'function', 'function': {'name', 'description', 'parameters'}} objects",
     "tool_choice": "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
 }

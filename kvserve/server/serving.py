@@ -1,4 +1,4 @@
-"""What both generation endpoints share: settings, input checks, running requests, text deltas."""
+"""What the generation endpoints share: settings, input checks, running requests, text deltas, events."""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ from kvserve.server.async_engine import (
     StreamItem,
 )
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import APIError, bad_request
+from kvserve.server.protocol import APIError, GenerationFields, bad_request, parse_body
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 T = TypeVar("T")
+Body = TypeVar("Body", bound=GenerationFields)
 
 
 TENANT_SEP = "\x1f"      # between a tenant's name and a request's own cache salt
@@ -139,6 +140,13 @@ class ServingContext:
             raise APIError(415, f"the request body must be JSON, sent as Content-Type: application/json "
                                 f"(got {media or 'none'})", code="unsupported_media_type")
         return b"".join(chunks)
+
+    async def read_request(self, model: type[Body], request: Request) -> Body:
+        """The body validated as ``model``, for the model served, with what it refuses refused."""
+        req: Body = parse_body(model, await self.read_body(request))
+        self.check_model(req.model)
+        req.check_unsupported()
+        return req
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.model_name:
@@ -261,29 +269,41 @@ class DeltaText:
         return delta
 
 
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
 async def sse_stream(stream: RequestStream, head: list[dict[str, Any]],
                      chunk: Callable[[StreamItem], dict[str, Any] | None],
-                     tail: Callable[[], list[dict[str, Any]]]) -> AsyncIterator[str]:
-    """Server-sent events: ``head``, a chunk per output (None skips it), ``tail``, [DONE].
+                     tail: Callable[[], list[dict[str, Any]]],
+                     write: Callable[[dict[str, Any]], str] = sse,
+                     error: Callable[[APIError], dict[str, Any]] = APIError.body,
+                     done: bool = True) -> AsyncIterator[str]:
+    """Server-sent events: ``head``, a chunk per output (None skips it), ``tail``, then
+    ``[DONE]`` (unless ``done`` is false), each event written by ``write``.
 
-    A failure mid-stream ends it with an error event: 500 ``server_error`` when this
+    A failure mid-stream ends it with ``error``'s event: 500 ``server_error`` when this
     request failed (the others go on), 503 when the engine did. The ``finally`` runs when
     the client disconnects too (the response task is cancelled), aborting what is left.
     """
     try:
         for c in head:
-            yield sse(c)
+            yield write(c)
         async for item in stream:
             event = chunk(item)
             if event is not None:
-                yield sse(event)
+                yield write(event)
         for c in tail():
-            yield sse(c)
-        yield SSE_DONE
+            yield write(c)
+        if done:
+            yield SSE_DONE
     except RequestFailed as e:
-        yield sse(APIError(500, str(e), type="server_error").body())
+        yield write(error(APIError(500, str(e), type="server_error")))
     except EngineError as e:
-        yield sse(APIError(503, str(e), type="server_error").body())
+        yield write(error(APIError(503, str(e), type="server_error")))
     finally:
         stream.close()
 
@@ -294,16 +314,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def response_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def response_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
 def now_s() -> int:
     return int(time.time())
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"

@@ -41,7 +41,8 @@ def api_schema(fuzzed_server):
 # schemathesis' own pytest plugin does not run under pytest 9 (it reads a private node
 # attribute), so each operation's strategy is driven with Hypothesis directly
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/cache/pin", "/v1/cache/unpin"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/cache/pin",
+                                  "/v1/cache/unpin"])
 def test_no_server_errors(api_schema, path, mode):
     operations = [result.ok() for result in api_schema.include(path=path, method="POST").get_all_operations()]
     assert len(operations) == 1
