@@ -154,29 +154,50 @@ def _decode(q: torch.Tensor, d: DecodeGroup, layer: int, cache: KVStorage,
 
 def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
               num_kv_heads: int, group: int, scale: float) -> torch.Tensor | None:
-    """Observe (and, once compacted, attend) one budgeted request's chunk: q [n, H, D]."""
+    """Observe (and, when it has holes, attend) one budgeted request's chunk: q [n, H, D]."""
     st = b.state
-    n, _, dim = q.shape
-    if not b.attended_here and not st.scores_attention:
-        return None         # observing for a policy that scores no attention weights: the hook was all
-    ks, vs = cache.gather(layer, b.block_table)
-    num_keys = ks.shape[1]
-    num_slots = b.slot_start + n
-    valid = torch.zeros(num_keys, dtype=torch.bool, device=q.device)
-    valid[:num_slots] = st.key_mask(layer, num_slots)
-    q_slots = torch.arange(b.slot_start, num_slots, device=q.device)
-    mask = valid[None, :] & (torch.arange(num_keys, device=q.device)[None, :] <= q_slots[:, None])  # [n, L]
-    kh = ks[0].to(q.dtype).transpose(0, 1)           # [Hkv, L, D]
-    qh = q.transpose(0, 1)                           # [H, n, D]
-    first_row = max(0, b.observe_from - b.first_pos)
-    if st.scores_attention and first_row < n:
-        qo = qh[:, first_row:].reshape(num_kv_heads, group, n - first_row, dim).float()
-        logits = torch.einsum("hgnd,hld->hgnl", qo, kh.float()) * scale
-        logits = logits.masked_fill(~mask[first_row:], float("-inf"))
-        st.add_scores(layer, logits.softmax(dim=-1).sum(dim=(1, 2)))
+    if st.scores_attention:
+        _score(q, b, layer, cache, num_kv_heads, group, scale)
     if not b.attended_here:
         return None
-    vh = vs[0].to(q.dtype).transpose(0, 1)
-    o = F.scaled_dot_product_attention(qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=mask,
-                                       scale=scale, enable_gqa=group > 1)
+    n = q.shape[0]
+    num_slots = b.slot_start + n
+    ks, vs = cache.gather(layer, b.block_table)
+    kh = ks[0, :num_slots].to(q.dtype).transpose(0, 1)           # [Hkv, S, D]
+    vh = vs[0, :num_slots].to(q.dtype).transpose(0, 1)
+    mask = _slot_mask(st, layer, b.slot_start, n, masks_keys=True)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0),
+                                       attn_mask=mask, scale=scale, enable_gqa=group > 1)
     return o[0].transpose(0, 1)
+
+
+def _score(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
+           num_kv_heads: int, group: int, scale: float) -> None:
+    """Add the attention weights the chunk's scored queries give each slot to the policy's
+    scores: the keys alone are read, only the slots held, and no mask is built where none
+    applies (one query over a layer that holds every slot)."""
+    n, _, dim = q.shape
+    first_row = max(0, b.observe_from - b.first_pos)
+    if first_row >= n:
+        return
+    num_slots = b.slot_start + n
+    keys = cache.gather_keys(layer, b.block_table)[0, :num_slots]          # [S, Hkv, D]
+    qo = q[first_row:].transpose(0, 1).reshape(num_kv_heads, group, n - first_row, dim).float()
+    logits = torch.einsum("hgnd,shd->hgns", qo, keys.float()) * scale
+    mask = _slot_mask(b.state, layer, b.slot_start + first_row, n - first_row,
+                      masks_keys=b.is_compacted and not b.state.is_dense)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    b.state.add_scores(layer, logits.softmax(dim=-1).sum(dim=(1, 2)))
+
+
+def _slot_mask(st: BudgetState, layer: int, first_slot: int, n: int, masks_keys: bool) -> torch.Tensor | None:
+    """[n, first_slot + n] True where query i (at slot first_slot + i) sees a slot: up to its own,
+    and (``masks_keys``) only the slots the layer holds; None when it sees every slot."""
+    num_slots = first_slot + n
+    valid = st.key_mask(layer, num_slots) if masks_keys else None
+    if n == 1 and (valid is None or bool(valid.all())):
+        return None
+    device = st.device
+    causal = torch.arange(num_slots, device=device)[None, :] <= torch.arange(first_slot, num_slots, device=device)[:, None]
+    return causal if valid is None else causal & valid[None, :]

@@ -197,3 +197,15 @@ def test_arkvale_cannot_recall_blocks_the_host_store_evicted():
     st.host_store.check_integrity()
     st.release()
     assert st.host_store.num_blocks == 0 and st.host_nbytes == 0
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5, 1.0])
+def test_the_digest_box_scores_blocks_as_block_scores(weight):
+    """``DigestBox`` (what decode ranks with: two batched products) gives ``block_scores``."""
+    from kvserve.kv.budget.arkvale import DigestBox
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(37, 3, 16, generator=g), torch.randn(37, 3, 16, generator=g)
+    dmin, dmax = torch.minimum(a, b), torch.maximum(a, b)
+    q = torch.randn(9, 16, generator=g)
+    assert torch.allclose(DigestBox(dmin, dmax).scores(q, weight), block_scores(q, dmin, dmax, weight), atol=1e-5)

@@ -116,3 +116,30 @@ def test_quantized_storage_that_does_not_fit_says_what_to_lower():
     assert QuantizedKVCache.residual_row_nbytes(TINY, fmt, 4, F32) == 2 * 4 * 2 * 16 * 4
     int8 = parse_kv_format("int8", TINY.num_layers, F32, head_dim=TINY.head_dim)
     assert make_storage(TINY, int8, CacheConfig(block_size=4, memory_bytes=1000), SCHED, F32, CPU).num_blocks == 1
+
+
+def test_swapping_blocks_returns_what_they_held_and_stores_the_new():
+    """``swap_blocks`` (ArkVale's recalls, one read and one write) as block-by-block reads and
+    writes do, and the keys alone of a gather (``gather_keys``) as the gather's."""
+    from kvserve.kv.storage.base import KVStorage
+
+    cache = storage("native")
+    g = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        for t in (cache.key_caches[layer], cache.value_caches[layer]):
+            t.copy_(torch.randn(t.shape, generator=g))
+    before = [cache.read_block(1, b) for b in (6, 1)]
+    before = [(k.clone(), v.clone()) for k, v in before]
+    new_k, new_v = torch.randn(2, 4, 2, 16, generator=g), torch.randn(2, 4, 2, 16, generator=g)
+    other = storage("native")
+    for layer in range(2):
+        other.key_caches[layer].copy_(cache.key_caches[layer])
+        other.value_caches[layer].copy_(cache.value_caches[layer])
+    old_k, old_v = cache.swap_blocks(1, torch.tensor([6, 1]), new_k, new_v)
+    ref_k, ref_v = KVStorage.swap_blocks(other, 1, torch.tensor([6, 1]), new_k, new_v)   # the block-by-block default
+    assert torch.equal(old_k, ref_k) and torch.equal(old_v, ref_v)
+    assert torch.equal(old_k[0], before[0][0]) and torch.equal(old_v[1], before[1][1])
+    assert torch.equal(cache.read_block(1, 6)[0], new_k[0]) and torch.equal(cache.read_block(1, 1)[1], new_v[1])
+    assert torch.equal(cache.key_caches[1], other.key_caches[1]) and torch.equal(cache.key_caches[0], other.key_caches[0])
+    table = torch.tensor([[3, 6, 1]])
+    assert torch.equal(cache.gather_keys(1, table), cache.gather(1, table)[0])

@@ -64,6 +64,28 @@ def rank_blocks(q: torch.Tensor | None, dmin: torch.Tensor, dmax: torch.Tensor,
     return rank
 
 
+class DigestBox:
+    """A layer's digests as the centre and half width of each block's key box, laid out for
+    two batched products per query: [kv_heads, blocks, dim] each (built once per compaction)."""
+
+    def __init__(self, dmin: torch.Tensor, dmax: torch.Tensor) -> None:
+        lo, hi = dmin.float().transpose(0, 1), dmax.float().transpose(0, 1)
+        self.source = dmin
+        self.centre = ((hi + lo) / 2).contiguous()
+        self.half_width = ((hi - lo) / 2).contiguous()
+
+    def scores(self, q: torch.Tensor, bound_weight: float) -> torch.Tensor:
+        """``block_scores`` of ``q`` [heads, dim] -> [blocks], without the [blocks, heads, dim]
+        intermediates: per KV head, [blocks, dim] x [dim, group]."""
+        kv_heads, num_blocks, dim = self.centre.shape
+        qg = q.float().view(kv_heads, -1, dim).transpose(1, 2)            # [kv, dim, group]
+        s = torch.bmm(self.centre, qg)                                     # [kv, blocks, group]
+        if bound_weight:
+            s = s + bound_weight * torch.bmm(self.half_width, qg.abs())
+        s = s.transpose(0, 1).reshape(num_blocks, -1)                      # [blocks, heads]
+        return (s - s.max(dim=0).values).max(dim=1).values
+
+
 def block_scores(q: torch.Tensor, dmin: torch.Tensor, dmax: torch.Tensor,
                  bound_weight: float = 1.0) -> torch.Tensor:
     """Rank key for each block: q [heads, dim], dmin/dmax [blocks, kv_heads, dim] -> [blocks].
@@ -106,6 +128,7 @@ class ArkValeState(BudgetState):
         self.dmin: list[torch.Tensor | None] = [None] * num_layers
         self.dmax: list[torch.Tensor | None] = [None] * num_layers
         self.last_q: list[torch.Tensor | None] = [None] * num_layers
+        self._boxes: list[DigestBox | None] = [None] * num_layers       # the digests as ``select`` reads them
         self.recalls: list[tuple[int, int]] = []       # (layer, block) each time a host block came back
         self.host_device = torch.device("cpu")
 
@@ -147,20 +170,28 @@ class ArkValeState(BudgetState):
         dmin, dmax = self.dmin[layer], self.dmax[layer]
         if dmin is None or dmax is None or dmin.shape[0] <= len(resident):
             return
-        top = self._rank(layer, q, dmin, dmax).topk(len(resident)).indices.tolist()
+        box = self._boxes[layer]
+        if box is None or box.source is not dmin:
+            box = self._boxes[layer] = DigestBox(dmin, dmax)
+        rank = box.scores(q, self.bound_weight)
+        rank[0] = rank[rank.shape[0] - 1] = float("inf")        # as rank_blocks: sinks and the latest block
+        top = self._demote_lost(layer, rank).topk(len(resident)).indices.tolist()
         wanted = set(top)
-        missing = [j for j in top if self.host_store.contains(self._key(layer, j))]
+        on_device = set(resident)
+        missing = [j for j in top if j not in on_device and self.host_store.contains(self._key(layer, j))]
         if not missing:
             return
         spare = [i for i, j in enumerate(resident) if j not in wanted]
         # all taken before any outgoing block is stashed, which may evict the oldest blocks
         recalled = [(j, i, self.host_store.take(self._key(layer, j))) for j, i in zip(missing, spare)]
-        for j_new, i, (k, v) in recalled:
-            block = block_ids[i]
-            key_block, value_block = storage.read_block(layer, block)
-            self.host_store.put(self._key(layer, resident[i]), (key_block.to(self.host_device, copy=True),
-                                                                 value_block.to(self.host_device, copy=True)))
-            storage.write_block(layer, block, k, v)
+        slots = torch.tensor([block_ids[i] for _, i, _ in recalled], dtype=torch.long, device=storage.device)
+        incoming_k = torch.stack([k for _, _, (k, _) in recalled]).to(storage.device)
+        incoming_v = torch.stack([v for _, _, (_, v) in recalled]).to(storage.device)
+        out_k, out_v = storage.swap_blocks(layer, slots, incoming_k, incoming_v)
+        out_k, out_v = out_k.to(self.host_device), out_v.to(self.host_device)
+        for n, (j_new, i, _) in enumerate(recalled):
+            # each block its own storage: a view would keep the whole batch alive past its bytes' count
+            self.host_store.put(self._key(layer, resident[i]), (out_k[n].clone(), out_v[n].clone()))
             resident[i] = j_new
             self.recalls.append((layer, j_new))
 
@@ -169,7 +200,10 @@ class ArkValeState(BudgetState):
 
     def _rank(self, layer: int, q: torch.Tensor | None, dmin: torch.Tensor, dmax: torch.Tensor) -> torch.Tensor:
         """``rank_blocks``, with the blocks the host store evicted for room at the bottom."""
-        rank = rank_blocks(q, dmin, dmax, self.bound_weight)
+        return self._demote_lost(layer, rank_blocks(q, dmin, dmax, self.bound_weight))
+
+    def _demote_lost(self, layer: int, rank: torch.Tensor) -> torch.Tensor:
+        """``rank`` with the blocks the host store evicted for room at the bottom."""
         if self.host_store.num_evicted_of(self.owner):
             resident = set(self.resident[layer])
             # blocks the last compaction digested are resident or stashed, unless evicted

@@ -25,7 +25,7 @@ class StashKey(NamedTuple):
 
 
 def host_block_nbytes(block: HostBlock) -> int:
-    return sum(t.numel() * t.element_size() for t in block)
+    return block[0].nbytes + block[1].nbytes
 
 
 class HostBlockStore:

@@ -140,6 +140,10 @@ class KVStorage(ABC):
         [B, nb * block_size, heads, dim] in ``dtype``, tokens in order; ``overlay`` (from this
         step's planner) says where open blocks are read from."""
 
+    def gather_keys(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
+        """The keys alone of ``gather`` (what scoring attention weights reads)."""
+        return self.gather(layer, block_table)[0]
+
     @abstractmethod
     def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
         """Keys and values of ``layer`` as an attention kernel reads them in place: each
@@ -161,3 +165,14 @@ class KVStorage(ABC):
     def write_block(self, layer: int, block_id: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Overwrite one block of ``layer`` with ``key``/``value`` ([block_size, heads, dim])."""
         raise NotImplementedError(f"{type(self).__name__} cannot write blocks as stored (no KV budgets)")
+
+    def swap_blocks(self, layer: int, block_ids: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replace blocks ``block_ids`` ([m]) of ``layer`` with ``key``/``value`` ([m, block_size,
+        heads, dim]); returns what they held (copies, same shape). One read and one write of all
+        ``m`` (ArkVale's recalls)."""
+        old = [self.read_block(layer, int(b)) for b in block_ids.tolist()]
+        out_k, out_v = torch.stack([k for k, _ in old]), torch.stack([v for _, v in old])
+        for i, b in enumerate(block_ids.tolist()):
+            self.write_block(layer, b, key[i], value[i])
+        return out_k, out_v

@@ -82,6 +82,11 @@ class PagedKVCache(KVStorage):
         shape = (block_table.shape[0], block_table.shape[1] * self.block_size, k.shape[2], k.shape[3])
         return k.index_select(0, flat).view(shape), v.index_select(0, flat).view(shape)
 
+    def gather_keys(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
+        k = self.key_caches[layer]
+        flat = block_table.reshape(-1)
+        return k.index_select(0, flat).view(block_table.shape[0], -1, k.shape[2], k.shape[3])
+
     def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
         return self._halves[layer]
 
@@ -100,6 +105,14 @@ class PagedKVCache(KVStorage):
     def write_block(self, layer: int, block_id: int, key: torch.Tensor, value: torch.Tensor) -> None:
         self.key_caches[layer][block_id].copy_(key)
         self.value_caches[layer][block_id].copy_(value)
+
+    def swap_blocks(self, layer: int, block_ids: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.key_caches[layer], self.value_caches[layer]
+        old = k.index_select(0, block_ids), v.index_select(0, block_ids)
+        k.index_copy_(0, block_ids, key.to(k.dtype))
+        v.index_copy_(0, block_ids, value.to(v.dtype))
+        return old
 
 
 class _SlotPlanner(WritePlanner):
