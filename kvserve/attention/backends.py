@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from kvserve.kv.storage.layout import HalfStore, PagedBatch
+from kvserve.kv.storage.layout import AttentionScores, HalfStore, PagedBatch
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     #: False for the torch path, which reads through ``KVStorage.gather`` instead.
     reads_in_place: ClassVar[bool] = True
+    #: ``attend`` takes ``scores`` (``AttentionScores``): it adds the attention weights keys get.
+    scores_attention: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -44,7 +46,8 @@ class AttentionBackend(ABC):
         """Why this backend cannot run on ``device`` here, or None when it can."""
 
     def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, scores: AttentionScores | None = None) -> torch.Tensor:
+        """``scores`` only where ``scores_attention``."""
         raise NotImplementedError(f"the {self.name} backend reads through the storage's gather")
 
 
@@ -59,6 +62,7 @@ class TorchBackend(AttentionBackend):
 
 class CpuBackend(AttentionBackend):
     name = "cpu"
+    scores_attention = True
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -75,10 +79,12 @@ class CpuBackend(AttentionBackend):
         self._layers: dict[tuple[int, int], tuple[HalfStore, HalfStore, object]] = {}
 
     def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, scores: AttentionScores | None = None) -> torch.Tensor:
         cpu = self._cpu
         ext = cpu.load_extension()
         if ext is None or q.dtype != torch.float32 or not q.is_contiguous() or q.device.type != "cpu":
+            if scores is not None:
+                raise ValueError("attention scores need contiguous float32 CPU queries and the C++ kernel")
             return cpu.paged_attention(q, key, value, batch, scale, out)    # checks and says what is wrong
         held = self._layers.get((id(key), id(value)))
         if held is None or held[0] is not key or held[1] is not value:
@@ -86,7 +92,7 @@ class CpuBackend(AttentionBackend):
                 self._layers.clear()
             held = (key, value, cpu.register_halves(ext, key, value, q.shape[-1]))
             self._layers[(id(key), id(value))] = held
-        return cpu.run_registered(ext, held[2], q, batch, scale, out)
+        return cpu.run_registered(ext, held[2], q, batch, scale, out, scores)
 
 
 class TritonBackend(AttentionBackend):
@@ -102,7 +108,9 @@ class TritonBackend(AttentionBackend):
         return f"triton kernels run on CUDA (or on CPU under TRITON_INTERPRET=1), the engine is on {device}"
 
     def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, scores: AttentionScores | None = None) -> torch.Tensor:
+        if scores is not None:
+            raise ValueError("the triton backend does not score attention (scores_attention is false)")
         from kvserve.attention import triton_kernels
         return triton_kernels.paged_attention(q, key, value, batch, scale, out)
 

@@ -13,11 +13,20 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.attention.backends import AttentionBackend
-from kvserve.attention.paged import AttentionMetadata, BudgetedChunk, DecodeGroup, PagedChunks, PrefillChunk
+from kvserve.attention.paged import (
+    AttentionMetadata,
+    BudgetedChunk,
+    DecodeGroup,
+    PagedChunks,
+    PrefillChunk,
+    ScoredChunks,
+)
 from kvserve.kv.budget.budgets import Budgets, BudgetStep
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.layout import PagedBatch
 from kvserve.request import Request
+
+KERNEL_SCORED_ROWS = 8    # chunks of at most this many queries are scored by the backend (decodes)
 
 
 class BatchBuilder:
@@ -36,6 +45,8 @@ class BatchBuilder:
         self.decode_lens: list[int] = []
         self.prefills: list[PrefillChunk] = []
         self.budgeted: list[BudgetedChunk] = []
+        # budgeted chunks the backend scores: (their index in ``paged``, first scored row, chunk)
+        self.scored: list[tuple[int, int, BudgetedChunk]] = []
         # sequences a backend reads in place: (flat start, new tokens, context length, block ids)
         self.paged: list[tuple[int, int, int, list[int]]] = []
 
@@ -53,9 +64,18 @@ class BatchBuilder:
         # a compacted request whose every layer holds an entry in every slot is a plain sequence
         # of slots: attended like any other (in place, by the backend); else on its own, masked
         dense = not step.is_compacted or step.state.is_dense
-        self._add_budgeted(step, flat_start, start, n, block_ids, attended_here=not dense)
+        first_scored = max(0, step.observe_from - start)
+        # a backend that scores adds the weights the policy needs as it attends (short chunks:
+        # their logits are kept until the softmax is known)
+        in_kernel = (dense and self.backend.reads_in_place and self.backend.scores_attention and step.is_observed
+                     and step.state.scores_attention and first_scored < n <= KERNEL_SCORED_ROWS)
+        chunk = self._add_budgeted(step, flat_start, start, n, block_ids, attended_here=not dense,
+                                   scored_in_kernel=in_kernel)
         if dense:
             self._attend(flat_start, step.slot_start, n, block_ids)
+        if in_kernel:
+            assert chunk is not None
+            self.scored.append((len(self.paged) - 1, first_scored, chunk))
 
     def add_tokens(self, block_ids: list[int], start: int, tokens: Sequence[int], num_drafted: int = 0) -> None:
         """``tokens`` at positions ``start, ...`` of the sequence held in ``block_ids`` (the last
@@ -95,14 +115,16 @@ class BatchBuilder:
             self.prefills.append(PrefillChunk(flat_start, flat_start + n, start, table, mask, overlay))
 
     def _add_budgeted(self, step: BudgetStep, flat_start: int, start: int, n: int, block_ids: list[int],
-                      attended_here: bool) -> None:
+                      attended_here: bool, scored_in_kernel: bool) -> BudgetedChunk | None:
         if not step.is_observed:
-            return
+            return None
         ids = block_ids[:-(-(step.slot_start + n) // self.block_size)]
-        self.budgeted.append(BudgetedChunk(
+        chunk = BudgetedChunk(
             flat_start, flat_start + n, step.slot_start, start, ids,
             torch.tensor([ids], dtype=torch.long, device=self.device), step.state, attended_here,
-            step.observe_from, step.is_compacted))
+            step.observe_from, step.is_compacted, scored_in_kernel)
+        self.budgeted.append(chunk)
+        return chunk
 
     def build(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
@@ -131,8 +153,15 @@ class BatchBuilder:
             query_starts=int32(starts), open_rows=int32(self.writes.open_rows([ids[-1] for *_, ids in self.paged])),
             block_size=self.block_size, max_query_len=max(n for _, n, _, _ in self.paged),
             max_context_len=max(end for _, _, end, _ in self.paged))
+        scores = None
+        if self.scored:
+            score_from = [n for _, n, _, _ in self.paged]           # past the last query: none scored
+            for k, first, _ in self.scored:
+                score_from[k] = first
+            scores = ScoredChunks(int32(score_from), tuple((k, chunk) for k, _, chunk in self.scored))
         return PagedChunks(torch.tensor(token_idx, dtype=torch.long, device=dev), batch,
-                           is_whole_batch=len(token_idx) == len(self.input_ids) and not self.budgeted)
+                           is_whole_batch=len(token_idx) == len(self.input_ids) and not self.budgeted,
+                           scores=scores)
 
     def _decode_group(self) -> DecodeGroup:
         bs, dev = self.block_size, self.device

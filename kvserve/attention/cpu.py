@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 
 from kvserve.attention.cpu_extension import load_extension
-from kvserve.kv.storage.layout import CodecKind, HalfLayout, HalfStore, PagedBatch
+from kvserve.kv.storage.layout import AttentionScores, CodecKind, HalfLayout, HalfStore, PagedBatch
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _INNER_PARTS = {
@@ -107,14 +107,19 @@ def register_halves(ext: ModuleType, key: HalfStore, value: HalfStore, head_dim:
 
 
 def run_registered(ext: ModuleType, halves: object, q: torch.Tensor, batch: PagedBatch, scale: float,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, scores: AttentionScores | None = None) -> torch.Tensor:
     """``paged_attention`` over halves ``register_halves`` made (q float32 on the CPU: the
-    engine's case; ``out`` written when it is a contiguous float32 tensor of q's shape)."""
+    engine's case; ``out`` written when it is a contiguous float32 tensor of q's shape).
+    ``scores``: where to add the attention weights each key gets (``AttentionScores``)."""
     if q.dtype != torch.float32 or not q.is_contiguous() or q.device.type != "cpu":
         raise ValueError(f"registered halves take contiguous float32 CPU queries, got {_describe(q)}")
     result = out if out is not None and out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q)
-    ext.run_halves(halves, q, result, batch.block_tables, batch.context_lens, batch.query_starts, batch.open_rows,
-                   float(scale))
+    if scores is not None:
+        ext.run_halves_scored(halves, q, result, batch.block_tables, batch.context_lens, batch.query_starts,
+                              batch.open_rows, float(scale), scores.weights, scores.score_from)
+    else:
+        ext.run_halves(halves, q, result, batch.block_tables, batch.context_lens, batch.query_starts,
+                       batch.open_rows, float(scale))
     if out is not None and result is not out:
         return out.copy_(result)
     return result

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from kvserve.attention.backends import AttentionBackend, TorchBackend
 from kvserve.kv.budget.state import BudgetState
 from kvserve.kv.storage import KVStorage, Overlay, StepWrites
-from kvserve.kv.storage.layout import PagedBatch
+from kvserve.kv.storage.layout import AttentionScores, PagedBatch
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,16 @@ class BudgetedChunk:
     attended_here: bool       # attended here, masked (compacted with holes); else only observed
     observe_from: int         # first query position whose attention weights the policy scores
     is_compacted: bool = False  # its slots are no longer its positions
+    scored_in_kernel: bool = False  # the backend adds its attention weights (``PagedChunks.scores``)
+
+
+@dataclass(frozen=True)
+class ScoredChunks:
+    """Budgeted chunks among ``PagedChunks``' sequences whose attention weights the backend adds
+    up as it attends (a backend with ``scores_attention``), for their policies' scores."""
+
+    score_from: torch.Tensor                         # int32 [num_seqs]: first scored query row of each
+    chunks: tuple[tuple[int, BudgetedChunk], ...]    # (sequence index in the batch, its chunk)
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,7 @@ class PagedChunks:
     token_idx: torch.Tensor   # [num_tokens] positions in the flat batch
     batch: PagedBatch
     is_whole_batch: bool      # every token of the step is in here (skip the gather and scatter)
+    scores: ScoredChunks | None = None
 
 
 TORCH = TorchBackend()
@@ -114,8 +125,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         return meta.backend.attend(q, *cache.half_stores(layer), paged.batch, scale)
     out = torch.empty_like(q)
     if paged is not None:
-        out[paged.token_idx] = meta.backend.attend(q[paged.token_idx], *cache.half_stores(layer), paged.batch,
-                                                   scale)
+        scores = None
+        if paged.scores is not None:
+            pb = paged.batch
+            scores = AttentionScores(torch.zeros(pb.block_tables.shape[0], num_kv_heads, pb.max_context_len,
+                                                 device=q.device), paged.scores.score_from)
+        out[paged.token_idx] = meta.backend.attend(q[paged.token_idx].contiguous(), *cache.half_stores(layer),
+                                                   paged.batch, scale, scores=scores)
+        if scores is not None and paged.scores is not None:
+            for seq, chunk in paged.scores.chunks:
+                chunk.state.add_scores(layer, scores.weights[seq, :, :chunk.slot_start + chunk.end - chunk.start])
     for p in meta.prefills:
         qs = q[p.start:p.end].transpose(0, 1).unsqueeze(0)            # [1, H, n, D]
         if p.block_table is None:
@@ -156,7 +175,7 @@ def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
               num_kv_heads: int, group: int, scale: float) -> torch.Tensor | None:
     """Observe (and, when it has holes, attend) one budgeted request's chunk: q [n, H, D]."""
     st = b.state
-    if st.scores_attention:
+    if st.scores_attention and not b.scored_in_kernel:
         _score(q, b, layer, cache, num_kv_heads, group, scale)
     if not b.attended_here:
         return None

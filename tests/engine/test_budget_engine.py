@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
@@ -312,3 +313,32 @@ def test_compacted_requests_attend_through_the_backends_as_the_masked_reference(
     reference = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64,
                     attention_backend="torch").generate(prompt, params)[0].token_ids
     assert got["torch"] == got["cpu"] == reference
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "merge"])
+def test_the_kernels_attention_weights_are_the_torch_paths(loaded, policy, monkeypatch):
+    """Decode steps of a scoring policy take their weights from the cpu kernel as it attends
+    (``AttentionScores``): the same scores, compactions and tokens as scoring on the torch path."""
+    from kvserve.attention.backends import CpuBackend
+
+    prompt = tokens(200, seed=9)
+    params = greedy(60, kv_budget=64, kv_policy=policy)
+
+    def run(kernel_scores: bool) -> tuple[list[int], list[torch.Tensor]]:
+        monkeypatch.setattr(CpuBackend, "scores_attention", kernel_scores)
+        llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, attention_backend="cpu")
+        rid = llm.engine.add_request(prompt, params)
+        out: list[int] = []
+        snapshot: list[torch.Tensor] = []
+        while llm.engine.has_unfinished:
+            for o in llm.engine.step():
+                out = o.token_ids
+            state = llm.engine.kv.budgets._states.get(rid)
+            if state is not None and state.score is not None:     # the last step's scores before it ends
+                snapshot = [s.clone() for s in state.score]
+        return out, snapshot
+
+    (kernel_tokens, kernel_scores), (torch_tokens, torch_scores) = run(True), run(False)
+    assert kernel_tokens == torch_tokens and len(kernel_tokens) == 60
+    for a, b in zip(kernel_scores, torch_scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

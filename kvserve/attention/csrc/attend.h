@@ -387,8 +387,11 @@ inline void softmax_row(const Tile& t, int r, float* p, int np, const float* ksc
 }
 
 // The tile attends to keys key0 .. key0 + n - 1 (rows j of K and V, see Rows). Per-key
-// scales hold finite values up to n rounded up to 16.
-inline void attend_block(const Tile& t, const Rows& k, const Rows& v, int n, int64_t key0, Prefetcher& pf) {
+// scales hold finite values up to n rounded up to 16. `lg` (when given): each row's logits of
+// its visible keys (log2 domain, key scales applied) are also written at lg[r * lgld + key0 + j],
+// for the attention weights a caller sums afterwards (kernel.h, scores).
+inline void attend_block(const Tile& t, const Rows& k, const Rows& v, int n, int64_t key0, Prefetcher& pf,
+                         float* lg = nullptr, int64_t lgld = 0) {
   const int np = (n + 15) / 16 * 16;
   const int nv_max = static_cast<int>(std::min<int64_t>(n, t.visible[t.rows - 1] - key0));  // rows ascend
 #ifdef KVS_SIMD
@@ -410,13 +413,12 @@ inline void attend_block(const Tile& t, const Rows& k, const Rows& v, int n, int
     }
     const int nv = static_cast<int>(vis);
     const float* kscale = k.scale;
-    if (nv < np) {  // a partial block or a causal edge: scale the visible keys, mask the rest
-      if (kscale) {
-        for (int j = 0; j < nv; ++j) p[j] *= kscale[j];
-        kscale = nullptr;  // (-inf * a zero scale would be NaN)
-      }
-      std::fill(p + nv, p + np, -std::numeric_limits<float>::infinity());
+    if (kscale && (nv < np || lg)) {  // scale the visible keys here (-inf * a zero scale would be NaN)
+      for (int j = 0; j < nv; ++j) p[j] *= kscale[j];
+      kscale = nullptr;
     }
+    if (nv < np) std::fill(p + nv, p + np, -std::numeric_limits<float>::infinity());  // mask the rest
+    if (lg) std::copy(p, p + nv, lg + r * lgld + key0);
     softmax_row(t, r, p, np, kscale, v.scale);
   }
 #ifdef KVS_SIMD

@@ -47,6 +47,8 @@ namespace detail {
 
 struct Group {  // (sequence, query tile, KV heads [h0, h1)): one run over the context
   int64_t s, q0, q1, h0, h1, nkeys, nblocks, chunk, splits;
+  int64_t lg = -1;    // scored groups: offset of their rows' logits [heads][rows][nkeys] (else -1)
+  int64_t norm = -1;  // ... and of each row's final (max, sum)
 };
 struct Item {
   int64_t group, split, partial;  // partial: offset of its (m, l, acc) in the scratch, or -1 (final)
@@ -60,6 +62,11 @@ struct Batch {
   const int32_t* open;
   int64_t B, group, Hq, D, ld;
   float scale_log2;
+  // attention weights (optional): scores[s][h][j] += the weight key j gets from every query i >=
+  // score_from[s] of sequence s and every query head of KV head h
+  float* scores = nullptr;
+  const int32_t* score_from = nullptr;
+  int64_t score_ld = 0;
 };
 
 inline bool in_residual(const HalfView& v, const Batch& b, int64_t s, int64_t kb) {
@@ -143,11 +150,18 @@ inline void write_rows(const Batch& b, const Group& g, int64_t h, const float* a
   }
 }
 
+struct ScoreTask {  // (sequence, KV head): its scores row, summed from the groups that hold it
+  int64_t s, h;
+  std::vector<int64_t> groups;
+};
+
 struct Plan {
   std::vector<Group> groups;
   std::vector<Item> items;
   int64_t scratch = 0;  // floats of partial results
   int64_t max_rows = 1;  // rows of the largest item (all its heads)
+  int64_t logits = 0;    // floats of scored groups' logits, then of their rows' (max, sum)
+  std::vector<ScoreTask> score_tasks;
 };
 
 // Validate each sequence; cut its queries into tiles and its KV heads into chunks so that a
@@ -208,7 +222,59 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
       plan.items.push_back({static_cast<int64_t>(gi), sp, partial});
     }
   }
+  if (b.scores) {
+    for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
+      Group& g = plan.groups[gi];
+      const int64_t n = b.starts[g.s + 1] - b.starts[g.s];
+      const int64_t from = b.score_from[g.s];
+      KVS_REQUIRE(from >= 0, "score_from must be >= 0");
+      if (from >= g.q1 || from >= n) continue;  // no query of this tile is scored
+      KVS_REQUIRE(b.lens[g.s] <= b.score_ld, "scores must hold every context token of a scored sequence");
+      const int64_t rows = (g.h1 - g.h0) * (g.q1 - g.q0) * b.group;
+      g.lg = plan.logits;
+      plan.logits += rows * g.nkeys;
+      g.norm = plan.logits;
+      plan.logits += 2 * rows;
+      for (int64_t h = g.h0; h < g.h1; ++h) {
+        auto at = std::find_if(plan.score_tasks.begin(), plan.score_tasks.end(),
+                               [&](const ScoreTask& t) { return t.s == g.s && t.h == h; });
+        if (at == plan.score_tasks.end()) {
+          plan.score_tasks.push_back({g.s, h, {}});
+          at = plan.score_tasks.end() - 1;
+        }
+        at->groups.push_back(static_cast<int64_t>(gi));
+      }
+    }
+  }
   return plan;
+}
+
+// Keep each row's final (max, sum) of a scored group.
+inline void keep_norms(const Group& g, int64_t total, const float* m, const float* l, float* logits) {
+  if (g.norm < 0) return;
+  float* norm = logits + g.norm;
+  for (int64_t r = 0; r < total; ++r) {
+    norm[2 * r] = m[r];
+    norm[2 * r + 1] = l[r];
+  }
+}
+
+// scores[s][h][j] += 2^(logit - max) / sum over the task's scored rows (queries >= score_from).
+inline void add_scores(const Batch& b, const Plan& plan, const ScoreTask& task, const float* logits) {
+  const int64_t s = task.s, n = b.starts[s + 1] - b.starts[s], len = b.lens[s];
+  float* out = b.scores + (s * (b.Hq / b.group) + task.h) * b.score_ld;
+  for (const int64_t gi : task.groups) {
+    const Group& g = plan.groups[static_cast<size_t>(gi)];
+    const int64_t rows = (g.q1 - g.q0) * b.group, hh = task.h - g.h0;
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      const int64_t i = g.q0 + rr / b.group;
+      if (i < b.score_from[s]) continue;
+      const int64_t r = hh * rows + rr, visible = len - n + i + 1;
+      const float* lg = logits + g.lg + r * g.nkeys;
+      const float mx = logits[g.norm + 2 * r], inv = 1.0f / logits[g.norm + 2 * r + 1];
+      for (int64_t j = 0; j < visible; ++j) out[j] += std::exp2(lg[j] - mx) * inv;
+    }
+  }
 }
 
 // Per-thread buffers, allocated once per call (uninitialized, except what must be finite).
@@ -256,7 +322,7 @@ class Scratch {
 
 // One item: the rows of its group's heads against its split of the context.
 inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const Group& g, const Item& item,
-              const float* qp, float* out, float* partials, Scratch& w) {
+              const float* qp, float* out, float* partials, float* logits, Scratch& w) {
   const int64_t s = g.s, n = b.starts[s + 1] - b.starts[s], len = b.lens[s], ld = b.ld, D = b.D;
   const int64_t nh = g.h1 - g.h0, rows = (g.q1 - g.q0) * b.group;  // rows per head
   for (int64_t i = g.q0; i < g.q1; ++i) {
@@ -315,7 +381,8 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
       const Rows vr = rows_of(V, VALUE, b, s, kb, h, n_keys, static_cast<int>(rows), w.vb, pf);
       const Tile tile{static_cast<int>(rows), ld, w.q + hh * rows * ld, w.visible.data(), m + hh * rows,
                       lv + hh * rows * W, acc + hh * rows * ld, w.p, w.pld};
-      attend_block(tile, kr, vr, n_keys, kb * b.B, pf);
+      float* lg = g.lg >= 0 ? logits + g.lg + hh * rows * g.nkeys : nullptr;
+      attend_block(tile, kr, vr, n_keys, kb * b.B, pf, lg, g.nkeys);
       if (per_head || hh + 1 == nh) pf.drain();
     }
   }
@@ -332,18 +399,22 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
     std::copy(acc, acc + total * ld, part + 2 * total);
     return;
   }
+  keep_norms(g, total, m, l, logits);
   for (int64_t hh = 0; hh < nh; ++hh) write_rows(b, g, g.h0 + hh, acc + hh * rows * ld, l + hh * rows, V, out);
 }
 
 // Combine the splits of a group: weights 2^(m_i - max m) on each split's sum and accumulator.
-inline void merge(const Batch& b, const HalfView& V, const Group& g, const float* first, float* out, Scratch& w) {
+inline void merge(const Batch& b, const HalfView& V, const Group& g, const float* first, float* out, float* logits,
+                  Scratch& w) {
   const int64_t nh = g.h1 - g.h0, rows = (g.q1 - g.q0) * b.group, total = nh * rows, ld = b.ld;
   const int64_t stride = total * (2 + ld);
   float* acc = w.acc;
   float* l = w.l;
+  float* m = w.ml;
   for (int64_t r = 0; r < total; ++r) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t sp = 0; sp < g.splits; ++sp) mx = std::max(mx, first[sp * stride + r]);
+    m[r] = mx;
     l[r] = 0.0f;
     std::fill(acc + r * ld, acc + (r + 1) * ld, 0.0f);
     for (int64_t sp = 0; sp < g.splits; ++sp) {
@@ -355,6 +426,7 @@ inline void merge(const Batch& b, const HalfView& V, const Group& g, const float
       for (int64_t d = 0; d < ld; ++d) acc[r * ld + d] += wt * pa[d];
     }
   }
+  keep_norms(g, total, m, l, logits);
   for (int64_t hh = 0; hh < nh; ++hh) write_rows(b, g, g.h0 + hh, acc + hh * rows * ld, l + hh * rows, V, out);
 }
 
@@ -367,7 +439,9 @@ inline void attention(const detail::Batch& b, const HalfView& K, const HalfView&
   const int threads = std::max(1, omp_get_max_threads());
   const Plan plan = make_plan(b, K, V, S, T);
   std::vector<float> partials(static_cast<size_t>(plan.scratch));
+  std::vector<float> logits(static_cast<size_t>(plan.logits));   // scored groups' logits and norms
   const int64_t num_items = static_cast<int64_t>(plan.items.size());
+  const int64_t num_tasks = static_cast<int64_t>(plan.score_tasks.size());
   const int use = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, num_items)));
 
 #pragma omp parallel num_threads(use)
@@ -376,13 +450,18 @@ inline void attention(const detail::Batch& b, const HalfView& K, const HalfView&
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item& item = plan.items[it];
-      run_item(b, K, V, plan.groups[item.group], item, q, out, partials.data(), w);
+      run_item(b, K, V, plan.groups[item.group], item, q, out, partials.data(), logits.data(), w);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item& item = plan.items[it];
-      if (item.partial >= 0 && item.split == 0) merge(b, V, plan.groups[item.group], partials.data() + item.partial, out, w);
+      if (item.partial >= 0 && item.split == 0) {
+        merge(b, V, plan.groups[item.group], partials.data() + item.partial, out, logits.data(), w);
+      }
     }
+    // each (sequence, KV head) row of scores is one task's: no two threads add to one entry
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_tasks; ++t) add_scores(b, plan, plan.score_tasks[static_cast<size_t>(t)], logits.data());
   }
 }
 

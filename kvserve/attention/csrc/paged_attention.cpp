@@ -146,7 +146,8 @@ void check_pair(const HalfView& K, const HalfView& V, int64_t Hq) {
 
 void run_views(const HalfView& K, const HalfView& V, const at::Tensor& q, at::Tensor& out,
                const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& query_starts,
-               const at::Tensor& open_rows, double scale) {
+               const at::Tensor& open_rows, double scale, const at::Tensor* scores = nullptr,
+               const at::Tensor* score_from = nullptr) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   check_tensor(q, at::kFloat, {T, Hq, D}, "q");
   check_tensor(out, at::kFloat, {T, Hq, D}, "out");
@@ -158,9 +159,17 @@ void run_views(const HalfView& K, const HalfView& V, const at::Tensor& q, at::Te
   check_tensor(context_lens, at::kInt, {S}, "context_lens");
   check_tensor(query_starts, at::kInt, {S + 1}, "query_starts");
   check_tensor(open_rows, at::kInt, {S}, "open_rows");
-  const detail::Batch b{block_tables.data_ptr<int32_t>(), MB, context_lens.data_ptr<int32_t>(),
-                        query_starts.data_ptr<int32_t>(), open_rows.data_ptr<int32_t>(), K.B, Hq / K.H, Hq, D,
-                        (D + 15) / 16 * 16, static_cast<float>(scale * static_cast<double>(kLog2e))};
+  detail::Batch b{block_tables.data_ptr<int32_t>(), MB, context_lens.data_ptr<int32_t>(),
+                  query_starts.data_ptr<int32_t>(), open_rows.data_ptr<int32_t>(), K.B, Hq / K.H, Hq, D,
+                  (D + 15) / 16 * 16, static_cast<float>(scale * static_cast<double>(kLog2e))};
+  if (scores != nullptr) {
+    KVS_REQUIRE(scores->dim() == 3, "scores must be [num_seqs, kv_heads, max_context]");
+    check_tensor(*scores, at::kFloat, {S, K.H, -1}, "scores");
+    check_tensor(*score_from, at::kInt, {S}, "score_from");
+    b.scores = scores->data_ptr<float>();
+    b.score_from = score_from->data_ptr<int32_t>();
+    b.score_ld = scores->size(2);
+  }
   attention(b, K, V, q.data_ptr<float>(), out.data_ptr<float>(), S, T);
 }
 
@@ -285,6 +294,14 @@ void run_halves(const Halves& h, const at::Tensor& q, at::Tensor out, const at::
   run_views(h.K, h.V, q, out, block_tables, context_lens, query_starts, open_rows, scale);
 }
 
+// run_halves, also adding each scored query's attention weights to `scores` (see kernel.h).
+void run_halves_scored(const Halves& h, const at::Tensor& q, at::Tensor out, const at::Tensor& block_tables,
+                       const at::Tensor& context_lens, const at::Tensor& query_starts, const at::Tensor& open_rows,
+                       double scale, at::Tensor scores, const at::Tensor& score_from) {
+  KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
+  run_views(h.K, h.V, q, out, block_tables, context_lens, query_starts, open_rows, scale, &scores, &score_from);
+}
+
 void write_halves(const Halves& h, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
                   const at::Tensor& residual_slots, const at::Tensor& encode_rows, const at::Tensor& encode_block_ids) {
   write_views(h.K, h.V, key, value, slots, residual_slots, encode_rows, encode_block_ids);
@@ -300,6 +317,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<kvs::Halves, std::shared_ptr<kvs::Halves>>(m, "Halves", pybind11::module_local());
   m.def("make_halves", &kvs::make_halves, "a layer's key and value halves, checked once");
   m.def("run_halves", &kvs::run_halves, "run() on registered halves");
+  m.def("run_halves_scored", &kvs::run_halves_scored, "run_halves(), adding the attention weights keys get to scores");
   m.def("write_halves", &kvs::write_halves, "write_kv() on registered halves");
 #if KVS_W == 16 && defined(__AVX512VBMI__)
   m.attr("isa") = "avx512vbmi";

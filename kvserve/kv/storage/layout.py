@@ -111,6 +111,17 @@ MakeRowWriter = Callable[[torch.device, Sequence[tuple[HalfStore, HalfStore]], i
 
 
 @dataclass(frozen=True)
+class AttentionScores:
+    """Where a backend that scores adds the attention weights keys get: ``weights`` [num_seqs,
+    kv_heads, max_context] float32 (zeros to start), entry [s, h, j] growing by the softmax weight
+    of key j for every query of sequence s from its row ``score_from[s]`` on (int32 [num_seqs];
+    past its last query: none) and every query head of KV head h. What KV budgets score by."""
+
+    weights: torch.Tensor
+    score_from: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PagedBatch:
     """The sequences of one attention call (see the module docstring). Index tensors are
     int32 on the device of the cache; the two maxima are host ints for grid sizes."""
