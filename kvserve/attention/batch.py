@@ -68,6 +68,7 @@ class BatchBuilder:
         # a backend that scores adds the weights the policy needs as it attends (short chunks:
         # their logits are kept until the softmax is known)
         in_kernel = (dense and self.backend.reads_in_place and self.backend.scores_attention and step.is_observed
+                     and self.cache.dtype == torch.float32     # the kernel scores float32 queries only
                      and step.state.scores_attention and first_scored < n <= KERNEL_SCORED_ROWS)
         chunk = self._add_budgeted(step, flat_start, start, n, block_ids, attended_here=not dense,
                                    scored_in_kernel=in_kernel)

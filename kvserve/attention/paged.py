@@ -127,8 +127,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if paged is not None:
         scores = None
         if paged.scores is not None:
-            pb = paged.batch
-            scores = AttentionScores(torch.zeros(pb.block_tables.shape[0], num_kv_heads, pb.max_context_len,
+            # as wide as the scored sequences' contexts (the kernel touches no other row)
+            width = max(chunk.slot_start + chunk.end - chunk.start for _, chunk in paged.scores.chunks)
+            scores = AttentionScores(torch.zeros(paged.batch.block_tables.shape[0], num_kv_heads, width,
                                                  device=q.device), paged.scores.score_from)
         out[paged.token_idx] = meta.backend.attend(q[paged.token_idx].contiguous(), *cache.half_stores(layer),
                                                    paged.batch, scale, scores=scores)

@@ -76,12 +76,12 @@ class ReplicaClient:
         if not self._running:
             raise EngineError("the cluster client is not running")
         prefix = f"{prefix}-{uuid.uuid4().hex[:12]}"     # engine ids unique across replicas
-        ids = [f"{prefix}-0-{i}" for i in range(len(specs))]   # what AsyncEngine.submit names them
+        ids = [f"{prefix}-{i}" for i in range(len(specs))]    # the ids its outputs carry here, whatever replica
         salt = specs[0].cache.salt if specs[0].cache is not None else ""
         hint = RouteHint(digests(self._card.block_keys(specs[0].prompt_token_ids, salt)), self._tag)
         queue: asyncio.Queue[StreamItem | BaseException] = asyncio.Queue()
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(self._run(hint, specs, prefix, queue, accepted))
+        task = asyncio.ensure_future(self._run(hint, specs, prefix, ids, queue, accepted))
         for rid in ids:
             self._tasks[rid] = task
 
@@ -99,7 +99,7 @@ class ReplicaClient:
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             task = self._tasks.pop(rid, None)
-            if task is not None:
+            if task is not None and not task.done():    # a done task's requests ended (counted there)
                 task.cancel()
                 self.fleet.server.on_abort(rid)
 
@@ -119,7 +119,7 @@ class ReplicaClient:
             return sum(results)
         return results[0]
 
-    async def _run(self, hint: RouteHint, specs: list[RequestSpec], prefix: str,
+    async def _run(self, hint: RouteHint, specs: list[RequestSpec], prefix: str, ids: list[str],
                    queue: asyncio.Queue[StreamItem | BaseException], accepted: asyncio.Future[None]) -> None:
         start = time.monotonic()
         finished: set[int] = set()
@@ -135,7 +135,7 @@ class ReplicaClient:
             if was_accepted:
                 for choice in range(len(specs)):
                     if choice not in finished:
-                        self.fleet.server.on_failed(last[choice].request_id if choice in last else "")
+                        self.fleet.server.on_failed(ids[choice])
 
         for attempt in range(1, self.max_attempts + 1):
             replica: str | None = None
@@ -152,9 +152,8 @@ class ReplicaClient:
                         continue
                     assert isinstance(item, StreamItem)
                     choice = todo[item.choice]
-                    output = item.output
-                    if choice in last:      # a resumed stream: the same request to its readers
-                        output = replace(output, request_id=last[choice].request_id)
+                    # one id per request here, whichever replica (and attempt) produced the output
+                    output = replace(item.output, request_id=ids[choice])
                     if not started:
                         started = True
                         self.fleet.on_first_output(hint, replica, time.monotonic() - start)

@@ -120,8 +120,13 @@ class LLMEngine:
         tokens = resume.token_ids
         if len(tokens) >= req.max_tokens:
             raise ValueError(f"resume: {len(tokens)} tokens already reach the request's {req.max_tokens}")
-        if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in tokens):
-            raise ValueError(f"resume: token ids must be in [0, {self.model_config.vocab_size})")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size
+               for t in tokens):
+            raise ValueError(f"resume: token ids must be integers in [0, {self.model_config.vocab_size})")
+        want = len(tokens) if req.params.logprobs is not None else 0
+        if len(resume.logprobs) != want:
+            raise ValueError(f"resume: {len(resume.logprobs)} logprobs for {len(tokens)} tokens; the request "
+                             f"{'asks' if want else 'does not ask'} for logprobs ({want} expected)")
         try:
             for token_id in tokens:
                 if req.constraint is not None:
@@ -243,8 +248,9 @@ class LLMEngine:
             if row_tokens[0] is None:
                 outputs.append(self._fail(req, sampled.errors[own.start]))
                 continue
-            # a drafted row with no token (its grammar state failed) is never reached: the draft
-            # is cut so that the rows verified are the ones before it
+            # a drafted row with no token (its grammar state failed, or another row error) is cut
+            # off with the rows after it: the rows verified are the ones before it (if the run
+            # reaches it, the next step meets the same failure, as plain decoding would)
             cut = next((j for j, t in enumerate(row_tokens) if t is None), None)
             checked = draft if cut is None else draft[:cut - 1]
             tokens = [t for t in row_tokens[:len(checked) + 1] if t is not None]

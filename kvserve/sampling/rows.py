@@ -62,7 +62,7 @@ class FixedMask:
 class DraftedRow:
     """``request`` after its drafted tokens ``drafted`` (the first i of a draft), for the row that
     gives the token after them. ``mask``: the grammar's mask there (None: no grammar, or a state
-    the grammar does not reach; such a row is never accepted, see ``drafted_rows``)."""
+    ``masks_after`` could not give, see ``drafted_rows``)."""
 
     request: Request
     drafted: tuple[int, ...]
@@ -96,9 +96,10 @@ class DraftedRow:
 def drafted_rows(request: Request, draft: Sequence[int], vocab_size: int) -> list[RowRequest]:
     """The rows of ``request`` with ``draft`` (k tokens): the request itself, then k drafted rows.
 
-    With a grammar, row i's mask is the grammar's after ``draft[:i]``; a row past the first
-    drafted token the grammar rejects gets none (it is never used: the row before masks that
-    token out, so verification stops there)."""
+    With a grammar, row i's mask is the grammar's after ``draft[:i]``. A row past the first drafted
+    token the grammar rejects gets none and is never used (the row before masks that token out,
+    so verification stops there); a row after a state whose mask failed gets none either: if
+    the run gets that far, the request's own grammar fails on the next step, as in plain decoding."""
     masks: list[torch.Tensor] = []
     if request.constraint is not None:
         masks = request.constraint.masks_after(draft, (vocab_size + 31) // 32)

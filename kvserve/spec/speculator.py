@@ -153,13 +153,12 @@ class Speculator:
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             p = self._acceptance[rid].p if rid in self._acceptance else self.acceptance.p
             k = draft_length(p, q, self.config.num_speculative_tokens)
+            probing = False
             if k == 0:
                 self.stats.num_skipped += 1
                 every = self._probe_every.setdefault(rid, PROBE_EVERY)
-                if self._step % every == 0:
-                    k = 1
-                    if isinstance(self.proposer, ModelProposer):
-                        self._probe_every[rid] = min(2 * every, PROBE_MAX)
+                probing = self._step % every == 0
+                k = 1 if probing else 0
             else:
                 self._probe_every.pop(rid, None)
             k = min(k, room)
@@ -175,6 +174,8 @@ class Speculator:
                     draft = draft[:req.constraint.valid_prefix(draft)]
             if draft:
                 drafts[rid] = draft
+                if probing and isinstance(self.proposer, ModelProposer):     # a pass spent: back off
+                    self._probe_every[rid] = min(2 * self._probe_every[rid], PROBE_MAX)
         return drafts
 
     def always_draft(self) -> None:

@@ -342,3 +342,12 @@ def test_the_kernels_attention_weights_are_the_torch_paths(loaded, policy, monke
     assert kernel_tokens == torch_tokens and len(kernel_tokens) == 60
     for a, b in zip(kernel_scores, torch_scores):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_budget_in_bfloat16_scores_on_the_torch_path(loaded):
+    """The kernel scores float32 queries: another compute dtype scores on the torch path (a
+    budgeted bfloat16 request runs to its length, as the float32 one does)."""
+    prompt = tokens(150, seed=2)
+    params = greedy(10, kv_budget=64, kv_policy="h2o")
+    out = LLM(loaded=loaded, num_kv_blocks=64, dtype="bfloat16", attention_backend="cpu").generate(prompt, params)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10

@@ -89,6 +89,8 @@ def test_tokens_that_cannot_be_the_output_are_refused_changing_nothing():
         (greedy, Resumed(tuple(range(10))), "already reach"),
         (greedy, Resumed((1, 500)), "token ids must be in"),
         (SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[7]), Resumed((3, 7, 4)), "already ended"),
+        (greedy, Resumed((1, True)), "must be integers"),
+        (SamplingParams(max_tokens=10, temperature=0.0, logprobs=1), Resumed((1, 2)), "0 logprobs for 2 tokens"),
     ]
     for params, resume, message in cases:
         with pytest.raises(ValueError, match=message):
