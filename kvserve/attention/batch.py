@@ -45,8 +45,8 @@ class BatchBuilder:
         self.decode_lens: list[int] = []
         self.prefills: list[PrefillChunk] = []
         self.budgeted: list[BudgetedChunk] = []
-        # budgeted chunks the backend scores: (their index in ``paged``, first scored row, chunk)
-        self.scored: list[tuple[int, int, BudgetedChunk]] = []
+        # budgeted chunks the backend scores: (their index in ``paged``, chunk)
+        self.scored: list[tuple[int, BudgetedChunk]] = []
         # sequences a backend reads in place: (flat start, new tokens, context length, block ids)
         self.paged: list[tuple[int, int, int, list[int]]] = []
 
@@ -76,7 +76,7 @@ class BatchBuilder:
             self._attend(flat_start, step.slot_start, n, block_ids)
         if in_kernel:
             assert chunk is not None
-            self.scored.append((len(self.paged) - 1, first_scored, chunk))
+            self.scored.append((len(self.paged) - 1, chunk))
 
     def add_tokens(self, block_ids: list[int], start: int, tokens: Sequence[int], num_drafted: int = 0) -> None:
         """``tokens`` at positions ``start, ...`` of the sequence held in ``block_ids`` (the last
@@ -157,9 +157,9 @@ class BatchBuilder:
         scores = None
         if self.scored:
             score_from = [n for _, n, _, _ in self.paged]           # past the last query: none scored
-            for k, first, _ in self.scored:
-                score_from[k] = first
-            scores = ScoredChunks(int32(score_from), tuple((k, chunk) for k, _, chunk in self.scored))
+            for k, chunk in self.scored:
+                score_from[k] = chunk.first_scored_row
+            scores = ScoredChunks(int32(score_from), tuple(self.scored))
         return PagedChunks(torch.tensor(token_idx, dtype=torch.long, device=dev), batch,
                            is_whole_batch=len(token_idx) == len(self.input_ids) and not self.budgeted,
                            scores=scores)

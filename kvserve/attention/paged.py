@@ -76,6 +76,16 @@ class BudgetedChunk:
     is_compacted: bool = False  # its slots are no longer its positions
     scored_in_kernel: bool = False  # the backend adds its attention weights (``PagedChunks.scores``)
 
+    @property
+    def num_slots(self) -> int:
+        """The request's slots after this chunk's tokens."""
+        return self.slot_start + self.end - self.start
+
+    @property
+    def first_scored_row(self) -> int:
+        """The chunk's first query whose attention weights the policy scores (past its last: none)."""
+        return max(0, self.observe_from - self.first_pos)
+
 
 @dataclass(frozen=True)
 class ScoredChunks:
@@ -128,14 +138,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         scores = None
         if paged.scores is not None:
             # as wide as the scored sequences' contexts (the kernel touches no other row)
-            width = max(chunk.slot_start + chunk.end - chunk.start for _, chunk in paged.scores.chunks)
+            width = max(chunk.num_slots for _, chunk in paged.scores.chunks)
             scores = AttentionScores(torch.zeros(paged.batch.block_tables.shape[0], num_kv_heads, width,
                                                  device=q.device), paged.scores.score_from)
         out[paged.token_idx] = meta.backend.attend(q[paged.token_idx].contiguous(), *cache.half_stores(layer),
                                                    paged.batch, scale, scores=scores)
         if scores is not None and paged.scores is not None:
             for seq, chunk in paged.scores.chunks:
-                chunk.state.add_scores(layer, scores.weights[seq, :, :chunk.slot_start + chunk.end - chunk.start])
+                chunk.state.add_scores(layer, scores.weights[seq, :, :chunk.num_slots])
     for p in meta.prefills:
         qs = q[p.start:p.end].transpose(0, 1).unsqueeze(0)            # [1, H, n, D]
         if p.block_table is None:
@@ -180,8 +190,7 @@ def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
         _score(q, b, layer, cache, num_kv_heads, group, scale)
     if not b.attended_here:
         return None
-    n = q.shape[0]
-    num_slots = b.slot_start + n
+    n, num_slots = q.shape[0], b.num_slots
     ks, vs = cache.gather(layer, b.block_table)
     kh = ks[0, :num_slots].to(q.dtype).transpose(0, 1)           # [Hkv, S, D]
     vh = vs[0, :num_slots].to(q.dtype).transpose(0, 1)
@@ -197,11 +206,10 @@ def _score(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
     scores: the keys alone are read, only the slots held, and no mask is built where none
     applies (one query over a layer that holds every slot)."""
     n, _, dim = q.shape
-    first_row = max(0, b.observe_from - b.first_pos)
+    first_row = b.first_scored_row
     if first_row >= n:
         return
-    num_slots = b.slot_start + n
-    keys = cache.gather_keys(layer, b.block_table)[0, :num_slots]          # [S, Hkv, D]
+    keys = cache.gather_keys(layer, b.block_table)[0, :b.num_slots]        # [S, Hkv, D]
     qo = q[first_row:].transpose(0, 1).reshape(num_kv_heads, group, n - first_row, dim).float()
     logits = torch.einsum("hgnd,shd->hgns", qo, keys.float()) * scale
     mask = _slot_mask(b.state, layer, b.slot_start + first_row, n - first_row,

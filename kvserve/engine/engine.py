@@ -128,18 +128,13 @@ class LLMEngine:
             raise ValueError(f"resume: {len(resume.logprobs)} logprobs for {len(tokens)} tokens; the request "
                              f"{'asks' if want else 'does not ask'} for logprobs ({want} expected)")
         try:
-            for token_id in tokens:
-                if req.constraint is not None:
-                    req.constraint.accept(token_id)
-                req.append_token(token_id)
-                reason = self.outputs.process(req, token_id)
-                if reason is not None:
-                    raise ValueError(f"resume: the request already ended ({reason.value}) at token "
-                                     f"{req.num_output_tokens} of {len(tokens)}")
+            reason = self._apply(req, list(tokens), list(resume.logprobs) or [None] * len(tokens))
+            if reason is not None:
+                raise ValueError(f"resume: the request already ended ({reason.value}) at token "
+                                 f"{req.num_output_tokens} of {len(tokens)}")
         except Exception:
             self.outputs.remove(req.request_id)
             raise
-        req.output_logprobs = list(resume.logprobs)
 
     def cache_segments(self, segments: Sequence[str | Sequence[int]], salt: str = "") -> int:
         """Compute each segment standalone and store it (device pool, then tiers as blocks are

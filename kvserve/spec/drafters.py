@@ -66,12 +66,13 @@ class TokenPass:
 
 
 class ModelProposer(ABC):
-    """Drafts with a model, in passes measured as they run (``costs``: seconds of a pass of n
-    rows, the cost model's ``d(n)``)."""
+    """Drafts with a model, in passes (``pass_``) measured as they run (``costs``: seconds of a
+    pass of n rows, the cost model's ``d(n)``)."""
 
     name: str
 
-    def __init__(self, prior_base_s: float, prior_row_s: float) -> None:
+    def __init__(self, pass_: TokenPass, prior_base_s: float, prior_row_s: float) -> None:
+        self.pass_ = pass_
         self.costs = StepCosts(prior_base_s, prior_row_s)
 
     def room(self, request: Request, num_tokens: int) -> int:
@@ -87,7 +88,7 @@ class ModelProposer(ABC):
     def forget(self, request_id: str) -> None:
         """Drop what the proposer keeps for a finished request."""
 
-    def _passes(self, pass_: TokenPass, first_rows: list[tuple[list[int], int, list[int]]],
+    def _passes(self, first_rows: list[tuple[list[int], int, list[int]]],
                 entries: Sequence[tuple[Request, int]]) -> list[list[int]]:
         """k passes: the first over ``first_rows`` (one per entry, each ending at the request's last
         token), then one token per request still drafting, each pass's argmax fed to the next."""
@@ -96,7 +97,7 @@ class ModelProposer(ABC):
         live = list(range(len(entries)))
         while live:
             start = time.perf_counter()
-            tokens = pass_.logits(rows).argmax(dim=-1).tolist()
+            tokens = self.pass_.logits(rows).argmax(dim=-1).tolist()
             num_tokens = sum(len(fed) for _, _, fed in rows)
             if num_tokens <= 2 * len(rows):     # a pass that catches up on a prompt is no draft pass
                 self.costs.observe(num_tokens, time.perf_counter() - start)
@@ -120,13 +121,12 @@ class SelfProposer(ModelProposer):
     name = "self"
 
     def __init__(self, pass_: TokenPass, kv: KVCacheManager, prior_base_s: float, prior_row_s: float) -> None:
-        super().__init__(prior_base_s, prior_row_s)
-        self.pass_ = pass_
+        super().__init__(pass_, prior_base_s, prior_row_s)
         self.kv = kv
 
     def draft(self, entries: Sequence[tuple[Request, int]]) -> list[list[int]]:
         rows = [(self.kv.block_ids(req.request_id), req.num_tokens - 1, [req.all_token_ids[-1]]) for req, _ in entries]
-        return self._passes(self.pass_, rows, entries)
+        return self._passes(rows, entries)
 
 
 class _Sequence:
@@ -148,8 +148,7 @@ class DraftModelProposer(ModelProposer):
 
     def __init__(self, pass_: TokenPass, num_blocks: int, block_size: int, max_positions: int,
                  prior_base_s: float, prior_row_s: float) -> None:
-        super().__init__(prior_base_s, prior_row_s)
-        self.pass_ = pass_
+        super().__init__(pass_, prior_base_s, prior_row_s)
         self.block_size = block_size
         self.max_positions = max_positions
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -183,7 +182,7 @@ class DraftModelProposer(ModelProposer):
             valid = _common_prefix(seq.tokens, ids, len(ids) - 1)
             rows.append((seq.block_ids, valid, list(ids[valid:])))
             seq.tokens[valid:] = ids[valid:]
-        drafts = self._passes(self.pass_, rows, entries)
+        drafts = self._passes(rows, entries)
         for (req, _), draft in zip(entries, drafts):
             self._seqs[req.request_id].tokens.extend(draft[:-1])     # the last draft is never fed
         return drafts

@@ -223,6 +223,8 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
     }
   }
   if (b.scores) {
+    const int64_t kv_heads = b.Hq / b.group;
+    std::vector<int64_t> task_of(static_cast<size_t>(S * kv_heads), -1);   // (s, h) -> its score task
     for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
       Group& g = plan.groups[gi];
       const int64_t n = b.starts[g.s + 1] - b.starts[g.s];
@@ -236,13 +238,12 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
       g.norm = plan.logits;
       plan.logits += 2 * rows;
       for (int64_t h = g.h0; h < g.h1; ++h) {
-        auto at = std::find_if(plan.score_tasks.begin(), plan.score_tasks.end(),
-                               [&](const ScoreTask& t) { return t.s == g.s && t.h == h; });
-        if (at == plan.score_tasks.end()) {
+        int64_t& task = task_of[static_cast<size_t>(g.s * kv_heads + h)];
+        if (task < 0) {
+          task = static_cast<int64_t>(plan.score_tasks.size());
           plan.score_tasks.push_back({g.s, h, {}});
-          at = plan.score_tasks.end() - 1;
         }
-        at->groups.push_back(static_cast<int64_t>(gi));
+        plan.score_tasks[static_cast<size_t>(task)].groups.push_back(static_cast<int64_t>(gi));
       }
     }
   }

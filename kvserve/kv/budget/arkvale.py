@@ -56,11 +56,14 @@ def rank_blocks(q: torch.Tensor | None, dmin: torch.Tensor, dmax: torch.Tensor,
     """Rank key of every full block: its score for ``q`` (recency without a query), with the
     first block (the attention sinks) and the most recent full block always on top."""
     num_blocks = dmin.shape[0]
-    if q is None:
-        rank = torch.arange(num_blocks, dtype=torch.float32)
-    else:
-        rank = block_scores(q, dmin, dmax, bound_weight)
-    rank[0] = rank[num_blocks - 1] = float("inf")
+    rank = torch.arange(num_blocks, dtype=torch.float32) if q is None else block_scores(q, dmin, dmax, bound_weight)
+    return keep_ends_on_top(rank)
+
+
+def keep_ends_on_top(rank: torch.Tensor) -> torch.Tensor:
+    """``rank`` (one key per full block) with the first block (the attention sinks) and the most
+    recent full block above every other."""
+    rank[0] = rank[rank.shape[0] - 1] = float("inf")
     return rank
 
 
@@ -173,8 +176,7 @@ class ArkValeState(BudgetState):
         box = self._boxes[layer]
         if box is None or box.source is not dmin:
             box = self._boxes[layer] = DigestBox(dmin, dmax)
-        rank = box.scores(q, self.bound_weight)
-        rank[0] = rank[rank.shape[0] - 1] = float("inf")        # as rank_blocks: sinks and the latest block
+        rank = keep_ends_on_top(box.scores(q, self.bound_weight))
         top = self._demote_lost(layer, rank).topk(len(resident)).indices.tolist()
         wanted = set(top)
         on_device = set(resident)
