@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, get_args, get_type_hints
 from kvserve.attention.backends import ATTENTION_BACKENDS, AUTO
 from kvserve.config import TIER_CONFIGS, CacheConfig, EngineConfig, Option, SchedulerConfig, TierConfig
 from kvserve.kv.budget.policies import POLICIES as BUDGET_POLICIES
-from kvserve.kv.budget.policies import WEIGHTED_ARKVALE
+from kvserve.kv.budget.policies import TUNED_ARKVALE
 from kvserve.scheduler.policies import POLICIES as SCHEDULING_POLICIES
 
 _UNITS: Mapping[str, int] = MappingProxyType({"GiB": 1 << 30})
@@ -48,7 +48,7 @@ class Registry(NamedTuple):
 
 _REGISTRIES: Mapping[str, Registry] = MappingProxyType({
     "scheduling policies": Registry(lambda: tuple(SCHEDULING_POLICIES), is_closed=True),
-    "kv budget policies": Registry(lambda: (*BUDGET_POLICIES, f"{WEIGHTED_ARKVALE}<0..1>"), is_closed=False),
+    "kv budget policies": Registry(lambda: (*BUDGET_POLICIES, f"{TUNED_ARKVALE}-w<0..1>-m<margin>"), is_closed=False),
     "attention backends": Registry(lambda: (*ATTENTION_BACKENDS, AUTO), is_closed=True),
 })
 

@@ -270,10 +270,10 @@ class KVCacheManager:
         table = self._blocks[rid]
         num_kept = self.num_blocks_needed(target)
         head, tail = table[:num_kept], table[num_kept:]
-        num_fresh = sum(1 for b in head if b.ref_count > 1 or b.is_cached)
-        if num_fresh > self.pool.num_free_blocks + sum(1 for b in tail if b.ref_count == 1):
+        fresh = frozenset(i for i, b in enumerate(head) if b.ref_count > 1 or b.is_cached)
+        if len(fresh) > self.pool.num_free_blocks + sum(1 for b in tail if b.ref_count == 1):
             return False
-        plan = self.budgets.plan(request, [b.block_id for b in table])
+        plan = self.budgets.plan(request, [b.block_id for b in table], fresh)
         self.pool.free(reversed(tail))
         del table[num_kept:]
         for i, block in enumerate(head):

@@ -351,3 +351,81 @@ def test_a_budget_in_bfloat16_scores_on_the_torch_path(loaded):
     params = greedy(10, kv_budget=64, kv_policy="h2o")
     out = LLM(loaded=loaded, num_kv_blocks=64, dtype="bfloat16", attention_backend="cpu").generate(prompt, params)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 10
+
+
+@pytest.mark.parametrize("policy", ["arkvale-m0", "arkvale-m0.1", "arkvale"])
+def test_arkvale_blocks_keep_their_keys_and_values_wherever_they_move(loaded, policy, monkeypatch):
+    """Through the first compaction (every block placed), the later ones (only the blocks filled
+    since move, into the slots of the ones that leave) and recalls at each decode step, every
+    resident slot block holds exactly the keys and values the model wrote for its block, the
+    host store holds the others', and the tail and the recorded positions follow."""
+    e = arkvale_engine(loaded)
+    storage = e.kv.budgets.storage
+    written: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    write = storage.write
+
+    def recording_write(layer, key, value, writes):
+        written.append((layer, key.clone(), value.clone()))
+        return write(layer, key, value, writes)
+
+    monkeypatch.setattr(storage, "write", recording_write)
+    truth_k = torch.zeros(2, 400, 2, 16)
+    truth_v = torch.zeros(2, 400, 2, 16)
+    rid = e.add_request(tokens(150), greedy(200, kv_budget=64, kv_policy=policy))
+    req = e._requests[rid]
+    num_checked = 0
+    while rid in e._requests:
+        before = req.num_computed_tokens
+        written.clear()
+        e.step()
+        for layer, k, v in written:
+            truth_k[layer, before:before + k.shape[0]] = k
+            truth_v[layer, before:before + k.shape[0]] = v
+        state = e.kv.budgets.get(rid)
+        if rid not in e._requests or state is None or not state.is_compacted:
+            continue
+        assert isinstance(state, ArkValeState)
+        seen = state
+        ids = e.kv.block_ids(rid)
+        num_slots = e.kv.num_slots(req)
+        for layer in range(2):
+            for i, j in enumerate(state.resident[layer]):
+                k, v = storage.read_block(layer, ids[i])
+                assert torch.equal(k, truth_k[layer, j * BLOCK:(j + 1) * BLOCK]), (layer, i, j)
+                assert torch.equal(v, truth_v[layer, j * BLOCK:(j + 1) * BLOCK]), (layer, i, j)
+                assert state.pos[layer][:, i * BLOCK:(i + 1) * BLOCK].tolist() == [
+                    list(range(j * BLOCK, (j + 1) * BLOCK))] * 2
+            for j, (k, v) in state.host[layer].items():
+                assert torch.equal(k, truth_k[layer, j * BLOCK:(j + 1) * BLOCK]), (layer, j)
+                assert torch.equal(v, truth_v[layer, j * BLOCK:(j + 1) * BLOCK]), (layer, j)
+            assert sorted(state.resident[layer] + list(state.host[layer])) == list(range(state.num_digested(layer)))
+            tail_from = len(state.resident[layer]) * BLOCK
+            positions = range(state.num_evicted + tail_from, state.num_evicted + num_slots)
+            tail_k = storage.gather(layer, torch.tensor([ids]))[0][0, tail_from:num_slots]
+            assert torch.equal(tail_k, truth_k[layer, list(positions)])
+            assert state.pos[layer][0, tail_from:num_slots].tolist() == list(positions)
+        num_checked += 1
+        e.check_integrity()
+    assert num_checked >= 150 and seen.num_compactions >= 10
+    if policy != "arkvale":
+        assert len(seen.recalls) >= 20
+
+
+def test_arkvale_chooses_alike_with_the_cpu_and_the_torch_selection(loaded, monkeypatch):
+    from kvserve.kv.budget import pages
+
+    if pages.load_extension() is None:
+        pytest.skip("the C++ page selection cannot be built here")
+    runs = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(pages, "load_extension", lambda isa=None: None)
+        e = arkvale_engine(loaded)
+        rid = e.add_request(tokens(150), greedy(120, kv_budget=64, kv_policy="arkvale-m0"))
+        out = e.step()
+        state = e.kv.budgets.get(rid)
+        assert isinstance(state, ArkValeState) and state.selector.is_native == native
+        while e.has_unfinished:
+            out = e.step()
+        runs.append((out[0].token_ids, list(state.recalls)))
+    assert runs[0] == runs[1] and len(runs[0][1]) > 0

@@ -29,8 +29,15 @@ def test_registry_names_and_bad_names():
     check_budget(40, get_policy("h2o"), 16)
     assert get_policy("arkvale-w0.25") == ArkVale("arkvale-w0.25", is_paged=True, bound_weight=0.25)
     assert get_policy("arkvale-w1").bound_weight == get_policy("arkvale-bound").bound_weight == 1.0
-    for bad in ("arkvale-w", "arkvale-w1.5", "arkvale-w-0.1", "arkvale-wnan", "arkvale-wx"):
-        with pytest.raises(ValueError, match="or arkvale-w<weight> with a weight from 0 to 1"):
+    default = get_policy("arkvale")
+    assert get_policy("arkvale-m0") == ArkVale("arkvale-m0", is_paged=True, recall_margin=0.0)
+    assert get_policy("arkvale-m2.5-w1") == ArkVale("arkvale-m2.5-w1", is_paged=True, bound_weight=1.0,
+                                                   recall_margin=2.5)
+    assert get_policy("arkvale-w0").recall_margin == default.recall_margin
+    for bad in ("arkvale-w", "arkvale-w1.5", "arkvale-w-0.1", "arkvale-wnan", "arkvale-wx", "arkvale-m-1",
+                "arkvale-minf", "arkvale-mnan", "arkvale-w0-w1", "arkvale-x1", "arkvale-", "arkvale-w0.5m1"):
+        with pytest.raises(ValueError, match="or arkvale-w<weight>-m<margin> .either part alone. with a weight "
+                                             "from 0 to 1 and a margin >= 0"):
             get_policy(bad)
 
 
@@ -197,15 +204,3 @@ def test_arkvale_cannot_recall_blocks_the_host_store_evicted():
     st.host_store.check_integrity()
     st.release()
     assert st.host_store.num_blocks == 0 and st.host_nbytes == 0
-
-
-@pytest.mark.parametrize("weight", [0.0, 0.5, 1.0])
-def test_the_digest_box_scores_blocks_as_block_scores(weight):
-    """``DigestBox`` (what decode ranks with: two batched products) gives ``block_scores``."""
-    from kvserve.kv.budget.arkvale import DigestBox
-
-    g = torch.Generator().manual_seed(3)
-    a, b = torch.randn(37, 3, 16, generator=g), torch.randn(37, 3, 16, generator=g)
-    dmin, dmax = torch.minimum(a, b), torch.maximum(a, b)
-    q = torch.randn(9, 16, generator=g)
-    assert torch.allclose(DigestBox(dmin, dmax).scores(q, weight), block_scores(q, dmin, dmax, weight), atol=1e-5)

@@ -20,14 +20,14 @@ def test_bytes_are_counted_per_store_and_per_owner():
     store = HostBlockStore(10 * BLOCK_NBYTES)
     store.put(StashKey("a", 0, 1), block())
     store.put(StashKey("a", 1, 1), block())
-    store.put(StashKey("b", 0, 3), block(16))
-    assert store.nbytes == 4 * BLOCK_NBYTES and store.num_blocks == 3
-    assert store.nbytes_of("a") == 2 * BLOCK_NBYTES and store.nbytes_of("b") == 2 * BLOCK_NBYTES
+    store.put(StashKey("b", 0, 3), block())
+    assert store.nbytes == 3 * BLOCK_NBYTES and store.num_blocks == 3
+    assert store.nbytes_of("a") == 2 * BLOCK_NBYTES and store.nbytes_of("b") == BLOCK_NBYTES
     assert store.owners() == {"a", "b"}
     assert sorted(store.blocks_of("a", 0)) == [1] and store.blocks_of("c", 0) == {}
     k, _ = store.take(StashKey("a", 0, 1))
     assert k.shape == (8,) and not store.contains(StashKey("a", 0, 1))
-    assert store.nbytes == 3 * BLOCK_NBYTES and store.nbytes_of("a") == BLOCK_NBYTES
+    assert store.nbytes == 2 * BLOCK_NBYTES and store.nbytes_of("a") == BLOCK_NBYTES
     store.remove(StashKey("b", 0, 3))
     assert store.owners() == {"a"} and store.nbytes_of("b") == 0
     store.check_integrity()
@@ -44,27 +44,67 @@ def test_the_oldest_blocks_are_evicted_first_and_counted():
     assert store.num_evicted == 0
     store.put(StashKey("b", 0, 8), block())   # full: the oldest (a0) goes
     assert not store.contains(StashKey("a", 0, 0)) and store.contains(StashKey("a", 0, 2))
-    store.put(StashKey("a", 1, 5), block(16))  # two blocks' worth: a2, then b7 go
-    assert [k for k in (StashKey("a", 0, 2), StashKey("b", 0, 7), StashKey("b", 0, 8), StashKey("a", 1, 5))
-            if store.contains(k)] == [StashKey("b", 0, 8), StashKey("a", 1, 5)]
+    # two at once: a2, then b7 go
+    store.put_many([StashKey("a", 1, 5), StashKey("a", 1, 6)], torch.full((2, 8), 5.0), torch.full((2, 8), 6.0))
+    assert [k for k in (StashKey("a", 0, 2), StashKey("b", 0, 7), StashKey("b", 0, 8), StashKey("a", 1, 5),
+                        StashKey("a", 1, 6)) if store.contains(k)] == [
+        StashKey("b", 0, 8), StashKey("a", 1, 5), StashKey("a", 1, 6)]
+    assert store.peek(StashKey("a", 1, 6))[0].tolist() == [5.0] * 8 and store.peek(StashKey("a", 1, 6))[1][0] == 6.0
     assert store.num_evicted == 3
     assert store.num_evicted_of("a") == 2 and store.num_evicted_of("b") == 1
     assert store.nbytes == 3 * BLOCK_NBYTES
     store.check_integrity()
 
 
-def test_a_block_larger_than_the_store_is_not_kept():
-    store = HostBlockStore(BLOCK_NBYTES)
+def test_a_store_smaller_than_a_block_keeps_none_and_other_shapes_are_refused():
+    store = HostBlockStore(BLOCK_NBYTES - 1)
     store.put(StashKey("a", 0, 0), block())
-    store.put(StashKey("a", 0, 1), block(16))
-    assert store.contains(StashKey("a", 0, 0)) and not store.contains(StashKey("a", 0, 1))
-    assert store.num_evicted == 1 and store.nbytes == BLOCK_NBYTES
+    assert store.num_blocks == 0 and store.num_evicted == 1 and store.num_evicted_of("a") == 1
+    store.check_integrity()
     empty = HostBlockStore(0)
     empty.put(StashKey("a", 0, 0), block())
     assert empty.num_blocks == 0 and empty.num_evicted == 1
     empty.check_integrity()
     with pytest.raises(ValueError, match="must be >= 0 bytes"):
         HostBlockStore(-1)
+    one = HostBlockStore(4 * BLOCK_NBYTES)
+    one.put(StashKey("a", 0, 0), block())
+    with pytest.raises(ValueError, match=r"holds blocks of \(8,\) torch.float32, got \(16,\)"):
+        one.put(StashKey("a", 0, 1), block(16))
+    with pytest.raises(ValueError, match="1 blocks, but 1 keys and 2 values"):
+        one.put_many([StashKey("a", 0, 1)], torch.zeros(1, 8), torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="need one shape and dtype"):
+        one.put_many([StashKey("a", 0, 1)], torch.zeros(1, 8), torch.zeros(1, 8, dtype=torch.float16))
+    assert one.num_blocks == 1
+    one.check_integrity()
+
+
+def test_more_blocks_than_fit_in_one_call_keep_the_newest():
+    store = HostBlockStore(3 * BLOCK_NBYTES)
+    keys = [StashKey("a", 0, i) for i in range(5)]
+    data = torch.arange(5.0)[:, None].expand(5, 8)
+    store.put_many(keys, data, -data)
+    assert [k.block for k in keys if store.contains(k)] == [2, 3, 4] and store.num_evicted == 2
+    assert [store.peek(k)[0][0].item() for k in keys[2:]] == [2.0, 3.0, 4.0]
+    assert [store.peek(k)[1][0].item() for k in keys[2:]] == [-2.0, -3.0, -4.0]
+    k, v = store.take_many([keys[4], keys[2]])
+    assert k[:, 0].tolist() == [4.0, 2.0] and v[:, 0].tolist() == [-4.0, -2.0]
+    assert store.num_blocks == 1
+    store.check_integrity()
+
+
+def test_the_pool_grows_to_the_capacity_keeping_its_blocks():
+    store = HostBlockStore(200 * BLOCK_NBYTES)
+    keys = [StashKey("a", i % 3, i) for i in range(150)]
+    data = torch.arange(150.0)[:, None].expand(150, 8)
+    for n in range(0, 150, 50):
+        store.put_many(keys[n:n + 50], data[n:n + 50], data[n:n + 50] + 0.5)
+    assert store.num_blocks == 150 and store.nbytes == 150 * BLOCK_NBYTES and store.num_evicted == 0
+    assert all(store.peek(k)[0][0].item() == i and store.peek(k)[1][7].item() == i + 0.5 for i, k in enumerate(keys))
+    store.drop_owner("a")
+    store.put(StashKey("b", 0, 0), block(fill=9.0))      # a freed row is reused
+    assert store.peek(StashKey("b", 0, 0))[0].tolist() == [9.0] * 8
+    store.check_integrity()
 
 
 def test_dropping_an_owner_frees_its_blocks_only():
@@ -89,3 +129,46 @@ def test_check_integrity_catches_drifted_bytes():
     store.nbytes += 1
     with pytest.raises(AssertionError, match="bytes drifted"):
         store.check_integrity()
+    store.nbytes -= 1
+    store._free_rows.append(store._free_rows[-1])
+    with pytest.raises(AssertionError, match="pool rows lost or doubled"):
+        store.check_integrity()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_exchange_swaps_stashed_blocks_with_device_blocks_in_place(native, monkeypatch):
+    """The C++ pass and the torch one alike: the incoming blocks land in the device blocks, whose
+    content is stashed under the outgoing keys, the newest, evicting the oldest for room (a row
+    freed by an incoming block may take an outgoing one in the same call)."""
+    from kvserve.kv.budget import host_store, pages
+
+    if native and pages.load_extension() is None:
+        pytest.skip("the C++ page selection cannot be built here")
+    if not native:
+        monkeypatch.setattr(host_store, "load_extension", lambda isa=None: None)
+    store = HostBlockStore(4 * BLOCK_NBYTES)
+    cache_k = torch.arange(6.0)[:, None].repeat(1, 8)          # device block b holds b
+    cache_v = -cache_k
+    for i in range(4):                                          # stashed: 10 + i
+        store.put(StashKey("a", 0, i), block(fill=10.0 + i))
+    store.exchange([StashKey("a", 0, 2), StashKey("a", 0, 0)], [StashKey("a", 0, 7), StashKey("a", 0, 8)],
+                   (cache_k, cache_v), [4, 1])
+    assert cache_k[:, 0].tolist() == [0.0, 10.0, 2.0, 3.0, 12.0, 5.0]
+    assert cache_v[:, 0].tolist() == [0.0, 10.0, -2.0, -3.0, 12.0, -5.0]       # stashed values were 10 + i too
+    assert store.peek(StashKey("a", 0, 7))[0][0] == 4.0 and store.peek(StashKey("a", 0, 7))[1][0] == -4.0
+    assert store.peek(StashKey("a", 0, 8))[0][0] == 1.0 and store.num_evicted == 0
+    # a store of two: the outgoing blocks evict the oldest (a1, then a3); no temporaries needed
+    small = HostBlockStore(2 * BLOCK_NBYTES)
+    small.put(StashKey("a", 0, 1), block(fill=11.0))
+    small.put(StashKey("a", 0, 3), block(fill=13.0))
+    small.exchange([StashKey("a", 0, 3)], [StashKey("a", 0, 5)], (cache_k, cache_v), [2])
+    assert cache_k[2, 0] == 13.0 and small.peek(StashKey("a", 0, 5))[0][0] == 2.0
+    assert small.contains(StashKey("a", 0, 1)) and small.num_evicted == 0
+    small.exchange([StashKey("a", 0, 1)], [StashKey("a", 0, 6)], (cache_k, cache_v), [3])
+    small.put(StashKey("b", 0, 0), block(fill=20.0))
+    small.put(StashKey("b", 0, 1), block(fill=21.0))
+    assert small.num_evicted == 2 and not small.contains(StashKey("a", 0, 5))
+    for s in (store, small):
+        s.check_integrity()
+    with pytest.raises(ValueError, match="1 blocks, 1 coming and 2 going"):
+        store.exchange([StashKey("a", 0, 1)], [StashKey("a", 0, 9), StashKey("a", 0, 10)], (cache_k, cache_v), [0])

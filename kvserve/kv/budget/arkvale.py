@@ -17,21 +17,26 @@ rank a block that one head attends to sharply below dozens of wide ones; the def
 ``arkvale`` takes ``w = ARKVALE_BOUND_WEIGHT`` (docs/budgets.md has the measurement).
 
 At each decode step and layer, all full blocks (device and host) are ranked that way
-and the top R are made resident: a host block entering the top set swaps
-places with a device block leaving it (device -> host, host -> device), then
-attention runs over the resident blocks plus the open tail. The first block (the
-attention sinks) and the most recent full block are always resident. Blocks are ranked per
-query head relative to that head's best block, then by their best head, so a block
-that one head needs is kept even if the other heads ignore it.
+(pages.py: one C++ call on CPU) and the top R are wanted resident: a host block in the top
+set swaps places with a resident block outside it (device -> host, host -> device), best
+against worst, as long as it outscores that block by more than the policy's
+``recall_margin`` (logits), so near ties do not churn; then attention runs over the
+resident blocks plus the open tail. The first block (the attention sinks) and the most
+recent full block are always resident. Blocks are ranked per query head relative to that
+head's best block, then by their best head, so a block that one head needs is kept even
+if the other heads ignore it.
 
 Layout of a request's slots (per layer, all heads alike):
 
     slot-block   0 .. R-1                       R ...
                  | resident full blocks (any order) | tail: tokens after the last full block |
 
-Compaction (when the tail fills a block, and once at the end of the prefill) keeps the
-top R blocks for the last query seen, moves the rest to the host, and puts the tail
-right after them; so positions ``>= num_evicted + R * block_size`` map to slots linearly.
+The first compaction (at the end of the prefill) keeps the top R blocks for the last query
+seen, in block order, moves the rest to the host, and puts the tail right after them. Each
+later one (when the tail fills a block) moves only what changes: of the resident blocks and
+the blocks filled since, the lowest ranked go to the host, the new ones that stay take
+their slots, and the tail moves down to slot-block R. So positions
+``>= num_evicted + R * block_size`` map to slots linearly.
 
 Host blocks live in the engine's ``HostBlockStore`` (host_store.py), bounded in bytes.
 A block the store evicted for room cannot come back: it ranks below every other block.
@@ -39,25 +44,17 @@ A block the store evicted for room cannot come back: it ranks below every other 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kvserve.kv.budget.host_store import HostBlock, HostBlockStore, StashKey
+from kvserve.kv.budget.pages import HOST, LOST, RESIDENT, DigestBox, PageSelector
 from kvserve.kv.budget.policies import ArkVale, BudgetPolicy
-from kvserve.kv.budget.state import BudgetState, TokenPlan
+from kvserve.kv.budget.state import BudgetState, SlotReader, TokenPlan
 
 if TYPE_CHECKING:
     from kvserve.kv.storage import KVStorage
-
-
-def rank_blocks(q: torch.Tensor | None, dmin: torch.Tensor, dmax: torch.Tensor,
-                bound_weight: float = 1.0) -> torch.Tensor:
-    """Rank key of every full block: its score for ``q`` (recency without a query), with the
-    first block (the attention sinks) and the most recent full block always on top."""
-    num_blocks = dmin.shape[0]
-    rank = torch.arange(num_blocks, dtype=torch.float32) if q is None else block_scores(q, dmin, dmax, bound_weight)
-    return keep_ends_on_top(rank)
 
 
 def keep_ends_on_top(rank: torch.Tensor) -> torch.Tensor:
@@ -65,28 +62,6 @@ def keep_ends_on_top(rank: torch.Tensor) -> torch.Tensor:
     recent full block above every other."""
     rank[0] = rank[rank.shape[0] - 1] = float("inf")
     return rank
-
-
-class DigestBox:
-    """A layer's digests as the centre and half width of each block's key box, laid out for
-    two batched products per query: [kv_heads, blocks, dim] each (built once per compaction)."""
-
-    def __init__(self, dmin: torch.Tensor, dmax: torch.Tensor) -> None:
-        lo, hi = dmin.float().transpose(0, 1), dmax.float().transpose(0, 1)
-        self.source = dmin
-        self.centre = ((hi + lo) / 2).contiguous()
-        self.half_width = ((hi - lo) / 2).contiguous()
-
-    def scores(self, q: torch.Tensor, bound_weight: float) -> torch.Tensor:
-        """``block_scores`` of ``q`` [heads, dim] -> [blocks], without the [blocks, heads, dim]
-        intermediates: per KV head, [blocks, dim] x [dim, group]."""
-        kv_heads, num_blocks, dim = self.centre.shape
-        qg = q.float().view(kv_heads, -1, dim).transpose(1, 2)            # [kv, dim, group]
-        s = torch.bmm(self.centre, qg)                                     # [kv, blocks, group]
-        if bound_weight:
-            s = s + bound_weight * torch.bmm(self.half_width, qg.abs())
-        s = s.transpose(0, 1).reshape(num_blocks, -1)                      # [blocks, heads]
-        return (s - s.max(dim=0).values).max(dim=1).values
 
 
 def block_scores(q: torch.Tensor, dmin: torch.Tensor, dmax: torch.Tensor,
@@ -104,13 +79,30 @@ def block_scores(q: torch.Tensor, dmin: torch.Tensor, dmax: torch.Tensor,
     return (s - s.max(dim=0).values).max(dim=1).values
 
 
+class Stash(NamedTuple):
+    """Blocks of one layer bound for the host store: their indexes, keys and values [n, block_size,
+    heads, dim] (None when there are none)."""
+
+    indexes: list[int]
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+
+
+def stash(blocks: list[tuple[int, torch.Tensor, torch.Tensor]]) -> Stash:
+    """The blocks (index, keys, values), copied into one batch."""
+    if not blocks:
+        return Stash([], None, None)
+    return Stash([j for j, _, _ in blocks], torch.stack([k for _, k, _ in blocks]),
+                 torch.stack([v for _, _, v in blocks]))
+
+
 class PagePlan(TokenPlan):
     def __init__(self, num_slots: int) -> None:
         super().__init__(num_slots)
         self.resident: list[list[int]] = []
-        self.to_host: list[dict[int, HostBlock]] = []
+        self.to_host: list[Stash] = []
         self.from_host: list[list[int]] = []
-        self.digests: list[tuple[torch.Tensor, torch.Tensor]] = []   # per layer: min, max of every full block
+        self.digests: list[DigestBox] = []     # per layer: every full block's digest
 
 
 class ArkValeState(BudgetState):
@@ -123,17 +115,18 @@ class ArkValeState(BudgetState):
         super().__init__(policy, budget, layer_budgets, num_kv_heads, block_size, device)
         assert isinstance(policy, ArkVale)
         self.bound_weight = policy.bound_weight
+        self.recall_margin = policy.recall_margin     # logits
         self.host_store = host_store
         self.owner = owner
         num_layers = len(layer_budgets)
         self.num_resident = budget // block_size
         self.resident: list[list[int]] = [[] for _ in range(num_layers)]
-        self.dmin: list[torch.Tensor | None] = [None] * num_layers
-        self.dmax: list[torch.Tensor | None] = [None] * num_layers
         self.last_q: list[torch.Tensor | None] = [None] * num_layers
-        self._boxes: list[DigestBox | None] = [None] * num_layers       # the digests as ``select`` reads them
+        self.boxes: list[DigestBox | None] = [None] * num_layers        # per layer, every full block's digest
+        self.where: list[torch.Tensor | None] = [None] * num_layers     # per full block: HOST, RESIDENT or LOST
+        self._num_evicted_seen = 0      # the host store's evictions of this request already marked LOST
+        self.selector = PageSelector(device)
         self.recalls: list[tuple[int, int]] = []       # (layer, block) each time a host block came back
-        self.host_device = torch.device("cpu")
 
     @property
     def host(self) -> list[dict[int, HostBlock]]:
@@ -145,8 +138,8 @@ class ArkValeState(BudgetState):
         return self.host_store.nbytes_of(self.owner)
 
     def num_digested(self, layer: int) -> int:
-        d = self.dmin[layer]
-        return 0 if d is None else d.shape[0]
+        box = self.boxes[layer]
+        return 0 if box is None else box.num_blocks
 
     def capture_query(self, layer: int, q: torch.Tensor) -> None:
         """Keep the layer's latest query ([heads, dim]): the next compaction ranks blocks by it."""
@@ -167,42 +160,69 @@ class ArkValeState(BudgetState):
 
     # -- decode: make the top blocks resident --------------------------------
     def select(self, layer: int, q: torch.Tensor, storage: KVStorage, block_ids: list[int]) -> None:
-        """Rank every full block by its digest score for ``q`` and swap host blocks of the
-        top set with resident blocks outside it (``block_ids``: the request's table)."""
+        """Swap the host blocks that rank in the top set for ``q`` with resident blocks outside
+        it, while each gains more than the margin (pages.py; ``block_ids``: the request's table)."""
         resident = self.resident[layer]
-        dmin, dmax = self.dmin[layer], self.dmax[layer]
-        if dmin is None or dmax is None or dmin.shape[0] <= len(resident):
+        box, where = self.boxes[layer], self.where[layer]
+        if box is None or where is None or box.num_blocks <= len(resident):
             return
-        box = self._boxes[layer]
-        if box is None or box.source is not dmin:
-            box = self._boxes[layer] = DigestBox(dmin, dmax)
-        rank = keep_ends_on_top(box.scores(q, self.bound_weight))
-        top = self._demote_lost(layer, rank).topk(len(resident)).indices.tolist()
-        wanted = set(top)
-        on_device = set(resident)
-        missing = [j for j in top if j not in on_device and self.host_store.contains(self._key(layer, j))]
-        if not missing:
+        self._mark_lost()
+        margin = self.recall_margin * q.shape[-1] ** 0.5      # logits -> raw q . k
+        pairs = self.selector.swaps(box, q, self.bound_weight, where, len(resident), margin)
+        if not pairs:
             return
-        spare = [i for i, j in enumerate(resident) if j not in wanted]
-        # all taken before any outgoing block is stashed, which may evict the oldest blocks
-        recalled = [(j, i, self.host_store.take(self._key(layer, j))) for j, i in zip(missing, spare)]
-        slots = torch.tensor([block_ids[i] for _, i, _ in recalled], dtype=torch.long, device=storage.device)
-        incoming_k = torch.stack([k for _, _, (k, _) in recalled]).to(storage.device)
-        incoming_v = torch.stack([v for _, _, (_, v) in recalled]).to(storage.device)
-        out_k, out_v = storage.swap_blocks(layer, slots, incoming_k, incoming_v)
-        out_k, out_v = out_k.to(self.host_device), out_v.to(self.host_device)
-        for n, (j_new, i, _) in enumerate(recalled):
-            # each block its own storage: a view would keep the whole batch alive past its bytes' count
-            self.host_store.put(self._key(layer, resident[i]), (out_k[n].clone(), out_v[n].clone()))
-            resident[i] = j_new
-            self.recalls.append((layer, j_new))
+        coming = [j for j, _ in pairs]
+        at = {j: i for i, j in enumerate(resident)}
+        places = [at[j] for _, j in pairs]                 # where in ``resident`` each comes in
+        going = [resident[i] for i in places]
+        coming_keys, going_keys = [self._key(layer, j) for j in coming], [self._key(layer, j) for j in going]
+        blocks = storage.layer_blocks(layer)
+        if blocks is not None:
+            self.host_store.exchange(coming_keys, going_keys, blocks, [block_ids[i] for i in places])
+        else:
+            # all taken before any outgoing block is stashed, which may evict the oldest blocks
+            k_in, v_in = self.host_store.take_many(coming_keys)
+            slots = torch.tensor([block_ids[i] for i in places], dtype=torch.long, device=storage.device)
+            k_out, v_out = storage.swap_blocks(layer, slots, k_in.to(storage.device), v_in.to(storage.device))
+            self.host_store.put_many(going_keys, k_out, v_out)
+        marks = where.numpy()       # the same memory, written without a torch call per list
+        marks[coming] = RESIDENT
+        marks[going] = HOST
+        for i, j in zip(places, coming):
+            resident[i] = j
+        self.recalls.extend((layer, j) for j in coming)
+        bs = self.block_size
+        cols = [i * bs + o for i in places for o in range(bs)]
+        positions = [j * bs + o for j in coming for o in range(bs)]
+        if self.device.type == "cpu":
+            self.pos[layer].numpy()[:, cols] = positions
+        else:
+            self.pos[layer][:, cols] = torch.tensor(positions, device=self.device)
+
+    def _mark_lost(self) -> None:
+        """Mark LOST, in every layer, the host blocks the store has evicted since the last look."""
+        num_evicted = self.host_store.num_evicted_of(self.owner)
+        if num_evicted == self._num_evicted_seen:
+            return
+        self._num_evicted_seen = num_evicted
+        for layer, where in enumerate(self.where):
+            if where is None:
+                continue
+            host = (where == HOST).nonzero().flatten().tolist()
+            lost = [j for j in host if not self.host_store.contains(self._key(layer, j))]
+            if lost:
+                where[lost] = LOST
 
     def _key(self, layer: int, index: int) -> StashKey:
         return StashKey(self.owner, layer, index)
 
-    def _rank(self, layer: int, q: torch.Tensor | None, dmin: torch.Tensor, dmax: torch.Tensor) -> torch.Tensor:
-        """``rank_blocks``, with the blocks the host store evicted for room at the bottom."""
-        return self._demote_lost(layer, rank_blocks(q, dmin, dmax, self.bound_weight))
+    def _rank(self, layer: int, q: torch.Tensor | None, box: DigestBox) -> torch.Tensor:
+        """Rank key of every full block: its score for ``q`` (recency without a query), the first
+        and the latest block on top, the blocks the host store evicted for room at the bottom."""
+        num_blocks = box.num_blocks
+        rank = (torch.arange(num_blocks, dtype=torch.float32) if q is None
+                else self.selector.scores(box, q, self.bound_weight))
+        return self._demote_lost(layer, keep_ends_on_top(rank))
 
     def _demote_lost(self, layer: int, rank: torch.Tensor) -> torch.Tensor:
         """``rank`` with the blocks the host store evicted for room at the bottom."""
@@ -240,26 +260,75 @@ class ArkValeState(BudgetState):
                 return k[s:s + bs], v[s:s + bs]
 
             new_blocks = [block(j) for j in range(first_recent, num_full)]
-            dmin = torch.stack([b[0].amin(dim=0) for b in new_blocks])
-            dmax = torch.stack([b[0].amax(dim=0) for b in new_blocks])
-            old_min, old_max = self.dmin[layer], self.dmax[layer]
-            all_min = dmin if old_min is None else torch.cat([old_min, dmin])
-            all_max = dmax if old_max is None else torch.cat([old_max, dmax])
-            rank = self._rank(layer, self.last_q[layer], all_min, all_max)
+            new_keys = torch.stack([b[0] for b in new_blocks])
+            box = DigestBox.extend(self.boxes[layer], new_keys.amin(dim=1), new_keys.amax(dim=1))
+            rank = self._rank(layer, self.last_q[layer], box)
             keep = sorted(rank.topk(self.num_resident).indices.tolist())
             kept = set(keep)
             on_device = set(resident) | set(range(first_recent, num_full))
-            to_host: dict[int, HostBlock] = {}
-            for j in sorted(on_device - kept):
-                hk, hv = block(j)
-                to_host[j] = (hk.to(self.host_device, copy=True), hv.to(self.host_device, copy=True))
+            to_host = stash([(j, *block(j)) for j in sorted(on_device - kept)])
             parts = [block(j) for j in keep]
             plan.keys.append(torch.cat([p[0] for p in parts] + [k[tail_slot:num_slots]]))
             plan.values.append(torch.cat([p[1] for p in parts] + [v[tail_slot:num_slots]]))
             plan.resident.append(keep)
             plan.to_host.append(to_host)
             plan.from_host.append([j for j in keep if j not in on_device])
-            plan.digests.append((all_min, all_max))
+            plan.digests.append(box)
+        return plan
+
+    def plan_from(self, reader: SlotReader, num_slots: int, rewritten: frozenset[int]) -> TokenPlan:
+        """Once compacted, a compaction moves only what changes: the blocks filled since go into
+        the slots of the resident blocks that leave (or to the host), and the open tail after the
+        resident blocks; the blocks that stay keep their slots (unless their table block is
+        ``rewritten``). The first compaction gathers and places every block (``plan``)."""
+        if not self.is_compacted:
+            return super().plan_from(reader, num_slots, rewritten)
+        bs, num_resident = self.block_size, self.num_resident
+        num_full = (self.num_evicted + num_slots) // bs
+        tail_slot = num_full * bs - self.num_evicted
+        moved_from = num_resident * bs                    # the blocks filled since, then the tail
+        plan = PagePlan(moved_from + num_slots - tail_slot)
+        plan.slots = []
+        for layer in range(len(self.layer_budgets)):
+            resident = self.resident[layer]
+            first_recent = self.num_digested(layer)
+            num_new = num_full - first_recent
+            k_new, v_new = reader.read_blocks(layer, list(range(num_resident, -(-num_slots // bs))))
+            box = DigestBox.extend(self.boxes[layer], k_new[:num_new].amin(dim=1), k_new[:num_new].amax(dim=1))
+            # the blocks filled since take the places of the lowest ranked of them and the resident
+            # ones; host blocks come back through ``select``, where the margin applies
+            candidates = resident + list(range(first_recent, num_full))
+            rank = self._rank(layer, self.last_q[layer], box)[candidates]
+            dropped = {candidates[n] for n in rank.topk(num_new, largest=False).indices.tolist()}
+            keep = set(candidates) - dropped
+            leaving = [i for i, j in enumerate(resident) if j in dropped]
+            incoming = [j for j in range(first_recent, num_full) if j in keep]
+            stay_rewritten = sorted(i for i in rewritten if i < num_resident and resident[i] in keep)
+            k_old, v_old = reader.read_blocks(layer, leaving + stay_rewritten) if leaving or stay_rewritten else (
+                k_new[:0], v_new[:0])
+            to_host = stash([(resident[i], k_old[n], v_old[n]) for n, i in enumerate(leaving)]
+                            + [(j, k_new[j - first_recent], v_new[j - first_recent])
+                               for j in range(first_recent, num_full) if j not in keep])
+            new_resident = list(resident)
+            parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+            slots: list[int] = []
+            for i, j in zip(leaving, incoming, strict=True):
+                parts.append((k_new[j - first_recent], v_new[j - first_recent]))
+                new_resident[i] = j
+                slots += range(i * bs, (i + 1) * bs)
+            for n, i in enumerate(stay_rewritten):
+                parts.append((k_old[len(leaving) + n], v_old[len(leaving) + n]))
+                slots += range(i * bs, (i + 1) * bs)
+            tail = slice(tail_slot - moved_from, num_slots - moved_from)
+            parts.append((k_new.flatten(0, 1)[tail], v_new.flatten(0, 1)[tail]))
+            slots += range(moved_from, moved_from + num_slots - tail_slot)
+            plan.keys.append(torch.cat([k for k, _ in parts]))
+            plan.values.append(torch.cat([v for _, v in parts]))
+            plan.slots.append(slots)
+            plan.resident.append(new_resident)
+            plan.to_host.append(to_host)
+            plan.from_host.append([])
+            plan.digests.append(box)
         return plan
 
     def apply(self, plan: TokenPlan, num_computed: int) -> None:
@@ -270,17 +339,24 @@ class ArkValeState(BudgetState):
             for j in recalled:
                 self.host_store.remove(self._key(layer, j))
         for layer in range(len(self.layer_budgets)):
-            self.dmin[layer], self.dmax[layer] = plan.digests[layer]
-            for j, stashed in plan.to_host[layer].items():
-                self.host_store.put(self._key(layer, j), stashed)
+            box = self.boxes[layer] = plan.digests[layer]
+            indexes, k_host, v_host = plan.to_host[layer]
+            if k_host is not None and v_host is not None:
+                self.host_store.put_many([self._key(layer, j) for j in indexes], k_host, v_host)
             self.resident[layer] = list(plan.resident[layer])
-            positions = [j * bs + o for j in plan.resident[layer] for o in range(bs)]
-            tail_start = num_computed - (plan.num_slots - len(positions))
-            positions += list(range(tail_start, num_computed))
+            where = torch.full((box.num_blocks,), HOST, dtype=torch.uint8)
+            where[plan.resident[layer]] = RESIDENT
+            self.where[layer] = where
+            starts = torch.tensor(plan.resident[layer], device=self.device)[:, None] * bs
+            kept = (starts + torch.arange(bs, device=self.device)).flatten()
+            tail_start = num_computed - (plan.num_slots - kept.shape[0])
             self._grow(plan.num_slots)
-            self.pos[layer][:, :plan.num_slots] = torch.tensor(positions, device=self.device)
+            self.pos[layer][:, :plan.num_slots] = torch.cat([kept, torch.arange(tail_start, num_computed,
+                                                                                 device=self.device)])
             self.valid[layer][:] = False
             self.valid[layer][:plan.num_slots] = True
         self.num_evicted = num_computed - plan.num_slots
         self.num_recorded = plan.num_slots
         self.num_compactions += 1
+        self._num_evicted_seen = 0      # ``where`` is new: mark every eviction (the stashes above may add some)
+        self._mark_lost()

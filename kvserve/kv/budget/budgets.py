@@ -27,7 +27,7 @@ import torch
 from kvserve.kv.budget.arkvale import ArkValeState
 from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import check_budget, get_policy
-from kvserve.kv.budget.state import BudgetState, TokenPlan
+from kvserve.kv.budget.state import BudgetState, SlotReader, TokenPlan
 from kvserve.kv.storage import KVStorage
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -84,7 +84,8 @@ class Budgets(ABC):
         """Slots the request keeps if it compacts now, or None when no compaction is due."""
 
     @abstractmethod
-    def plan(self, request: Request, block_ids: list[int]) -> TokenPlan: ...
+    def plan(self, request: Request, block_ids: list[int], rewritten: frozenset[int] = frozenset()) -> TokenPlan:
+        """``rewritten``: the indexes in ``block_ids`` of the blocks the compaction replaces by fresh ones."""
 
     @abstractmethod
     def apply(self, request: Request, plan: TokenPlan, block_ids: list[int]) -> None: ...
@@ -138,7 +139,7 @@ class NoBudgets(Budgets):
     def target_slots(self, request: Request) -> int | None:
         return None
 
-    def plan(self, request: Request, block_ids: list[int]) -> TokenPlan:
+    def plan(self, request: Request, block_ids: list[int], rewritten: frozenset[int] = frozenset()) -> TokenPlan:
         raise RuntimeError("no KV budgets here")
 
     def apply(self, request: Request, plan: TokenPlan, block_ids: list[int]) -> None:
@@ -259,24 +260,21 @@ class KVBudgets(Budgets):
             return None
         return target
 
-    def plan(self, request: Request, block_ids: list[int]) -> TokenPlan:
+    def plan(self, request: Request, block_ids: list[int], rewritten: frozenset[int] = frozenset()) -> TokenPlan:
         state = self._states[request.request_id]
         num_slots = request.num_computed_tokens - state.num_evicted
-        table = torch.tensor([block_ids], dtype=torch.long, device=self.device)
-        keys, values = [], []
-        for layer in range(self.num_layers):
-            k, v = self.storage.gather(layer, table)
-            keys.append(k[0, :num_slots])
-            values.append(v[0, :num_slots])
-        return state.plan(keys, values, num_slots)
+        reader = SlotReader(self.storage, block_ids, self.block_size, self.device)
+        return state.plan_from(reader, num_slots, rewritten)
 
     def apply(self, request: Request, plan: TokenPlan, block_ids: list[int]) -> None:
         """Write the plan's entries to slots [0, kept) of the table ``block_ids``."""
         bs = self.block_size
         for layer in range(self.num_layers):
             n = plan.keys[layer].shape[0]
-            slots = torch.tensor([block_ids[s // bs] * bs + s % bs for s in range(n)],
-                                 dtype=torch.long, device=self.device)
+            if n == 0:
+                continue
+            rel = range(n) if plan.slots is None else plan.slots[layer]
+            slots = torch.tensor([block_ids[s // bs] * bs + s % bs for s in rel], dtype=torch.long, device=self.device)
             self.storage.write_slots(layer, plan.keys[layer], plan.values[layer], slots)
         self._states[request.request_id].apply(plan, request.num_computed_tokens)
         self._num_compactions += 1

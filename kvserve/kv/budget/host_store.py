@@ -6,16 +6,27 @@ store when it is recalled (so the stash order is also the order of last use). Wh
 block does not fit, the oldest blocks of any request are evicted: those are gone, their
 request can no longer recall them (its ranking skips them), and the store counts them.
 A request's blocks leave with the request (``drop_owner``: finished, aborted, preempted).
+
+The blocks live in one pool, ``[rows, 2, *block shape]`` (keys then values), grown by
+doubling up to the capacity, so stashing or recalling the n blocks of a layer's swap is
+one copy each way whatever n is. Every block of a store has the shape and dtype of the
+first (one engine's blocks: ``[block_size, kv_heads, head_dim]``); a row is free when its
+block has left, and freed rows are reused.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 
+from kvserve.kv.budget.pages import load_extension
+
 HostBlock = tuple[torch.Tensor, torch.Tensor]   # keys, values of one block and layer: [block_size, heads, dim]
+
+FIRST_ROWS = 64        # rows the pool starts with (then doubles, up to the capacity)
 
 
 class StashKey(NamedTuple):
@@ -24,55 +35,107 @@ class StashKey(NamedTuple):
     block: int      # the block's index in its request's sequence (block j: positions j * block_size ...)
 
 
-def host_block_nbytes(block: HostBlock) -> int:
-    return block[0].nbytes + block[1].nbytes
-
-
 class HostBlockStore:
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"host store capacity must be >= 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self._blocks: OrderedDict[StashKey, HostBlock] = OrderedDict()   # oldest first
+        self._rows: OrderedDict[StashKey, int] = OrderedDict()    # oldest first: the pool row of each block
         self._owned: dict[str, set[StashKey]] = {}
-        self._owner_nbytes: dict[str, int] = {}
         self._owner_evicted: dict[str, int] = {}
+        self._pool: torch.Tensor | None = None
+        self._free_rows: list[int] = []
+        self._shape: tuple[int, ...] = ()
+        self._dtype = torch.float32
+        self.block_nbytes = 0            # K + V of one block, set by the first block stashed
         self.nbytes = 0
         self.num_evicted = 0      # blocks pushed out for room (never recalled), all requests
 
     @property
     def num_blocks(self) -> int:
-        return len(self._blocks)
+        return len(self._rows)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.capacity_bytes // self.block_nbytes if self.block_nbytes else 0
 
     def contains(self, key: StashKey) -> bool:
-        return key in self._blocks
+        return key in self._rows
 
     def put(self, key: StashKey, block: HostBlock) -> None:
-        """Stash ``block`` (host tensors) as the newest, evicting the oldest blocks until it
-        fits; a block larger than the whole store is not kept (and counts as evicted)."""
-        assert key not in self._blocks, f"{key} is already stashed"
-        size = host_block_nbytes(block)
-        if size > self.capacity_bytes:
-            self._count_evicted(key.owner)
+        self.put_many([key], block[0][None], block[1][None])
+
+    def put_many(self, keys: list[StashKey], keys_data: torch.Tensor, values_data: torch.Tensor) -> None:
+        """Stash block i of ``keys_data``/``values_data`` ([n, *block shape], any device) under
+        ``keys[i]``, in order, each the newest, evicting the oldest blocks until each fits; when
+        the store holds no block of this size at all, none is kept (each counts as evicted)."""
+        if not keys:
             return
-        while self.nbytes + size > self.capacity_bytes:
-            oldest = next(iter(self._blocks))
-            self._remove(oldest)
-            self._count_evicted(oldest.owner)
-        self._blocks[key] = block
-        self._owned.setdefault(key.owner, set()).add(key)
-        self._owner_nbytes[key.owner] = self._owner_nbytes.get(key.owner, 0) + size
-        self.nbytes += size
+        self._check_shape(keys_data.shape[1:], values_data.shape[1:], keys_data.dtype, values_data.dtype)
+        if keys_data.shape[0] != len(keys) or values_data.shape[0] != len(keys):
+            raise ValueError(f"{len(keys)} blocks, but {keys_data.shape[0]} keys and {values_data.shape[0]} values")
+        placed = self._place(keys)
+        if not placed:
+            return
+        pool = self._pool
+        assert pool is not None
+        rows = [row for _, row in placed]
+        if len(placed) < len(keys):
+            chosen = torch.tensor([n for n, _ in placed], dtype=torch.long, device=keys_data.device)
+            keys_data, values_data = keys_data.index_select(0, chosen), values_data.index_select(0, chosen)
+        index = torch.tensor(rows, dtype=torch.long)
+        pool[:, 0].index_copy_(0, index, keys_data.to(pool.device, pool.dtype))
+        pool[:, 1].index_copy_(0, index, values_data.to(pool.device, pool.dtype))
+
+    def exchange(self, coming: list[StashKey], going: list[StashKey], blocks: tuple[torch.Tensor, torch.Tensor],
+                 block_ids: list[int]) -> None:
+        """Swap stashed blocks with device blocks in place: block i of ``coming`` leaves the store
+        for ``block_ids[i]`` of ``blocks`` (a layer's keys and values, [num_blocks, *block shape]),
+        whose content is stashed under ``going[i]`` (as ``put_many``, after every ``coming`` has
+        left). One C++ copy pass on CPU, no temporaries; else ``take_many`` + ``put_many``."""
+        cache_k, cache_v = blocks
+        if len(coming) != len(block_ids) or len(going) != len(block_ids):
+            raise ValueError(f"{len(block_ids)} blocks, {len(coming)} coming and {len(going)} going")
+        if not coming:
+            return
+        ext = load_extension()
+        if ext is None or cache_k.device.type != "cpu" or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+            k_in, v_in = self.take_many(coming)
+            ids = torch.tensor(block_ids, dtype=torch.long, device=cache_k.device)
+            k_out, v_out = cache_k.index_select(0, ids), cache_v.index_select(0, ids)
+            cache_k.index_copy_(0, ids, k_in.to(cache_k.device, cache_k.dtype))
+            cache_v.index_copy_(0, ids, v_in.to(cache_v.device, cache_v.dtype))
+            self.put_many(going, k_out, v_out)
+            return
+        self._check_shape(cache_k.shape[1:], cache_v.shape[1:], cache_k.dtype, cache_v.dtype)
+        rows_in = [self._rows[key] for key in coming]
+        for key in coming:
+            self._remove(key)
+        placed = self._place(going)
+        assert self._pool is not None
+        ext.exchange_pages(self._pool, cache_k, cache_v, block_ids, rows_in,
+                           [n for n, _ in placed], [row for _, row in placed])
 
     def peek(self, key: StashKey) -> HostBlock:
-        """The stashed block, left in place (KeyError when it is not here)."""
-        return self._blocks[key]
+        """The stashed block, left in place (KeyError when it is not here): views of the pool,
+        valid until the block leaves."""
+        assert self._pool is not None
+        row = self._pool[self._rows[key]]
+        return row[0], row[1]
 
     def take(self, key: StashKey) -> HostBlock:
         """Remove and return the stashed block (a recall)."""
-        block = self._blocks[key]
-        self._remove(key)
-        return block
+        k, v = self.take_many([key])
+        return k[0], v[0]
+
+    def take_many(self, keys: list[StashKey]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Remove the stashed blocks and return copies of them: keys, values [n, *block shape]."""
+        assert self._pool is not None
+        index = torch.tensor([self._rows[key] for key in keys], dtype=torch.long)
+        taken = self._pool.index_select(0, index)
+        for key in keys:
+            self._remove(key)
+        return taken[:, 0], taken[:, 1]
 
     def remove(self, key: StashKey) -> None:
         self._remove(key)
@@ -88,37 +151,85 @@ class HostBlockStore:
         return set(self._owned)
 
     def nbytes_of(self, owner: str) -> int:
-        return self._owner_nbytes.get(owner, 0)
+        return len(self._owned.get(owner, ())) * self.block_nbytes
 
     def num_evicted_of(self, owner: str) -> int:
         """Blocks of ``owner`` evicted for room since it stashed its first."""
         return self._owner_evicted.get(owner, 0)
 
     def blocks_of(self, owner: str, layer: int) -> dict[int, HostBlock]:
-        """``owner``'s stashed blocks of ``layer`` by index (a copy of the index, not the tensors)."""
-        return {k.block: self._blocks[k] for k in self._owned.get(owner, ()) if k.layer == layer}
+        """``owner``'s stashed blocks of ``layer`` by index (views of the pool, see ``peek``)."""
+        return {k.block: self.peek(k) for k in self._owned.get(owner, ()) if k.layer == layer}
 
     def check_integrity(self) -> None:
-        assert self.nbytes == sum(host_block_nbytes(b) for b in self._blocks.values()), "host store bytes drifted"
+        assert self.nbytes == len(self._rows) * self.block_nbytes, "host store bytes drifted"
         assert self.nbytes <= self.capacity_bytes, "host store over its capacity"
         owned = [k for keys in self._owned.values() for k in keys]
-        assert len(owned) == len(self._blocks) and set(owned) == self._blocks.keys(), "host store owners drifted"
-        for owner, keys in self._owned.items():
-            assert keys and all(k.owner == owner for k in keys), f"bad owner index for {owner!r}"
-            assert self._owner_nbytes[owner] == sum(host_block_nbytes(self._blocks[k]) for k in keys), (
-                f"host bytes of {owner!r} drifted")
-        assert self._owner_nbytes.keys() == self._owned.keys(), "host bytes kept for an owner with no blocks"
+        assert len(owned) == len(self._rows) and set(owned) == self._rows.keys(), "host store owners drifted"
+        assert all(keys and all(k.owner == owner for k in keys) for owner, keys in self._owned.items()), (
+            "bad owner index")
+        rows = list(self._rows.values())
+        num_rows = 0 if self._pool is None else self._pool.shape[0]
+        assert len(set(rows)) == len(rows), "two blocks share a pool row"
+        assert sorted(rows + self._free_rows) == list(range(num_rows)), "pool rows lost or doubled"
+
+    # -- internals ---------------------------------------------------------
+    def _check_shape(self, key_shape: torch.Size, value_shape: torch.Size, key_dtype: torch.dtype,
+                     value_dtype: torch.dtype) -> None:
+        if key_shape != value_shape or key_dtype != value_dtype:
+            raise ValueError(f"a block's keys and values need one shape and dtype, got {tuple(key_shape)} "
+                             f"{key_dtype} and {tuple(value_shape)} {value_dtype}")
+        if not self.block_nbytes:
+            self.block_nbytes = 2 * math.prod(key_shape) * key_dtype.itemsize
+            self._shape, self._dtype = tuple(key_shape), key_dtype
+        elif (tuple(key_shape), key_dtype) != (self._shape, self._dtype):
+            raise ValueError(f"this store holds blocks of {self._shape} {self._dtype}, got {tuple(key_shape)} {key_dtype}")
+
+    def _place(self, keys: list[StashKey]) -> list[tuple[int, int]]:
+        """Make ``keys`` the newest blocks, evicting the oldest as each needs room: (index in
+        ``keys``, pool row) of those kept, one per row (a row freed and reused within the call
+        holds the later block)."""
+        placed: dict[int, int] = {}      # row -> index in keys
+        for n, key in enumerate(keys):
+            assert key not in self._rows, f"{key} is already stashed"
+            if self.capacity_blocks == 0:
+                self._count_evicted(key.owner)
+                continue
+            while len(self._rows) >= self.capacity_blocks:
+                oldest = next(iter(self._rows))
+                self._remove(oldest)
+                self._count_evicted(oldest.owner)
+            row = self._take_row()
+            self._rows[key] = row
+            self._owned.setdefault(key.owner, set()).add(key)
+            self.nbytes += self.block_nbytes
+            placed.pop(row, None)
+            placed[row] = n
+        return [(n, row) for row, n in placed.items()]
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            self._grow()
+        return self._free_rows.pop()
+
+    def _grow(self) -> None:
+        old = 0 if self._pool is None else self._pool.shape[0]
+        new = min(max(FIRST_ROWS, 2 * old), self.capacity_blocks)
+        assert new > old, "grown past the capacity"
+        pool = torch.empty((new, 2, *self._shape), dtype=self._dtype)
+        if self._pool is not None:
+            pool[:old] = self._pool
+        self._pool = pool
+        self._free_rows.extend(range(new - 1, old - 1, -1))     # the lowest row is used first
 
     def _remove(self, key: StashKey) -> None:
-        block = self._blocks.pop(key)
-        size = host_block_nbytes(block)
-        self.nbytes -= size
+        row = self._rows.pop(key)
+        self._free_rows.append(row)
+        self.nbytes -= self.block_nbytes
         keys = self._owned[key.owner]
         keys.discard(key)
-        self._owner_nbytes[key.owner] -= size
         if not keys:
             del self._owned[key.owner]
-            del self._owner_nbytes[key.owner]
 
     def _count_evicted(self, owner: str) -> None:
         self.num_evicted += 1

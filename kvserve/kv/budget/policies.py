@@ -17,6 +17,7 @@ keep; ``arkvale`` works on whole blocks (see ``arkvale.py``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ SNAPKV_WINDOW = 32       # observation window (capped at half the smallest layer
 SNAPKV_POOL = 7          # max-pooling kernel over neighbouring slots
 PYRAMID_RATIO = 3.0      # first layer's budget / last layer's budget
 ARKVALE_BOUND_WEIGHT = 0.5   # arkvale's block score: q.centre + this x |q|.half_width of the key box
+ARKVALE_RECALL_MARGIN = 0.5   # logits a host block must gain over the resident one it replaces (arkvale.py)
 
 
 @dataclass(frozen=True)
@@ -119,9 +121,12 @@ class Merge(HeavyHitters):
 
 @dataclass(frozen=True)
 class ArkVale(BudgetPolicy):
-    """``bound_weight``: how much of a block's key spread counts in its score (see arkvale.py)."""
+    """``bound_weight``: how much of a block's key spread counts in its score; ``recall_margin``:
+    by how much (in logits, the 1/sqrt(dim) scale applied) a host block must outscore the resident
+    block it would replace before a decode step swaps them (see arkvale.py)."""
 
     bound_weight: float = ARKVALE_BOUND_WEIGHT
+    recall_margin: float = ARKVALE_RECALL_MARGIN
 
     def window(self, layer_budgets):
         return 0
@@ -138,25 +143,34 @@ POLICIES: dict[str, BudgetPolicy] = {p.name: p for p in (
 )}
 
 
-WEIGHTED_ARKVALE = "arkvale-w"   # "arkvale-w0.25": arkvale with that bound weight, in [0, 1]
+TUNED_ARKVALE = "arkvale"   # "arkvale-w0.25", "arkvale-m0", "arkvale-w1-m2": arkvale with that bound weight
+                            # (in [0, 1]) and recall margin (logits, >= 0); unnamed ones keep arkvale's
 
 
 def get_policy(name: str) -> BudgetPolicy:
     policy = POLICIES.get(name)
-    if policy is None and name.startswith(WEIGHTED_ARKVALE):
-        policy = _weighted_arkvale(name)
+    if policy is None and name.startswith(TUNED_ARKVALE + "-"):
+        policy = _tuned_arkvale(name)
     if policy is None:
         raise ValueError(f"unknown KV budget policy {name!r}; choose one of {', '.join(POLICIES)}, "
-                         f"or {WEIGHTED_ARKVALE}<weight> with a weight from 0 to 1")
+                         f"or {TUNED_ARKVALE}-w<weight>-m<margin> (either part alone) with a weight from 0 to 1 "
+                         f"and a margin >= 0")
     return policy
 
 
-def _weighted_arkvale(name: str) -> BudgetPolicy | None:
-    try:
-        weight = float(name[len(WEIGHTED_ARKVALE):])
-    except ValueError:
+def _tuned_arkvale(name: str) -> BudgetPolicy | None:
+    settings: dict[str, float] = {}
+    for part in name[len(TUNED_ARKVALE) + 1:].split("-"):
+        if part[:1] not in ("w", "m") or part[:1] in settings:
+            return None
+        try:
+            settings[part[:1]] = float(part[1:])
+        except ValueError:
+            return None
+    weight, margin = settings.get("w", ARKVALE_BOUND_WEIGHT), settings.get("m", ARKVALE_RECALL_MARGIN)
+    if not (0.0 <= weight <= 1.0 and 0.0 <= margin < math.inf):
         return None
-    return ArkVale(name, is_paged=True, bound_weight=weight) if 0.0 <= weight <= 1.0 else None
+    return ArkVale(name, is_paged=True, bound_weight=weight, recall_margin=margin)
 
 
 def min_budget(block_size: int) -> int:

@@ -41,6 +41,30 @@ class TokenPlan:
         self.pos: list[torch.Tensor] = []          # [heads, num_kept]
         self.score: list[torch.Tensor | None] = []
         self.weight: list[torch.Tensor | None] = []
+        # per layer, the slot each row of keys/values goes to; None: rows fill slots 0, 1, ...
+        self.slots: list[list[int]] | None = None
+
+
+class SlotReader:
+    """A request's slots as they stand before a compaction, read on demand."""
+
+    def __init__(self, storage: KVStorage, block_ids: list[int], block_size: int, device: torch.device) -> None:
+        self.storage = storage
+        self.block_ids = block_ids
+        self.block_size = block_size
+        self.device = device
+
+    def read(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [0, num_slots) of ``layer``: keys, values [num_slots, heads, dim]."""
+        k, v = self.storage.gather(layer, torch.tensor([self.block_ids], dtype=torch.long, device=self.device))
+        return k[0, :num_slots], v[0, :num_slots]
+
+    def read_blocks(self, layer: int, slot_blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of whole slot blocks (slots ``i * block_size ...`` for each ``i``): [n, block_size, heads, dim]."""
+        table = torch.tensor([[self.block_ids[i] for i in slot_blocks]], dtype=torch.long, device=self.device)
+        k, v = self.storage.gather(layer, table)
+        shape = (len(slot_blocks), self.block_size, *k.shape[2:])
+        return k.view(shape), v.view(shape)
 
 
 class BudgetState:
@@ -153,6 +177,13 @@ class BudgetState:
         self.score[layer][:, :scores.shape[1]] += scores
 
     # -- compaction ----------------------------------------------------------
+    def plan_from(self, reader: SlotReader, num_slots: int, rewritten: frozenset[int]) -> TokenPlan:
+        """``plan`` over what ``reader`` reads; ``rewritten``: the slot blocks whose table block the
+        compaction replaces by a fresh one (a shared or cached block), so a plan that moves only
+        some entries must write these whole."""
+        keys, values = zip(*(reader.read(layer, num_slots) for layer in range(len(self.layer_budgets))))
+        return self.plan(list(keys), list(values), num_slots)
+
     def plan(self, keys: list[torch.Tensor], values: list[torch.Tensor], num_slots: int) -> TokenPlan:
         """Choose the kept entries of every layer. keys/values: per layer [num_slots, heads, dim]."""
         plan = TokenPlan(self.max_layer_budget)

@@ -166,6 +166,11 @@ class KVStorage(ABC):
         """Overwrite one block of ``layer`` with ``key``/``value`` ([block_size, heads, dim])."""
         raise NotImplementedError(f"{type(self).__name__} cannot write blocks as stored (no KV budgets)")
 
+    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys and values of every block of ``layer`` as stored, [num_blocks, block_size,
+        heads, dim] each, for copying whole blocks in place; None where blocks are not stored so."""
+        return None
+
     def swap_blocks(self, layer: int, block_ids: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replace blocks ``block_ids`` ([m]) of ``layer`` with ``key``/``value`` ([m, block_size,

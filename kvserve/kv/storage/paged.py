@@ -106,6 +106,9 @@ class PagedKVCache(KVStorage):
         self.key_caches[layer][block_id].copy_(key)
         self.value_caches[layer][block_id].copy_(value)
 
+    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_caches[layer], self.value_caches[layer]
+
     def swap_blocks(self, layer: int, block_ids: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.key_caches[layer], self.value_caches[layer]

@@ -1,0 +1,90 @@
+"""ArkVale's page choice at a decode step: the C++ build and the torch twin decide alike, the
+digest scores are ``block_scores``, and a swap must gain more than the margin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.extensions import supported_isas
+from kvserve.kv.budget.arkvale import block_scores
+from kvserve.kv.budget.pages import HOST, LOST, PAGES, RESIDENT, DigestBox, PageSelector, choose_swaps, load_extension
+
+ISAS = supported_isas(PAGES)
+needs_ext = pytest.mark.skipif(load_extension() is None, reason="the C++ page selection cannot be built here")
+
+
+def digests(num_blocks: int, seed: int, kv_heads: int = 3, dim: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(num_blocks, kv_heads, dim, generator=g), torch.randn(num_blocks, kv_heads, dim, generator=g)
+    return torch.minimum(a, b), torch.maximum(a, b)
+
+
+def marks(num_blocks: int, seed: int, num_resident: int, num_lost: int) -> torch.Tensor:
+    order = torch.randperm(num_blocks - 2, generator=torch.Generator().manual_seed(seed)) + 1
+    where = torch.full((num_blocks,), HOST, dtype=torch.uint8)
+    where[[0, num_blocks - 1]] = RESIDENT
+    where[order[:num_resident - 2]] = RESIDENT
+    where[order[num_resident - 2:num_resident - 2 + num_lost]] = LOST
+    return where
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5, 1.0])
+def test_the_digest_box_scores_blocks_as_block_scores(weight):
+    dmin, dmax = digests(37, 3)
+    q = torch.randn(9, 16, generator=torch.Generator().manual_seed(4))
+    assert torch.allclose(DigestBox(dmin, dmax).scores(q, weight), block_scores(q, dmin, dmax, weight), atol=1e-5)
+    grown = DigestBox.extend(DigestBox.extend(None, dmin[:20], dmax[:20]), dmin[20:], dmax[20:])
+    assert grown.num_blocks == 37 and torch.equal(grown.box, DigestBox(dmin, dmax).box)
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("weight", [0.0, 0.5, 1.0])
+def test_the_cpu_scores_are_the_digest_box_scores(isa, weight):
+    ext = load_extension(isa)
+    for seed, num_blocks in enumerate([1, 2, 17, 480]):
+        box = DigestBox(*digests(num_blocks, seed, dim=64))
+        q = torch.randn(9, 64, generator=torch.Generator().manual_seed(seed))
+        assert torch.allclose(ext.digest_scores(box.box, q, weight), box.scores(q, weight), atol=1e-4)
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_cpu_choice_is_the_torch_twins(isa):
+    ext = load_extension(isa)
+    num_cases = num_swapping = 0
+    for seed in range(40):
+        num_blocks = 8 + seed * 7
+        num_resident = 3 + seed % 5
+        box = DigestBox(*digests(num_blocks, seed))
+        q = torch.randn(9, 16, generator=torch.Generator().manual_seed(100 + seed))
+        where = marks(num_blocks, seed, num_resident, num_lost=seed % 4)
+        for margin in (0.0, 0.5, 2.0, 1e9):
+            cpu = [tuple(p) for p in ext.select_pages(box.box, q, 0.5, where, num_resident, margin).tolist()]
+            assert cpu == choose_swaps(box.scores(q, 0.5), where, num_resident, margin), (seed, margin)
+            num_cases += 1
+            num_swapping += bool(cpu)
+    assert num_swapping >= num_cases // 3         # the cases do exercise swaps
+
+
+def test_swaps_pair_the_best_host_block_with_the_worst_resident_one_while_they_gain_the_margin():
+    # blocks 0 and 5 always stay (sinks, latest); 1, 2 resident; 3, 4 on the host
+    score = torch.tensor([0.0, -3.0, -1.0, -0.5, -2.5, 0.0])
+    where = torch.tensor([RESIDENT, RESIDENT, RESIDENT, HOST, HOST, RESIDENT], dtype=torch.uint8)
+    assert choose_swaps(score, where, 4, 0.0) == [(3, 1)]            # top 4: 0, 5, 3, 2 -> 3 in, 1 out
+    assert choose_swaps(score, where, 4, 2.49) == [(3, 1)]           # gains 2.5
+    assert choose_swaps(score, where, 4, 2.5) == []                  # not more than the margin
+    where[3] = LOST
+    assert choose_swaps(score, where, 4, 0.0) == [(4, 1)]            # an evicted block never comes back
+    assert choose_swaps(score, where, 4, 0.5) == []                  # -2.5 vs -3.0: gains 0.5 only
+
+
+def test_the_selector_uses_torch_where_the_extension_is_off():
+    box = DigestBox(*digests(30, 1))
+    q = torch.randn(9, 16, generator=torch.Generator().manual_seed(2))
+    where = marks(30, 1, 6, 2)
+    torch_only = PageSelector(torch.device("cpu"), use_extension=False)
+    assert not torch_only.is_native
+    assert torch_only.swaps(box, q, 0.5, where, 6, 0.0) == choose_swaps(box.scores(q, 0.5), where, 6, 0.0)
+    assert torch.equal(torch_only.scores(box, q, 0.5), box.scores(q, 0.5))
