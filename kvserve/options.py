@@ -40,7 +40,7 @@ _GROUPS: Mapping[str, str] = MappingProxyType({   # Option.group -> the title of
 
 class Registry(NamedTuple):
     """The names an option takes. ``is_closed``: the flag accepts only those (budget
-    policies also take parametric names such as arkvale-w0.25: their help lists them)."""
+    policies also take parametric names such as arkvale-w0.25-m1: their help lists them)."""
 
     names: Callable[[], Sequence[str]]
     is_closed: bool

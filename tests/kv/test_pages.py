@@ -29,13 +29,34 @@ def marks(num_blocks: int, seed: int, num_resident: int, num_lost: int) -> torch
     return where
 
 
+def stored_scores(box: DigestBox, q: torch.Tensor, weight: float) -> torch.Tensor:
+    """The scores of the box as stored (float16 centres and half widths), in float64."""
+    kv_heads, two_dim, _ = box.box.shape
+    dim = two_dim // 2
+    centre, half = box.box.double()[:, :dim], box.box.double()[:, dim:]          # [kv, dim, blocks]
+    qg = q.double().view(kv_heads, -1, dim)
+    s = (qg @ centre + weight * qg.abs() @ half).flatten(0, 1)                  # [heads, blocks]
+    return (s - s.max(dim=1, keepdim=True).values).max(dim=0).values
+
+
 @pytest.mark.parametrize("weight", [0.0, 0.5, 1.0])
 def test_the_digest_box_scores_blocks_as_block_scores(weight):
+    """Exactly (to float32 order) the scores of the stored box, and within float16 rounding of
+    ``block_scores`` over the float32 digests: each centre and half width moves by at most
+    2^-11 of itself, so a head's score by 2^-11 sum |q| (|centre| + w half), a relative score by
+    twice the largest of those."""
     dmin, dmax = digests(37, 3)
     q = torch.randn(9, 16, generator=torch.Generator().manual_seed(4))
-    assert torch.allclose(DigestBox(dmin, dmax).scores(q, weight), block_scores(q, dmin, dmax, weight), atol=1e-5)
+    box = DigestBox(dmin, dmax)
+    assert box.box.dtype == torch.float16
+    assert torch.allclose(box.scores(q, weight).double(), stored_scores(box, q, weight), atol=1e-5)
+    centre, half = ((dmax + dmin) / 2).abs(), (dmax - dmin) / 2                      # [blocks, kv, dim]
+    qg = q.view(3, 3, 16).abs()
+    per_head = 2.0 ** -11 * torch.einsum("kgd,bkd->bkg", qg, centre + weight * half)
+    bound = 2 * per_head.max() + 1e-5
+    assert (box.scores(q, weight) - block_scores(q, dmin, dmax, weight)).abs().max() <= bound
     grown = DigestBox.extend(DigestBox.extend(None, dmin[:20], dmax[:20]), dmin[20:], dmax[20:])
-    assert grown.num_blocks == 37 and torch.equal(grown.box, DigestBox(dmin, dmax).box)
+    assert grown.num_blocks == 37 and torch.equal(grown.box, box.box)
 
 
 @needs_ext

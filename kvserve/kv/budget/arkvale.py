@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from kvserve.kv.budget.host_store import HostBlock, HostBlockStore, StashKey
@@ -126,6 +127,8 @@ class ArkValeState(BudgetState):
         self.where: list[torch.Tensor | None] = [None] * num_layers     # per full block: HOST, RESIDENT or LOST
         self._num_evicted_seen = 0      # the host store's evictions of this request already marked LOST
         self.selector = PageSelector(device)
+        self._pos_on_cpu = device.type == "cpu"
+        self._block_positions = np.arange(0)       # 0, 1, ...: the positions of block j are [j * bs, (j + 1) * bs)
         self.recalls: list[tuple[int, int]] = []       # (layer, block) each time a host block came back
 
     @property
@@ -185,19 +188,17 @@ class ArkValeState(BudgetState):
             slots = torch.tensor([block_ids[i] for i in places], dtype=torch.long, device=storage.device)
             k_out, v_out = storage.swap_blocks(layer, slots, k_in.to(storage.device), v_in.to(storage.device))
             self.host_store.put_many(going_keys, k_out, v_out)
-        marks = where.numpy()       # the same memory, written without a torch call per list
-        marks[coming] = RESIDENT
-        marks[going] = HOST
-        for i, j in zip(places, coming):
-            resident[i] = j
-        self.recalls.extend((layer, j) for j in coming)
         bs = self.block_size
-        cols = [i * bs + o for i in places for o in range(bs)]
-        positions = [j * bs + o for j in coming for o in range(bs)]
-        if self.device.type == "cpu":
-            self.pos[layer].numpy()[:, cols] = positions
-        else:
-            self.pos[layer][:, cols] = torch.tensor(positions, device=self.device)
+        marks = where.numpy()       # the same memory: a few element writes, no torch call per list
+        pos = self.pos[layer].numpy() if self._pos_on_cpu else None
+        for i, j_in, j_out in zip(places, coming, going):
+            marks[j_in], marks[j_out] = RESIDENT, HOST
+            resident[i] = j_in
+            if pos is not None:
+                pos[:, i * bs:(i + 1) * bs] = self._block_positions[j_in * bs:(j_in + 1) * bs]
+            else:
+                self.pos[layer][:, i * bs:(i + 1) * bs] = torch.arange(j_in * bs, (j_in + 1) * bs, device=self.device)
+        self.recalls.extend((layer, j) for j in coming)
 
     def _mark_lost(self) -> None:
         """Mark LOST, in every layer, the host blocks the store has evicted since the last look."""
@@ -345,6 +346,8 @@ class ArkValeState(BudgetState):
                 self.host_store.put_many([self._key(layer, j) for j in indexes], k_host, v_host)
             self.resident[layer] = list(plan.resident[layer])
             where = torch.full((box.num_blocks,), HOST, dtype=torch.uint8)
+            if self._block_positions.shape[0] < box.num_blocks * bs:
+                self._block_positions = np.arange(2 * box.num_blocks * bs)
             where[plan.resident[layer]] = RESIDENT
             self.where[layer] = where
             starts = torch.tensor(plan.resident[layer], device=self.device)[:, None] * bs

@@ -33,14 +33,14 @@ HOST, RESIDENT, LOST = 0, 1, 2     # ``where`` codes, one uint8 per full block
 PAGES = CppExtension(
     prefix="kvserve_cpu_pages",
     sources=("kv/csrc/pages.cpp",),
-    isas=MappingProxyType({
-        "avx512": ("-mavx2", "-mfma", "-mavx512f"),
-        "avx2": ("-mavx2", "-mfma"),
+    isas=MappingProxyType({       # kvserve/csrc/simd.h's two vector builds, and scalar
+        "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+        "avx2": ("-mavx2", "-mfma", "-mf16c"),
         "scalar": (),
     }),
     cpu_flags=MappingProxyType({
-        "avx512": frozenset({"avx2", "fma", "avx512f"}),
-        "avx2": frozenset({"avx2", "fma"}),
+        "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+        "avx2": frozenset({"avx2", "fma", "f16c"}),
     }),
     title="the C++ ArkVale page selection",
     fallback="ranking pages with torch",
@@ -53,13 +53,15 @@ def load_extension(isa: str | None = None) -> ModuleType | None:
 
 
 class DigestBox:
-    """A layer's digests as one [kv_heads, 2 * dim, blocks] float32 tensor: per channel each
-    block's key box centre, then its half width (blocks last, so a product runs along them)."""
+    """A layer's digests as one [kv_heads, 2 * dim, blocks] float16 tensor: per channel each
+    block's key box centre, then its half width (blocks last, so a product runs along them;
+    float16, as ArkVale keeps its digests: half the bytes a decode step reads, and the box
+    rounded by at most 2^-11 of each value, far inside the spread of a block's keys)."""
 
     def __init__(self, dmin: torch.Tensor, dmax: torch.Tensor) -> None:
         """From the per-channel minimum and maximum keys of each block: [blocks, kv_heads, dim]."""
         lo, hi = dmin.float().permute(1, 2, 0), dmax.float().permute(1, 2, 0)
-        self.box = torch.cat([(hi + lo) / 2, (hi - lo) / 2], dim=1).contiguous()
+        self.box = torch.cat([(hi + lo) / 2, (hi - lo) / 2], dim=1).to(torch.float16).contiguous()
 
     @property
     def num_blocks(self) -> int:
@@ -77,7 +79,7 @@ class DigestBox:
         """Every block's score for ``q`` [heads, dim] -> [blocks]: one batched product."""
         kv_heads = self.box.shape[0]
         qg = q.float().view(kv_heads, -1, q.shape[-1])                          # [kv, group, dim]
-        s = torch.bmm(torch.cat([qg, weight * qg.abs()], dim=-1), self.box)     # [kv, group, blocks]
+        s = torch.bmm(torch.cat([qg, weight * qg.abs()], dim=-1), self.box.float())   # [kv, group, blocks]
         s = s.flatten(0, 1)                                                     # [heads, blocks]
         return (s - s.max(dim=1, keepdim=True).values).max(dim=0).values
 

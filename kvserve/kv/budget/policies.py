@@ -13,6 +13,8 @@ keep; ``arkvale`` works on whole blocks (see ``arkvale.py``).
     arkvale     the top budget/block_size blocks by their key digests, the rest in host memory
     arkvale-bound  arkvale, ranking blocks by the digest's upper bound on q.k
     arkvale-wW  arkvale with bound weight W (0: box centres, 1: the bound; arkvale is W = 0.5)
+    arkvale-mM  arkvale swapping a host block in only when it outscores the resident block it
+                replaces by more than M logits (arkvale is M = 1); -wW-mM sets both
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ SNAPKV_WINDOW = 32       # observation window (capped at half the smallest layer
 SNAPKV_POOL = 7          # max-pooling kernel over neighbouring slots
 PYRAMID_RATIO = 3.0      # first layer's budget / last layer's budget
 ARKVALE_BOUND_WEIGHT = 0.5   # arkvale's block score: q.centre + this x |q|.half_width of the key box
-ARKVALE_RECALL_MARGIN = 0.5   # logits a host block must gain over the resident one it replaces (arkvale.py)
+ARKVALE_RECALL_MARGIN = 1.0   # logits a host block must gain over the resident one it replaces (arkvale.py)
 
 
 @dataclass(frozen=True)
