@@ -59,6 +59,37 @@ def test_the_digest_box_scores_blocks_as_block_scores(weight):
     assert grown.num_blocks == 37 and torch.equal(grown.box, box.box)
 
 
+def test_a_box_grows_in_place_and_a_second_extension_of_the_same_box_copies():
+    dmin, dmax = digests(41, 5)
+    whole = DigestBox(dmin, dmax).box
+    first = DigestBox.extend(None, dmin[:10], dmax[:10])
+    a = DigestBox.extend(first, dmin[10:20], dmax[10:20])        # a new store, twice the size
+    b = DigestBox.extend(a, dmin[20:25], dmax[20:25])            # in a's spare columns
+    assert b.store is a.store and b.store.shape[2] == 40
+    assert torch.equal(a.box, whole[:, :, :20]) and torch.equal(b.box, whole[:, :, :25])
+    other = DigestBox.extend(a, dmax[30:35], dmax[30:35])        # a again: b owns those columns
+    assert other.store is not a.store and torch.equal(b.box, whole[:, :, :25])
+    assert torch.equal(other.box[:, :, :20], whole[:, :, :20]) and other.num_blocks == 25
+    c = DigestBox.extend(b, dmin[25:40], dmax[25:40])            # fills the room
+    assert c.store is b.store and torch.equal(c.box, whole[:, :, :40])
+    d = DigestBox.extend(c, dmin[40:], dmax[40:])                # past it: copied
+    assert d.store is not c.store and torch.equal(d.box, whole) and torch.equal(b.box, whole[:, :, :25])
+
+
+@needs_ext
+def test_the_cpu_choice_reads_a_box_with_spare_columns():
+    dmin, dmax = digests(60, 6, dim=64)
+    roomy = DigestBox.extend(DigestBox.extend(None, dmin[:30], dmax[:30]), dmin[30:], dmax[30:])
+    tight = DigestBox(dmin, dmax)
+    assert roomy.store.shape[2] > 60 and not roomy.box.is_contiguous()
+    q = torch.randn(9, 64, generator=torch.Generator().manual_seed(6))
+    ext = load_extension()
+    assert torch.equal(ext.digest_scores(roomy.store, 60, q, 0.5), ext.digest_scores(tight.store, 60, q, 0.5))
+    where = marks(60, 6, 8, 3)
+    assert torch.equal(ext.select_pages(roomy.store, 60, q, 0.5, where, 8, 0.0),
+                       ext.select_pages(tight.store, 60, q, 0.5, where, 8, 0.0))
+
+
 @needs_ext
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("weight", [0.0, 0.5, 1.0])
@@ -67,7 +98,7 @@ def test_the_cpu_scores_are_the_digest_box_scores(isa, weight):
     for seed, num_blocks in enumerate([1, 2, 17, 480]):
         box = DigestBox(*digests(num_blocks, seed, dim=64))
         q = torch.randn(9, 64, generator=torch.Generator().manual_seed(seed))
-        assert torch.allclose(ext.digest_scores(box.box, q, weight), box.scores(q, weight), atol=1e-4)
+        assert torch.allclose(ext.digest_scores(box.store, box.num_blocks, q, weight), box.scores(q, weight), atol=1e-4)
 
 
 @needs_ext
@@ -82,7 +113,7 @@ def test_the_cpu_choice_is_the_torch_twins(isa):
         q = torch.randn(9, 16, generator=torch.Generator().manual_seed(100 + seed))
         where = marks(num_blocks, seed, num_resident, num_lost=seed % 4)
         for margin in (0.0, 0.5, 2.0, 1e9):
-            cpu = [tuple(p) for p in ext.select_pages(box.box, q, 0.5, where, num_resident, margin).tolist()]
+            cpu = [tuple(p) for p in ext.select_pages(box.store, box.num_blocks, q, 0.5, where, num_resident, margin).tolist()]
             assert cpu == choose_swaps(box.scores(q, 0.5), where, num_resident, margin), (seed, margin)
             num_cases += 1
             num_swapping += bool(cpu)

@@ -53,26 +53,50 @@ def load_extension(isa: str | None = None) -> ModuleType | None:
 
 
 class DigestBox:
-    """A layer's digests as one [kv_heads, 2 * dim, blocks] float16 tensor: per channel each
-    block's key box centre, then its half width (blocks last, so a product runs along them;
-    float16, as ArkVale keeps its digests: half the bytes a decode step reads, and the box
-    rounded by at most 2^-11 of each value, far inside the spread of a block's keys)."""
+    """A layer's digests: per channel each block's key box centre, then its half width, as
+    float16 [kv_heads, 2 * dim, blocks] (``box``; blocks last, so a product runs along them;
+    float16, as ArkVale keeps its digests: half the bytes a decode step reads, each value
+    rounded by at most 2^-11 of itself, far inside the spread of a block's keys).
 
-    def __init__(self, dmin: torch.Tensor, dmax: torch.Tensor) -> None:
+    ``box`` is a view of the first ``num_blocks`` columns of a store with room to grow:
+    ``extend`` writes new blocks into the spare columns and returns a longer box over the same
+    store (the shorter one still reads its own columns), copying only when the store is full
+    or another box already extended this one."""
+
+    def __init__(self, dmin: torch.Tensor, dmax: torch.Tensor, capacity: int = 0) -> None:
         """From the per-channel minimum and maximum keys of each block: [blocks, kv_heads, dim]."""
+        columns = self._columns(dmin, dmax)
+        kv_heads, rows, num_blocks = columns.shape
+        self.store = columns.new_empty((kv_heads, rows, max(capacity, num_blocks)))
+        self.store[:, :, :num_blocks] = columns
+        self.num_blocks = num_blocks
+        self._claimed = [num_blocks]      # columns some box over this store reads (shared by them)
+
+    @staticmethod
+    def _columns(dmin: torch.Tensor, dmax: torch.Tensor) -> torch.Tensor:
         lo, hi = dmin.float().permute(1, 2, 0), dmax.float().permute(1, 2, 0)
-        self.box = torch.cat([(hi + lo) / 2, (hi - lo) / 2], dim=1).to(torch.float16).contiguous()
+        return torch.cat([(hi + lo) / 2, (hi - lo) / 2], dim=1).to(torch.float16)
 
     @property
-    def num_blocks(self) -> int:
-        return self.box.shape[2]
+    def box(self) -> torch.Tensor:
+        return self.store[:, :, :self.num_blocks]
 
     @staticmethod
     def extend(box: DigestBox | None, dmin: torch.Tensor, dmax: torch.Tensor) -> DigestBox:
-        """``box`` (None: no blocks yet) followed by the blocks of ``dmin``/``dmax``: a new box."""
-        new = DigestBox(dmin, dmax)
-        if box is not None:
-            new.box = torch.cat([box.box, new.box], dim=2)
+        """``box`` (None: no blocks yet) followed by the blocks of ``dmin``/``dmax``."""
+        if box is None:
+            return DigestBox(dmin, dmax)
+        num_new = dmin.shape[0]
+        total = box.num_blocks + num_new
+        if box._claimed[0] != box.num_blocks or total > box.store.shape[2]:
+            grown = DigestBox(dmin[:0], dmax[:0], capacity=2 * total)
+            grown.store[:, :, :box.num_blocks] = box.box
+            grown.num_blocks = grown._claimed[0] = box.num_blocks
+            box = grown
+        new = object.__new__(DigestBox)
+        new.store, new._claimed, new.num_blocks = box.store, box._claimed, total
+        new.store[:, :, box.num_blocks:total] = DigestBox._columns(dmin, dmax)
+        box._claimed[0] = total
         return new
 
     def scores(self, q: torch.Tensor, weight: float) -> torch.Tensor:
@@ -116,11 +140,12 @@ class PageSelector:
         """``box.scores(q, weight)``."""
         if self._ext is None:
             return box.scores(q, weight)
-        return self._ext.digest_scores(box.box, q.float().contiguous(), weight)
+        return self._ext.digest_scores(box.store, box.num_blocks, q.float().contiguous(), weight)
 
     def swaps(self, box: DigestBox, q: torch.Tensor, weight: float, where: torch.Tensor, num_top: int,
               margin: float) -> list[tuple[int, int]]:
         if self._ext is None:
             return choose_swaps(box.scores(q, weight), where, num_top, margin)
-        pairs = self._ext.select_pages(box.box, q.float().contiguous(), weight, where, num_top, margin)
+        pairs = self._ext.select_pages(box.store, box.num_blocks, q.float().contiguous(), weight, where, num_top,
+                                       margin)
         return [(int(a), int(b)) for a, b in pairs.tolist()]

@@ -25,15 +25,15 @@ constexpr uint8_t kHost = 0, kResident = 1;
 // runs along the blocks, so it vectorizes with no horizontal sums, and each box row is read
 // once per KV head (half the bytes of float32: at 8k tokens a layer's box is ~0.4 MB, read
 // every decode step).
-std::vector<float> scores(const uint16_t* box, const float* q, int64_t kv, int64_t nb, int64_t dim,
-                          int64_t group, float weight) {
+std::vector<float> scores(const uint16_t* box, int64_t stride, const float* q, int64_t kv, int64_t nb,
+                          int64_t dim, int64_t group, float weight) {
   const int64_t heads = kv * group;
   std::vector<float> s(heads * nb, 0.f);          // [heads, blocks]
   // KV heads in parallel when there is enough to share (each writes its own rows of s)
 #pragma omp parallel for schedule(static) if (kv > 1 && nb >= 256)
   for (int64_t k = 0; k < kv; ++k) {
     for (int64_t c = 0; c < 2 * dim; ++c) {
-      const uint16_t* row = box + (k * 2 * dim + c) * nb;
+      const uint16_t* row = box + (k * 2 * dim + c) * stride;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = k * group + g;
         const float x = q[h * dim + c % dim];
@@ -60,19 +60,22 @@ std::vector<float> scores(const uint16_t* box, const float* q, int64_t kv, int64
 
 }  // namespace
 
-void check_box(const torch::Tensor& box, const torch::Tensor& q) {
-  TORCH_CHECK(box.dim() == 3 && box.scalar_type() == torch::kFloat16 && box.is_contiguous(),
-              "box: contiguous float16 [kv_heads, 2 * dim, blocks]");
+// box: the store [kv, 2D, capacity] float16 whose first num_blocks columns are the blocks
+void check_box(const torch::Tensor& box, int64_t num_blocks, const torch::Tensor& q) {
+  TORCH_CHECK(box.dim() == 3 && box.scalar_type() == torch::kFloat16 && box.is_contiguous() && !box.is_cuda(),
+              "box: contiguous CPU float16 [kv_heads, 2 * dim, capacity]");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
               "q: contiguous float32 [heads, dim]");
   TORCH_CHECK(box.size(1) == 2 * q.size(1) && q.size(0) % box.size(0) == 0, "box and q shapes disagree");
+  TORCH_CHECK(num_blocks >= 0 && num_blocks <= box.size(2), "num_blocks out of range");
 }
 
 // Every block's digest score for q: [blocks] float32.
-torch::Tensor digest_scores(const torch::Tensor& box, const torch::Tensor& q, double weight) {
-  check_box(box, q);
-  const int64_t kv = box.size(0), nb = box.size(2);
-  std::vector<float> s = scores(reinterpret_cast<const uint16_t*>(box.data_ptr<at::Half>()), q.data_ptr<float>(), kv, nb, q.size(1), q.size(0) / kv,
+torch::Tensor digest_scores(const torch::Tensor& box, int64_t num_blocks, const torch::Tensor& q, double weight) {
+  check_box(box, num_blocks, q);
+  const int64_t kv = box.size(0), nb = num_blocks;
+  std::vector<float> s = scores(reinterpret_cast<const uint16_t*>(box.data_ptr<at::Half>()), box.size(2),
+                                q.data_ptr<float>(), kv, nb, q.size(1), q.size(0) / kv,
                                 static_cast<float>(weight));
   auto out = torch::empty({nb}, torch::kFloat32);
   std::copy(s.begin(), s.end(), out.data_ptr<float>());
@@ -80,14 +83,15 @@ torch::Tensor digest_scores(const torch::Tensor& box, const torch::Tensor& q, do
 }
 
 // Returns [swaps, 2] int64: (host block coming in, resident block going out).
-torch::Tensor select_pages(const torch::Tensor& box, const torch::Tensor& q, double weight,
+torch::Tensor select_pages(const torch::Tensor& box, int64_t num_blocks, const torch::Tensor& q, double weight,
                            const torch::Tensor& where, int64_t num_top, double margin) {
-  check_box(box, q);
-  const int64_t kv = box.size(0), nb = box.size(2), dim = q.size(1);
+  check_box(box, num_blocks, q);
+  const int64_t kv = box.size(0), nb = num_blocks, dim = q.size(1);
   TORCH_CHECK(where.dim() == 1 && where.size(0) == nb && where.scalar_type() == torch::kUInt8 &&
               where.is_contiguous(), "where: contiguous uint8 [blocks]");
   TORCH_CHECK(num_top >= 0 && num_top <= nb, "num_top out of range");
-  std::vector<float> s = scores(reinterpret_cast<const uint16_t*>(box.data_ptr<at::Half>()), q.data_ptr<float>(), kv, nb, dim, q.size(0) / kv,
+  std::vector<float> s = scores(reinterpret_cast<const uint16_t*>(box.data_ptr<at::Half>()), box.size(2),
+                                q.data_ptr<float>(), kv, nb, dim, q.size(0) / kv,
                                 static_cast<float>(weight));
   const uint8_t* at = where.data_ptr<uint8_t>();
   const float inf = std::numeric_limits<float>::infinity();
