@@ -128,7 +128,6 @@ class ArkValeState(BudgetState):
         self._num_evicted_seen = 0      # the host store's evictions of this request already marked LOST
         self.selector = PageSelector(device)
         self._pos_on_cpu = device.type == "cpu"
-        self._block_positions = np.arange(0)       # 0, 1, ...: the positions of block j are [j * bs, (j + 1) * bs)
         self.recalls: list[tuple[int, int]] = []       # (layer, block) each time a host block came back
 
     @property
@@ -195,7 +194,7 @@ class ArkValeState(BudgetState):
             marks[j_in], marks[j_out] = RESIDENT, HOST
             resident[i] = j_in
             if pos is not None:
-                pos[:, i * bs:(i + 1) * bs] = self._block_positions[j_in * bs:(j_in + 1) * bs]
+                pos[:, i * bs:(i + 1) * bs] = np.arange(j_in * bs, (j_in + 1) * bs)
             else:
                 self.pos[layer][:, i * bs:(i + 1) * bs] = torch.arange(j_in * bs, (j_in + 1) * bs, device=self.device)
         self.recalls.extend((layer, j) for j in coming)
@@ -226,14 +225,13 @@ class ArkValeState(BudgetState):
         return self._demote_lost(layer, keep_ends_on_top(rank))
 
     def _demote_lost(self, layer: int, rank: torch.Tensor) -> torch.Tensor:
-        """``rank`` with the blocks the host store evicted for room at the bottom."""
-        if self.host_store.num_evicted_of(self.owner):
-            resident = set(self.resident[layer])
-            # blocks the last compaction digested are resident or stashed, unless evicted
-            lost = [j for j in range(self.num_digested(layer))
-                    if j not in resident and not self.host_store.contains(self._key(layer, j))]
-            if lost:
-                rank[lost] = float("-inf")
+        """``rank`` with the blocks the host store evicted for room at the bottom (blocks digested
+        since the last compaction are on the device: none of them is lost)."""
+        where = self.where[layer]
+        if where is not None and self.host_store.num_evicted_of(self.owner):
+            self._mark_lost()
+            lost = (where == LOST).nonzero().flatten()
+            rank[lost.to(rank.device)] = float("-inf")
         return rank
 
     # -- compaction ----------------------------------------------------------
@@ -346,8 +344,6 @@ class ArkValeState(BudgetState):
                 self.host_store.put_many([self._key(layer, j) for j in indexes], k_host, v_host)
             self.resident[layer] = list(plan.resident[layer])
             where = torch.full((box.num_blocks,), HOST, dtype=torch.uint8)
-            if self._block_positions.shape[0] < box.num_blocks * bs:
-                self._block_positions = np.arange(2 * box.num_blocks * bs)
             where[plan.resident[layer]] = RESIDENT
             self.where[layer] = where
             starts = torch.tensor(plan.resident[layer], device=self.device)[:, None] * bs
