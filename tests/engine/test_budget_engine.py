@@ -411,15 +411,16 @@ def test_arkvale_blocks_keep_their_keys_and_values_wherever_they_move(loaded, po
         assert len(seen.recalls) >= 20
 
 
-def test_arkvale_chooses_alike_with_the_cpu_and_the_torch_selection(loaded, monkeypatch):
-    from kvserve.kv.budget import pages
+def test_arkvale_chooses_and_swaps_alike_with_the_cpu_and_the_torch_paths(loaded, monkeypatch):
+    from kvserve.kv.budget import host_store, pages
 
     if pages.load_extension() is None:
         pytest.skip("the C++ page selection cannot be built here")
     runs = []
     for native in (True, False):
-        if not native:
+        if not native:      # the torch choice, and the swaps through KVStorage.swap_blocks
             monkeypatch.setattr(pages, "load_extension", lambda isa=None: None)
+            monkeypatch.setattr(host_store, "load_extension", lambda isa=None: None)
         e = arkvale_engine(loaded)
         rid = e.add_request(tokens(150), greedy(120, kv_budget=64, kv_policy="arkvale-m0"))
         out = e.step()

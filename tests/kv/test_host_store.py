@@ -135,17 +135,14 @@ def test_check_integrity_catches_drifted_bytes():
         store.check_integrity()
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_exchange_swaps_stashed_blocks_with_device_blocks_in_place(native, monkeypatch):
-    """The C++ pass and the torch one alike: the incoming blocks land in the device blocks, whose
-    content is stashed under the outgoing keys, the newest, evicting the oldest for room (a row
-    freed by an incoming block may take an outgoing one in the same call)."""
-    from kvserve.kv.budget import host_store, pages
+def test_exchange_swaps_stashed_blocks_with_device_blocks_in_place():
+    """The incoming blocks land in the device blocks, whose content is stashed under the
+    outgoing keys, the newest, evicting the oldest for room (a row freed by an incoming block
+    may take an outgoing one in the same call)."""
+    from kvserve.kv.budget import pages
 
-    if native and pages.load_extension() is None:
+    if pages.load_extension() is None:
         pytest.skip("the C++ page selection cannot be built here")
-    if not native:
-        monkeypatch.setattr(host_store, "load_extension", lambda isa=None: None)
     store = HostBlockStore(4 * BLOCK_NBYTES)
     cache_k = torch.arange(6.0)[:, None].repeat(1, 8)          # device block b holds b
     cache_v = -cache_k
@@ -172,3 +169,7 @@ def test_exchange_swaps_stashed_blocks_with_device_blocks_in_place(native, monke
         s.check_integrity()
     with pytest.raises(ValueError, match="1 blocks, 1 coming and 2 going"):
         store.exchange([StashKey("a", 0, 1)], [StashKey("a", 0, 9), StashKey("a", 0, 10)], (cache_k, cache_v), [0])
+    strided = (cache_k[:, ::2], cache_v[:, ::2])
+    assert not store.can_exchange(strided)
+    with pytest.raises(ValueError, match="contiguous CPU blocks"):
+        store.exchange([StashKey("a", 0, 1)], [StashKey("a", 0, 9)], strided, [0])

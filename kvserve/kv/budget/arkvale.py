@@ -179,7 +179,7 @@ class ArkValeState(BudgetState):
         going = [resident[i] for i in places]
         coming_keys, going_keys = [self._key(layer, j) for j in coming], [self._key(layer, j) for j in going]
         blocks = storage.layer_blocks(layer)
-        if blocks is not None:
+        if blocks is not None and self.host_store.can_exchange(blocks):
             self.host_store.exchange(coming_keys, going_keys, blocks, [block_ids[i] for i in places])
         else:
             # all taken before any outgoing block is stashed, which may evict the oldest blocks

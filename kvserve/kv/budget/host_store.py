@@ -87,32 +87,33 @@ class HostBlockStore:
         pool[:, 0].index_copy_(0, index, keys_data.to(pool.device, pool.dtype))
         pool[:, 1].index_copy_(0, index, values_data.to(pool.device, pool.dtype))
 
+    def can_exchange(self, blocks: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether ``exchange`` takes these device blocks: contiguous CPU tensors, where the C++
+        pass is built."""
+        cache_k, cache_v = blocks
+        return (cache_k.device.type == "cpu" and cache_k.is_contiguous() and cache_v.is_contiguous()
+                and load_extension() is not None)
+
     def exchange(self, coming: list[StashKey], going: list[StashKey], blocks: tuple[torch.Tensor, torch.Tensor],
                  block_ids: list[int]) -> None:
-        """Swap stashed blocks with device blocks in place: block i of ``coming`` leaves the store
-        for ``block_ids[i]`` of ``blocks`` (a layer's keys and values, [num_blocks, *block shape]),
-        whose content is stashed under ``going[i]`` (as ``put_many``, after every ``coming`` has
-        left). One C++ copy pass on CPU, no temporaries; else ``take_many`` + ``put_many``."""
-        cache_k, cache_v = blocks
+        """Swap stashed blocks with device blocks in place, in one C++ pass with no temporaries:
+        block i of ``coming`` leaves the store for ``block_ids[i]`` of ``blocks`` (a layer's keys
+        and values, [num_blocks, *block shape]; ``can_exchange``), whose content is stashed under
+        ``going[i]`` (as ``put_many``, after every ``coming`` has left)."""
         if len(coming) != len(block_ids) or len(going) != len(block_ids):
             raise ValueError(f"{len(block_ids)} blocks, {len(coming)} coming and {len(going)} going")
+        if not self.can_exchange(blocks):
+            raise ValueError("exchange needs contiguous CPU blocks and the C++ pass (see can_exchange)")
         if not coming:
             return
-        ext = load_extension()
-        if ext is None or cache_k.device.type != "cpu" or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
-            k_in, v_in = self.take_many(coming)
-            ids = torch.tensor(block_ids, dtype=torch.long, device=cache_k.device)
-            k_out, v_out = cache_k.index_select(0, ids), cache_v.index_select(0, ids)
-            cache_k.index_copy_(0, ids, k_in.to(cache_k.device, cache_k.dtype))
-            cache_v.index_copy_(0, ids, v_in.to(cache_v.device, cache_v.dtype))
-            self.put_many(going, k_out, v_out)
-            return
+        cache_k, cache_v = blocks
         self._check_shape(cache_k.shape[1:], cache_v.shape[1:], cache_k.dtype, cache_v.dtype)
         rows_in = [self._rows[key] for key in coming]
         for key in coming:
             self._remove(key)
         placed = self._place(going)
-        assert self._pool is not None
+        ext = load_extension()
+        assert self._pool is not None and ext is not None
         ext.exchange_pages(self._pool, cache_k, cache_v, block_ids, rows_in,
                            [n for n, _ in placed], [row for _, row in placed])
 
