@@ -204,3 +204,38 @@ def test_arkvale_cannot_recall_blocks_the_host_store_evicted():
     st.host_store.check_integrity()
     st.release()
     assert st.host_store.num_blocks == 0 and st.host_nbytes == 0
+
+
+def test_a_later_arkvale_compaction_moves_only_the_new_block_and_writes_rewritten_blocks_whole():
+    """After the first compaction, a block filled during decode takes the slot of the lowest
+    ranked resident block, which goes to the host; blocks that stay keep their slots, unless
+    the KV manager replaces their table block by a fresh one (``rewritten``): those are written
+    whole. The plan reads only the blocks it moves."""
+    from kvserve.kv.budget.state import SlotReader
+
+    cache, table, st = _arkvale_setup()
+    _compact(cache, table, st)                                   # resident [0, 4, 5] in 10, 11, 12
+    g = torch.Generator().manual_seed(1)
+    for layer in range(2):                                       # block 6 (positions 24..27) in block 13
+        k = 0.01 * torch.rand(4, 2, 16, generator=g)
+        k[:, :, 6] += 5.0
+        cache.key_caches[layer][13] = k
+        cache.value_caches[layer][13] = 6.0
+        st.capture_query(layer, _query(4))                      # block 4 high; 5 lowest; 0 and 6 on top
+    st.prepare(12, 24, 4)
+    reader = SlotReader(cache, [10, 11, 12, 13], 4, CPU)
+    plan = st.plan_from(reader, 16, frozenset({0}))
+    assert plan.num_slots == 12 and plan.slots == [[*range(8, 12), *range(0, 4)]] * 2
+    assert plan.resident == [[0, 4, 6], [0, 4, 6]]
+    assert [s.indexes for s in plan.to_host] == [[5], [5]]
+    assert plan.to_host[0].values is not None and plan.to_host[0].values.unique().tolist() == [5.0]
+    new_table = [14, 11, 12]                                     # block 10 (slot block 0) replaced by 14
+    for layer in range(2):
+        slots = torch.tensor([new_table[s // 4] * 4 + s % 4 for s in plan.slots[layer]])
+        cache.write_slots(layer, plan.keys[layer], plan.values[layer], slots)
+    st.apply(plan, 28)
+    assert [cache.value_caches[0][b].unique().item() for b in (14, 11, 12)] == [0.0, 4.0, 6.0]
+    assert st.resident == [[0, 4, 6], [0, 4, 6]] and [sorted(h) for h in st.host] == [[1, 2, 3, 5]] * 2
+    assert st.host[1][5][1].unique().tolist() == [5.0] and st.num_evicted == 16
+    assert st.pos[0][0, :12].tolist() == [0, 1, 2, 3, 16, 17, 18, 19, 24, 25, 26, 27]
+    st.host_store.check_integrity()
