@@ -193,6 +193,26 @@ def evaluate_context(llm: LLM, context: int, text_ids: list[int], text: str, set
     return [rows[c] for c in configs]
 
 
+def speed_lines(rows: Sequence[Row]) -> list[str]:
+    """Per context, each budgeted row's decode tok/s as a multiple of the full cache's (the
+    same run, same steps), and the slowest: what "a budget pays in speed" is judged by."""
+    lines = []
+    for context in sorted({r.context for r in rows}):
+        here = [r for r in rows if r.context == context]
+        full = next((r for r in here if r.config.policy is None), None)
+        if full is None or not full.decode_tokens or not full.decode_seconds:
+            continue
+        full_tps = full.decode_tokens / full.decode_seconds
+        ratios = [(r.config.name, r.decode_tokens / r.decode_seconds / full_tps)
+                  for r in here if r.config.policy is not None and r.decode_seconds]
+        if ratios:
+            slowest = min(ratios, key=lambda nr: nr[1])
+            lines.append(f"{context} tokens, decode tok/s vs full ({full_tps:.1f}): "
+                         + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios)
+                         + f"; slowest {slowest[0]} {slowest[1]:.2f}x")
+    return lines
+
+
 def render(rows: Sequence[Row], block_nbytes: int) -> str:
     full = {r.context: r for r in rows if r.config.policy is None}
     headers = ["context", "policy", "budget", "passkey", "vs full", "perplexity", "Δ ppl",

@@ -123,7 +123,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 def run_eval_budget(args: argparse.Namespace) -> int:
     from kvserve.bench.common import find_text
     from kvserve.engine.build import resolve_device, resolve_dtype
-    from kvserve.eval.budget import BudgetEvalSettings, evaluate, goal_lines, render
+    from kvserve.eval.budget import BudgetEvalSettings, evaluate, goal_lines, render, speed_lines
     from kvserve.kv.storage.paged import PagedKVCache
     from kvserve.model.loader import load_model
 
@@ -151,6 +151,8 @@ def run_eval_budget(args: argparse.Namespace) -> int:
     print(render(rows, block_nbytes))
     for line in goal_lines(rows, settings):
         print(f"goal: {line}")
+    for line in speed_lines(rows):
+        print(f"speed: {line}")
     print(f"wall time {wall:.0f} s, {args.threads or torch.get_num_threads()} thread(s)")
     return 0
 

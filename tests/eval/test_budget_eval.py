@@ -9,7 +9,7 @@ import torch
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
-from kvserve.eval.budget import BudgetEvalSettings, Config, Row, configs_for, goal_lines, render, run_one
+from kvserve.eval.budget import BudgetEvalSettings, Config, Row, configs_for, goal_lines, render, run_one, speed_lines
 
 
 def test_configs_are_the_full_cache_then_each_policy_at_each_fraction():
@@ -50,3 +50,14 @@ def test_goal_line_and_table():
     text = render([full, ark, stream], 1 << 20)
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()]
     assert cells[3][:8] == ["256", "arkvale", "32", "2/3", "100%", "3.004", "+10.5%", "16.0"]
+
+
+def test_speed_lines_give_each_budget_as_a_multiple_of_the_full_cache():
+    full = Row(2048, Config(None, None), decode_seconds=2.0, decode_tokens=100)            # 50 tok/s
+    ark = Row(2048, Config("arkvale", 256), decode_seconds=1.0, decode_tokens=60)           # 60 tok/s
+    snap = Row(2048, Config("snapkv", 256), decode_seconds=1.0, decode_tokens=45)           # 45 tok/s
+    unrun = Row(2048, Config("h2o", 256))
+    other = Row(4096, Config("arkvale", 512), decode_seconds=1.0, decode_tokens=10)         # no full row
+    assert speed_lines([full, ark, snap, unrun, other]) == [
+        "2048 tokens, decode tok/s vs full (50.0): arkvale@256 1.20x, snapkv@256 0.90x; slowest snapkv@256 0.90x"]
+    assert speed_lines([Row(2048, Config(None, None)), ark]) == []
