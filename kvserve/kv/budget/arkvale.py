@@ -102,7 +102,6 @@ class PagePlan(TokenPlan):
         super().__init__(num_slots)
         self.resident: list[list[int]] = []
         self.to_host: list[Stash] = []
-        self.from_host: list[list[int]] = []
         self.digests: list[DigestBox] = []     # per layer: every full block's digest
 
 
@@ -236,42 +235,24 @@ class ArkValeState(BudgetState):
 
     # -- compaction ----------------------------------------------------------
     def plan(self, keys: list[torch.Tensor], values: list[torch.Tensor], num_slots: int) -> PagePlan:
+        """The first compaction (``plan_from`` makes the later ones): of the prompt's full blocks,
+        the top R for the last query seen stay, in block order, the others go to the host, and the
+        tail follows the kept blocks. Nothing is evicted before it, so slot = position."""
+        assert not self.is_compacted, "later compactions go through plan_from"
         bs = self.block_size
-        num_tokens = self.num_evicted + num_slots
-        num_full = num_tokens // bs
-        tail_slot = num_full * bs - self.num_evicted
+        num_full = num_slots // bs
+        tail_slot = num_full * bs
         plan = PagePlan(self.num_resident * bs + num_slots - tail_slot)
         for layer, (k, v) in enumerate(zip(keys, values)):
-            resident = self.resident[layer]
-            first_recent = self.num_digested(layer)
-
-            slot_of = {j: i for i, j in enumerate(resident)}
-
-            def block(j: int, layer: int = layer, k: torch.Tensor = k, v: torch.Tensor = v,
-                      slot_of: dict[int, int] = slot_of, first_recent: int = first_recent) -> HostBlock:
-                if j in slot_of:        # resident
-                    s = slot_of[j] * bs
-                elif j >= first_recent:  # filled since the last compaction
-                    s = j * bs - self.num_evicted
-                else:                   # in host memory
-                    hk, hv = self.host_store.peek(self._key(layer, j))
-                    return hk.to(k.device), hv.to(v.device)
-                return k[s:s + bs], v[s:s + bs]
-
-            new_blocks = [block(j) for j in range(first_recent, num_full)]
-            new_keys = torch.stack([b[0] for b in new_blocks])
-            box = DigestBox.extend(self.boxes[layer], new_keys.amin(dim=1), new_keys.amax(dim=1))
-            rank = self._rank(layer, self.last_q[layer], box)
-            keep = sorted(rank.topk(self.num_resident).indices.tolist())
+            blocks_k = k[:tail_slot].view(num_full, bs, *k.shape[1:])
+            blocks_v = v[:tail_slot].view(num_full, bs, *v.shape[1:])
+            box = DigestBox.extend(None, blocks_k.amin(dim=1), blocks_k.amax(dim=1))
+            keep = sorted(self._rank(layer, self.last_q[layer], box).topk(self.num_resident).indices.tolist())
             kept = set(keep)
-            on_device = set(resident) | set(range(first_recent, num_full))
-            to_host = stash([(j, *block(j)) for j in sorted(on_device - kept)])
-            parts = [block(j) for j in keep]
-            plan.keys.append(torch.cat([p[0] for p in parts] + [k[tail_slot:num_slots]]))
-            plan.values.append(torch.cat([p[1] for p in parts] + [v[tail_slot:num_slots]]))
+            plan.to_host.append(stash([(j, blocks_k[j], blocks_v[j]) for j in range(num_full) if j not in kept]))
+            plan.keys.append(torch.cat([blocks_k[keep].flatten(0, 1), k[tail_slot:num_slots]]))
+            plan.values.append(torch.cat([blocks_v[keep].flatten(0, 1), v[tail_slot:num_slots]]))
             plan.resident.append(keep)
-            plan.to_host.append(to_host)
-            plan.from_host.append([j for j in keep if j not in on_device])
             plan.digests.append(box)
         return plan
 
@@ -326,17 +307,12 @@ class ArkValeState(BudgetState):
             plan.slots.append(slots)
             plan.resident.append(new_resident)
             plan.to_host.append(to_host)
-            plan.from_host.append([])
             plan.digests.append(box)
         return plan
 
     def apply(self, plan: TokenPlan, num_computed: int) -> None:
         assert isinstance(plan, PagePlan)
         bs = self.block_size
-        # recalled blocks leave the store before any new one arrives (which may evict the oldest)
-        for layer, recalled in enumerate(plan.from_host):
-            for j in recalled:
-                self.host_store.remove(self._key(layer, j))
         for layer in range(len(self.layer_budgets)):
             box = self.boxes[layer] = plan.digests[layer]
             indexes, k_host, v_host = plan.to_host[layer]
