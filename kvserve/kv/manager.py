@@ -276,10 +276,9 @@ class KVCacheManager:
         plan = self.budgets.plan(request, [b.block_id for b in table], fresh)
         self.pool.free(reversed(tail))
         del table[num_kept:]
-        for i, block in enumerate(head):
-            if block.ref_count > 1 or block.is_cached:
-                table[i] = self._allocate(1, request.retention_class)[0]
-                self.pool.free([block])
+        for i in sorted(fresh):     # the blocks the plan was told it rewrites, exactly
+            table[i] = self._allocate(1, request.retention_class)[0]
+            self.pool.free([head[i]])
         self._num_cached_blocks.pop(rid, None)
         self.budgets.apply(request, plan, [b.block_id for b in table])
         return True
