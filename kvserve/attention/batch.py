@@ -49,6 +49,8 @@ class BatchBuilder:
         self.scored: list[tuple[int, BudgetedChunk]] = []
         # sequences a backend reads in place: (flat start, new tokens, context length, block ids)
         self.paged: list[tuple[int, int, int, list[int]]] = []
+        # those whose layers skip blocks: (their index in ``paged``, per layer the blocks skipped)
+        self.holed: list[tuple[int, tuple[tuple[int, int], ...]]] = []
 
     def add(self, req: Request, n: int, block_ids: list[int], budgets: Budgets, draft: tuple[int, ...] = ()) -> None:
         """``n`` new tokens of ``req`` from its first not computed, the last ``len(draft)`` of
@@ -62,18 +64,25 @@ class BatchBuilder:
         flat_start = self._take(start, tokens)
         self.writes.add(block_ids, step.slot_start, n, len(draft))
         # a compacted request whose every layer holds an entry in every slot is a plain sequence
-        # of slots: attended like any other (in place, by the backend); else on its own, masked
-        dense = not step.is_compacted or step.state.is_dense
+        # of slots: attended like any other (in place, by the backend); one whose layers' holes
+        # are whole blocks too, where the backend reads in place (each layer's table skips its
+        # hole); else on its own, masked
+        holes = None
+        if step.is_compacted and not step.state.is_dense and self.backend.reads_in_place:
+            holes = step.state.block_holes
+        in_place = not step.is_compacted or step.state.is_dense or holes is not None
         first_scored = max(0, step.observe_from - start)
         # a backend that scores adds the weights the policy needs as it attends (short chunks:
         # their logits are kept until the softmax is known)
-        in_kernel = (dense and self.backend.reads_in_place and self.backend.scores_attention and step.is_observed
+        in_kernel = (in_place and self.backend.reads_in_place and self.backend.scores_attention and step.is_observed
                      and self.cache.dtype == torch.float32     # the kernel scores float32 queries only
                      and step.state.scores_attention and first_scored < n <= KERNEL_SCORED_ROWS)
-        chunk = self._add_budgeted(step, flat_start, start, n, block_ids, attended_here=not dense,
-                                   scored_in_kernel=in_kernel)
-        if dense:
+        chunk = self._add_budgeted(step, flat_start, start, n, block_ids, attended_here=not in_place,
+                                   scored_in_kernel=in_kernel, holes=holes)
+        if in_place:
             self._attend(flat_start, step.slot_start, n, block_ids)
+            if holes is not None:
+                self.holed.append((len(self.paged) - 1, holes))
         if in_kernel:
             assert chunk is not None
             self.scored.append((len(self.paged) - 1, chunk))
@@ -116,14 +125,15 @@ class BatchBuilder:
             self.prefills.append(PrefillChunk(flat_start, flat_start + n, start, table, mask, overlay))
 
     def _add_budgeted(self, step: BudgetStep, flat_start: int, start: int, n: int, block_ids: list[int],
-                      attended_here: bool, scored_in_kernel: bool) -> BudgetedChunk | None:
+                      attended_here: bool, scored_in_kernel: bool,
+                      holes: tuple[tuple[int, int], ...] | None) -> BudgetedChunk | None:
         if not step.is_observed:
             return None
         ids = block_ids[:-(-(step.slot_start + n) // self.block_size)]
         chunk = BudgetedChunk(
             flat_start, flat_start + n, step.slot_start, start, ids,
             torch.tensor([ids], dtype=torch.long, device=self.device), step.state, attended_here,
-            step.observe_from, step.is_compacted, scored_in_kernel)
+            step.observe_from, step.is_compacted, scored_in_kernel, holes)
         self.budgeted.append(chunk)
         return chunk
 
@@ -162,7 +172,35 @@ class BatchBuilder:
             scores = ScoredChunks(int32(score_from), tuple(self.scored))
         return PagedChunks(torch.tensor(token_idx, dtype=torch.long, device=dev), batch,
                            is_whole_batch=len(token_idx) == len(self.input_ids) and not self.budgeted,
-                           scores=scores)
+                           scores=scores, layer_batches=self._layer_batches(batch, tables) if self.holed else None)
+
+    def _layer_batches(self, batch: PagedBatch, tables: list[list[int]]) -> tuple[PagedBatch, ...]:
+        """``batch`` for each layer, with the rows of the sequences that skip blocks in that layer
+        (``holed``) shortened by those blocks; layers skipping the same blocks share one batch."""
+        bs, dev = self.block_size, self.device
+        lens = batch.context_lens.tolist()
+        made: dict[tuple[tuple[int, int], ...], PagedBatch] = {}
+        out = []
+        for layer in range(self.cache.num_layers):
+            key = tuple(holes[layer] for _, holes in self.holed)
+            layer_batch = made.get(key)
+            if layer_batch is None:
+                if all(first == end for first, end in key):
+                    layer_batch = batch
+                else:
+                    rows, row_lens = list(tables), list(lens)
+                    for (seq, _), (first, end) in zip(self.holed, key):
+                        row = tables[seq][:first] + tables[seq][end:]
+                        rows[seq] = row + [row[-1]] * (end - first)        # padding: never read
+                        row_lens[seq] -= (end - first) * bs
+                    layer_batch = PagedBatch(
+                        block_tables=torch.tensor(rows, dtype=torch.int32, device=dev),
+                        context_lens=torch.tensor(row_lens, dtype=torch.int32, device=dev),
+                        query_starts=batch.query_starts, open_rows=batch.open_rows, block_size=bs,
+                        max_query_len=batch.max_query_len, max_context_len=batch.max_context_len)
+                made[key] = layer_batch
+            out.append(layer_batch)
+        return tuple(out)
 
     def _decode_group(self) -> DecodeGroup:
         bs, dev = self.block_size, self.device

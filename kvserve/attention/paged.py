@@ -16,13 +16,17 @@ and open to the request's earlier tokens already in the cache.
     prefills    : (start 0, end 4), (start 5, end 7)
 
 A request under a KV budget (kv/budget/) takes the common path, in place where the backend
-reads in place, as long as every layer holds an entry in every slot it has: before its first
+reads in place, as long as every layer holds an entry in every slot it reads: before its first
 compaction (slot = position), and after it where the policy keeps the same number of entries
 in every layer (``BudgetState.is_dense``: all but pyramid; the slots are then a plain
-sequence, the kept entries first, RoPE already applied). Its budgeted chunk then only
-*observes*: it adds the attention weights its policy scores by. A compacted request with holes
-(pyramid's smaller layers) is attended on its own (``BudgetedChunk.attended_here``), each
-layer masking the slots it does not hold. In each layer the states' ``before_attention`` hooks
+sequence, the kept entries first, RoPE already applied). Pyramid's smaller layers leave a hole
+of whole blocks between their kept entries and the tokens since (``BudgetState.block_holes``):
+a backend reading in place gets, for each such layer, a block table without those blocks
+(``PagedChunks.layer_batches``), and the weights it scores are put back at their slots. The
+budgeted chunk then only *observes*: it adds the attention weights its policy scores by. A
+compacted request whose holes are not whole blocks, or on the torch backend with holes, is
+attended on its own (``BudgetedChunk.attended_here``), each layer masking the slots it does
+not hold. In each layer the states' ``before_attention`` hooks
 run before any attention (ArkVale keeps the query and, in decode, brings back the blocks it
 ranks highest, which the step's attention then reads).
 
@@ -75,6 +79,8 @@ class BudgetedChunk:
     observe_from: int         # first query position whose attention weights the policy scores
     is_compacted: bool = False  # its slots are no longer its positions
     scored_in_kernel: bool = False  # the backend adds its attention weights (``PagedChunks.scores``)
+    # per layer, the slot blocks [first, end) the backend's table skips (its hole), when read in place
+    holes: tuple[tuple[int, int], ...] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -105,6 +111,11 @@ class PagedChunks:
     batch: PagedBatch
     is_whole_batch: bool      # every token of the step is in here (skip the gather and scatter)
     scores: ScoredChunks | None = None
+    # one batch per layer where some sequence's layer skips blocks (compacted with holes), else None
+    layer_batches: tuple[PagedBatch, ...] | None = None
+
+    def batch_for(self, layer: int) -> PagedBatch:
+        return self.batch if self.layer_batches is None else self.layer_batches[layer]
 
 
 TORCH = TorchBackend()
@@ -135,17 +146,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         return meta.backend.attend(q, *cache.half_stores(layer), paged.batch, scale)
     out = torch.empty_like(q)
     if paged is not None:
+        batch = paged.batch_for(layer)
         scores = None
         if paged.scores is not None:
             # as wide as the scored sequences' contexts (the kernel touches no other row)
             width = max(chunk.num_slots for _, chunk in paged.scores.chunks)
-            scores = AttentionScores(torch.zeros(paged.batch.block_tables.shape[0], num_kv_heads, width,
+            scores = AttentionScores(torch.zeros(batch.block_tables.shape[0], num_kv_heads, width,
                                                  device=q.device), paged.scores.score_from)
         out[paged.token_idx] = meta.backend.attend(q[paged.token_idx].contiguous(), *cache.half_stores(layer),
-                                                   paged.batch, scale, scores=scores)
+                                                   batch, scale, scores=scores)
         if scores is not None and paged.scores is not None:
             for seq, chunk in paged.scores.chunks:
-                chunk.state.add_scores(layer, scores.weights[seq, :, :chunk.num_slots])
+                _add_kernel_scores(chunk, layer, scores.weights[seq])
     for p in meta.prefills:
         qs = q[p.start:p.end].transpose(0, 1).unsqueeze(0)            # [1, H, n, D]
         if p.block_table is None:
@@ -167,6 +179,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         if budgeted is not None:
             out[b.start:b.end] = budgeted
     return out
+
+
+def _add_kernel_scores(chunk: BudgetedChunk, layer: int, weights: torch.Tensor) -> None:
+    """The weights the backend gave the chunk's keys ([heads, width], in the order of the layer's
+    block table) added at the slots they belong to: past a hole, ``end - first`` blocks on."""
+    first, end = (0, 0) if chunk.holes is None else chunk.holes[layer]
+    if first == end:
+        chunk.state.add_scores(layer, weights[:, :chunk.num_slots])
+        return
+    bs = chunk.state.block_size
+    skipped = (end - first) * bs
+    chunk.state.add_scores(layer, weights[:, :first * bs])
+    chunk.state.add_scores(layer, weights[:, first * bs:chunk.num_slots - skipped], first_slot=end * bs)
 
 
 def _decode(q: torch.Tensor, d: DecodeGroup, layer: int, cache: KVStorage,

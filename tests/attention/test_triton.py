@@ -417,3 +417,26 @@ def test_the_engine_on_the_triton_backend_gives_the_torch_paths_tokens(fmt: str)
         llm.engine.check_integrity()
     assert outs["triton"] == outs["torch"]
     assert outs["triton"][3][1] == 16                   # the last prompt hit the first's leading block
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "pyramid"])
+def test_budgeted_requests_on_the_triton_backend_give_the_torch_paths_tokens(policy: str) -> None:
+    """A compacted request reads in place on the triton backend too: snapkv's slots as one plain
+    sequence, pyramid's smaller layer through a block table that skips its hole (scores are taken
+    on the torch path: this backend does not score). Same tokens as the torch backend, through
+    the compaction at the end of the prefill and one in decode."""
+    from tiny import tiny_model
+
+    from kvserve import LLM, SamplingParams
+
+    loaded = tiny_model()
+    prompt = [(7 * i) % 120 + 1 for i in range(100)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, kv_budget=32, kv_policy=policy)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(loaded=loaded, num_kv_blocks=32, max_num_batched_tokens=64, device=DEVICE, dtype="float32",
+                  attention_backend=backend)
+        outs[backend] = llm.generate(prompt, params)[0].token_ids
+        assert llm.engine.kv.budgets.num_compactions == 2
+        llm.engine.check_integrity()
+    assert outs["triton"] == outs["torch"] and len(outs["torch"]) == 24

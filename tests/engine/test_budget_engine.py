@@ -289,36 +289,83 @@ def test_a_small_host_store_evicts_stashed_blocks_and_counts_them(loaded):
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_compacted_requests_attend_through_the_backends_as_the_masked_reference(loaded, policy, monkeypatch):
     """A compacted request whose layers keep equal counts (every policy but pyramid) is a plain
-    sequence of slots: the cpu kernel and the torch path read it in place and give the tokens of
-    the masked reference (each layer's valid slots gathered and masked), which pyramid keeps."""
+    sequence of slots: the cpu kernel and the torch path read it in place. Pyramid's smaller layer
+    leaves a hole of whole blocks, which the cpu kernel's table for that layer skips (the torch
+    path masks it). Both give the tokens of the masked reference (each layer's valid slots
+    gathered and masked)."""
+    from kvserve.attention.backends import CpuBackend
     from kvserve.kv.budget.state import BudgetState
 
     prompt = tokens(200, seed=5)
     params = greedy(60, kv_budget=64, kv_policy=policy)
     got = {}
+    kernel_lens: list[list[int]] = []        # the context lengths of each cpu kernel call
+    attend = CpuBackend.attend
+
+    def recording_attend(self, q, key, value, batch, scale, out=None, scores=None):
+        kernel_lens.append(batch.context_lens.tolist())
+        return attend(self, q, key, value, batch, scale, out, scores)
+
+    monkeypatch.setattr(CpuBackend, "attend", recording_attend)
     for backend in ("torch", "cpu"):
         llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, attention_backend=backend)
         rid = run_prefill(llm, prompt, params)
         state = llm.engine.kv.budgets._states[rid]
         assert state.num_compactions > 0 and state.is_dense == (policy != "pyramid")
+        if policy == "pyramid":    # layers keep 96 and 32 slots: layer 1 holds none in slot blocks 2-5
+            assert state.block_holes == ((6, 6), (2, 6))
         num_slots = llm.engine._requests[rid].num_computed_tokens - state.num_evicted
         if state.is_dense:      # no slot is masked in any layer
             assert all(bool(state.key_mask(layer, num_slots).all()) for layer in range(len(state.layer_budgets)))
+        kernel_lens.clear()
         while llm.engine.has_unfinished:
             for out in llm.engine.step():
                 if out.finished:
                     got[backend] = out.token_ids
             llm.engine.check_integrity()
+    # every decode step read in place: one kernel call per layer, layer 1 four blocks shorter for pyramid
+    assert len(kernel_lens) == 2 * 60 - 2 and all(len(lens) == 1 for lens in kernel_lens)
+    skipped = {a[0] - b[0] for a, b in zip(kernel_lens[::2], kernel_lens[1::2])}
+    assert skipped == ({64} if policy == "pyramid" else {0})
     monkeypatch.setattr(BudgetState, "is_dense", property(lambda self: False))    # every slot masked by hand
+    monkeypatch.setattr(BudgetState, "block_holes", property(lambda self: None))
     reference = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64,
                     attention_backend="torch").generate(prompt, params)[0].token_ids
     assert got["torch"] == got["cpu"] == reference
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snapkv", "merge"])
+def test_requests_with_holes_share_a_step_with_others_as_alone_on_the_torch_path(loaded):
+    """Two pyramid requests with different holes, a snapkv one and an unbudgeted one decode in the
+    same steps through the cpu kernel (per-layer tables for the pyramid rows only), each giving
+    the tokens it gives alone on the torch path."""
+    runs = [(tokens(200, seed=11), greedy(40, kv_budget=64, kv_policy="pyramid")),
+            (tokens(230, seed=12), greedy(40, kv_budget=32, kv_policy="pyramid")),
+            (tokens(180, seed=13), greedy(40, kv_budget=48, kv_policy="snapkv")),
+            (tokens(90, seed=14), greedy(40))]
+    alone = [LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, attention_backend="torch")
+             .generate(p, params)[0].token_ids for p, params in runs]
+    llm = LLM(loaded=loaded, num_kv_blocks=128, max_num_batched_tokens=512, attention_backend="cpu")
+    ids = [llm.engine.add_request(p, params) for p, params in runs]
+    holes = set()
+    got: dict[str, list[int]] = {}
+    while llm.engine.has_unfinished:
+        for out in llm.engine.step():
+            if out.finished:
+                got[out.request_id] = out.token_ids
+        for rid in ids[:2]:
+            state = llm.engine.kv.budgets.get(rid)
+            if state is not None and state.is_compacted:
+                holes.add(state.block_holes)
+        llm.engine.check_integrity()
+    assert holes == {((6, 6), (2, 6)), ((3, 3), (1, 3))}       # budgets [96, 32] and [48, 16]
+    assert [got[rid] for rid in ids] == alone
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "pyramid", "merge"])
 def test_the_kernels_attention_weights_are_the_torch_paths(loaded, policy, monkeypatch):
     """Decode steps of a scoring policy take their weights from the cpu kernel as it attends
-    (``AttentionScores``): the same scores, compactions and tokens as scoring on the torch path."""
+    (``AttentionScores``): the same scores, compactions and tokens as scoring on the torch path
+    (pyramid's: past its smaller layer's hole, which the kernel's table skips)."""
     from kvserve.attention.backends import CpuBackend
 
     prompt = tokens(200, seed=9)

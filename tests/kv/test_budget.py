@@ -49,6 +49,17 @@ def test_pyramid_budgets_shrink_with_the_same_total():
     assert pyramid_budgets(100, 1) == [100]
 
 
+def test_pyramid_budgets_in_whole_blocks_keep_the_total_rounded_down_to_a_block():
+    b = pyramid_budgets(256, 30, 16)
+    assert all(x % 16 == 0 for x in b) and sum(b) == 30 * 256
+    assert b[0] == 384 and b[-1] == 128 and all(x >= y for x, y in itertools.pairwise(b))
+    assert sum(pyramid_budgets(100, 30, 16)) == 3000 // 16 * 16
+    assert pyramid_budgets(32, 30, 16)[-1] == 16        # the smallest budget: every layer keeps a block
+    assert pyramid_budgets(64, 2, 16) == [96, 32] and pyramid_budgets(100, 1, 16) == [100]
+    assert get_policy("pyramid").layer_budgets(200, 30, 16) == pyramid_budgets(200, 30, 16)
+    assert get_policy("snapkv").layer_budgets(200, 30, 16) == [200] * 30
+
+
 def test_streaming_keeps_sinks_and_recent_window():
     valid = torch.arange(10, 30)
     keep = get_policy("streaming").keep(valid, None, 8, 4, 2)
@@ -76,8 +87,8 @@ def test_snapkv_pools_scores_over_neighbours():
 def _state(policy: str, budget: int = 8, block_size: int = 4, host_bytes: int = 1 << 30) -> BudgetState:
     p = get_policy(policy)
     if p.is_paged:
-        return ArkValeState(p, budget, p.layer_budgets(budget, 2), 2, block_size, CPU, HostBlockStore(host_bytes), "r")
-    return BudgetState(p, budget, p.layer_budgets(budget, 2), 2, block_size, CPU)
+        return ArkValeState(p, budget, p.layer_budgets(budget, 2, block_size), 2, block_size, CPU, HostBlockStore(host_bytes), "r")
+    return BudgetState(p, budget, p.layer_budgets(budget, 2, block_size), 2, block_size, CPU)
 
 
 def test_merge_folds_evicted_entries_into_the_most_similar_kept_one():

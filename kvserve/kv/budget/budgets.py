@@ -192,7 +192,7 @@ class KVBudgets(Budgets):
         if resolved is None:
             return None
         budget, name = resolved
-        top = max(get_policy(name).layer_budgets(budget, self.num_layers))
+        top = max(get_policy(name).layer_budgets(budget, self.num_layers, self.block_size))
         return max(-(-(num_prompt_tokens + 1) // self.block_size), top // self.block_size + 3)
 
     def start(self, request: Request) -> None:
@@ -202,7 +202,7 @@ class KVBudgets(Budgets):
             return
         budget, name = resolved
         policy = get_policy(name)
-        layer_budgets = policy.layer_budgets(budget, self.num_layers)
+        layer_budgets = policy.layer_budgets(budget, self.num_layers, self.block_size)
         shape = (self.num_kv_heads, self.block_size, self.device)
         self._states[rid] = (ArkValeState(policy, budget, layer_budgets, *shape, self.host_store, rid)
                              if policy.is_paged else BudgetState(policy, budget, layer_budgets, *shape))

@@ -8,7 +8,8 @@ keep; ``arkvale`` works on whole blocks (see ``arkvale.py``).
     streaming   4 sink tokens + the most recent tokens              positions
     h2o         heavy hitters + a recent window of budget/2          attention of every query
     snapkv      top pooled tokens + the observation window           attention of the window's queries
-    pyramid     snapkv, with budgets from 1.5x (first layer) to 0.5x (last)   (same total)
+    pyramid     snapkv, with budgets from 1.5x (first layer) to 0.5x (last), in whole blocks
+                (the same total, rounded down to a block)
     merge       h2o's choice; evicted entries merged into their most similar kept entry
     arkvale     the top budget/block_size blocks by their key digests, the rest in host memory
     arkvale-bound  arkvale, ranking blocks by the digest's upper bound on q.k
@@ -45,7 +46,7 @@ class BudgetPolicy:
     is_paged: bool = False
     merges: bool = False
 
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+    def layer_budgets(self, budget: int, num_layers: int, block_size: int) -> list[int]:
         return [budget] * num_layers
 
     def window(self, layer_budgets: list[int]) -> int:
@@ -98,23 +99,27 @@ class SnapKV(BudgetPolicy):
 
 
 class Pyramid(SnapKV):
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        return pyramid_budgets(budget, num_layers)
+    def layer_budgets(self, budget: int, num_layers: int, block_size: int) -> list[int]:
+        # whole blocks: each layer's hole after a compaction is then whole blocks, which the
+        # kernels skip (a per-layer block table) instead of masking slot by slot
+        return pyramid_budgets(budget, num_layers, block_size)
 
 
-def pyramid_budgets(budget: int, num_layers: int) -> list[int]:
+def pyramid_budgets(budget: int, num_layers: int, unit: int = 1) -> list[int]:
     """Linear from ``2r/(r+1)`` x budget at layer 0 to ``2/(r+1)`` x budget at the last
-    (r = PYRAMID_RATIO), summing to exactly ``num_layers * budget``."""
+    (r = PYRAMID_RATIO), in multiples of ``unit`` tokens, summing to ``num_layers * budget``
+    rounded down to a multiple of ``unit`` (exactly, for ``unit`` 1; one layer: ``[budget]``). A layer keeps at least
+    one unit where ``budget`` is at least two (as ``min_budget`` asks, in blocks)."""
     if num_layers == 1:
         return [budget]
     top, bottom = 2 * PYRAMID_RATIO / (PYRAMID_RATIO + 1), 2 / (PYRAMID_RATIO + 1)
-    raw = [budget * (top + (bottom - top) * i / (num_layers - 1)) for i in range(num_layers)]
+    raw = [budget / unit * (top + (bottom - top) * i / (num_layers - 1)) for i in range(num_layers)]
     out = [int(x) for x in raw]
     # hand the rounding remainder to the layers that lost the most
     order = sorted(range(num_layers), key=lambda i: out[i] - raw[i])
-    for i in order[:num_layers * budget - sum(out)]:
+    for i in order[:num_layers * budget // unit - sum(out)]:
         out[i] += 1
-    return out
+    return [x * unit for x in out]
 
 
 class Merge(HeavyHitters):

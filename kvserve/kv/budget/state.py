@@ -91,6 +91,8 @@ class BudgetState:
         self.num_evicted = 0          # positions no longer on the device: slot = position - num_evicted
         self.num_compactions = 0
         self.num_recorded = 0         # slots whose position this state knows
+        # per layer, once compacted: the slot blocks [first, end) holding no entry (``block_holes``)
+        self._block_holes: tuple[tuple[int, int], ...] | None = None
         num_layers = len(layer_budgets)
         self._capacity = 0
         self.pos = [torch.empty(num_kv_heads, 0, dtype=torch.long, device=device) for _ in range(num_layers)]
@@ -114,6 +116,14 @@ class BudgetState:
         """Every layer keeps as many entries as the others, so once compacted each layer holds an
         entry in every slot (kept ones first, then the tokens since): no slot is masked."""
         return len(set(self.layer_budgets)) == 1
+
+    @property
+    def block_holes(self) -> tuple[tuple[int, int], ...] | None:
+        """Per layer of a compacted request, the slot blocks ``[first, end)`` of its hole, between
+        its kept entries and the tokens since (``first == end``: none); None where a hole is not
+        whole blocks, or before the first compaction. A backend reading in place skips these blocks
+        (a block table per layer) instead of masking the hole's slots."""
+        return self._block_holes
 
     @property
     def scores_attention(self) -> bool:
@@ -171,10 +181,10 @@ class BudgetState:
         self._grow(num_slots)
         return self.valid[layer][:num_slots]
 
-    def add_scores(self, layer: int, scores: torch.Tensor) -> None:
-        """Accumulate attention received by each slot: scores [heads, num_slots]."""
+    def add_scores(self, layer: int, scores: torch.Tensor, first_slot: int = 0) -> None:
+        """Accumulate attention received by each slot: scores [heads, n] for slots first_slot, ..."""
         assert self.score is not None
-        self.score[layer][:, :scores.shape[1]] += scores
+        self.score[layer][:, first_slot:first_slot + scores.shape[1]] += scores
 
     # -- compaction ----------------------------------------------------------
     def plan_from(self, reader: SlotReader, num_slots: int, rewritten: frozenset[int]) -> TokenPlan:
@@ -218,8 +228,12 @@ class BudgetState:
 
     def apply(self, plan: TokenPlan, num_computed: int) -> None:
         """The plan's entries now sit in slots [0, kept) of every layer."""
+        bs, base = self.block_size, plan.num_slots
+        num_kept = [p.shape[1] for p in plan.pos]
+        self._block_holes = (tuple((n // bs, base // bs) for n in num_kept)
+                             if base % bs == 0 and all(n % bs == 0 for n in num_kept) else None)
         for layer in range(len(self.layer_budgets)):
-            n = plan.pos[layer].shape[1]
+            n = num_kept[layer]
             self.valid[layer][:] = False
             self.valid[layer][:n] = True
             self.pos[layer][:, :n] = plan.pos[layer]
