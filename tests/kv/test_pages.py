@@ -103,6 +103,18 @@ def test_the_cpu_scores_are_the_digest_box_scores(isa, weight):
 
 @needs_ext
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [1, 2, 4, 5, 8])
+def test_the_cpu_scores_hold_for_any_number_of_query_heads_per_kv_head(isa, group):
+    """The kernel sums four query heads of a KV head at a time: groups below, at and past four."""
+    ext = load_extension(isa)
+    for seed, num_blocks in enumerate([3, 16, 37]):
+        box = DigestBox(*digests(num_blocks, seed, kv_heads=2, dim=32))
+        q = torch.randn(2 * group, 32, generator=torch.Generator().manual_seed(seed))
+        assert torch.allclose(ext.digest_scores(box.store, num_blocks, q, 0.5), box.scores(q, 0.5), atol=1e-4)
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ISAS)
 def test_the_cpu_choice_is_the_torch_twins(isa):
     ext = load_extension(isa)
     num_cases = num_swapping = 0

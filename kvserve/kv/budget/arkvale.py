@@ -173,8 +173,7 @@ class ArkValeState(BudgetState):
         if not pairs:
             return
         coming = [j for j, _ in pairs]
-        at = {j: i for i, j in enumerate(resident)}
-        places = [at[j] for _, j in pairs]                 # where in ``resident`` each comes in
+        places = [resident.index(j) for _, j in pairs]     # where in ``resident`` each comes in
         going = [resident[i] for i in places]
         coming_keys, going_keys = [self._key(layer, j) for j in coming], [self._key(layer, j) for j in going]
         blocks = storage.layer_blocks(layer)
