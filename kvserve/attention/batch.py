@@ -76,7 +76,9 @@ class BatchBuilder:
         # their logits are kept until the softmax is known)
         in_kernel = (in_place and self.backend.reads_in_place and self.backend.scores_attention and step.is_observed
                      and self.cache.dtype == torch.float32     # the kernel scores float32 queries only
-                     and step.state.scores_attention and first_scored < n <= KERNEL_SCORED_ROWS)
+                     and step.state.scores_attention and first_scored < n <= KERNEL_SCORED_ROWS
+                     # the kernel scores a suffix of the chunk's rows
+                     and (step.scored_rows is None or step.scored_rows == tuple(range(first_scored, n))))
         chunk = self._add_budgeted(step, flat_start, start, n, block_ids, attended_here=not in_place,
                                    scored_in_kernel=in_kernel, holes=holes)
         if in_place:
@@ -133,7 +135,7 @@ class BatchBuilder:
         chunk = BudgetedChunk(
             flat_start, flat_start + n, step.slot_start, start, ids,
             torch.tensor([ids], dtype=torch.long, device=self.device), step.state, attended_here,
-            step.observe_from, step.is_compacted, scored_in_kernel, holes)
+            step.observe_from, step.is_compacted, scored_in_kernel, holes, step.scored_rows)
         self.budgeted.append(chunk)
         return chunk
 

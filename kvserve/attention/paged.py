@@ -81,6 +81,7 @@ class BudgetedChunk:
     scored_in_kernel: bool = False  # the backend adds its attention weights (``PagedChunks.scores``)
     # per layer, the slot blocks [first, end) the backend's table skips (its hole), when read in place
     holes: tuple[tuple[int, int], ...] | None = None
+    scored_rows: tuple[int, ...] | None = None   # the rows the policy scores (probes); None: from first_scored_row
 
     @property
     def num_slots(self) -> int:
@@ -232,13 +233,24 @@ def _score(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
     applies (one query over a layer that holds every slot)."""
     n, _, dim = q.shape
     first_row = b.first_scored_row
-    if first_row >= n:
+    if b.scored_rows is not None:
+        rows: torch.Tensor | None = torch.tensor(b.scored_rows, dtype=torch.long, device=q.device)
+        num_scored = len(b.scored_rows)
+    else:
+        rows, num_scored = None, n - first_row
+    if num_scored <= 0:
         return
     keys = cache.gather_keys(layer, b.block_table)[0, :b.num_slots]        # [S, Hkv, D]
-    qo = q[first_row:].transpose(0, 1).reshape(num_kv_heads, group, n - first_row, dim).float()
+    qs = q[first_row:] if rows is None else q[rows]
+    qo = qs.transpose(0, 1).reshape(num_kv_heads, group, num_scored, dim).float()
     logits = torch.einsum("hgnd,shd->hgns", qo, keys.float()) * scale
-    mask = _slot_mask(b.state, layer, b.slot_start + first_row, n - first_row,
-                      masks_keys=b.is_compacted and not b.state.is_dense)
+    masks_keys = b.is_compacted and not b.state.is_dense
+    if rows is None:
+        mask = _slot_mask(b.state, layer, b.slot_start + first_row, num_scored, masks_keys)
+    else:       # each probe row sees the slots up to its own
+        mask = torch.arange(b.num_slots, device=q.device)[None, :] <= (b.slot_start + rows)[:, None]
+        if masks_keys:
+            mask = mask & b.state.key_mask(layer, b.num_slots)[None, :]
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     b.state.add_scores(layer, logits.softmax(dim=-1).sum(dim=(1, 2)))

@@ -56,7 +56,7 @@ def run_prefill(llm: LLM, prompt: list[int], params: SamplingParams) -> str:
 
 
 EXPECTED_KEPT = {"streaming": [64, 64], "h2o": [64, 64], "snapkv": [64, 64], "pyramid": [96, 32],
-                 "merge": [64, 64], "arkvale": [64 + 150 % BLOCK] * 2, "arkvale-bound": [64 + 150 % BLOCK] * 2}
+                 "merge": [64, 64], "saliency": [64, 64], "arkvale": [64 + 150 % BLOCK] * 2, "arkvale-bound": [64 + 150 % BLOCK] * 2}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -361,7 +361,7 @@ def test_requests_with_holes_share_a_step_with_others_as_alone_on_the_torch_path
     assert [got[rid] for rid in ids] == alone
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snapkv", "pyramid", "merge"])
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "pyramid", "merge", "saliency"])
 def test_the_kernels_attention_weights_are_the_torch_paths(loaded, policy, monkeypatch):
     """Decode steps of a scoring policy take their weights from the cpu kernel as it attends
     (``AttentionScores``): the same scores, compactions and tokens as scoring on the torch path

@@ -69,3 +69,39 @@ def test_streaming_attends_exactly_to_its_kept_positions():
         row = ref[len(prompt) - 1 + j]
         assert lp.token_id == int(row.argmax())
         assert lp.logprob == pytest.approx(row.max().item(), abs=TOL)
+
+
+def test_saliency_is_the_normalized_attention_of_the_probe_queries():
+    """The saliency an engine keeps (scored by the torch path in the chunked prefill and by the cpu
+    kernel in decode) equals the dense computation from transformers' attention weights: per layer
+    and KV head, the weights the probe queries gave each position, summed over the KV head's query
+    heads, divided by the number of probes at or after that position."""
+    weights = random_weights(TINY, seed=4)
+    loaded = tiny_model(TINY, seed=4)
+    model = hf_model(TINY, weights)
+    model.set_attn_implementation("eager")
+    prompt = [(i * 29) % 128 for i in range(100)]
+    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=32, enable_prefix_caching=False,
+              attention_backend="cpu")
+    engine = llm.engine
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                    kv_budget=192, kv_policy="saliency"))
+    req = engine._requests[rid]
+    while req.num_output_tokens < 6:
+        engine.step()
+    state = engine.kv.budgets.get(rid)
+    assert state is not None and not state.is_compacted
+    n = req.num_computed_tokens
+    assert n == 105 and state.num_recorded == n
+    # every 16th position, the window of 32 before the prompt's end, then every decode query
+    probes = [15, 31, 47, 63, *range(68, 105)]
+    assert state.probes == probes
+    seq = (prompt + req.output_token_ids)[:n]
+    with torch.inference_mode():
+        attentions = model(torch.tensor([seq]), output_attentions=True).attentions
+    group = TINY.num_heads // TINY.num_kv_heads
+    seen_by = torch.tensor([sum(1 for p in probes if p >= j) for j in range(n)], dtype=torch.float32)
+    for layer, a in enumerate(attentions):
+        a = a[0, :, probes].float()                                       # [heads, probes, n]
+        ref = a.view(TINY.num_kv_heads, group, len(probes), n).sum(dim=(1, 2)) / seen_by
+        torch.testing.assert_close(state.saliency(layer), ref, atol=1e-5, rtol=1e-4)

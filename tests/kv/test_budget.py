@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 
 
 def test_registry_names_and_bad_names():
-    assert list(POLICIES) == ["streaming", "h2o", "snapkv", "pyramid", "merge", "arkvale",
+    assert list(POLICIES) == ["streaming", "h2o", "snapkv", "pyramid", "merge", "saliency", "arkvale",
                              "arkvale-bound"]
     with pytest.raises(ValueError, match="unknown KV budget policy 'lru'; choose one of streaming, h2o"):
         get_policy("lru")
@@ -107,6 +107,43 @@ def test_merge_folds_evicted_entries_into_the_most_similar_kept_one():
     assert plan.values[0][:, 0, 0].tolist() == [0.5, 2.0]          # mean of values 0 and 1; 2 alone
     assert plan.weight[0].tolist() == [[2.0, 1.0], [2.0, 1.0]]
     assert plan.score[0].tolist() == [[5.0, 1.0], [5.0, 1.0]]
+
+
+def test_probe_rows_are_chosen_by_position_however_the_prompt_is_chunked():
+    st = _state("saliency", budget=64, block_size=16)       # window min(32, 64 // 2) = 32
+    whole = st.probe_rows(0, 100, 100)
+    assert whole == (15, 31, 47, 63, *range(68, 100))
+    chunked = [40 + r for r in st.probe_rows(40, 30, 100)] + [70 + r for r in st.probe_rows(70, 30, 100)]
+    assert tuple(r for r in whole if r >= 40) == tuple(chunked)
+    assert st.probe_rows(100, 1, 101) == (0,)                # a decode query is always a probe
+
+
+def test_saliency_normalizes_by_the_probes_that_saw_each_entry():
+    st = _state("saliency", budget=2, block_size=2)
+    st.prepare(0, 0, 4)
+    st.record_probes(0, (1, 2, 3))      # probes at positions 1, 2, 3: positions 0-3 seen by 3, 3, 2, 1
+    for layer in range(2):
+        st.add_scores(layer, torch.tensor([[1.2, 0.9, 0.9, 0.3]] * 2))
+    torch.testing.assert_close(st.saliency(0), torch.tensor([[0.4, 0.3, 0.45, 0.3]] * 2))
+    torch.testing.assert_close(st.saliency(1, torch.tensor([3, 0])), torch.tensor([[0.3, 0.4]] * 2))
+
+
+def test_saliency_keeps_the_highest_normalized_scores_pooled_over_neighbours():
+    """Raw sums favour early entries (every later probe sees them); normalized, a later entry that
+    took more of each probe's attention ranks above them. Scores are pooled as snapkv's (kernel 7)."""
+    st = _state("saliency", budget=8, block_size=2)
+    st.window = 1
+    st.prepare(0, 0, 20)
+    st.record_probes(0, tuple(range(1, 20)))          # position j seen by 20 - j probes (19 for j = 0)
+    raw = torch.full((20,), 0.01)
+    raw[0], raw[12] = 9.5, 6.0                        # normalized: 0.5 and 0.75
+    for layer in range(2):
+        st.add_scores(layer, raw.expand(2, 20))
+    k = torch.randn(20, 2, 4)
+    plan = st.plan([k, k], [k, k], 20)
+    assert plan.pos[0].tolist() == [[9, 10, 11, 12, 13, 14, 15, 19]] * 2     # 12 and its pooled neighbours
+    snap = get_policy("snapkv").keep(torch.arange(20), raw.expand(2, 20), 8, 1, 2)    # the raw sums
+    assert snap[0].tolist()[:4] == [0, 1, 2, 3]
 
 
 def test_block_scores_rank_by_the_digest_bound():

@@ -41,6 +41,7 @@ class BudgetStep(NamedTuple):
     observe_from: int      # first query position whose attention weights the policy scores
     is_compacted: bool     # slots are no longer positions: attended on its own, with its masks
     is_observed: bool      # attention must see the chunk (to score it, capture queries, or attend)
+    scored_rows: tuple[int, ...] | None = None   # the chunk's rows the policy scores (probes); None: from observe_from
 
 
 class BudgetStats(NamedTuple):
@@ -227,7 +228,11 @@ class KVBudgets(Budgets):
         state.prepare(slot_start, first_pos, num_new)
         observe_from = state.observe_from(request.num_tokens)
         is_observed = state.is_compacted or observe_from < first_pos + num_new or state.captures_queries
-        return BudgetStep(state, slot_start, observe_from, state.is_compacted, is_observed)
+        scored_rows = None
+        if state.policy.weights == "probe":
+            scored_rows = state.probe_rows(first_pos, num_new, request.num_tokens)
+            state.record_probes(first_pos, scored_rows)
+        return BudgetStep(state, slot_start, observe_from, state.is_compacted, is_observed, scored_rows)
 
     def drop(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)

@@ -11,6 +11,7 @@ keep; ``arkvale`` works on whole blocks (see ``arkvale.py``).
     pyramid     snapkv, with budgets from 1.5x (first layer) to 0.5x (last), in whole blocks
                 (the same total, rounded down to a block)
     merge       h2o's choice; evicted entries merged into their most similar kept entry
+    saliency    top pooled saliency (ZipCache's normalized attention) + the window   attention of probe queries
     arkvale     the top budget/block_size blocks by their key digests, the rest in host memory
     arkvale-bound  arkvale, ranking blocks by the digest's upper bound on q.k
     arkvale-wW  arkvale with bound weight W (0: box centres, 1: the bound; arkvale is W = 0.5)
@@ -32,12 +33,14 @@ SNAPKV_POOL = 7          # max-pooling kernel over neighbouring slots
 PYRAMID_RATIO = 3.0      # first layer's budget / last layer's budget
 ARKVALE_BOUND_WEIGHT = 0.5   # arkvale's block score: q.centre + this x |q|.half_width of the key box
 ARKVALE_RECALL_MARGIN = 1.0   # logits a host block must gain over the resident one it replaces (arkvale.py)
+PROBE_STRIDE = 16        # saliency: every 16th prompt position is a probe query (besides the window and decode)
 
 
 @dataclass(frozen=True)
 class BudgetPolicy:
     """A selection rule. ``weights``: whose attention weights the state accumulates
-    ("none", "all" queries, or the observation "window"); ``evicts_in_prefill``: may
+    ("none", "all" queries, the observation "window", or "probe" queries: saliency, see
+    ``BudgetState.saliency``); ``evicts_in_prefill``: may
     compact between prefill chunks (else only once every known token is computed)."""
 
     name: str
@@ -126,6 +129,23 @@ class Merge(HeavyHitters):
     pass
 
 
+class Saliency(BudgetPolicy):
+    """Keeps the entries of highest saliency: the attention the probe queries gave an entry,
+    divided by how many probes could see it (ZipCache's normalized attention score: plain
+    sums favour early tokens, which every later query sees), max-pooled over neighbouring
+    entries as snapkv's (so a kept token keeps its neighbours: measured, without the pooling no
+    passkey survived), plus the recent window. ``score`` arrives normalized (``BudgetState.plan``)."""
+
+    def window(self, layer_budgets):
+        return min(SNAPKV_WINDOW, min(layer_budgets) // 2)
+
+    def keep(self, valid_idx, score, budget, window, num_kv_heads):
+        assert score is not None
+        n = valid_idx.shape[0]
+        pooled = F.max_pool1d(score[None], SNAPKV_POOL, stride=1, padding=SNAPKV_POOL // 2)[0]
+        return _top_with_forced(valid_idx, pooled, torch.arange(n) >= n - window, budget)
+
+
 @dataclass(frozen=True)
 class ArkVale(BudgetPolicy):
     """``bound_weight``: how much of a block's key spread counts in its score; ``recall_margin``:
@@ -145,6 +165,7 @@ POLICIES: dict[str, BudgetPolicy] = {p.name: p for p in (
     SnapKV("snapkv", weights="window"),
     Pyramid("pyramid", weights="window"),
     Merge("merge", weights="all", evicts_in_prefill=True, merges=True),
+    Saliency("saliency", weights="probe"),
     ArkVale("arkvale", is_paged=True),
     ArkVale("arkvale-bound", is_paged=True, bound_weight=1.0),
 )}

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvserve.kv.budget.policies import BudgetPolicy
+from kvserve.kv.budget.policies import PROBE_STRIDE, BudgetPolicy
 
 if TYPE_CHECKING:
     from kvserve.kv.storage import KVStorage
@@ -102,6 +102,7 @@ class BudgetState:
             [torch.empty(num_kv_heads, 0, device=device) for _ in range(num_layers)] if has_score else None)
         self.weight: list[torch.Tensor] | None = (
             [torch.empty(num_kv_heads, 0, device=device) for _ in range(num_layers)] if policy.merges else None)
+        self.probes: list[int] = []     # positions of the probe queries scored so far, ascending ("probe")
 
     @property
     def is_compacted(self) -> bool:
@@ -169,12 +170,38 @@ class BudgetState:
         ``window`` policies score with the queries just before the next compaction:
         the end of the prefill, or the point where the cache exceeds its budget by a block.
         """
-        if self.policy.weights == "all":
+        if self.policy.weights in ("all", "probe"):
             return 0
         if self.policy.weights == "window":
             next_compaction = max(num_known_tokens, self.num_evicted + self.max_layer_budget + self.block_size)
             return next_compaction - self.window
         return 1 << 62
+
+    def probe_rows(self, first_pos: int, num_new: int, num_known_tokens: int) -> tuple[int, ...]:
+        """The rows of a chunk (positions first_pos, ...) that are probe queries: the window before
+        the end of the known tokens (so every decode query), and every PROBE_STRIDE-th position
+        (the last of each stride) before it. Chosen by position alone, so a prompt gets the same
+        probes however it is chunked."""
+        recent = num_known_tokens - self.window
+        return tuple(r for r in range(num_new)
+                     if first_pos + r >= recent or (first_pos + r + 1) % PROBE_STRIDE == 0)
+
+    def record_probes(self, first_pos: int, rows: tuple[int, ...]) -> None:
+        """The chunk's probe rows are about to be scored in every layer."""
+        self.probes.extend(first_pos + r for r in rows)
+
+    def saliency(self, layer: int, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """ZipCache's normalized attention score of ``slots`` (default: every recorded slot) in
+        ``layer``, per KV head: the attention weights the probe queries gave the entry (summed over
+        the query heads of its KV head), divided by the number of probes at or after its position,
+        those that could see it (at least 1). [heads, len(slots)]."""
+        assert self.score is not None and self.policy.weights == "probe"
+        if slots is None:
+            slots = torch.arange(self.num_recorded, device=self.device)
+        pos = self.pos[layer][:, slots]
+        probes = torch.tensor(self.probes, dtype=torch.long, device=self.device)
+        seen_by = len(self.probes) - torch.searchsorted(probes, pos.contiguous())
+        return self.score[layer][:, slots] / seen_by.clamp(min=1)
 
     def key_mask(self, layer: int, num_slots: int) -> torch.Tensor:
         """[num_slots] True where the layer's slot holds an entry."""
@@ -203,7 +230,12 @@ class BudgetState:
             if valid_idx.shape[0] <= b:
                 keep = valid_idx.expand(self.num_kv_heads, -1)
             else:
-                score = None if self.score is None else self.score[layer][:, valid_idx]
+                if self.score is None:
+                    score = None
+                elif self.policy.weights == "probe":
+                    score = self.saliency(layer, valid_idx)
+                else:
+                    score = self.score[layer][:, valid_idx]
                 keep = self.policy.keep(valid_idx, score, b, self.window, self.num_kv_heads)
             kh, vh = k.transpose(0, 1), v.transpose(0, 1)            # [heads, slots, dim]
             idx = keep[..., None].expand(-1, -1, k.shape[-1])
@@ -239,9 +271,9 @@ class BudgetState:
             self.pos[layer][:, :n] = plan.pos[layer]
             if self.score is not None:
                 kept = plan.score[layer]
-                # window policies score afresh with the next window; h2o keeps accumulating
+                # window policies score afresh with the next window; h2o and saliency keep accumulating
                 self.score[layer][:] = 0
-                if self.policy.weights == "all" and kept is not None:
+                if self.policy.weights in ("all", "probe") and kept is not None:
                     self.score[layer][:, :n] = kept
             weight = plan.weight[layer]
             if self.weight is not None and weight is not None:
