@@ -187,7 +187,9 @@ class BudgetState:
                      if first_pos + r >= recent or (first_pos + r + 1) % PROBE_STRIDE == 0)
 
     def record_probes(self, first_pos: int, rows: tuple[int, ...]) -> None:
-        """The chunk's probe rows are about to be scored in every layer."""
+        """The chunk's probe rows are about to be scored in every layer (steps come in position
+        order: budgeted requests do not draft, a preempted one starts a new state)."""
+        assert not rows or not self.probes or first_pos + rows[0] > self.probes[-1], "probes out of order"
         self.probes.extend(first_pos + r for r in rows)
 
     def saliency(self, layer: int, slots: torch.Tensor | None = None) -> torch.Tensor:
