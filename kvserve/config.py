@@ -45,6 +45,21 @@ def opt(help: str, **kw: Any) -> dict[str, Option]:
     return {"option": Option(help, **kw)}
 
 
+#: how blending picks the reused tokens it recomputes (kvserve/blend/blending.py): "deviation"
+#: (CacheBlend: at ``blend_select_layer``, whose fresh KV differs most from the cached; recomputed
+#: from that layer on), "query" (the text after the last segment, the question, computed first
+#: over the cached KV; the tokens its queries attend to most, over every layer, recomputed in
+#: every layer)
+BLEND_SELECTIONS = ("deviation", "query")
+
+
+def check_blend_selection(selection: str, sink_tokens: int) -> None:
+    if selection not in BLEND_SELECTIONS:
+        raise ValueError(f"unknown blend selection {selection!r}; choose one of {', '.join(BLEND_SELECTIONS)}")
+    if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
+        raise ValueError(f"blend_sink_tokens must be an integer >= 0, got {sink_tokens!r}")
+
+
 def _positive(name: str, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{name} must be positive, got {value}")
@@ -144,6 +159,12 @@ class CacheConfig:
     blend_select_layer: int = field(default=1, metadata=opt(
         "the layer where blending compares fresh and cached KV to pick the tokens it recomputes; layers "
         "below it run for every token (docs/blend.md)"))
+    blend_selection: str = field(default="deviation", metadata=opt(
+        "how blending picks the reused tokens it recomputes: deviation (CacheBlend: fresh vs cached KV at "
+        "blend_select_layer), query (the text after the last segment computed first; the tokens its queries "
+        "attend to most, recomputed in every layer) (docs/blend.md)", choices=BLEND_SELECTIONS))
+    blend_sink_tokens: int = field(default=0, metadata=opt(
+        "each reused segment's first tokens always recomputed (its spurious attention sink; docs/blend.md)"))
 
     max_pinned_fraction: float = field(default=0.5, metadata=opt(
         "most of the device KV blocks that pinned prefixes may cover; 0 turns pinning off (docs/server.md)"))
@@ -161,6 +182,7 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.blend_select_layer < 1:
             raise ValueError(f"blend_select_layer must be >= 1, got {self.blend_select_layer}")
+        check_blend_selection(self.blend_selection, self.blend_sink_tokens)
         if self.budget_host_bytes < 0:
             raise ValueError(f"budget host memory must be >= 0 bytes, got {self.budget_host_bytes}")
 

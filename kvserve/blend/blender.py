@@ -18,10 +18,13 @@ request is recomputed in full, exactly, like any other.
 Cost, in prefill-token equivalents (a token through every layer = 1):
 
     full   = n                                          n: tokens after the prefix hit
-    blend  = computed + reused * (s / L + f * (1 - s / L)) + load_s * prefill_tokens_per_s
+    blend  = computed + reused * (s / L + f * (1 - s / L)) + load_s * prefill_tokens_per_s    (deviation)
+    blend  = 2 * computed + reused * f + load_s * prefill_tokens_per_s                      (query)
 
-with L layers, s = ``select_layer`` (layers below it run for every token), f the blend
-fraction, ``load_s`` the tiers' estimate for the segment blocks they hold (kv/tiering.py,
+with L layers, s = ``select_layer`` (layers below it run for every token), f the share of
+the reused tokens recomputed (the blend fraction, or the segments' sink tokens where they
+are more), ``computed`` the tokens not reused (the query selection computes them twice: once
+to choose, once over the blend), ``load_s`` the tiers' estimate for the segment blocks they hold (kv/tiering.py,
 measured figures) and the engine's measured prefill speed. Attention's quadratic share is
 left out of both sides. A segment computed standalone for storing is paid either way, so
 it counts as reused.
@@ -38,6 +41,7 @@ from kvserve.blend.blending import BlendPrompt, blend_prefill
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV, compute_kv
 from kvserve.blend.store import SegmentStore, read_tokens, write_tokens
+from kvserve.config import check_blend_selection
 from kvserve.kv.block_pool import NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
@@ -77,20 +81,30 @@ class BlendOutcome:
     num_computed_tokens: int
 
 
-def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: int, num_layers: int) -> float:
+def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: int, num_layers: int,
+               selection: str = "deviation", num_sink_tokens: int = 0) -> float:
     """Prefill-token equivalents a blend computes for ``num_tokens`` tokens of which
-    ``num_reused`` come from stored segments (module docstring)."""
+    ``num_reused`` come from stored segments, ``num_sink_tokens`` of them always recomputed
+    (module docstring)."""
+    recomputed = min(num_reused, max(fraction * num_reused, num_sink_tokens))
+    computed = num_tokens - num_reused
+    if selection == "query":
+        return 2 * computed + recomputed
     below = select_layer / num_layers
-    return (num_tokens - num_reused) + num_reused * (below + fraction * (1.0 - below))
+    return computed + num_reused * below + recomputed * (1.0 - below)
 
 
 class Blender:
     def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, tiering: Tiering,
-                 select_layer: int = 1, use_cost_model: bool = True) -> None:
-        """``use_cost_model`` False: blend whenever a segment's KV can be reused."""
+                 select_layer: int = 1, use_cost_model: bool = True, selection: str = "deviation",
+                 sink_tokens: int = 0) -> None:
+        """``use_cost_model`` False: blend whenever a segment's KV can be reused; ``selection``
+        and ``sink_tokens``: how the recomputed tokens are picked (``blend_prefill``)."""
         if not 1 <= select_layer < model.config.num_layers:
             raise ValueError(f"blend_select_layer must be in 1..{model.config.num_layers - 1} for this model, "
                              f"got {select_layer}")
+        check_blend_selection(selection, sink_tokens)
+        self.selection, self.sink_tokens = selection, sink_tokens
         self.model = model
         self.use_cost_model = use_cost_model
         self.storage = storage
@@ -116,7 +130,7 @@ class Blender:
         stored first, whatever the verdict."""
         spec = _spec(req)
         n = req.num_prompt_tokens - num_known
-        load_s, num_reused = 0.0, 0
+        load_s, num_reused, num_sinks = 0.0, 0, 0
         fresh: list[SegmentKV | None] = []
         for start, length in spec.spans:
             segment = None
@@ -131,10 +145,13 @@ class Blender:
                     load_s += self.tiering.load_seconds(location.tier_run)
                     usable = location.num_blocks * self.segments.block_size
                 # known tokens are not reused, nor is the prompt's last token
-                num_reused += max(0, min(start + usable, req.num_prompt_tokens - 1) - max(start, num_known))
+                run = max(0, min(start + usable, req.num_prompt_tokens - 1) - max(start, num_known))
+                num_reused += run
+                num_sinks += min(run, self.sink_tokens)
             fresh.append(segment)
         tps = self.tiering.prefill_tokens_per_s
-        work = blend_work(n, num_reused, spec.fraction, self.select_layer, self.model.config.num_layers)
+        work = blend_work(n, num_reused, spec.fraction, self.select_layer, self.model.config.num_layers,
+                          self.selection, num_sinks)
         cost = work + (load_s * tps if tps else 0.0)
         log.debug("request %s: blend %.0f token-equivalents (%d reused, loads %.2f ms) vs prefill %d",
                   req.request_id, cost, num_reused, load_s * 1e3, n)
@@ -152,7 +169,8 @@ class Blender:
                   for (start, length), fresh in zip(spec.spans, plan.fresh)]
         known = read_tokens(self.storage, block_ids, req.prompt_token_ids[:num_known]) if num_known else None
         prompt = BlendPrompt(tuple(req.prompt_token_ids), spec.spans)
-        blended = blend_prefill(self.model, self.rope, prompt, cached, spec.fraction, self.select_layer, known)
+        blended = blend_prefill(self.model, self.rope, prompt, cached, spec.fraction, self.select_layer, known,
+                                self.selection, self.sink_tokens)
         write_tokens(self.storage, block_ids, num_known, [k[num_known:] for k in blended.keys],
                      [v[num_known:] for v in blended.values])
         s = self.stats

@@ -23,14 +23,16 @@ already cached (a prefix-cache hit, ``known``) are neither computed nor reused.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV
+from kvserve.config import check_blend_selection
 from kvserve.model.llama import LlamaModel
 from kvserve.request import DEFAULT_BLEND_FRACTION, check_blend_fraction
 
@@ -77,13 +79,16 @@ class Blended:
 
 @torch.inference_mode()
 def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
-                  blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1, known: SegmentKV | None = None) -> Blended:
+                  blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1, known: SegmentKV | None = None,
+                  selection: str = "deviation", sink_tokens: int = 0) -> Blended:
     """The prompt's KV and next-token logits from ``cached[i]``, the standalone KV of segment
-    i's leading tokens (None: computed in full), recomputing ``blend_fraction`` of them.
+    i's leading tokens (None: computed in full), recomputing ``blend_fraction`` of them, chosen
+    by ``selection`` (``config.BLEND_SELECTIONS``), each segment's first ``sink_tokens`` always among them.
     ``known``: the exact KV of the prompt's first tokens (a prefix-cache hit), taken as is;
     segment tokens it covers are not reused."""
     num_layers = model.config.num_layers
     check_blend_fraction(blend_fraction)
+    check_blend_selection(selection, sink_tokens)
     if not 1 <= select_layer < num_layers:
         raise ValueError(f"select_layer must be in 1..{num_layers - 1}, got {select_layer}")
     if len(cached) != len(prompt.spans):
@@ -99,39 +104,94 @@ def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cach
                           dtype=torch.long, device=dev)
     is_reused = torch.zeros(n, dtype=torch.bool, device=dev)
     is_reused[reused] = True
-    positions = torch.arange(n, device=dev)
-    h = model.embed(torch.tensor(token_ids[num_known:], dtype=torch.long, device=dev))
-    rows = positions[num_known:]           # the positions whose hidden states ``h`` holds
-    selected = reused[:0]
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    for layer in range(num_layers):
-        q, k, v = model.layer_qkv(layer, h, model.rope.angles(rows))
-        if layer == select_layer and reused.numel():
-            # every position from num_known on is still computed here: row p is h[p - num_known]
-            fresh = reused - num_known
-            selected = _select(k[fresh], v[fresh], cached_keys[layer], cached_values[layer], runs, blend_fraction)
-            keep = ~is_reused
-            keep[selected] = True
-            keep = keep[num_known:]
-            rows = rows[keep]
-            q, k, v, h = q[keep], k[keep], v[keep], h[keep]
-        if rows.numel() < n:
-            # the layer's KV: known, cached where reused, fresh where computed (selected tokens included)
-            k_all = torch.empty((n, *k.shape[1:]), dtype=k.dtype, device=dev)
-            v_all = torch.empty_like(k_all)
-            if known is not None:
-                k_all[:num_known], v_all[:num_known] = known.keys[layer], known.values[layer]
-            if reused.numel():
-                k_all[reused], v_all[reused] = cached_keys[layer], cached_values[layer]
-            k_all[rows], v_all[rows] = k, v
-            k, v = k_all, v_all
-        keys.append(k)
-        values.append(v)
-        h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
-    logits = model.compute_logits(model.final_norm_of(h[-1:]))[0]
+    ctx = _Context(model, token_ids, num_known, known, reused, is_reused, cached_keys, cached_values)
     num_reused = int(reused.numel())
-    return Blended(tuple(keys), tuple(values), logits, selected, num_reused, n - num_known - num_reused)
+    everything = torch.ones(n, dtype=torch.bool, device=dev)
+    if selection == "query" and num_reused:
+        # the text after the last segment (the question) computed first, every reused token as
+        # cached: where its queries attend, over every layer, picks what to recompute, in every layer
+        asked = ctx.run(~is_reused, question_from=runs[-1][0] + runs[-1][1])
+        assert asked.attention is not None
+        selected = _pick(asked.attention[reused], runs, blend_fraction, sink_tokens)
+        computed = ~is_reused
+        computed[selected] = True
+        done = ctx.run(computed)._replace(selected=selected)
+    elif num_reused:
+        def choose(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            fresh = reused - num_known      # every position from num_known on is still computed here
+            score = _deviation(k[fresh], v[fresh], cached_keys[select_layer], cached_values[select_layer])
+            return _pick(score, runs, blend_fraction, sink_tokens)
+
+        done = ctx.run(everything, choose_at=select_layer, choose=choose)
+    else:
+        done = ctx.run(everything)
+    return Blended(tuple(done.keys), tuple(done.values), done.logits, done.selected, num_reused,
+                   n - num_known - num_reused)
+
+
+class _Pass(NamedTuple):
+    keys: list[torch.Tensor]        # per layer [n, kv_heads, head_dim]
+    values: list[torch.Tensor]
+    logits: torch.Tensor            # after the prompt's last token
+    selected: torch.Tensor          # the reused positions ``choose`` named (none without it)
+    attention: torch.Tensor | None  # [n]: with ``question_from``, the attention those queries gave each position
+
+
+class _Context:
+    """One prompt's blend: what is known, reused and cached, for passes over the layers."""
+
+    def __init__(self, model: LlamaModel, token_ids: list[int], num_known: int, known: SegmentKV | None,
+                 reused: torch.Tensor, is_reused: torch.Tensor, cached_keys: list[torch.Tensor],
+                 cached_values: list[torch.Tensor]) -> None:
+        self.model, self.token_ids, self.num_known, self.known = model, token_ids, num_known, known
+        self.reused, self.is_reused = reused, is_reused
+        self.cached_keys, self.cached_values = cached_keys, cached_values
+        self.n = len(token_ids)
+
+    def run(self, computed: torch.Tensor, choose_at: int | None = None,
+            choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+            question_from: int | None = None) -> _Pass:
+        """Every layer for the positions ``computed`` ([n] bool; from num_known on, the prompt's
+        last among them); the others' KV known or cached. At layer ``choose_at``, ``choose(k, v)``
+        (that layer's fresh keys and values of every computed position, which must then be every
+        position from num_known on) names the reused positions computed from there on with the
+        ones not reused. With ``question_from``: also the attention the computed positions from
+        there on give each position, summed over them, the heads and the layers."""
+        model, num_known, known, reused, n = self.model, self.num_known, self.known, self.reused, self.n
+        dev = model.device
+        rows = torch.arange(n, device=dev)[num_known:][computed[num_known:]]   # the positions ``h`` holds
+        h = model.embed(torch.tensor(self.token_ids, dtype=torch.long, device=dev)[rows])
+        selected = reused[:0]
+        attention = torch.zeros(n, device=dev) if question_from is not None else None
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for layer in range(model.config.num_layers):
+            q, k, v = model.layer_qkv(layer, h, model.rope.angles(rows))
+            if layer == choose_at and choose is not None:
+                selected = choose(k, v)
+                keep = ~self.is_reused
+                keep[selected] = True
+                keep = keep[rows]
+                rows = rows[keep]
+                q, k, v, h = q[keep], k[keep], v[keep], h[keep]
+            if rows.numel() < n:
+                # the layer's KV: known, cached where reused, fresh where computed (selected tokens included)
+                k_all = torch.empty((n, *k.shape[1:]), dtype=k.dtype, device=dev)
+                v_all = torch.empty_like(k_all)
+                if known is not None:
+                    k_all[:num_known], v_all[:num_known] = known.keys[layer], known.values[layer]
+                if reused.numel():
+                    k_all[reused], v_all[reused] = self.cached_keys[layer], self.cached_values[layer]
+                k_all[rows], v_all[rows] = k, v
+                k, v = k_all, v_all
+            if attention is not None and question_from is not None:
+                asking = rows >= question_from
+                attention += _query_attention(q[asking], k, rows[asking], model.scale)
+            keys.append(k)
+            values.append(v)
+            h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
+        logits = model.compute_logits(model.final_norm_of(h[-1:]))[0]
+        return _Pass(keys, values, logits, selected, attention)
 
 
 def _place(prompt: BlendPrompt, cached: Sequence[SegmentKV | None], rope: RopeTables,
@@ -162,17 +222,37 @@ def _place(prompt: BlendPrompt, cached: Sequence[SegmentKV | None], rope: RopeTa
     return runs, keys, values
 
 
-def _select(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,
-            runs: list[tuple[int, int]], fraction: float) -> torch.Tensor:
-    """Positions of each run's ``ceil(fraction * length)`` tokens whose KV deviates most
-    (squared L2 distance of keys and values together), sorted."""
-    deviation = ((fresh_k.float() - cached_k.float()) ** 2).sum((1, 2)) + \
+def _deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor,
+               cached_v: torch.Tensor) -> torch.Tensor:
+    """CacheBlend's score of each reused token: the squared L2 distance of its fresh keys and
+    values from the cached ones, together. [num_reused]."""
+    return ((fresh_k.float() - cached_k.float()) ** 2).sum((1, 2)) + \
         ((fresh_v.float() - cached_v.float()) ** 2).sum((1, 2))
+
+
+def _query_attention(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """The attention queries ``q`` ([m, H, D], at ``positions``) give each position of ``keys``
+    ([n, Hkv, D]), causally, summed over the queries and the heads: [n]."""
+    n, kv_heads = keys.shape[0], keys.shape[1]
+    m, heads = q.shape[0], q.shape[1]
+    qg = q.float().view(m, kv_heads, heads // kv_heads, q.shape[-1])
+    logits = torch.einsum("mhgd,nhd->hgmn", qg, keys.float()) * scale      # [Hkv, group, m, n]
+    visible = torch.arange(n, device=keys.device)[None, :] <= positions[:, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return logits.softmax(dim=-1).sum(dim=(0, 1, 2))
+
+
+def _pick(score: torch.Tensor, runs: list[tuple[int, int]], fraction: float, sink_tokens: int) -> torch.Tensor:
+    """Positions of each run's ``ceil(fraction * length)`` tokens (at least its first
+    ``sink_tokens``, always taken) of highest ``score`` ([num_reused], the runs' tokens in
+    order), sorted."""
     picked, offset = [], 0
     for start, length in runs:
         count = math.ceil(fraction * length - 1e-9)     # 0.1 * 30 is 3.0000000000000004
-        top = torch.topk(deviation[offset:offset + length], count).indices if count else deviation[:0].long()
-        picked.append(top + start)
+        sinks = min(sink_tokens, length)
+        rest = score[offset + sinks:offset + length]
+        top = torch.topk(rest, max(0, count - sinks)).indices + sinks
+        picked.append(torch.cat([torch.arange(sinks, device=score.device), top]) + start)
         offset += length
     return torch.sort(torch.cat(picked)).values
 

@@ -75,6 +75,87 @@ def test_a_partial_blend_recomputes_the_fraction_asked_per_segment(setup):
     assert (blended.keys[1][reused_only] - full.keys[1][reused_only]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("selection", ["deviation", "query"])
+def test_fraction_one_gives_the_full_prefill_under_every_selection_and_sinks(setup, selection):
+    _, model, rope = setup
+    prompt = rag_prompt(5)
+    blended = blend_prefill(model, rope, prompt, standalone(model, prompt), blend_fraction=1.0,
+                            selection=selection, sink_tokens=4)
+    assert blended.selected.tolist() == list(range(11, 11 + 121))
+    full = compute_kv(model, prompt.token_ids)
+    for layer in range(model.config.num_layers):
+        torch.testing.assert_close(blended.keys[layer], full.keys[layer], atol=1e-5, rtol=0)
+
+
+def test_sink_tokens_are_always_among_the_recomputed(setup):
+    _, model, rope = setup
+    prompt = rag_prompt(6)
+    cached = standalone(model, prompt)
+    plain = blend_prefill(model, rope, prompt, cached, blend_fraction=0.15).selected.tolist()
+    sinks = blend_prefill(model, rope, prompt, cached, blend_fraction=0.15, sink_tokens=4).selected.tolist()
+    starts, lengths = prompt.segment_starts, [len(s) for s in prompt.segments]      # 40, 33, 48 tokens
+    for start, length in zip(starts, lengths):
+        inside = [p for p in sinks if start <= p < start + length]
+        assert inside[:4] == list(range(start, start + 4))
+        assert len(inside) == math.ceil(0.15 * length - 1e-9)          # within the fraction: 6, 5, 8
+        # the rest are the deviation's best after the sinks, in its order
+        ranked = [p for p in plain if start + 4 <= p < start + length]
+        assert set(ranked) <= set(inside)
+    only = blend_prefill(model, rope, prompt, cached, blend_fraction=0.0, sink_tokens=10).selected.tolist()
+    assert only == [p for start in starts for p in range(start, start + 10)]
+    with pytest.raises(ValueError, match="blend_sink_tokens must be an integer >= 0"):
+        blend_prefill(model, rope, prompt, cached, sink_tokens=-1)
+    with pytest.raises(ValueError, match="unknown blend selection 'lru'"):
+        blend_prefill(model, rope, prompt, cached, selection="lru")
+
+
+def _question_attention_reference(model: LlamaModel, rope: RopeTables, prefix, segment, question) -> torch.Tensor:
+    """The query selection's score, written out for one segment: the prefix and the question
+    computed layer by layer over the segment's cached KV (moved to its place), and the softmax
+    weights of the question's queries summed per position over the queries, heads and layers."""
+    n0, n1 = len(prefix), len(prefix) + len(segment)
+    ids = torch.tensor([*prefix, *question])
+    rows = torch.tensor([*range(n0), *range(n1, n1 + len(question))])
+    cached = compute_kv(model, segment).moved_to(n0, rope)
+    n = n1 + len(question)
+    h = model.embed(ids)
+    total = torch.zeros(n)
+    for layer in range(model.config.num_layers):
+        q, k, v = model.layer_qkv(layer, h, model.rope.angles(rows))
+        keys = torch.cat([k[:n0], cached.keys[layer], k[n0:]])
+        vals = torch.cat([v[:n0], cached.values[layer], v[n0:]])
+        group = q.shape[1] // keys.shape[1]
+        kq, vq = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)     # [n, H, D]
+        logits = torch.einsum("rhd,nhd->hrn", q, kq) * model.scale
+        logits = logits.masked_fill(torch.arange(n)[None, None, :] > rows[None, :, None], float("-inf"))
+        weights = logits.softmax(-1)
+        total += weights[:, n0:].sum((0, 1))            # the question's rows only
+        attended = torch.einsum("hrn,nhd->rhd", weights, vq)
+        h = model.layer_output(layer, h, attended)
+    return total
+
+
+def test_the_query_selection_picks_the_rows_its_reference_picks(setup):
+    _, model, rope = setup
+    prefix, segment, question = tokens(9, 31), tokens(60, 32), tokens(7, 33)
+    prompt = BlendPrompt.join(prefix, segments=(segment,), suffix=question)
+    score = _question_attention_reference(model, rope, prefix, segment, question)[9:69]
+    ranked = [int(i) + 12 for i in torch.argsort(score[3:], descending=True)]     # after the 3 sinks
+    for count in range(4, 60, 4):       # the whole ranking, a few rows at a time
+        blended = blend_prefill(model, rope, prompt, standalone(model, prompt), blend_fraction=count / 60,
+                                selection="query", sink_tokens=3)
+        assert blended.selected.tolist() == sorted([9, 10, 11, *ranked[:count - 3]]), count
+    want = blended.selected.tolist()
+    # the others keep the cached KV in every layer; the chosen ones are recomputed in every layer
+    cached = compute_kv(model, segment).moved_to(9, rope)
+    others = [p for p in range(9, 69) if p not in want]
+    last = model.config.num_layers - 1
+    for layer in range(model.config.num_layers):
+        torch.testing.assert_close(blended.keys[layer][others], cached.keys[layer][[p - 9 for p in others]],
+                                   atol=0, rtol=0)
+    assert (blended.keys[last][want] - cached.keys[last][[p - 9 for p in want]]).abs().max() > 1e-3
+
+
 def test_more_recompute_comes_closer_to_the_full_prefill(setup):
     _, model, rope = setup
     errors = []
