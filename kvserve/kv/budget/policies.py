@@ -129,21 +129,12 @@ class Merge(HeavyHitters):
     pass
 
 
-class Saliency(BudgetPolicy):
-    """Keeps the entries of highest saliency: the attention the probe queries gave an entry,
-    divided by how many probes could see it (ZipCache's normalized attention score: plain
-    sums favour early tokens, which every later query sees), max-pooled over neighbouring
-    entries as snapkv's (so a kept token keeps its neighbours: measured, without the pooling no
-    passkey survived), plus the recent window. ``score`` arrives normalized (``BudgetState.plan``)."""
-
-    def window(self, layer_budgets):
-        return min(SNAPKV_WINDOW, min(layer_budgets) // 2)
-
-    def keep(self, valid_idx, score, budget, window, num_kv_heads):
-        assert score is not None
-        n = valid_idx.shape[0]
-        pooled = F.max_pool1d(score[None], SNAPKV_POOL, stride=1, padding=SNAPKV_POOL // 2)[0]
-        return _top_with_forced(valid_idx, pooled, torch.arange(n) >= n - window, budget)
+class Saliency(SnapKV):
+    """snapkv's rule on saliency: the attention the probe queries gave an entry divided by how
+    many probes could see it (ZipCache's normalized attention score: plain sums favour early
+    tokens, which every later query sees), max-pooled over neighbouring entries (so a kept token
+    keeps its neighbours: measured, without the pooling no passkey survived), plus the recent
+    window. ``score`` arrives normalized (``BudgetState.plan``)."""
 
 
 @dataclass(frozen=True)
