@@ -49,8 +49,9 @@ def opt(help: str, **kw: Any) -> dict[str, Option]:
 #: (CacheBlend: at ``blend_select_layer``, whose fresh KV differs most from the cached; recomputed
 #: from that layer on), "query" (the text after the last segment, the question, computed first
 #: over the cached KV; the tokens its queries attend to most, over every layer, recomputed in
-#: every layer)
-BLEND_SELECTIONS = ("deviation", "query")
+#: every layer), "query-segments" (the same first pass; the segments whose tokens the question
+#: attends to most, recomputed whole)
+BLEND_SELECTIONS = ("deviation", "query", "query-segments")
 
 
 def check_blend_selection(selection: str, sink_tokens: int) -> None:
@@ -162,9 +163,13 @@ class CacheConfig:
     blend_selection: str = field(default="deviation", metadata=opt(
         "how blending picks the reused tokens it recomputes: deviation (CacheBlend: fresh vs cached KV at "
         "blend_select_layer), query (the text after the last segment computed first; the tokens its queries "
-        "attend to most, recomputed in every layer) (docs/blend.md)", choices=BLEND_SELECTIONS))
+        "attend to most, recomputed in every layer), query-segments (the same, whole segments) (docs/blend.md)",
+        choices=BLEND_SELECTIONS))
     blend_sink_tokens: int = field(default=0, metadata=opt(
         "each reused segment's first tokens always recomputed (its spurious attention sink; docs/blend.md)"))
+    blend_query_layer: int | None = field(default=None, metadata=opt(
+        "the layer whose attention the query selections read (calibrated per model: 18 for SmolLM2-135M; "
+        "docs/blend.md)", default_text="every layer, summed"))
 
     max_pinned_fraction: float = field(default=0.5, metadata=opt(
         "most of the device KV blocks that pinned prefixes may cover; 0 turns pinning off (docs/server.md)"))
@@ -183,6 +188,8 @@ class CacheConfig:
         if self.blend_select_layer < 1:
             raise ValueError(f"blend_select_layer must be >= 1, got {self.blend_select_layer}")
         check_blend_selection(self.blend_selection, self.blend_sink_tokens)
+        if self.blend_query_layer is not None and self.blend_query_layer < 0:
+            raise ValueError(f"blend_query_layer must be >= 0, got {self.blend_query_layer}")
         if self.budget_host_bytes < 0:
             raise ValueError(f"budget host memory must be >= 0 bytes, got {self.budget_host_bytes}")
 

@@ -38,6 +38,7 @@ SAMPLES = {
     "blend_select_layer": (["3"], 3, 3),
     "blend_selection": (["query"], "query", "query"),
     "blend_sink_tokens": (["32"], 32, 32),
+    "blend_query_layer": (["18"], 18, 18),
     "max_pinned_fraction": (["0.25"], 0.25, 0.25),
     "max_pin_ttl_s": (["60"], 60.0, 60.0),
     "max_num_batched_tokens": (["128"], 128, 128),
@@ -129,7 +130,7 @@ def test_names_from_before_keep_working():
 
 
 def test_unknown_option_and_tier_option_without_its_tier():
-    with pytest.raises(ValueError, match="unknown engine option 'num_blocks'; known options: attention_backend, blend_cost_model, blend_select_layer, blend_selection, blend_sink_tokens, block_size"):
+    with pytest.raises(ValueError, match="unknown engine option 'num_blocks'; known options: attention_backend, blend_cost_model, blend_query_layer, blend_select_layer, blend_selection, blend_sink_tokens, block_size"):
         engine_config(None, num_blocks=4)
     with pytest.raises(ValueError, match="disk_cache_gb given without disk_cache_dir"):
         engine_config(None, disk_cache_gb=4)

@@ -188,11 +188,11 @@ class RagResult:
         """Tokens per prompt computed, counted in passes through every layer: a token computed
         in full is one; under the deviation selection a reused token ``select_layer / num_layers``
         (the layers that choose what to recompute), a recomputed one that plus
-        ``(num_layers - select_layer) / num_layers``; under the query selection a computed token
+        ``(num_layers - select_layer) / num_layers``; under the query selections a computed token
         two (once to choose, once over the blend), a recomputed one one, another reused none."""
         def one(a: Answer) -> float:
             computed = a.num_prompt_tokens - a.num_cached_tokens - a.num_reused_tokens
-            if selection == "query" and a.num_reused_tokens:
+            if selection != "deviation" and a.num_reused_tokens:
                 return 2 * computed + a.num_recomputed_tokens
             return computed + (a.num_reused_tokens * select_layer
                                + a.num_recomputed_tokens * (num_layers - select_layer)) / num_layers
@@ -321,7 +321,8 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"\nprompt ids: the parts tokenized apart differ from the whole text's ids in {cut_apart}/{len(queries)} "
           f"prompts; segment tokens stored again after eviction: "
           f"{sum(a.num_restored_tokens for r in results for a in r.answers)}")
-    print(f"blend selection: {cache.blend_selection}, {cache.blend_sink_tokens} sink tokens per segment")
+    print(f"blend selection: {cache.blend_selection}, {cache.blend_sink_tokens} sink tokens per segment, "
+          f"query layer {'all' if cache.blend_query_layer is None else cache.blend_query_layer}")
     for line in goal_lines(results, args.k, loaded.config.num_layers, cache.blend_select_layer,
                            cache.blend_selection):
         print(line)
@@ -361,5 +362,6 @@ def add_rag_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentPa
     r.add_argument("--text", default=None, help="text the documents are cut from (default: the shipped botchan.txt)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    add_engine_args(r, ("blend_cost_model", "blend_select_layer", "blend_selection", "blend_sink_tokens"))
+    add_engine_args(r, ("blend_cost_model", "blend_select_layer", "blend_selection", "blend_sink_tokens",
+                        "blend_query_layer"))
     r.set_defaults(run=run_bench)

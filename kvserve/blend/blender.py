@@ -19,12 +19,13 @@ Cost, in prefill-token equivalents (a token through every layer = 1):
 
     full   = n                                          n: tokens after the prefix hit
     blend  = computed + reused * (s / L + f * (1 - s / L)) + load_s * prefill_tokens_per_s    (deviation)
-    blend  = 2 * computed + reused * f + load_s * prefill_tokens_per_s                      (query)
+    blend  = 2 * computed + reused * f + load_s * prefill_tokens_per_s                      (query, query-segments)
 
 with L layers, s = ``select_layer`` (layers below it run for every token), f the share of
 the reused tokens recomputed (the blend fraction, or the segments' sink tokens where they
 are more), ``computed`` the tokens not reused (the query selection computes them twice: once
-to choose, once over the blend), ``load_s`` the tiers' estimate for the segment blocks they hold (kv/tiering.py,
+to choose, once over the blend; query-segments recomputes whole segments, more than ``f``
+where the fraction is less than a segment: the estimate counts ``f``), ``load_s`` the tiers' estimate for the segment blocks they hold (kv/tiering.py,
 measured figures) and the engine's measured prefill speed. Attention's quadratic share is
 left out of both sides. A segment computed standalone for storing is paid either way, so
 it counts as reused.
@@ -88,7 +89,7 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
     (module docstring)."""
     recomputed = min(num_reused, max(fraction * num_reused, num_sink_tokens))
     computed = num_tokens - num_reused
-    if selection == "query":
+    if selection != "deviation":         # the query selections: the question computed twice
         return 2 * computed + recomputed
     below = select_layer / num_layers
     return computed + num_reused * below + recomputed * (1.0 - below)
@@ -97,14 +98,17 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
 class Blender:
     def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, tiering: Tiering,
                  select_layer: int = 1, use_cost_model: bool = True, selection: str = "deviation",
-                 sink_tokens: int = 0) -> None:
-        """``use_cost_model`` False: blend whenever a segment's KV can be reused; ``selection``
-        and ``sink_tokens``: how the recomputed tokens are picked (``blend_prefill``)."""
+                 sink_tokens: int = 0, query_layer: int | None = None) -> None:
+        """``use_cost_model`` False: blend whenever a segment's KV can be reused; ``selection``,
+        ``sink_tokens`` and ``query_layer``: how the recomputed tokens are picked (``blend_prefill``)."""
         if not 1 <= select_layer < model.config.num_layers:
             raise ValueError(f"blend_select_layer must be in 1..{model.config.num_layers - 1} for this model, "
                              f"got {select_layer}")
         check_blend_selection(selection, sink_tokens)
-        self.selection, self.sink_tokens = selection, sink_tokens
+        if query_layer is not None and not 0 <= query_layer < model.config.num_layers:
+            raise ValueError(f"blend_query_layer must be in 0..{model.config.num_layers - 1} for this model, "
+                             f"got {query_layer}")
+        self.selection, self.sink_tokens, self.query_layer = selection, sink_tokens, query_layer
         self.model = model
         self.use_cost_model = use_cost_model
         self.storage = storage
@@ -170,7 +174,7 @@ class Blender:
         known = read_tokens(self.storage, block_ids, req.prompt_token_ids[:num_known]) if num_known else None
         prompt = BlendPrompt(tuple(req.prompt_token_ids), spec.spans)
         blended = blend_prefill(self.model, self.rope, prompt, cached, spec.fraction, self.select_layer, known,
-                                self.selection, self.sink_tokens)
+                                self.selection, self.sink_tokens, self.query_layer)
         write_tokens(self.storage, block_ids, num_known, [k[num_known:] for k in blended.keys],
                      [v[num_known:] for v in blended.values])
         s = self.stats

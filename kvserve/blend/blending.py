@@ -80,10 +80,11 @@ class Blended:
 @torch.inference_mode()
 def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
                   blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1, known: SegmentKV | None = None,
-                  selection: str = "deviation", sink_tokens: int = 0) -> Blended:
+                  selection: str = "deviation", sink_tokens: int = 0, query_layer: int | None = None) -> Blended:
     """The prompt's KV and next-token logits from ``cached[i]``, the standalone KV of segment
     i's leading tokens (None: computed in full), recomputing ``blend_fraction`` of them, chosen
-    by ``selection`` (``config.BLEND_SELECTIONS``), each segment's first ``sink_tokens`` always among them.
+    by ``selection`` (``config.BLEND_SELECTIONS``), each segment's first ``sink_tokens`` always among them;
+    the query selections read the question's attention at ``query_layer`` (None: every layer, summed).
     ``known``: the exact KV of the prompt's first tokens (a prefix-cache hit), taken as is;
     segment tokens it covers are not reused."""
     num_layers = model.config.num_layers
@@ -91,6 +92,8 @@ def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cach
     check_blend_selection(selection, sink_tokens)
     if not 1 <= select_layer < num_layers:
         raise ValueError(f"select_layer must be in 1..{num_layers - 1}, got {select_layer}")
+    if query_layer is not None and not 0 <= query_layer < num_layers:
+        raise ValueError(f"query_layer must be in 0..{num_layers - 1}, got {query_layer}")
     if len(cached) != len(prompt.spans):
         raise ValueError(f"{len(cached)} cached entries for {len(prompt.spans)} segments")
     token_ids = list(prompt.token_ids)
@@ -107,12 +110,15 @@ def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cach
     ctx = _Context(model, token_ids, num_known, known, reused, is_reused, cached_keys, cached_values)
     num_reused = int(reused.numel())
     everything = torch.ones(n, dtype=torch.bool, device=dev)
-    if selection == "query" and num_reused:
+    if selection in ("query", "query-segments") and num_reused:
         # the text after the last segment (the question) computed first, every reused token as
-        # cached: where its queries attend, over every layer, picks what to recompute, in every layer
-        asked = ctx.run(~is_reused, question_from=runs[-1][0] + runs[-1][1])
+        # cached: where its queries attend picks what to recompute, in every layer
+        asked = ctx.run(~is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=query_layer)
         assert asked.attention is not None
-        selected = _pick(asked.attention[reused], runs, blend_fraction, sink_tokens)
+        if selection == "query":
+            selected = _pick(asked.attention[reused], runs, blend_fraction, sink_tokens)
+        else:
+            selected = _pick_segments(asked.attention[reused], runs, blend_fraction, sink_tokens)
         computed = ~is_reused
         computed[selected] = True
         done = ctx.run(computed)._replace(selected=selected)
@@ -150,13 +156,14 @@ class _Context:
 
     def run(self, computed: torch.Tensor, choose_at: int | None = None,
             choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-            question_from: int | None = None) -> _Pass:
+            question_from: int | None = None, question_layer: int | None = None) -> _Pass:
         """Every layer for the positions ``computed`` ([n] bool; from num_known on, the prompt's
         last among them); the others' KV known or cached. At layer ``choose_at``, ``choose(k, v)``
         (that layer's fresh keys and values of every computed position, which must then be every
         position from num_known on) names the reused positions computed from there on with the
         ones not reused. With ``question_from``: also the attention the computed positions from
-        there on give each position, summed over them, the heads and the layers."""
+        there on give each position, summed over them, the heads and the layers (only layer
+        ``question_layer`` where given)."""
         model, num_known, known, reused, n = self.model, self.num_known, self.known, self.reused, self.n
         dev = model.device
         rows = torch.arange(n, device=dev)[num_known:][computed[num_known:]]   # the positions ``h`` holds
@@ -184,7 +191,7 @@ class _Context:
                     k_all[reused], v_all[reused] = self.cached_keys[layer], self.cached_values[layer]
                 k_all[rows], v_all[rows] = k, v
                 k, v = k_all, v_all
-            if attention is not None and question_from is not None:
+            if attention is not None and question_from is not None and question_layer in (None, layer):
                 asking = rows >= question_from
                 attention += _query_attention(q[asking], k, rows[asking], model.scale)
             keys.append(k)
@@ -240,6 +247,30 @@ def _query_attention(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tenso
     visible = torch.arange(n, device=keys.device)[None, :] <= positions[:, None]
     logits = logits.masked_fill(~visible, float("-inf"))
     return logits.softmax(dim=-1).sum(dim=(0, 1, 2))
+
+
+SINK_SPAN = 32    # a segment's first tokens, a spurious attention sink: left out of its score as a whole
+
+
+def _pick_segments(score: torch.Tensor, runs: list[tuple[int, int]], fraction: float,
+                   sink_tokens: int) -> torch.Tensor:
+    """Whole runs, best first by their largest ``score`` past their first SINK_SPAN tokens (all of a
+    shorter run), until ``ceil(fraction * reused tokens)`` are taken (one run at least, where the
+    fraction is not 0); and every run's first ``sink_tokens``. Positions, sorted."""
+    best, offset = [], 0
+    for _, length in runs:
+        run = score[offset:offset + length]
+        best.append(float((run[SINK_SPAN:] if length > SINK_SPAN else run).max()))
+        offset += length
+    wanted = math.ceil(fraction * sum(length for _, length in runs) - 1e-9)
+    picked = [_pick(score, runs, 0.0, sink_tokens)]
+    for i in sorted(range(len(runs)), key=lambda i: (-best[i], i)):
+        if wanted <= 0:
+            break
+        start, length = runs[i]
+        picked.append(torch.arange(start, start + length, device=score.device))
+        wanted -= length
+    return torch.unique(torch.cat(picked))
 
 
 def _pick(score: torch.Tensor, runs: list[tuple[int, int]], fraction: float, sink_tokens: int) -> torch.Tensor:

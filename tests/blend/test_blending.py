@@ -109,10 +109,12 @@ def test_sink_tokens_are_always_among_the_recomputed(setup):
         blend_prefill(model, rope, prompt, cached, selection="lru")
 
 
-def _question_attention_reference(model: LlamaModel, rope: RopeTables, prefix, segment, question) -> torch.Tensor:
+def _question_attention_reference(model: LlamaModel, rope: RopeTables, prefix, segment, question,
+                                  only_layer: int | None = None) -> torch.Tensor:
     """The query selection's score, written out for one segment: the prefix and the question
     computed layer by layer over the segment's cached KV (moved to its place), and the softmax
-    weights of the question's queries summed per position over the queries, heads and layers."""
+    weights of the question's queries summed per position over the queries, heads and layers
+    (``only_layer``: that layer's alone)."""
     n0, n1 = len(prefix), len(prefix) + len(segment)
     ids = torch.tensor([*prefix, *question])
     rows = torch.tensor([*range(n0), *range(n1, n1 + len(question))])
@@ -129,7 +131,8 @@ def _question_attention_reference(model: LlamaModel, rope: RopeTables, prefix, s
         logits = torch.einsum("rhd,nhd->hrn", q, kq) * model.scale
         logits = logits.masked_fill(torch.arange(n)[None, None, :] > rows[None, :, None], float("-inf"))
         weights = logits.softmax(-1)
-        total += weights[:, n0:].sum((0, 1))            # the question's rows only
+        if only_layer in (None, layer):
+            total += weights[:, n0:].sum((0, 1))        # the question's rows only
         attended = torch.einsum("hrn,nhd->rhd", weights, vq)
         h = model.layer_output(layer, h, attended)
     return total
@@ -154,6 +157,37 @@ def test_the_query_selection_picks_the_rows_its_reference_picks(setup):
         torch.testing.assert_close(blended.keys[layer][others], cached.keys[layer][[p - 9 for p in others]],
                                    atol=0, rtol=0)
     assert (blended.keys[last][want] - cached.keys[last][[p - 9 for p in want]]).abs().max() > 1e-3
+
+
+def test_the_query_selection_reads_one_layer_when_told(setup):
+    _, model, rope = setup
+    prefix, segment, question = tokens(9, 41), tokens(60, 42), tokens(7, 43)
+    prompt = BlendPrompt.join(prefix, segments=(segment,), suffix=question)
+    last = model.config.num_layers - 1
+    score = _question_attention_reference(model, rope, prefix, segment, question, only_layer=last)[9:69]
+    ranked = [int(i) + 9 for i in torch.argsort(score, descending=True)]
+    for count in range(5, 60, 5):
+        blended = blend_prefill(model, rope, prompt, standalone(model, prompt), blend_fraction=count / 60,
+                                selection="query", query_layer=last)
+        assert blended.selected.tolist() == sorted(ranked[:count]), count
+    with pytest.raises(ValueError, match="query_layer must be in"):
+        blend_prefill(model, rope, prompt, standalone(model, prompt), selection="query", query_layer=last + 1)
+
+
+def test_segments_are_ranked_by_their_peak_past_the_sink_span_and_taken_whole():
+    from kvserve.blend.blending import SINK_SPAN, _pick_segments
+
+    runs = [(10, 40), (60, 50), (120, 20)]              # 40 + 50 + 20 reused tokens, in order
+    score = torch.zeros(110)
+    score[0] = 9.0                                      # run 0's first token: a sink, not counted
+    score[40 + SINK_SPAN + 3] = 2.0                     # run 1's peak past its sink span
+    score[90 + 5] = 1.0                                 # run 2 is shorter than the span: all of it counts
+    def picked(fraction: float, sinks: int = 0) -> list[int]:
+        return _pick_segments(score, runs, fraction, sinks).tolist()
+    assert picked(0.0) == []
+    assert picked(0.01) == list(range(60, 110))                       # the best run, whole
+    assert picked(0.5) == list(range(60, 110)) + list(range(120, 140))     # 55 wanted: two runs
+    assert picked(0.01, sinks=2) == [10, 11, *range(60, 110), 120, 121]
 
 
 def test_more_recompute_comes_closer_to_the_full_prefill(setup):

@@ -46,7 +46,7 @@ def test_fraction_one_gives_the_full_prefill_tokens(loaded):
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("selection", ["deviation", "query"])
+@pytest.mark.parametrize("selection", ["deviation", "query", "query-segments"])
 def test_the_engine_blends_with_each_selection_as_blend_prefill_does(loaded, selection):
     """``blend_selection`` and ``blend_sink_tokens`` reach the blend: the engine's request
     recomputes exactly the tokens ``blend_prefill`` picks, and gives its greedy tokens."""
@@ -55,7 +55,7 @@ def test_the_engine_blends_with_each_selection_as_blend_prefill_does(loaded, sel
     from kvserve.blend.segment import compute_kv
 
     llm = LLM(loaded=loaded, num_kv_blocks=64, blend_cost_model=False, blend_selection=selection,
-              blend_sink_tokens=4, enable_prefix_caching=False)
+              blend_sink_tokens=4, blend_query_layer=1, enable_prefix_caching=False)
     prompt = rag([2, 0, 1], 0.15)
     out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1))[0]
     ids = plain(prompt)
@@ -67,9 +67,12 @@ def test_the_engine_blends_with_each_selection_as_blend_prefill_does(loaded, sel
     blend = BlendPrompt(tuple(ids), tuple(spans))
     # the documents were computed standalone just now, so every token of each is reused
     cached = [compute_kv(model, DOCS[i]) for i in (2, 0, 1)]
-    ref = blend_prefill(model, RopeTables(model.config), blend, cached, 0.15, 1, None, selection, 4)
+    ref = blend_prefill(model, RopeTables(model.config), blend, cached, 0.15, 1, None, selection, 4, 1)
     assert (out.num_reused_tokens, out.num_recomputed_tokens) == (121, ref.num_recomputed_tokens)
-    assert ref.num_recomputed_tokens == 8 + 6 + 5            # ceil(0.15 * run), the 4 sinks within
+    if selection == "query-segments":     # 19 wanted: the best document whole, the others' 4 sinks
+        assert ref.num_recomputed_tokens in (48 + 4 + 4, 40 + 4 + 4, 33 + 4 + 4)
+    else:
+        assert ref.num_recomputed_tokens == 8 + 6 + 5        # ceil(0.15 * run), the 4 sinks within
     assert out.token_ids == greedy_tokens(model, ref, 6)
     assert out.logprobs is not None       # the first token's logprob is the blend's own
     first = out.logprobs[0]
@@ -79,6 +82,8 @@ def test_the_engine_blends_with_each_selection_as_blend_prefill_does(loaded, sel
         LLM(loaded=loaded, num_kv_blocks=16, blend_selection="best")
     with pytest.raises(ValueError, match="blend_sink_tokens must be an integer >= 0"):
         LLM(loaded=loaded, num_kv_blocks=16, blend_sink_tokens=-2)
+    with pytest.raises(ValueError, match="blend_query_layer must be in 0..1 for this model"):
+        LLM(loaded=loaded, num_kv_blocks=16, blend_query_layer=2)
 
 
 def test_segments_are_shared_across_requests_and_lossy_blocks_never_cached(loaded):
@@ -132,6 +137,7 @@ def test_the_cost_model_sends_unprofitable_blends_to_a_full_prefill(loaded):
     assert blend_work(100, 60, 0.0, 1, 30, num_sink_tokens=12) == pytest.approx(40 + 2 + 12 * 29 / 30)
     assert blend_work(100, 60, 0.1, 1, 30, "query") == pytest.approx(2 * 40 + 6)
     assert blend_work(100, 60, 0.1, 1, 30, "query", 12) == pytest.approx(2 * 40 + 12)
+    assert blend_work(100, 60, 0.1, 1, 30, "query-segments", 12) == pytest.approx(2 * 40 + 12)
     llm.engine.check_integrity()
 
 
