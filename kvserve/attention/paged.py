@@ -216,11 +216,11 @@ def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
         _score(q, b, layer, cache, num_kv_heads, group, scale)
     if not b.attended_here:
         return None
-    n, num_slots = q.shape[0], b.num_slots
+    num_slots = b.num_slots
     ks, vs = cache.gather(layer, b.block_table)
     kh = ks[0, :num_slots].to(q.dtype).transpose(0, 1)           # [Hkv, S, D]
     vh = vs[0, :num_slots].to(q.dtype).transpose(0, 1)
-    mask = _slot_mask(st, layer, b.slot_start, n, masks_keys=True)
+    mask = _slot_mask(st, layer, range(b.slot_start, num_slots), num_slots, masks_keys=True)
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0),
                                        attn_mask=mask, scale=scale, enable_gqa=group > 1)
     return o[0].transpose(0, 1)
@@ -232,37 +232,31 @@ def _score(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
     scores: the keys alone are read, only the slots held, and no mask is built where none
     applies (one query over a layer that holds every slot)."""
     n, _, dim = q.shape
-    first_row = b.first_scored_row
-    if b.scored_rows is not None:
-        rows: torch.Tensor | None = torch.tensor(b.scored_rows, dtype=torch.long, device=q.device)
-        num_scored = len(b.scored_rows)
-    else:
-        rows, num_scored = None, n - first_row
-    if num_scored <= 0:
+    rows = range(b.first_scored_row, n) if b.scored_rows is None else b.scored_rows
+    if not rows:
         return
     keys = cache.gather_keys(layer, b.block_table)[0, :b.num_slots]        # [S, Hkv, D]
-    qs = q[first_row:] if rows is None else q[rows]
-    qo = qs.transpose(0, 1).reshape(num_kv_heads, group, num_scored, dim).float()
+    qs = q[rows.start:] if isinstance(rows, range) else q[torch.tensor(rows, dtype=torch.long, device=q.device)]
+    qo = qs.transpose(0, 1).reshape(num_kv_heads, group, len(rows), dim).float()
     logits = torch.einsum("hgnd,shd->hgns", qo, keys.float()) * scale
-    masks_keys = b.is_compacted and not b.state.is_dense
-    if rows is None:
-        mask = _slot_mask(b.state, layer, b.slot_start + first_row, num_scored, masks_keys)
-    else:       # each probe row sees the slots up to its own
-        mask = torch.arange(b.num_slots, device=q.device)[None, :] <= (b.slot_start + rows)[:, None]
-        if masks_keys:
-            mask = mask & b.state.key_mask(layer, b.num_slots)[None, :]
+    slots = (range(b.slot_start + rows.start, b.num_slots) if isinstance(rows, range)
+             else tuple(b.slot_start + r for r in rows))
+    mask = _slot_mask(b.state, layer, slots, b.num_slots, masks_keys=b.is_compacted and not b.state.is_dense)
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     b.state.add_scores(layer, logits.softmax(dim=-1).sum(dim=(1, 2)))
 
 
-def _slot_mask(st: BudgetState, layer: int, first_slot: int, n: int, masks_keys: bool) -> torch.Tensor | None:
-    """[n, first_slot + n] True where query i (at slot first_slot + i) sees a slot: up to its own,
-    and (``masks_keys``) only the slots the layer holds; None when it sees every slot."""
-    num_slots = first_slot + n
+def _slot_mask(st: BudgetState, layer: int, slots: range | tuple[int, ...], num_slots: int,
+               masks_keys: bool) -> torch.Tensor | None:
+    """[len(slots), num_slots] True where the query at each of ``slots`` sees a slot: up to its
+    own, and (``masks_keys``) only the slots the layer holds; None when the queries see every
+    slot (one query at the last slot, nothing masked)."""
     valid = st.key_mask(layer, num_slots) if masks_keys else None
-    if n == 1 and (valid is None or bool(valid.all())):
+    if len(slots) == 1 and slots[0] == num_slots - 1 and (valid is None or bool(valid.all())):
         return None
     device = st.device
-    causal = torch.arange(num_slots, device=device)[None, :] <= torch.arange(first_slot, num_slots, device=device)[:, None]
+    at = (torch.arange(slots.start, slots.stop, device=device) if isinstance(slots, range)
+          else torch.tensor(slots, dtype=torch.long, device=device))
+    causal = torch.arange(num_slots, device=device)[None, :] <= at[:, None]
     return causal if valid is None else causal & valid[None, :]
