@@ -92,6 +92,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_kv_decode_parser(bsub, common)
     from kvserve.bench.cluster import add_cluster_bench_parser
     add_cluster_bench_parser(bsub, common)
+    from kvserve.bench.cluster_rag import add_cluster_rag_parser
+    add_cluster_rag_parser(bsub, common)
     from kvserve.bench.structured import add_structured_parser
     add_structured_parser(bsub, common)
     from kvserve.bench.rag import add_rag_parser

@@ -29,6 +29,8 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,15 +167,23 @@ def run_config(name: str, args: argparse.Namespace, redis_url: str, system: str,
     else:
         extra += ["--num-kv-blocks", str(args.num_kv_blocks), "--replicas", str(args.replicas),
                   "--replica-cpus", str(args.replica_cpus), "--ray-num-cpus", str(args.ray_num_cpus)]
-    port = free_port()
     run = Run(name, load_before=os.getloadavg()[0])
-    proc = start_server(port, extra, timeout_s=300)
-    try:
-        url = f"http://127.0.0.1:{port}"
+    with serving(extra) as url:
         asyncio.run(play(url, run, args.served_model_name, system, turns, args.max_tokens, replies,
                          args.concurrency))
         time.sleep(2.5)      # the replicas' stats reach the ingress's /metrics within a poll
         scrape(url, run)
+    run.load_after = os.getloadavg()[0]
+    return run
+
+
+@contextmanager
+def serving(extra: list[str]) -> Iterator[str]:
+    """A ``kvserve serve`` with ``extra`` flags on a free loopback port; yields its URL."""
+    port = free_port()
+    proc = start_server(port, extra, timeout_s=300)
+    try:
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         try:
@@ -181,8 +191,6 @@ def run_config(name: str, args: argparse.Namespace, redis_url: str, system: str,
         except Exception:  # noqa: BLE001 - it would not stop: kill it
             proc.kill()
             proc.wait()
-    run.load_after = os.getloadavg()[0]
-    return run
 
 
 def report(runs: list[Run]) -> str:

@@ -212,6 +212,18 @@ def plot_cluster(runs: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def plot_cluster_rag(runs: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """``bench cluster-rag``: time to first token (mean, p50, p95) and the segment tokens the
+    replicas computed and stored (a document missing where a query landed), per configuration
+    (``RagRun.summary()``s)."""
+    fig, (ttft, computed) = _figure(2, "RAG on engine replicas: routing by stored segments")
+    labels = [r["name"] for r in runs]
+    _bars(ttft, labels, {q: [r[f"ttft_{q}_s"] * 1e3 for r in runs] for q in ("mean", "p50", "p95")}, "TTFT (ms)")
+    _bars(computed, labels, {"computed": [r["stored_tokens"] for r in runs],
+                             "reused": [r["reused_tokens"] for r in runs]}, "segment tokens")
+    return _save(fig, path)
+
+
 # What ``kvserve bench <name> --plot FILE`` draws: a bench offers --plot only with an entry
 # here (tests/bench/test_plots.py walks the parser, and draws each from made-up results).
 PLOTS: dict[str, Callable[..., Path]] = {
@@ -222,6 +234,7 @@ PLOTS: dict[str, Callable[..., Path]] = {
     "tiers": plot_tiers,
     "kv-decode": plot_step_parts,
     "cluster": plot_cluster,
+    "cluster-rag": plot_cluster_rag,
     "structured": plot_structured,
     "rag": plot_rag,
     "peer": plot_peer,

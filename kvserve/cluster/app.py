@@ -8,12 +8,12 @@ from typing import Any
 from ray import serve
 from ray.serve.deployment import Application
 
+from kvserve.cluster.index import DEFAULT_MIN_CACHED_SHARE, ROUTINGS
 from kvserve.cluster.ingress import Ingress
 from kvserve.cluster.replica import EngineReplica
 from kvserve.cluster.router import DEFAULT_MAX_IMBALANCE, KVAwareRouter  # imported here so its module is known
 from kvserve.server.serving import ServerSettings
 
-ROUTINGS = ("kv", "pow2")      # kv: KVAwareRouter; pow2: Serve's default (power of two choices)
 APP_NAME = "kvserve"
 ENGINE_DEPLOYMENT = "EngineReplica"
 
@@ -29,6 +29,7 @@ class ClusterConfig:
     ingress_cpus: float = 0.25
     routing: str = "kv"
     max_imbalance: int = DEFAULT_MAX_IMBALANCE
+    min_cached_share: float = DEFAULT_MIN_CACHED_SHARE
     stats_period_s: float = 1.0             # how often replicas publish their block digests
     max_ongoing_requests: int = 64          # per engine replica: requests it batches at once
     max_attempts: int = 3                   # sends of a request whose replica fails before its first output
@@ -40,6 +41,8 @@ class ClusterConfig:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.replica_cpus < 0 or self.replica_gpus < 0 or self.ingress_cpus < 0:
             raise ValueError("CPUs and GPUs per replica must be >= 0")
+        if not 0.0 <= self.min_cached_share <= 1.0:
+            raise ValueError(f"min_cached_share must be in [0, 1], got {self.min_cached_share}")
         if self.max_imbalance < 0 or self.stats_period_s <= 0 or self.max_ongoing_requests < 1 or self.max_attempts < 1:
             raise ValueError("max_imbalance >= 0, stats_period_s > 0, max_ongoing_requests >= 1, max_attempts >= 1")
 
@@ -47,10 +50,12 @@ class ClusterConfig:
 def build_application(model: str | None, engine_options: dict[str, Any], settings: ServerSettings,
                       cluster: ClusterConfig) -> Application:
     router: dict[str, Any] = {"request_routing_stats_period_s": cluster.stats_period_s}
-    if cluster.routing == "kv":
+    if cluster.routing != "pow2":
         router |= {"request_router_class": f"{KVAwareRouter.__module__}.{KVAwareRouter.__name__}",
                    "request_router_kwargs": {"max_imbalance": cluster.max_imbalance,
-                                             "overlay_ttl_s": max(10.0, 5 * cluster.stats_period_s)}}
+                                             "overlay_ttl_s": max(10.0, 5 * cluster.stats_period_s),
+                                             "with_segments": cluster.routing == "kv",
+                                             "min_cached_share": cluster.min_cached_share}}
     actor: dict[str, Any] = {"num_cpus": cluster.replica_cpus}
     if cluster.replica_gpus:
         actor["num_gpus"] = cluster.replica_gpus

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvserve.cluster.index import DEFAULT_MIN_CACHED_SHARE, ROUTINGS
 from kvserve.options import engine_options
 from kvserve.server.cli import run_serve as serve_one
 from kvserve.server.cli import server_settings
@@ -22,14 +23,13 @@ from kvserve.server.serving import ServerSettings
 if TYPE_CHECKING:
     from kvserve.cluster.app import ClusterConfig
 
-ROUTINGS = ("kv", "pow2")
 
 
 # the flags that only a cluster reads, with their defaults: None on the parser, so a flag given
 # without --replicas is refused rather than ignored
 CLUSTER_DEFAULTS: dict[str, Any] = {
     "ray_address": None, "routing": "kv", "replica_cpus": 1.0, "replica_gpus": 0.0, "ingress_replicas": 1,
-    "max_load_imbalance": 2, "routing_stats_period_s": 1.0, "max_ongoing_requests": 64, "ray_num_cpus": None,
+    "max_load_imbalance": 2, "min_cached_share": DEFAULT_MIN_CACHED_SHARE, "routing_stats_period_s": 1.0, "max_ongoing_requests": 64, "ray_num_cpus": None,
     "ray_object_store_mb": 256}
 
 
@@ -42,13 +42,18 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ray-address", metavar="ADDR",
                    help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of starting a local one")
     g.add_argument("--routing", choices=ROUTINGS,
-                   help="kv: to the replica holding the longest cached prefix (default); pow2: Serve's default")
+                   help="kv: to the replica holding the most of the prompt's KV, its longest cached prefix and "
+                        "its stored segments (default); kv-prefix: the prefix only; pow2: Serve's default")
     g.add_argument("--replica-cpus", type=float, help="Ray CPUs per engine replica (default 1)")
     g.add_argument("--replica-gpus", type=float, help="Ray GPUs per engine replica (default 0)")
     g.add_argument("--ingress-replicas", type=int, help="HTTP ingress replicas (default 1)")
     g.add_argument("--max-load-imbalance", type=int, metavar="REQUESTS",
                    help="ongoing requests the prefix holder may have beyond the least loaded replica (or a "
                         "quarter of that replica's, if more) before the router sends elsewhere (default 2)")
+    g.add_argument("--min-cached-share", type=float, metavar="SHARE",
+                   help="share of a prompt's blocks (segments counted) the best replica must hold for the router "
+                        "to send it there; below, the request is new work and goes to the less loaded of two "
+                        f"random replicas (default {DEFAULT_MIN_CACHED_SHARE})")
     g.add_argument("--routing-stats-period-s", type=float,
                    help="how often replicas publish the block keys they hold (default 1 s)")
     g.add_argument("--max-ongoing-requests", type=int,
@@ -104,6 +109,7 @@ def run_cluster(args: argparse.Namespace, flags: argparse.Namespace, settings: S
     cluster = ClusterConfig(num_replicas=args.replicas, replica_cpus=flags.replica_cpus,
                             replica_gpus=flags.replica_gpus, ingress_replicas=flags.ingress_replicas,
                             routing=flags.routing, max_imbalance=flags.max_load_imbalance,
+                            min_cached_share=flags.min_cached_share,
                             stats_period_s=flags.routing_stats_period_s, max_ongoing_requests=flags.max_ongoing_requests)
     cpus_given = args.replica_cpus is not None
     options = engine_options(args)

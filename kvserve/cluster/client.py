@@ -1,7 +1,7 @@
 """``ReplicaClient``: the ingress's engine client; kvserve/server's handlers run through it.
 
 ```
- handler --submit(specs)--> route (RouteHint: the prompt's block digests) via the handle
+ handler --submit(specs)--> route (RouteHint: the prompt's and its segments' block digests) via the handle
             |                 KVAwareRouter picks a replica; its stream answers Accepted
             |                 or Rejected (-> ValueError, a 400) before submit returns
             `--> RequestStream <-- a task moves the replica's StreamItems into its queue
@@ -31,7 +31,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from kvserve.cluster.metrics import FleetMetrics
-from kvserve.cluster.wire import Accepted, Rejected, RouteHint, digests, key_tag
+from kvserve.cluster.wire import Accepted, Rejected, RouteHint, key_tag, route_hint
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
@@ -77,8 +77,7 @@ class ReplicaClient:
             raise EngineError("the cluster client is not running")
         prefix = f"{prefix}-{uuid.uuid4().hex[:12]}"     # engine ids unique across replicas
         ids = [f"{prefix}-{i}" for i in range(len(specs))]    # the ids its outputs carry here, whatever replica
-        salt = specs[0].cache.salt if specs[0].cache is not None else ""
-        hint = RouteHint(digests(self._card.block_keys(specs[0].prompt_token_ids, salt)), self._tag)
+        hint = route_hint(self._card, self._tag, specs[0])
         queue: asyncio.Queue[StreamItem | BaseException] = asyncio.Queue()
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(self._run(hint, specs, prefix, ids, queue, accepted))

@@ -12,11 +12,12 @@ old); the router's outcomes and the ingress's retries are counted here as they h
 | `kvserve_cluster_replica_prefix_query_tokens_total{replica}` | prompt tokens looked up |
 | `kvserve_cluster_replica_prefix_hit_tokens_total{replica,tier}` | served from the device / each tier |
 | `kvserve_cluster_prefix_hit_rate{replica,tier}` | hit tokens / query tokens; `replica="fleet"` sums all |
-| `kvserve_cluster_routed_requests_total{replica,outcome}` | `holder`: sent to the replica with the longest cached prefix; `away`: a holder existed but was too loaded; `cold`: no replica held any of it |
+| `kvserve_cluster_routed_requests_total{replica,outcome}` | `holder`: sent to the replica holding the most of its KV (prefix and segments); `away`: a holder existed but was too loaded; `cold`: no replica held any of it |
 | `kvserve_cluster_routed_to_holder_ratio` | holder / (holder + away) |
 | `kvserve_cluster_retries_total`, `kvserve_cluster_replica_failures_total{replica}` | requests sent again after a replica failed before their first output; failures seen |
 | `kvserve_cluster_time_to_first_output_seconds` | at the ingress: routing, queueing and prefill |
 | `kvserve_cluster_replica_write_through_blocks_total{replica,tier}` | blocks written through |
+| `kvserve_cluster_replica_segment_tokens_total{replica,kind}` | prompts given with segments: `reused` tokens whose KV came from a stored segment, `stored` segment tokens computed standalone and stored |
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ class _FleetCollector(Collector):
         written = CounterMetricFamily("kvserve_cluster_replica_write_through_blocks",
                                       "Computed blocks a replica wrote through to a shared tier",
                                       labels=["replica", "tier"])
+        segments = CounterMetricFamily("kvserve_cluster_replica_segment_tokens",
+                                       "Prompts given with segments: tokens whose KV a stored segment gave (reused), "
+                                       "segment tokens computed standalone and stored (stored)",
+                                       labels=["replica", "kind"])
         fleet_query = 0
         fleet_hits: Tally[str] = Tally()
         for replica, s in stats.items():
@@ -133,11 +138,13 @@ class _FleetCollector(Collector):
                 fleet_hits[tier] += n
             for t in e.tiers:
                 written.add_metric([replica, t.tier], t.write_through_blocks)
+            segments.add_metric([replica, "reused"], e.blend.reused_tokens)
+            segments.add_metric([replica, "stored"], e.blend.stored_tokens)
             fleet_query += e.prefix_query_tokens
         for tier, n in fleet_hits.items():
             rates.add_metric([FLEET, tier], n / fleet_query if fleet_query else 0.0)
         rates.add_metric([FLEET, "all"], sum(fleet_hits.values()) / fleet_query if fleet_query else 0.0)
-        yield from (queues, queries, hits, rates, written)
+        yield from (queues, queries, hits, rates, written, segments)
         routed = CounterMetricFamily("kvserve_cluster_routed_requests", "Requests by the replica that served them "
                                      "and the routing outcome (holder, away, cold)", labels=["replica", "outcome"])
         for (replica, outcome), n in sorted(self.fleet.outcomes.items()):
@@ -148,5 +155,5 @@ class _FleetCollector(Collector):
             by_outcome[outcome] += n
         decided = by_outcome["holder"] + by_outcome["away"]
         yield GaugeMetricFamily("kvserve_cluster_routed_to_holder_ratio", "Requests sent to the replica holding "
-                                "their longest cached prefix, over those some replica held",
+                                "the most of their KV, over those some replica held",
                                 by_outcome["holder"] / decided if decided else 0.0)

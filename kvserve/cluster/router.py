@@ -1,8 +1,9 @@
 """``KVAwareRouter``: Ray Serve's request router for the engine replicas (docs/cluster.md).
 
 Serve calls ``choose_replicas`` once per routing attempt with the running replicas; we
-answer ranks: the replica holding the longest cached prefix of the request first (unless
-it is overloaded, ``index.choose``), then a random pair. Serve probes queue lengths and
+answer ranks: the replica holding the most of the request's KV first (its longest cached
+prefix, plus the stored segments of a prompt given with segments: ``PrefixIndex.score``;
+unless it is overloaded, ``index.choose``), then a random pair. Serve probes queue lengths and
 sends the request to the least loaded replica of the first rank with room, and calls
 ``on_request_routed`` when a replica accepted it.
 
@@ -18,7 +19,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from kvserve.cluster.index import PrefixIndex, choose
+from kvserve.cluster.index import DEFAULT_MIN_CACHED_SHARE, PrefixIndex, choose
 from kvserve.cluster.wire import Published, RouteHint, unpack
 
 DEFAULT_MAX_IMBALANCE = 2        # ongoing requests a holder may carry beyond the least loaded replica (index.load_bound)
@@ -33,8 +34,11 @@ def published_of(stats: dict[str, Any]) -> Published | None:
 
 class KVAwareRouter(RequestRouter):
     def initialize_state(self, max_imbalance: int = DEFAULT_MAX_IMBALANCE, overlay_ttl_s: float = 10.0,
-                         seed: int | None = None, **kwargs: Any) -> None:
+                         seed: int | None = None, with_segments: bool = True,
+                         min_cached_share: float = DEFAULT_MIN_CACHED_SHARE, **kwargs: Any) -> None:
         self.max_imbalance = max_imbalance
+        self.min_cached_share = min_cached_share
+        self.with_segments = with_segments      # False: prefix blocks only (``--routing kv-prefix``)
         self.index = PrefixIndex(overlay_ttl_s)
         self._rng = random.Random(seed)
 
@@ -50,11 +54,12 @@ class KVAwareRouter(RequestRouter):
             self._refresh(rid, r)
         now = time.time()
         if hint is None:
-            matches = dict.fromkeys(by_id, 0)
+            matches, min_score = dict.fromkeys(by_id, 0.0), 0.0
         else:
-            matches = {rid: self.index.match(rid, hint.digests, hint.key_tag, now) for rid in by_id}
+            matches = {rid: self.index.score(rid, hint, now, self.with_segments) for rid in by_id}
+            min_score = self.min_cached_share * len(hint.digests)
         loads = {rid: self._load(r) for rid, r in by_id.items()}
-        choice = choose(matches, loads, self.max_imbalance, self._rng)
+        choice = choose(matches, loads, self.max_imbalance, self._rng, min_score)
         if hint is not None:
             hint.holder, hint.holder_blocks = choice.holder, choice.holder_blocks
         return [[by_id[rid] for rid in rank] for rank in choice.ranks]
@@ -65,7 +70,8 @@ class KVAwareRouter(RequestRouter):
         if hint is not None:
             hint.routed_to = replica_id.unique_id
             # the replica will hold the prompt's blocks before its next publication says so
-            self.index.note_routed(replica_id.unique_id, hint.digests, time.time())
+            # (and the segments it has not stored yet: blending stores them first)
+            self.index.note_routed(replica_id.unique_id, hint.all_digests(), time.time())
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

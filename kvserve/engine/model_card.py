@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.blend.prompt import SegmentedPrompt
-from kvserve.kv.prefix import extend_block_keys, salted_extra_key
+from kvserve.kv.prefix import extend_block_keys, salted_extra_key, segment_block_keys
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import EncodedPrompt
 
@@ -74,6 +74,11 @@ class ModelCard:
         keys: list[bytes] = []
         extend_block_keys(keys, token_ids, self.block_size, salted_extra_key(self.extra_key, salt))
         return keys
+
+    def segment_keys(self, token_ids: Sequence[int], salt: str = "") -> list[bytes]:
+        """The keys a segment's full blocks are stored under (kvserve/blend/store.py), as the
+        engine computes them."""
+        return segment_block_keys(token_ids, self.block_size, salted_extra_key(self.extra_key, salt))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # the tokenizer's compiled chat template does not pickle: send its JSON

@@ -1,11 +1,14 @@
-"""``kvserve bench cluster``'s ``--json`` and ``--plot`` on made-up runs (no server, no Ray)."""
+"""``kvserve bench cluster``'s ``--json`` and ``--plot`` on made-up runs, ``bench cluster-rag``'s
+queries and metrics reading (no server, no Ray)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from kvserve.bench import cluster, plots
+import pytest
+
+from kvserve.bench import cluster, cluster_rag, plots
 from kvserve.bench.cli import add_bench_parser
 
 SUMMARY_FIELDS = {"name", "ttft_s", "prompt_tokens", "cached_tokens", "wall_s", "load_before", "load_after",
@@ -49,3 +52,34 @@ def test_plot_draws_the_summaries_as_a_png(tmp_path):
     assert path == tmp_path / "c.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
+
+
+def test_rag_users_ask_about_their_own_documents_in_new_orders():
+    queries = cluster_rag.user_queries(num_users=3, docs_per_user=4, k=3, queries_per_user=5, seed=1)
+    assert [len(qs) for qs in queries] == [5, 5, 5]
+    for u, qs in enumerate(queries):
+        for q in qs:
+            assert len(set(q.doc_ids)) == 3 and set(q.doc_ids) <= set(range(4 * u, 4 * u + 4))
+            assert q.target in q.doc_ids
+    assert len({q.doc_ids for q in queries[0]}) > 1                     # orders differ
+    assert queries == cluster_rag.user_queries(3, 4, 3, 5, seed=1)
+    with pytest.raises(ValueError, match="k must be in 1..4"):
+        cluster_rag.user_queries(3, 4, 5, 5, seed=1)
+
+
+def test_rag_reads_the_segment_counters_of_either_server():
+    fleet = ('kvserve_cluster_replica_segment_tokens_total{kind="reused",replica="a"} 100.0\n'
+             'kvserve_cluster_replica_segment_tokens_total{kind="stored",replica="a"} 80.0\n'
+             'kvserve_cluster_replica_segment_tokens_total{kind="reused",replica="b"} 50.0\n'
+             'kvserve_cluster_replica_segment_tokens_total{kind="stored",replica="b"} 16.0\n'
+             "kvserve_cluster_routed_to_holder_ratio 0.75\n# HELP x y")
+    run = cluster_rag.RagRun("kv")
+    cluster_rag.read_metrics(fleet, run, single=False)
+    assert (run.reused_tokens, run.stored_tokens, run.routed_to_holder) == (150.0, 96.0, 0.75)
+    one = cluster_rag.RagRun("single")
+    cluster_rag.read_metrics("kvserve_segment_stored_tokens_total 48.0\nkvserve_blend_reused_tokens_total 64.0\n"
+                             "kvserve_segment_stored_tokens_created 1.7e9", one, single=True)
+    assert (one.reused_tokens, one.stored_tokens, one.routed_to_holder) == (64.0, 48.0, None)
+    text = cluster_rag.report([cluster_rag.RagRun("kv", [0.4, 0.6], stored_tokens=96.0),
+                               cluster_rag.RagRun("pow2", [1.0, 1.0], stored_tokens=300.0)], 2)
+    assert "mean TTFT pow2 / kv = 2.00x; segment tokens computed 300 vs 96" in text

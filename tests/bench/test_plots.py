@@ -12,6 +12,7 @@ from kvserve.bench import plots
 from kvserve.bench.capacity import CapacityResult
 from kvserve.bench.cli import add_bench_parser
 from kvserve.bench.cluster import Run
+from kvserve.bench.cluster_rag import RagRun
 from kvserve.bench.rag import Answer, RagResult
 
 
@@ -67,6 +68,12 @@ def cluster_runs() -> list[dict]:
                                                ("pow2", [0.3, 0.35, 1.3], 732, 0.5))]
 
 
+def cluster_rag_runs() -> list[dict]:
+    return [RagRun(name, ttft_s=ttft, stored_tokens=stored, reused_tokens=reused).summary()
+            for name, ttft, stored, reused in (("single", [0.2, 0.3], 5760.0, 20000.0), ("kv", [0.3, 0.4], 6100.0, 19000.0),
+                                               ("pow2", [0.6, 0.9], 11000.0, 17000.0))]
+
+
 # bench name -> (the results its --plot is drawn from, up to the path; the figure's columns)
 def spec_rows() -> list[dict]:
     return [{"workload": w, "batch": b, "plain_tok_s": 200.0 / b, "spec_tok_s": 400.0 / b, "bound_tok_s": 500.0 / b,
@@ -90,6 +97,7 @@ SAMPLES: dict[str, tuple[tuple, int]] = {
     "peer": ((peer_rows(),), 2),
     "spec": ((spec_rows(),), 2),
     "cluster": ((cluster_runs(),), 2),
+    "cluster-rag": ((cluster_rag_runs(),), 2),
 }
 
 

@@ -39,6 +39,16 @@ def test_cluster_flags_take_their_defaults():
     from kvserve.cluster.cli import CLUSTER_DEFAULTS, cluster_flags
     flags = cluster_flags(build_parser().parse_args(["serve", "--replicas", "2", "--routing", "pow2"]))
     assert vars(flags) == {**CLUSTER_DEFAULTS, "routing": "pow2"}
+    flags = cluster_flags(build_parser().parse_args(["serve", "--replicas", "2", "--routing", "kv-prefix",
+                                                     "--min-cached-share", "0.5"]))
+    assert (flags.routing, flags.min_cached_share, CLUSTER_DEFAULTS["min_cached_share"]) == ("kv-prefix", 0.5, 0.2)
+
+
+def test_a_share_outside_zero_to_one_is_refused():
+    pytest.importorskip("ray")
+    from kvserve.cluster.app import ClusterConfig
+    with pytest.raises(ValueError, match="min_cached_share must be in"):
+        ClusterConfig(min_cached_share=1.5)
 
 
 def test_an_impossible_placement_is_refused_at_once_with_the_numbers(capsys):

@@ -19,6 +19,7 @@ from live_server import running_server
 from offload.redis_server import RedisServer, free_port
 from poison import POISON, install_poison
 from test_bad_input import CASES
+from test_blend import DOC_A, DOC_B
 
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
@@ -112,6 +113,24 @@ def test_turn_two_lands_on_the_replica_that_served_turn_one(cluster):
     assert routed(cluster, "holder").get(holder, 0) == holder_before.get(holder, 0) + 1
     # its history is cached there: every full block of turn 1's prompt at least
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] // 16 * 16
+
+
+def test_a_prompt_with_segments_goes_to_the_replica_that_stored_them(cluster):
+    """Another preamble and the documents in another order: no prefix block in common, so
+    only the segments the first request stored make a replica the holder."""
+    def complete(prompt: str, segments: list[str]) -> None:
+        body = {"model": MODEL, "prompt": prompt, "segments": segments, **GREEDY}
+        r = httpx.post(f"{cluster}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+
+    cold_before = routed(cluster, "cold")
+    complete(f"[segments] Notes:\n{DOC_A}\n{DOC_B}\nWho runs the bakery?", [DOC_A, DOC_B])
+    holder = next(r for r, n in routed(cluster, "cold").items() if n > cold_before.get(r, 0))
+    holder_before = routed(cluster, "holder")
+    complete(f"Read these first, please.\n{DOC_B}\n{DOC_A}\nWhat did the keeper write?", [DOC_B, DOC_A])
+    assert routed(cluster, "holder").get(holder, 0) == holder_before.get(holder, 0) + 1
+    stored = f'kvserve_cluster_replica_segment_tokens_total{{kind="stored",replica="{holder}"}}'
+    wait_for(lambda: metrics(cluster).get(stored, 0) == 48 + 32, 10)    # the documents' full blocks (55, 45 tokens)
 
 
 def test_with_the_holder_excluded_the_other_replica_serves_it_from_redis(cluster, default_model):
