@@ -170,6 +170,10 @@ class CacheConfig:
     blend_query_layer: int | None = field(default=None, metadata=opt(
         "the layer whose attention the query selections read (calibrated per model: 18 for SmolLM2-135M; "
         "docs/blend.md)", default_text="every layer, summed"))
+    blend_in_steps: bool = field(default=True, metadata=opt(
+        "run a blend a few layers at a time, at most a step's token budget (max_num_batched_tokens) of work "
+        "between two steps, so decoding requests keep stepping (docs/blend.md); with chunked prefill only",
+        flag="--no-blend-in-steps"))
 
     max_pinned_fraction: float = field(default=0.5, metadata=opt(
         "most of the device KV blocks that pinned prefixes may cover; 0 turns pinning off (docs/server.md)"))

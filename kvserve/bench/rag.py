@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvserve.bench.common import table
+from kvserve.bench.rag_itl import DECODE_PROMPT_TOKENS, DECODE_TOKENS, ItlMethod
 from kvserve.bench.rag_workload import (
     QUESTION_PLACES,
     Document,
@@ -326,6 +327,20 @@ def run_bench(args: argparse.Namespace) -> int:
     for line in goal_lines(results, args.k, loaded.config.num_layers, cache.blend_select_layer,
                            cache.blend_selection):
         print(line)
+    if args.decoders:
+        from kvserve.bench.rag_itl import itl_methods, render_itl, run_itl
+
+        def make_itl_llm(m: ItlMethod) -> LLM:
+            return LLM(loaded=loaded, num_kv_blocks=pool + decoder_blocks, **{**options,
+                       "blend_in_steps": m.blend_in_steps})
+
+        decoder_blocks = args.decoders * -(-(DECODE_PROMPT_TOKENS + DECODE_TOKENS) // cache.block_size)
+        itl = run_itl(make_itl_llm, itl_methods(args.fraction or DEFAULT_FRACTIONS), documents, queries,
+                      args.decoders, args.question, log)
+        print(f"\n{args.decoders} requests decoding beside each query (inter-token latency from the query's arrival "
+              f"to its first token; step budget {engine_config(args.model, **options).scheduler.max_num_batched_tokens}"
+              f" tokens):")
+        print(render_itl(itl))
     write_plot(args.plot, lambda path: plots.plot_rag(results, path))
     _save(args.json, documents, queries, results)
     return 0
@@ -362,6 +377,9 @@ def add_rag_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentPa
     r.add_argument("--text", default=None, help="text the documents are cut from (default: the shipped botchan.txt)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    r.add_argument("--decoders", type=int, default=0,
+                   help="also measure the inter-token latency of this many decoding requests while each query "
+                        "prefills or blends (kvserve/bench/rag_itl.py)")
     add_engine_args(r, ("blend_cost_model", "blend_select_layer", "blend_selection", "blend_sink_tokens",
                         "blend_query_layer"))
     r.set_defaults(run=run_bench)

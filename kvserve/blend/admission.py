@@ -3,25 +3,31 @@
 A segmented request waits here, not in the scheduler, until its first admission:
 
     wait(req)          queued in arrival order
-    admit()            while the scheduler has a seat and the pool has blocks, the oldest:
-                         prefix match, blocks allocated, ``Blender.choose`` decides
-                         -> blended outside the batch, handed to the scheduler as computed
+    admit()            (before each step) while the scheduler has a seat and the pool has
+                       blocks, the oldest: prefix match, blocks allocated, ``Blender.choose``
+                       decides
+                         -> blended outside the batch, a seat reserved meanwhile; with
+                            ``step_tokens``, at most that much work (prefill-token
+                            equivalents: ``BlendJob``'s token-layers / layers) per step, so the requests
+                            decoding keep stepping while a long prompt blends; whole
+                            without it. Once complete, handed to the scheduler as computed
                             (``Scheduler.add_computed``): its next token is the caller's to draw
                          -> or sent to the scheduler for a full prefill (blending does not pay)
                          -> or failed (the blend raised): the caller retires it
 
-Once admitted it is the scheduler's like any request; a preempted blended request is
-recomputed in full.
+One blend is under way at a time. Once admitted a request is the scheduler's like any; a
+preempted blended request is recomputed in full.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import NamedTuple
 
 import torch
 
-from kvserve.blend.blender import Blender
+from kvserve.blend.blender import Blender, BlendTask
 from kvserve.kv.manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.scheduler.scheduler import Scheduler
@@ -40,34 +46,80 @@ class BlendFailed(NamedTuple):
 
 
 class BlendAdmission:
-    def __init__(self, blender: Blender, kv: KVCacheManager, scheduler: Scheduler) -> None:
+    def __init__(self, blender: Blender, kv: KVCacheManager, scheduler: Scheduler,
+                 step_tokens: int | None = None) -> None:
+        """``step_tokens``: the blend work one step may do, in prefill-token equivalents
+        (the step's token budget, as a chunked prefill gets); None: each blend whole."""
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.blender = blender
         self.kv = kv
         self.scheduler = scheduler
+        self.step_tokens = step_tokens
         self._waiting: list[Request] = []
+        self._task: BlendTask | None = None      # the blend under way (its request holds blocks and a seat)
 
     @property
-    def has_waiting(self) -> bool:
-        return bool(self._waiting)
+    def has_work(self) -> bool:
+        """Requests waiting here or being blended."""
+        return bool(self._waiting) or self._task is not None
+
+    @property
+    def blending(self) -> Request | None:
+        """The request whose blend is under way."""
+        return None if self._task is None else self._task.request
 
     def wait(self, req: Request) -> None:
         self._waiting.append(req)
 
     def remove(self, req: Request) -> None:
-        """Forget a waiting request (aborted); no-op when it is not waiting."""
-        if req in self._waiting:
+        """Forget a request waiting or being blended (aborted: the caller frees its blocks);
+        no-op for any other."""
+        if self._task is not None and self._task.request is req:
+            self._task = None
+            self.scheduler.release_seat()
+        elif req in self._waiting:
             self._waiting.remove(req)
 
     def admit(self) -> list[Blended | BlendFailed]:
-        """First admissions in arrival order while seats and blocks last (module docstring)."""
+        """One step's blending (module docstring): the requests whose blend completed (or failed)."""
         results: list[Blended | BlendFailed] = []
+        budget = math.inf if self.step_tokens is None else self.step_tokens * self.blender.num_layers
+        while True:
+            task = self._task if self._task is not None else self._start(results)
+            if task is None:
+                break
+            self._task = task
+            req = task.request
+            try:
+                if not task.advance(budget):
+                    break           # more next step
+                outcome = self.blender.finish(task)
+            except Exception as e:
+                log.exception("blending request %s failed", req.request_id)
+                self.remove(req)
+                results.append(BlendFailed(req, f"blending failed: {type(e).__name__}: {e}"))
+                continue
+            self._task = None
+            req.num_reused_tokens = outcome.num_reused_tokens
+            req.num_recomputed_tokens = outcome.num_recomputed_tokens
+            self.scheduler.add_computed(req, task.num_known, reserved=True)
+            results.append(Blended(req, outcome.logits))
+            if self.step_tokens is not None:
+                break               # one blend's work per step
+        return results
+
+    def _start(self, results: list[Blended | BlendFailed]) -> BlendTask | None:
+        """The next blend, its request's blocks allocated and a seat reserved; the requests
+        ``choose`` sends to a full prefill go to the scheduler on the way, those that fail
+        to ``results``. None when no seat, no blocks or no request is left."""
         while self._waiting and self.scheduler.has_free_seat:
             req = self._waiting[0]
             try:
                 match = self.kv.match_prefix(req)
                 num_known = match.num_device_blocks * self.kv.block_size
                 if not self.kv.try_allocate(req, req.num_tokens - num_known, match):
-                    break       # blocks free up as running requests finish
+                    return None     # blocks free up as running requests finish
                 self._waiting.pop(0)
                 plan = self.blender.choose(req, num_known)
                 if plan is None:
@@ -75,14 +127,12 @@ class BlendAdmission:
                     self.scheduler.add(req)
                     continue
                 self.kv.mark_lossy(req)
-                outcome = self.blender.run(req, plan, self.kv.block_ids(req.request_id))
+                task = self.blender.start(req, plan, self.kv.block_ids(req.request_id))
             except Exception as e:
                 log.exception("blending request %s failed", req.request_id)
                 self.remove(req)
                 results.append(BlendFailed(req, f"blending failed: {type(e).__name__}: {e}"))
                 continue
-            req.num_reused_tokens = outcome.num_reused_tokens
-            req.num_recomputed_tokens = outcome.num_recomputed_tokens
-            self.scheduler.add_computed(req, num_known)
-            results.append(Blended(req, outcome.logits))
-        return results
+            self.scheduler.reserve_seat()
+            return task
+        return None

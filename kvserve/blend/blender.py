@@ -1,15 +1,18 @@
 """The engine's side of blending: a request whose prompt has segments gets its prompt's KV
-by blending, outside the batched step, and then decodes like any other request.
+by blending, outside the batched step (between steps, a few layers per step), and then
+decodes like any other request.
 
 At its first admission (the engine calls, in order):
 
     choose(req, num_known)   store the segments not stored yet (computed standalone), find the
                              others (device, then tiers), and decide: blend only when loading
                              plus the partial recompute is estimated to beat a full prefill
-    run(req, ...)            the exact prefix hit's KV (``num_known`` tokens) read back, the
-                             segments' KV loaded and moved to their places, ``blend_prefill``,
-                             and the KV of every token after the hit written into the
-                             request's blocks; returns the next-token logits
+    start(req, ...)          the exact prefix hit's KV (``num_known`` tokens) read back, the
+                             segments' KV loaded and moved to their places: a ``BlendTask``
+    task.advance(budget)     ``BlendJob``'s layers, ``budget`` token-layers at a time
+    finish(task)             the KV of every token after the hit written into the request's
+                             blocks; returns the next-token logits
+    run(req, ...)            the three at once
 
 The request's blocks then hold KV that no exact computation produced, so the KV manager
 never caches them under prefix keys (``KVCacheManager.mark_lossy``); a preempted blended
@@ -34,11 +37,12 @@ it counts as reused.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
-from kvserve.blend.blending import BlendPrompt, blend_prefill
+from kvserve.blend.blending import Blended, BlendJob, BlendPrompt
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV, compute_kv
 from kvserve.blend.store import SegmentStore, read_tokens, write_tokens
@@ -72,6 +76,20 @@ class BlendPlan:
 
     num_known: int
     fresh: tuple[SegmentKV | None, ...]
+
+
+class BlendTask:
+    """A request's blend under way: ``advance`` it until it answers True, then ``finish``."""
+
+    def __init__(self, req: Request, job: BlendJob, block_ids: list[int], num_known: int) -> None:
+        self.request, self.job, self.block_ids, self.num_known = req, job, block_ids, num_known
+        self.result: Blended | None = None
+
+    def advance(self, max_work: float) -> bool:
+        """Run about ``max_work`` token-layers more (``BlendJob``; one layer at least); whether done."""
+        if self.result is None:
+            self.result = self.job.advance(max_work)
+        return self.result is not None
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,10 @@ class Blender:
         self.segments = SegmentStore(kv, storage, tiering)
         self.select_layer = select_layer
         self.stats = BlendStats()
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_layers
 
     def store(self, token_ids: list[int], salt: str = "") -> int:
         """Compute a segment standalone and store its full blocks unless the device or the
@@ -167,15 +189,29 @@ class Blender:
     def run(self, req: Request, plan: BlendPlan, block_ids: list[int]) -> BlendOutcome:
         """Blend ``req``'s prompt as ``plan`` says and write the KV of its tokens after the
         exact hit (in its blocks already) into ``block_ids`` (its table)."""
+        task = self.start(req, plan, block_ids)
+        task.advance(math.inf)
+        return self.finish(task)
+
+    def start(self, req: Request, plan: BlendPlan, block_ids: list[int]) -> BlendTask:
+        """``req``'s blend as ``plan`` says, its inputs read: the exact hit's KV from
+        ``block_ids`` (its table), the segments' from the store (device, or loaded from the tiers)."""
         spec, num_known = _spec(req), plan.num_known
         cached = [fresh if fresh is not None or start + length <= num_known
                   else self.segments.get(req.prompt_token_ids[start:start + length], 0, self.rope, req.cache_salt)
                   for (start, length), fresh in zip(spec.spans, plan.fresh)]
         known = read_tokens(self.storage, block_ids, req.prompt_token_ids[:num_known]) if num_known else None
         prompt = BlendPrompt(tuple(req.prompt_token_ids), spec.spans)
-        blended = blend_prefill(self.model, self.rope, prompt, cached, spec.fraction, self.select_layer, known,
-                                self.selection, self.sink_tokens, self.query_layer)
-        write_tokens(self.storage, block_ids, num_known, [k[num_known:] for k in blended.keys],
+        job = BlendJob(self.model, self.rope, prompt, cached, spec.fraction, self.select_layer, known,
+                       self.selection, self.sink_tokens, self.query_layer)
+        return BlendTask(req, job, block_ids, num_known)
+
+    def finish(self, task: BlendTask) -> BlendOutcome:
+        """Write a complete blend's KV after the exact hit into the request's blocks."""
+        blended, num_known = task.result, task.num_known
+        if blended is None:
+            raise ValueError(f"the blend of request {task.request.request_id} is not complete")
+        write_tokens(self.storage, task.block_ids, num_known, [k[num_known:] for k in blended.keys],
                      [v[num_known:] for v in blended.values])
         s = self.stats
         s.num_blended += 1

@@ -18,12 +18,20 @@ With ``blend_fraction`` 1.0 every token is computed in every layer: a full prefi
 It runs on one sequence with dense tensors (the whole prompt's KV per layer); the engine
 writes the result into the request's blocks (``blender.py``). Tokens whose exact KV is
 already cached (a prefix-cache hit, ``known``) are neither computed nor reused.
+
+``BlendJob`` runs the same computation a few layers at a time (``advance``, by a budget of
+work), so the engine can interleave a long blend with its steps; ``blend_prefill`` runs it
+whole. The passes are generators that yield, per layer, the rows computed and the keys they
+attended. Work is counted in token-layers: a row through one layer's weights is 1, and each
+key it attends adds ``1 / attention_keys_per_row`` (the multiply-adds of one key against
+those of the projections and the MLP), so a blend's share of a step costs what its budget
+says even where the prompt is long and attention dominates.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,7 +40,7 @@ import torch.nn.functional as F
 
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV
-from kvserve.config import check_blend_selection
+from kvserve.config import ModelConfig, check_blend_selection
 from kvserve.model.llama import LlamaModel
 from kvserve.request import DEFAULT_BLEND_FRACTION, check_blend_fraction
 
@@ -87,6 +95,61 @@ def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cach
     the query selections read the question's attention at ``query_layer`` (None: every layer, summed).
     ``known``: the exact KV of the prompt's first tokens (a prefix-cache hit), taken as is;
     segment tokens it covers are not reused."""
+    job = BlendJob(model, rope, prompt, cached, blend_fraction, select_layer, known, selection, sink_tokens,
+                   query_layer)
+    done = job.advance(math.inf)
+    assert done is not None
+    return done
+
+
+class BlendJob:
+    """``blend_prefill``'s computation, run a few layers at a time. The arguments are checked
+    here; ``advance`` raises what the computation raises."""
+
+    def __init__(self, model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
+                 blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1,
+                 known: SegmentKV | None = None, selection: str = "deviation", sink_tokens: int = 0,
+                 query_layer: int | None = None) -> None:
+        _check(model, prompt, cached, blend_fraction, select_layer, known, selection, sink_tokens, query_layer)
+        self._steps = _blend_steps(model, rope, prompt, cached, blend_fraction, select_layer, known, selection,
+                                   sink_tokens, query_layer)
+        self.keys_per_row = attention_keys_per_row(model.config)
+        self.num_row_layers = 0         # rows computed so far, summed over the layers
+        self.num_key_layers = 0         # keys those rows attended, summed over the layers
+        self.work = 0.0                 # token-layers: rows + keys / keys_per_row
+
+    @torch.inference_mode()
+    def advance(self, max_work: float) -> Blended | None:
+        """Compute layers until ``max_work`` token-layers are done (one layer at least,
+        whatever it costs); the result when the blend is complete, else None."""
+        spent = 0.0
+        while True:
+            try:
+                rows, keys = next(self._steps)
+            except StopIteration as stop:
+                blended: Blended = stop.value
+                return blended
+            work = rows + keys / self.keys_per_row
+            spent += work
+            self.work += work
+            self.num_row_layers += rows
+            self.num_key_layers += keys
+            if spent >= max_work:
+                return None
+
+
+def attention_keys_per_row(config: ModelConfig) -> float:
+    """How many attended keys cost a row as many multiply-adds as one layer's projections and
+    MLP (q, k, v, o and the three MLP matrices, against 2 x heads x head_dim per key: scores
+    and the weighted sum): 3,072 for SmolLM2-135M."""
+    q, kv, h = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.hidden_size
+    linear = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    return linear / (2 * q)
+
+
+def _check(model: LlamaModel, prompt: BlendPrompt, cached: Sequence[SegmentKV | None], blend_fraction: float,
+           select_layer: int, known: SegmentKV | None, selection: str, sink_tokens: int,
+           query_layer: int | None) -> None:
     num_layers = model.config.num_layers
     check_blend_fraction(blend_fraction)
     check_blend_selection(selection, sink_tokens)
@@ -96,12 +159,20 @@ def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cach
         raise ValueError(f"query_layer must be in 0..{num_layers - 1}, got {query_layer}")
     if len(cached) != len(prompt.spans):
         raise ValueError(f"{len(cached)} cached entries for {len(prompt.spans)} segments")
+    num_known = 0 if known is None else known.num_tokens
+    if known is not None and (known.first_position != 0 or known.token_ids != prompt.token_ids[:num_known]
+                              or num_known >= len(prompt.token_ids)):
+        raise ValueError("known KV must be an exact computation of fewer than all of the prompt's leading tokens")
+
+
+def _blend_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
+                 blend_fraction: float, select_layer: int, known: SegmentKV | None, selection: str,
+                 sink_tokens: int, query_layer: int | None) -> Generator[tuple[int, int], None, Blended]:
+    """``blend_prefill``'s body (arguments checked): yields per layer the rows computed and
+    the keys they attended."""
     token_ids = list(prompt.token_ids)
     n, dev = len(token_ids), model.device
     num_known = 0 if known is None else known.num_tokens
-    if known is not None and (known.first_position != 0 or list(known.token_ids) != token_ids[:num_known]
-                              or num_known >= n):
-        raise ValueError("known KV must be an exact computation of fewer than all of the prompt's leading tokens")
     runs, cached_keys, cached_values = _place(prompt, cached, rope, num_known)
     reused = torch.tensor([p for start, length in runs for p in range(start, start + length)],
                           dtype=torch.long, device=dev)
@@ -113,7 +184,7 @@ def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cach
     if selection in ("query", "query-segments") and num_reused:
         # the text after the last segment (the question) computed first, every reused token as
         # cached: where its queries attend picks what to recompute, in every layer
-        asked = ctx.run(~is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=query_layer)
+        asked = yield from ctx.run(~is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=query_layer)
         assert asked.attention is not None
         if selection == "query":
             selected = _pick(asked.attention[reused], runs, blend_fraction, sink_tokens)
@@ -121,16 +192,16 @@ def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cach
             selected = _pick_segments(asked.attention[reused], runs, blend_fraction, sink_tokens)
         computed = ~is_reused
         computed[selected] = True
-        done = ctx.run(computed)._replace(selected=selected)
+        done = (yield from ctx.run(computed))._replace(selected=selected)
     elif num_reused:
         def choose(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             fresh = reused - num_known      # every position from num_known on is still computed here
             score = _deviation(k[fresh], v[fresh], cached_keys[select_layer], cached_values[select_layer])
             return _pick(score, runs, blend_fraction, sink_tokens)
 
-        done = ctx.run(everything, choose_at=select_layer, choose=choose)
+        done = yield from ctx.run(everything, choose_at=select_layer, choose=choose)
     else:
-        done = ctx.run(everything)
+        done = yield from ctx.run(everything)
     return Blended(tuple(done.keys), tuple(done.values), done.logits, done.selected, num_reused,
                    n - num_known - num_reused)
 
@@ -156,8 +227,10 @@ class _Context:
 
     def run(self, computed: torch.Tensor, choose_at: int | None = None,
             choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-            question_from: int | None = None, question_layer: int | None = None) -> _Pass:
-        """Every layer for the positions ``computed`` ([n] bool; from num_known on, the prompt's
+            question_from: int | None = None,
+            question_layer: int | None = None) -> Generator[tuple[int, int], None, _Pass]:
+        """Every layer (yielding the rows it computed and the keys they attended, causally) for
+        the positions ``computed`` ([n] bool; from num_known on, the prompt's
         last among them); the others' KV known or cached. At layer ``choose_at``, ``choose(k, v)``
         (that layer's fresh keys and values of every computed position, which must then be every
         position from num_known on) names the reused positions computed from there on with the
@@ -197,6 +270,7 @@ class _Context:
             keys.append(k)
             values.append(v)
             h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
+            yield int(rows.numel()), int(rows.sum()) + int(rows.numel())     # position p attends p + 1 keys
         logits = model.compute_logits(model.final_norm_of(h[-1:]))[0]
         return _Pass(keys, values, logits, selected, attention)
 

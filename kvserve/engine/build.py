@@ -163,7 +163,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
         sampler=Sampler(config.seed, eos), grammars=grammars, attention=attention,
         speculator=_make_speculator(config, budgets, max_model_len,
                                     _Drafting(loaded, model, storage, kv, draft, device, dtype)),
-        checks=RequestChecks(budgets, grammars, mc.vocab_size), blending=BlendAdmission(blender, kv, scheduler),
+        checks=RequestChecks(budgets, grammars, mc.vocab_size),
+        blending=BlendAdmission(blender, kv, scheduler, _blend_step_tokens(config)),
         outputs=OutputProcessor(loaded.tokenizer, frozenset(mc.eos_token_ids), max_model_len))
     log.info("engine ready: %s on %s/%s, weights %s (%.1f MiB), KV format %s, %d blocks of %d tokens (%.1f MiB), "
              "attention %s, offload tiers: %s", loaded.source, device, dtype, products.name,
@@ -260,3 +261,10 @@ def _make_budgets(config: EngineConfig, storage: KVStorage, kv_format: KVFormat,
                              f"entries); got --kv-format {kv_format.spec}")
         return NoBudgets(f"KV format {kv_format.spec} is quantized; budgets need the native format")
     return KVBudgets(storage, mc.num_kv_heads, cc.kv_budget, cc.kv_policy, HostBlockStore(cc.budget_host_bytes))
+
+
+def _blend_step_tokens(config: EngineConfig) -> int | None:
+    """The blend work between two steps: the step's token budget when blends run in steps
+    (and prompts prefill in chunks), else None (each blend whole)."""
+    sc = config.scheduler
+    return sc.max_num_batched_tokens if config.cache.blend_in_steps and sc.enable_chunked_prefill else None

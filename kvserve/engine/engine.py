@@ -166,7 +166,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self.blending.has_waiting
+        return self.scheduler.has_unfinished or self.blending.has_work
 
     def reset_prefix_cache(self) -> int:
         """Forget the device prefix cache (the offload tiers keep their blocks)."""
@@ -183,11 +183,11 @@ class LLMEngine:
         output for each request that got a token."""
         self.kv.pins.expire()
         outputs: list[RequestOutput] = []
-        if self.blending.has_waiting:
+        if self.blending.has_work:
             for r in self.blending.admit():
                 outputs += self._sample(r.logits, [r.request]) if isinstance(r, Blended) else \
                     [self._fail(r.request, r.error)]
-        return outputs + self._run_batch(wait=not outputs)
+        return outputs + self._run_batch(wait=not outputs and not self.blending.has_work)
 
     def _run_batch(self, wait: bool) -> list[RequestOutput]:
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator is not None else {}

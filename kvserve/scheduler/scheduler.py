@@ -68,6 +68,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.loading: list[Request] = []     # admitted, waiting for their tier reads
+        self.num_reserved_seats = 0          # held for requests computed outside the steps (a blend under way)
         self.policy = make_policy(config)
         # counters read by the metrics observer
         self.num_preemptions = 0
@@ -90,12 +91,24 @@ class Scheduler:
 
     @property
     def has_free_seat(self) -> bool:
-        return len(self.running) + len(self.loading) < self.config.max_num_seqs
+        return len(self.running) + len(self.loading) + self.num_reserved_seats < self.config.max_num_seqs
 
-    def add_computed(self, request: Request, num_cached_tokens: int) -> None:
+    def reserve_seat(self) -> None:
+        """Hold a seat (``has_free_seat``) for a request the caller computes over several steps
+        (a blend, kvserve/blend/); ``add_computed(..., reserved=True)`` or ``release_seat`` ends it."""
+        self.num_reserved_seats += 1
+
+    def release_seat(self) -> None:
+        if self.num_reserved_seats <= 0:
+            raise RuntimeError("no seat is reserved")
+        self.num_reserved_seats -= 1
+
+    def add_computed(self, request: Request, num_cached_tokens: int, reserved: bool = False) -> None:
         """Run a request whose whole prompt the caller computed outside a step (a blended
         prompt, kvserve/blend/) into the blocks the KV manager gave it. A first admission,
-        counted with ``num_cached_tokens`` of prefix hits."""
+        counted with ``num_cached_tokens`` of prefix hits; ``reserved``: in the seat it held."""
+        if reserved:
+            self.release_seat()
         request.num_cached_tokens = num_cached_tokens
         self.num_prefix_query_tokens += request.num_tokens
         self.num_prefix_hit_tokens += num_cached_tokens

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from kvserve.bench import plots, rag
+from kvserve.bench import plots, rag, rag_itl
 from kvserve.bench.cli import add_bench_parser
 from kvserve.bench.common import find_text
 from kvserve.bench.rag import Answer, Method, RagResult
@@ -221,3 +221,27 @@ def test_a_tiny_run_end_to_end(default_model, text):
         assert 0 < a.num_reused_tokens <= doc_tokens
         assert a.num_recomputed_tokens <= a.num_reused_tokens
         assert a.num_restored_tokens == 0
+
+
+def test_decoders_beside_the_queries_get_a_token_every_step(default_model, text):
+    """``--decoders``: two requests decode while each query prefills in chunks (prefix), blends
+    a few layers a step, or blends whole; each step gives each decoder a token (one ITL sample),
+    the whole blend takes one step, the one in steps more."""
+    tokenizer = default_model.tokenizer
+    documents = make_documents(text, tokenizer, 3, 64, seed=0)
+    queries = make_queries(3, 2, 2, seed=1)
+
+    def make_llm(m: rag_itl.ItlMethod) -> LLM:
+        return LLM(loaded=default_model, num_kv_blocks=128, max_num_batched_tokens=32,
+                   blend_in_steps=m.blend_in_steps, blend_cost_model=False)
+
+    chosen = rag_itl.itl_methods([0.5])
+    assert [m.name for m in chosen] == ["prefix", "blend@0.5", "blend@0.5 whole"]
+    results = rag_itl.run_itl(make_llm, chosen, documents, queries, 2, "both", lambda _: None)
+    alone, prefix, stepped, whole = results
+    assert [r.name for r in results] == ["alone (no query)", "prefix", "blend@0.5", "blend@0.5 whole"]
+    assert whole.steps == [1, 1] and all(s > 1 for s in stepped.steps) and all(s > 1 for s in prefix.steps)
+    for r in (prefix, stepped, whole):
+        assert len(r.ttft_s) == 2 and len(r.gaps_s) == 2 * sum(r.steps)
+    assert len(alone.gaps_s) == 2 * sum(prefix.steps)          # the first method's steps, decoders alone
+    assert "blend@0.5 whole" in rag_itl.render_itl(results)

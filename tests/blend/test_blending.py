@@ -10,7 +10,7 @@ import torch
 from tiny import TINY, random_tokens, tiny_model
 
 from kvserve import LLM, SamplingParams
-from kvserve.blend.blending import BlendPrompt, blend_prefill, greedy_tokens
+from kvserve.blend.blending import BlendJob, BlendPrompt, attention_keys_per_row, blend_prefill, greedy_tokens
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import compute_kv
 from kvserve.blend.store import SegmentStore
@@ -39,6 +39,14 @@ def setup(request):
 
 def standalone(model: LlamaModel, prompt: BlendPrompt):
     return [compute_kv(model, s) for s in prompt.segments]
+
+
+def test_a_key_costs_what_its_share_of_the_multiply_adds_says():
+    # SmolLM2-135M: 576 x (576 + 2 x 192) + 576 x 576 + 3 x 576 x 1536 over 2 x 576
+    smol = dataclasses.replace(TINY, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
+                               head_dim=64)
+    assert attention_keys_per_row(smol) == 3072.0
+    assert attention_keys_per_row(TINY) == (64 * 128 + 64 * 64 + 3 * 64 * 128) / 128 == 288.0
 
 
 def test_blend_fraction_one_gives_the_full_prefill(setup):
@@ -259,3 +267,38 @@ def test_selected_rows_attend_in_groups_as_in_one_masked_call():
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=0.25,
         enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(_attend(q, k, v, rows, 0.25), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("selection", ["deviation", "query", "query-segments"])
+def test_a_blend_run_a_layer_at_a_time_is_the_blend_run_whole(setup, selection):
+    """``BlendJob.advance`` with a budget of one token-layer: a layer per call, the same
+    tensors as ``blend_prefill``, and the rows and keys it computed counted exactly."""
+    _, model, rope = setup
+    prompt = rag_prompt(5)
+    cached = standalone(model, prompt)
+    whole = blend_prefill(model, rope, prompt, cached, 0.2, selection=selection, sink_tokens=2)
+    job = BlendJob(model, rope, prompt, cached, 0.2, selection=selection, sink_tokens=2)
+    calls, stepped = 1, job.advance(1)
+    while stepped is None:
+        calls, stepped = calls + 1, job.advance(1)
+    num_layers, n = model.config.num_layers, len(prompt.token_ids)
+    computed = n - whole.num_reused_tokens                       # 20: the text around the documents
+    recomputed = whole.num_recomputed_tokens
+    if selection == "deviation":     # layer 0 for every token, then the computed and selected
+        assert calls == num_layers + 1
+        assert job.num_row_layers == n + (num_layers - 1) * (computed + recomputed)
+        rows = sorted({*range(11), *range(n - 9, n), *whole.selected.tolist()})     # system, question, selected
+        keys = n * (n + 1) // 2 + (num_layers - 1) * sum(p + 1 for p in rows)       # causal: p + 1 keys
+        assert job.num_key_layers == keys
+        assert job.work == pytest.approx(job.num_row_layers + keys / attention_keys_per_row(model.config))
+    else:                            # the question's pass, then the blend's
+        assert calls == 2 * num_layers + 1
+        assert job.num_row_layers == num_layers * (computed + computed + recomputed)
+    assert torch.equal(stepped.logits, whole.logits) and torch.equal(stepped.selected, whole.selected)
+    for layer in range(num_layers):
+        assert torch.equal(stepped.keys[layer], whole.keys[layer])
+        assert torch.equal(stepped.values[layer], whole.values[layer])
+    done = BlendJob(model, rope, prompt, cached, 0.2, selection=selection, sink_tokens=2)
+    assert done.advance(math.inf) is not None                    # whole in one call
+    with pytest.raises(ValueError, match="select_layer must be in"):
+        BlendJob(model, rope, prompt, cached, 0.2, select_layer=0)    # checked before any layer runs

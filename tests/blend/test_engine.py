@@ -264,3 +264,76 @@ def test_the_cost_model_weighs_a_tier_load_against_the_partial_recompute(loaded,
     else:
         assert (stats.num_blended, stats.num_declined, out.num_reused_tokens) == (1, 0, 48)
     engine.check_integrity()
+
+
+def test_decoding_requests_keep_stepping_while_a_prompt_blends(loaded):
+    """A step's token budget of 16 is 32 token-layers of blend work on the 2-layer model:
+    layer 0 of the 142-token prompt, layer 1 of its 40 computed and selected rows (each over
+    more than 32), then its logits: three steps, in each of which the decoding request gets
+    its token. The tokens
+    are those of the blend run whole before one step (``blend_in_steps`` off)."""
+    def run(in_steps: bool) -> tuple[list[list[str]], dict[str, list[int]]]:
+        llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False, max_num_batched_tokens=16,
+                  blend_in_steps=in_steps)
+        engine = llm.engine
+        llm.cache_segments(DOCS[:3])
+        decoding = engine.add_request(tokens(10, 40), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                      request_id="decoding")
+        engine.step()                                           # its prefill and first token
+        engine.add_request(rag([0, 1, 2], 0.15), GREEDY, request_id="blended")
+        got: dict[str, list[int]] = {decoding: [], "blended": []}
+        per_step = []
+        while engine.has_unfinished:
+            outs = engine.step()
+            if engine.blending.blending is not None or not per_step or len(got["blended"]) == 0:
+                per_step.append(sorted({o.request_id for o in outs}))
+            for o in outs:
+                got[o.request_id] = list(o.token_ids)
+            engine.check_integrity()
+            if len(per_step) == 1 and in_steps:
+                assert engine.scheduler.num_reserved_seats == 1     # the blend holds its seat
+        assert engine.scheduler.num_reserved_seats == 0
+        return per_step, got
+
+    stepped, got = run(True)
+    whole, want = run(False)
+    assert stepped == [["decoding"], ["decoding"], ["blended", "decoding"]]
+    assert whole == [["blended", "decoding"]]
+    assert got == want and len(got["blended"]) == 6 and len(got["decoding"]) == 12
+
+
+def test_a_request_aborted_while_it_blends_frees_its_blocks_and_seat(loaded):
+    llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False, max_num_batched_tokens=16)
+    engine = llm.engine
+    llm.cache_segments(DOCS[:3])
+    rid = engine.add_request(rag([0, 1, 2], 0.15), GREEDY)
+    assert engine.step() == [] and engine.blending.blending is not None
+    engine.abort(rid)
+    assert engine.blending.blending is None and engine.scheduler.num_reserved_seats == 0
+    assert not engine.has_unfinished
+    engine.check_integrity()
+    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    again = llm.generate([rag([0, 1, 2], 0.15)], GREEDY)[0]      # the engine goes on
+    assert again.error is None and len(again.token_ids) == 6
+
+
+def test_a_blend_that_fails_midway_fails_alone(loaded, monkeypatch):
+    llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False, max_num_batched_tokens=16)
+    engine = llm.engine
+    llm.cache_segments(DOCS[:3])
+
+    def broken(task):
+        raise RuntimeError("no room to write")
+    monkeypatch.setattr(engine.blending.blender, "finish", broken)
+    plain = engine.add_request(tokens(10, 40), GREEDY)
+    failed = engine.add_request(rag([0, 1, 2], 0.15), GREEDY)
+    done = {}
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert "blending failed: RuntimeError: no room to write" in done[failed].error
+    assert done[plain].error is None and len(done[plain].token_ids) == 6
+    assert engine.scheduler.num_reserved_seats == 0
+    engine.check_integrity()
+    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
