@@ -51,7 +51,7 @@ def opt(help: str, **kw: Any) -> dict[str, Option]:
 #: over the cached KV; the tokens its queries attend to most, over every layer, recomputed in
 #: every layer), "query-segments" (the same first pass; the segments whose tokens the question
 #: attends to most, recomputed whole)
-BLEND_SELECTIONS = ("deviation", "query", "query-segments")
+BLEND_SELECTIONS = ("deviation", "narrowing", "query", "query-segments")
 
 
 def check_blend_selection(selection: str, sink_tokens: int) -> None:
@@ -162,7 +162,7 @@ class CacheConfig:
         "below it run for every token (docs/blend.md)"))
     blend_selection: str = field(default="deviation", metadata=opt(
         "how blending picks the reused tokens it recomputes: deviation (CacheBlend: fresh vs cached KV at "
-        "blend_select_layer), query (the text after the last segment computed first; the tokens its queries "
+        "blend_select_layer), narrowing (the same, narrowed layer by layer: 2f, 1.5f, then f), query (the text after the last segment computed first; the tokens its queries "
         "attend to most, recomputed in every layer), query-segments (the same, whole segments) (docs/blend.md)",
         choices=BLEND_SELECTIONS))
     blend_sink_tokens: int = field(default=0, metadata=opt(

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.blend.blending import Blended, BlendJob, BlendPrompt
+from kvserve.blend.blending import Blended, BlendJob, BlendPrompt, narrowing_fractions
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV, compute_kv
 from kvserve.blend.store import SegmentStore, read_tokens, write_tokens
@@ -107,9 +107,13 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
     (module docstring)."""
     recomputed = min(num_reused, max(fraction * num_reused, num_sink_tokens))
     computed = num_tokens - num_reused
-    if selection != "deviation":         # the query selections: the question computed twice
+    if selection.startswith("query"):    # the query selections: the question computed twice
         return 2 * computed + recomputed
     below = select_layer / num_layers
+    if selection == "narrowing":         # wider for the first layers of the narrowing
+        wider = sum(min(num_reused, max(f * num_reused, num_sink_tokens)) - recomputed
+                    for f in narrowing_fractions(fraction, num_layers - select_layer)[:-1]) / num_layers
+        return computed + num_reused * below + recomputed * (1.0 - below) + wider
     return computed + num_reused * below + recomputed * (1.0 - below)
 
 

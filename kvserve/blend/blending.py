@@ -194,12 +194,21 @@ def _blend_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cache
         computed[selected] = True
         done = (yield from ctx.run(computed))._replace(selected=selected)
     elif num_reused:
-        def choose(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            fresh = reused - num_known      # every position from num_known on is still computed here
-            score = _deviation(k[fresh], v[fresh], cached_keys[select_layer], cached_values[select_layer])
-            return _pick(score, runs, blend_fraction, sink_tokens)
+        # per choosing layer, the share of each segment kept computed from there on
+        fractions = (narrowing_fractions(blend_fraction, model.config.num_layers - select_layer)
+                     if selection == "narrowing" else (blend_fraction,))
+        share = {select_layer + i: f for i, f in enumerate(fractions)}
+        index = torch.full((n,), -1, dtype=torch.long, device=dev)      # position -> its row among the reused
+        index[reused] = torch.arange(num_reused, device=dev)
 
-        done = yield from ctx.run(everything, choose_at=select_layer, choose=choose)
+        def choose(layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            current = is_reused[rows]                   # the reused rows still computed at this layer
+            at = index[rows[current]]
+            score = torch.full((num_reused,), -math.inf, device=dev)
+            score[at] = _deviation(k[current], v[current], cached_keys[layer][at], cached_values[layer][at])
+            return _pick(score, runs, share[layer], sink_tokens)
+
+        done = yield from ctx.run(everything, choose_at=tuple(share), choose=choose)
     else:
         done = yield from ctx.run(everything)
     return Blended(tuple(done.keys), tuple(done.values), done.logits, done.selected, num_reused,
@@ -225,16 +234,16 @@ class _Context:
         self.cached_keys, self.cached_values = cached_keys, cached_values
         self.n = len(token_ids)
 
-    def run(self, computed: torch.Tensor, choose_at: int | None = None,
-            choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    def run(self, computed: torch.Tensor, choose_at: tuple[int, ...] = (),
+            choose: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
             question_from: int | None = None,
             question_layer: int | None = None) -> Generator[tuple[int, int], None, _Pass]:
         """Every layer (yielding the rows it computed and the keys they attended, causally) for
         the positions ``computed`` ([n] bool; from num_known on, the prompt's
-        last among them); the others' KV known or cached. At layer ``choose_at``, ``choose(k, v)``
-        (that layer's fresh keys and values of every computed position, which must then be every
-        position from num_known on) names the reused positions computed from there on with the
-        ones not reused. With ``question_from``: also the attention the computed positions from
+        last among them); the others' KV known or cached. At each layer of ``choose_at``,
+        ``choose(layer, rows, k, v)`` (the positions computed so far and that layer's fresh keys
+        and values of them; at the first, every position from num_known on) names the reused
+        positions computed from there on with the ones not reused: a subset of ``rows``. With ``question_from``: also the attention the computed positions from
         there on give each position, summed over them, the heads and the layers (only layer
         ``question_layer`` where given)."""
         model, num_known, known, reused, n = self.model, self.num_known, self.known, self.reused, self.n
@@ -247,8 +256,8 @@ class _Context:
         values: list[torch.Tensor] = []
         for layer in range(model.config.num_layers):
             q, k, v = model.layer_qkv(layer, h, model.rope.angles(rows))
-            if layer == choose_at and choose is not None:
-                selected = choose(k, v)
+            if choose is not None and layer in choose_at:
+                selected = choose(layer, rows, k, v)
                 keep = ~self.is_reused
                 keep[selected] = True
                 keep = keep[rows]
@@ -321,6 +330,17 @@ def _query_attention(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tenso
     visible = torch.arange(n, device=keys.device)[None, :] <= positions[:, None]
     logits = logits.masked_fill(~visible, float("-inf"))
     return logits.softmax(dim=-1).sum(dim=(0, 1, 2))
+
+
+NARROWING = (2.0, 1.5, 1.0)    # ``narrowing``: the fraction's multiples kept at the first choosing layers
+
+
+def narrowing_fractions(fraction: float, num_layers_from: int) -> tuple[float, ...]:
+    """The share of each segment kept at ``select_layer``, the next layer and so on, down to
+    ``fraction`` (CacheBlend's gradual filtering: each layer chooses among the tokens the
+    layer before kept, by its own deviation); the schedule's tail where fewer than its
+    length of layers are left from ``select_layer`` on (``num_layers_from``)."""
+    return tuple(min(1.0, m * fraction) for m in NARROWING[-num_layers_from:])
 
 
 SINK_SPAN = 32    # a segment's first tokens, a spurious attention sink: left out of its score as a whole

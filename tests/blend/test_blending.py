@@ -10,7 +10,14 @@ import torch
 from tiny import TINY, random_tokens, tiny_model
 
 from kvserve import LLM, SamplingParams
-from kvserve.blend.blending import BlendJob, BlendPrompt, attention_keys_per_row, blend_prefill, greedy_tokens
+from kvserve.blend.blending import (
+    BlendJob,
+    BlendPrompt,
+    attention_keys_per_row,
+    blend_prefill,
+    greedy_tokens,
+    narrowing_fractions,
+)
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import compute_kv
 from kvserve.blend.store import SegmentStore
@@ -302,3 +309,42 @@ def test_a_blend_run_a_layer_at_a_time_is_the_blend_run_whole(setup, selection):
     assert done.advance(math.inf) is not None                    # whole in one call
     with pytest.raises(ValueError, match="select_layer must be in"):
         BlendJob(model, rope, prompt, cached, 0.2, select_layer=0)    # checked before any layer runs
+
+
+def test_narrowing_keeps_2f_then_1_5f_then_f_each_among_the_layer_befores():
+    """CacheBlend's gradual filtering on the 4-layer model (select_layer 1): layer 1 keeps the
+    deviation selection at 2f, layer 2 the best 1.5f of those by its own deviation, layer 3
+    the best f of those; the layers' rows counted exactly."""
+    loaded = tiny_model(DEEP)
+    model = LlamaModel(loaded.config, loaded.weights, torch.device("cpu"), torch.float32)
+    rope = RopeTables(loaded.config)
+    prompt = rag_prompt(7)
+    cached = standalone(model, prompt)
+    f = 0.2
+    job = BlendJob(model, rope, prompt, cached, f, selection="narrowing")
+    narrowed = job.advance(math.inf)
+    wide = blend_prefill(model, rope, prompt, cached, 2 * f)                      # layer 1's choice
+    middle = blend_prefill(model, rope, prompt, cached, 1.5 * f, selection="narrowing", select_layer=2)
+    lengths = [40, 33, 48]
+    counts = {share: [math.ceil(share * n - 1e-9) for n in lengths] for share in (2 * f, 1.5 * f, f)}
+    assert narrowed.num_recomputed_tokens == sum(counts[f]) == 8 + 7 + 10
+    assert set(narrowed.selected.tolist()) <= set(wide.selected.tolist())
+    assert narrowed.selected.tolist() != blend_prefill(model, rope, prompt, cached, f).selected.tolist()
+    assert middle.num_recomputed_tokens == sum(counts[1.5 * f])     # 2 layers from layer 2: the tail, ending at 0.3
+    n, computed = len(prompt.token_ids), 11 + 9
+    assert job.num_row_layers == n + sum(computed + sum(counts[s]) for s in (2 * f, 1.5 * f, f))
+    assert narrowing_fractions(0.15, 30) == (0.3, 0.15 * 1.5, 0.15) and narrowing_fractions(0.6, 1) == (0.6,)
+    assert narrowing_fractions(0.6, 30)[0] == 1.0
+
+
+def test_narrowing_with_one_layer_left_is_the_deviation_selection(setup):
+    _, model, rope = setup
+    prompt = rag_prompt(8)
+    cached = standalone(model, prompt)
+    last = model.config.num_layers - 1
+    a = blend_prefill(model, rope, prompt, cached, 0.2, select_layer=last, selection="narrowing")
+    b = blend_prefill(model, rope, prompt, cached, 0.2, select_layer=last)
+    assert torch.equal(a.selected, b.selected) and torch.equal(a.logits, b.logits)
+    full = blend_prefill(model, rope, prompt, cached, 1.0, selection="narrowing")
+    assert full.num_recomputed_tokens == 121                           # fraction 1.0: everything, as full prefill
+    torch.testing.assert_close(full.keys[last], compute_kv(model, prompt.token_ids).keys[last], atol=1e-6, rtol=0)

@@ -46,7 +46,7 @@ def test_fraction_one_gives_the_full_prefill_tokens(loaded):
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("selection", ["deviation", "query", "query-segments"])
+@pytest.mark.parametrize("selection", ["deviation", "narrowing", "query", "query-segments"])
 def test_the_engine_blends_with_each_selection_as_blend_prefill_does(loaded, selection):
     """``blend_selection`` and ``blend_sink_tokens`` reach the blend: the engine's request
     recomputes exactly the tokens ``blend_prefill`` picks, and gives its greedy tokens."""
@@ -138,6 +138,8 @@ def test_the_cost_model_sends_unprofitable_blends_to_a_full_prefill(loaded):
     assert blend_work(100, 60, 0.1, 1, 30, "query") == pytest.approx(2 * 40 + 6)
     assert blend_work(100, 60, 0.1, 1, 30, "query", 12) == pytest.approx(2 * 40 + 12)
     assert blend_work(100, 60, 0.1, 1, 30, "query-segments", 12) == pytest.approx(2 * 40 + 12)
+    # narrowing: layer 1 computes 12 of the 60 (2f), layer 2 9 (1.5f), then 6 (f) on
+    assert blend_work(100, 60, 0.1, 1, 30, "narrowing") == pytest.approx(40 + 2 + 6 * 29 / 30 + (6 + 3) / 30)
     llm.engine.check_integrity()
 
 
