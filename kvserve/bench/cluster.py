@@ -89,11 +89,17 @@ def system_prompt(text: str, words: int) -> str:
 
 
 async def _turn(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str, dict]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+    return await streamed(client, "/v1/chat/completions", body)
+
+
+async def streamed(client: Any, path: str, body: dict[str, Any]) -> tuple[float, str, dict]:
+    """POST ``body`` to ``path`` (chat or completions) streaming, with usage: the time to the
+    first text, the text and the usage."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, pieces, usage = None, [], None
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+    async with client.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
         async for line in r.aiter_lines():
@@ -104,9 +110,10 @@ async def _turn(client: Any, model: str, messages: list[dict[str, str]], max_tok
                 raise RuntimeError(f"error event: {event['error']}")
             usage = event.get("usage") or usage
             for choice in event["choices"]:
-                if choice["delta"].get("content"):
+                text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+                if text:
                     ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    pieces.append(choice["delta"]["content"])
+                    pieces.append(text)
     if usage is None:
         raise RuntimeError("no usage")
     return (ttft if ttft is not None else time.perf_counter() - t0), "".join(pieces), usage
@@ -160,21 +167,26 @@ def run_config(name: str, args: argparse.Namespace, redis_url: str, system: str,
     client = redis.Redis.from_url(redis_url)
     client.flushall()     # every configuration starts with an empty shared tier
     client.close()
-    extra = [*(["--model", args.model] if args.model else []), "--device", args.device, "--dtype", args.dtype,
-             "--redis-url", redis_url, *CONFIGS[name], *args.server_arg]
-    if name == "single":      # one engine with the replicas' KV memory together
-        extra += ["--num-kv-blocks", str(args.num_kv_blocks * args.replicas)]
-    else:
-        extra += ["--num-kv-blocks", str(args.num_kv_blocks), "--replicas", str(args.replicas),
-                  "--replica-cpus", str(args.replica_cpus), "--ray-num-cpus", str(args.ray_num_cpus)]
     run = Run(name, load_before=os.getloadavg()[0])
-    with serving(extra) as url:
+    with serving(server_flags(args, name == "single", ["--redis-url", redis_url, *CONFIGS[name]])) as url:
         asyncio.run(play(url, run, args.served_model_name, system, turns, args.max_tokens, replies,
                          args.concurrency))
         time.sleep(2.5)      # the replicas' stats reach the ingress's /metrics within a poll
         scrape(url, run)
     run.load_after = os.getloadavg()[0]
     return run
+
+
+def server_flags(args: argparse.Namespace, single: bool, flags: list[str]) -> list[str]:
+    """``kvserve serve`` flags for a configuration: the model, ``flags``, the user's
+    ``--server-arg``s, and either one engine with the replicas' KV memory together
+    (``single``) or the replicas, each with its pool and CPU share."""
+    out = [*(["--model", args.model] if args.model else []), "--device", args.device, "--dtype", args.dtype,
+           *flags, *args.server_arg]
+    if single:
+        return [*out, "--num-kv-blocks", str(args.num_kv_blocks * args.replicas)]
+    return [*out, "--num-kv-blocks", str(args.num_kv_blocks), "--replicas", str(args.replicas),
+            "--replica-cpus", str(args.replica_cpus), "--ray-num-cpus", str(args.ray_num_cpus)]
 
 
 @contextmanager

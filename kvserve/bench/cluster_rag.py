@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.cluster import serving
+from kvserve.bench.cluster import server_flags, serving, streamed
 from kvserve.bench.common import table
 from kvserve.bench.rag_workload import Document, Query, is_correct, make_documents, prompt_text
 from kvserve.bench.serve import percentile
@@ -80,27 +80,9 @@ def user_queries(num_users: int, docs_per_user: int, k: int, queries_per_user: i
 
 
 async def _ask(client: Any, model: str, prompt: str, segments: list[str], max_tokens: int) -> tuple[float, str, int]:
-    body = {"model": model, "prompt": prompt, "segments": segments, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft, pieces, usage = None, [], None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"error event: {event['error']}")
-            usage = event.get("usage") or usage
-            for choice in event["choices"]:
-                if choice.get("text"):
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    pieces.append(choice["text"])
-    if usage is None:
-        raise RuntimeError("no usage")
-    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(pieces), usage["prompt_tokens"]
+    body = {"model": model, "prompt": prompt, "segments": segments, "max_tokens": max_tokens, "temperature": 0.0}
+    ttft, text, usage = await streamed(client, "/v1/completions", body)
+    return ttft, text, usage["prompt_tokens"]
 
 
 async def play(url: str, run: RagRun, model: str, documents: list[Document], prompts: list[list[str]],
@@ -155,15 +137,8 @@ def scrape(url: str, run: RagRun, single: bool) -> None:
 
 def run_config(name: str, args: argparse.Namespace, documents: list[Document], prompts: list[list[str]],
                queries: list[list[Query]]) -> RagRun:
-    extra = [*(["--model", args.model] if args.model else []), "--device", args.device, "--dtype", args.dtype,
-             *CONFIGS[name], *args.server_arg]
-    if name == "single":      # one engine with the replicas' KV memory together
-        extra += ["--num-kv-blocks", str(args.num_kv_blocks * args.replicas)]
-    else:
-        extra += ["--num-kv-blocks", str(args.num_kv_blocks), "--replicas", str(args.replicas),
-                  "--replica-cpus", str(args.replica_cpus), "--ray-num-cpus", str(args.ray_num_cpus)]
     run = RagRun(name, load_before=os.getloadavg()[0])
-    with serving(extra) as url:
+    with serving(server_flags(args, name == "single", CONFIGS[name])) as url:
         asyncio.run(play(url, run, args.served_model_name, documents, prompts, queries, args.max_tokens,
                          args.concurrency))
         time.sleep(2.5)      # the replicas' stats reach the ingress's /metrics within a poll
