@@ -239,13 +239,13 @@ class _Context:
             question_from: int | None = None,
             question_layer: int | None = None) -> Generator[tuple[int, int], None, _Pass]:
         """Every layer (yielding the rows it computed and the keys they attended, causally) for
-        the positions ``computed`` ([n] bool; from num_known on, the prompt's
-        last among them); the others' KV known or cached. At each layer of ``choose_at``,
-        ``choose(layer, rows, k, v)`` (the positions computed so far and that layer's fresh keys
-        and values of them; at the first, every position from num_known on) names the reused
-        positions computed from there on with the ones not reused: a subset of ``rows``. With ``question_from``: also the attention the computed positions from
-        there on give each position, summed over them, the heads and the layers (only layer
-        ``question_layer`` where given)."""
+        the positions ``computed`` ([n] bool; from num_known on, the prompt's last among them);
+        the others' KV known or cached. At each layer of ``choose_at``, ``choose(layer, rows,
+        k, v)`` (the positions computed so far and that layer's fresh keys and values of them;
+        at the first, every position from num_known on) names the reused positions computed
+        from there on with the ones not reused: a subset of ``rows``. With ``question_from``:
+        also the attention the computed positions from there on give each position, summed
+        over them, the heads and the layers (only layer ``question_layer`` where given)."""
         model, num_known, known, reused, n = self.model, self.num_known, self.known, self.reused, self.n
         dev = model.device
         rows = torch.arange(n, device=dev)[num_known:][computed[num_known:]]   # the positions ``h`` holds
