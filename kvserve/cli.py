@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
     add_eval_budget_parser(sub)
     add_eval_weights_parser(sub)
+    from kvserve.eval.blend_layer import add_eval_blend_layer_parser
+    add_eval_blend_layer_parser(sub)
     return parser
 
 

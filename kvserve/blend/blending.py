@@ -346,16 +346,22 @@ def narrowing_fractions(fraction: float, num_layers_from: int) -> tuple[float, .
 SINK_SPAN = 32    # a segment's first tokens, a spurious attention sink: left out of its score as a whole
 
 
-def _pick_segments(score: torch.Tensor, runs: list[tuple[int, int]], fraction: float,
-                   sink_tokens: int) -> torch.Tensor:
-    """Whole runs, best first by their largest ``score`` past their first SINK_SPAN tokens (all of a
-    shorter run), until ``ceil(fraction * reused tokens)`` are taken (one run at least, where the
-    fraction is not 0); and every run's first ``sink_tokens``. Positions, sorted."""
+def _peaks(score: torch.Tensor, runs: list[tuple[int, int]]) -> list[float]:
+    """Each run's largest ``score`` past its first SINK_SPAN tokens (all of a shorter run)."""
     best, offset = [], 0
     for _, length in runs:
         run = score[offset:offset + length]
         best.append(float((run[SINK_SPAN:] if length > SINK_SPAN else run).max()))
         offset += length
+    return best
+
+
+def _pick_segments(score: torch.Tensor, runs: list[tuple[int, int]], fraction: float,
+                   sink_tokens: int) -> torch.Tensor:
+    """Whole runs, best first by their largest ``score`` past their first SINK_SPAN tokens (all of a
+    shorter run), until ``ceil(fraction * reused tokens)`` are taken (one run at least, where the
+    fraction is not 0); and every run's first ``sink_tokens``. Positions, sorted."""
+    best = _peaks(score, runs)
     wanted = math.ceil(fraction * sum(length for _, length in runs) - 1e-9)
     picked = [_pick(score, runs, 0.0, sink_tokens)]
     for i in sorted(range(len(runs)), key=lambda i: (-best[i], i)):
@@ -405,6 +411,38 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tenso
                                                    vs[:, :, :end], attn_mask=mask, scale=scale,
                                                    enable_gqa=group > 1))
     return torch.cat(outs, dim=2)[0].transpose(0, 1)
+
+
+@torch.inference_mode()
+def segment_peaks_by_layer(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt,
+                           cached: Sequence[SegmentKV]) -> list[list[float]]:
+    """Per layer, each segment's score as ``query-segments`` reads it with that layer as
+    ``blend_query_layer``: the question's first-pass attention (every segment as cached),
+    its largest weight on the segment's tokens past the first SINK_SPAN. What
+    ``kvserve eval-blend-layer`` calibrates the layer from. Every segment must be cached whole."""
+    if len(cached) != len(prompt.spans) or any(c.num_tokens != n for c, (_, n) in zip(cached, prompt.spans)):
+        raise ValueError("every segment's standalone KV is needed, whole")
+    _check(model, prompt, cached, 0.0, 1, None, "query-segments", 0, None)
+    token_ids = list(prompt.token_ids)
+    n, dev = len(token_ids), model.device
+    runs, cached_keys, cached_values = _place(prompt, cached, rope, 0)
+    reused = torch.tensor([p for start, length in runs for p in range(start, start + length)],
+                          dtype=torch.long, device=dev)
+    is_reused = torch.zeros(n, dtype=torch.bool, device=dev)
+    is_reused[reused] = True
+    ctx = _Context(model, token_ids, 0, None, reused, is_reused, cached_keys, cached_values)
+    out = []
+    for layer in range(model.config.num_layers):
+        passes = ctx.run(~is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=layer)
+        while True:
+            try:
+                next(passes)
+            except StopIteration as stop:
+                asked: _Pass = stop.value
+                break
+        assert asked.attention is not None
+        out.append(_peaks(asked.attention[reused], runs))
+    return out
 
 
 @torch.inference_mode()

@@ -17,6 +17,7 @@ from kvserve.blend.blending import (
     blend_prefill,
     greedy_tokens,
     narrowing_fractions,
+    segment_peaks_by_layer,
 )
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import compute_kv
@@ -348,3 +349,24 @@ def test_narrowing_with_one_layer_left_is_the_deviation_selection(setup):
     full = blend_prefill(model, rope, prompt, cached, 1.0, selection="narrowing")
     assert full.num_recomputed_tokens == 121                           # fraction 1.0: everything, as full prefill
     torch.testing.assert_close(full.keys[last], compute_kv(model, prompt.token_ids).keys[last], atol=1e-6, rtol=0)
+
+
+def test_each_layers_segment_peaks_name_the_segment_query_segments_recomputes_at_that_layer():
+    """``segment_peaks_by_layer`` (what ``eval-blend-layer`` calibrates from) against the
+    selection itself: at every layer of the 4-layer model, the segment with the highest peak
+    is the one ``query-segments`` reading that layer recomputes whole (one, at a tiny fraction)."""
+    loaded = tiny_model(DEEP)
+    model = LlamaModel(loaded.config, loaded.weights, torch.device("cpu"), torch.float32)
+    rope = RopeTables(loaded.config)
+    for seed in (3, 9):
+        prompt = rag_prompt(seed)
+        cached = standalone(model, prompt)
+        peaks = segment_peaks_by_layer(model, rope, prompt, cached)
+        assert len(peaks) == 4 and all(len(p) == 3 for p in peaks)
+        for layer, scores in enumerate(peaks):
+            best = max(range(3), key=scores.__getitem__)
+            picked = blend_prefill(model, rope, prompt, cached, 0.01, selection="query-segments", query_layer=layer)
+            start, length = prompt.spans[best]
+            assert picked.selected.tolist() == list(range(start, start + length))
+    with pytest.raises(ValueError, match="standalone KV is needed, whole"):
+        segment_peaks_by_layer(model, rope, prompt, [c.head(5) for c in cached])
