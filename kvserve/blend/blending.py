@@ -170,15 +170,9 @@ def _blend_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cache
                  sink_tokens: int, query_layer: int | None) -> Generator[tuple[int, int], None, Blended]:
     """``blend_prefill``'s body (arguments checked): yields per layer the rows computed and
     the keys they attended."""
-    token_ids = list(prompt.token_ids)
-    n, dev = len(token_ids), model.device
-    num_known = 0 if known is None else known.num_tokens
-    runs, cached_keys, cached_values = _place(prompt, cached, rope, num_known)
-    reused = torch.tensor([p for start, length in runs for p in range(start, start + length)],
-                          dtype=torch.long, device=dev)
-    is_reused = torch.zeros(n, dtype=torch.bool, device=dev)
-    is_reused[reused] = True
-    ctx = _Context(model, token_ids, num_known, known, reused, is_reused, cached_keys, cached_values)
+    ctx, runs = _Context.of(model, rope, prompt, cached, known)
+    n, dev, num_known = ctx.n, model.device, ctx.num_known
+    reused, is_reused, cached_keys, cached_values = ctx.reused, ctx.is_reused, ctx.cached_keys, ctx.cached_values
     num_reused = int(reused.numel())
     everything = torch.ones(n, dtype=torch.bool, device=dev)
     if selection in ("query", "query-segments") and num_reused:
@@ -233,6 +227,20 @@ class _Context:
         self.reused, self.is_reused = reused, is_reused
         self.cached_keys, self.cached_values = cached_keys, cached_values
         self.n = len(token_ids)
+
+    @classmethod
+    def of(cls, model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
+           known: SegmentKV | None) -> tuple[_Context, list[tuple[int, int]]]:
+        """The context of ``prompt`` (arguments checked) and its reused runs (``_place``)."""
+        num_known = 0 if known is None else known.num_tokens
+        runs, cached_keys, cached_values = _place(prompt, cached, rope, num_known)
+        dev, n = model.device, len(prompt.token_ids)
+        reused = torch.tensor([p for start, length in runs for p in range(start, start + length)],
+                              dtype=torch.long, device=dev)
+        is_reused = torch.zeros(n, dtype=torch.bool, device=dev)
+        is_reused[reused] = True
+        ctx = cls(model, list(prompt.token_ids), num_known, known, reused, is_reused, cached_keys, cached_values)
+        return ctx, runs
 
     def run(self, computed: torch.Tensor, choose_at: tuple[int, ...] = (),
             choose: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -423,17 +431,10 @@ def segment_peaks_by_layer(model: LlamaModel, rope: RopeTables, prompt: BlendPro
     if len(cached) != len(prompt.spans) or any(c.num_tokens != n for c, (_, n) in zip(cached, prompt.spans)):
         raise ValueError("every segment's standalone KV is needed, whole")
     _check(model, prompt, cached, 0.0, 1, None, "query-segments", 0, None)
-    token_ids = list(prompt.token_ids)
-    n, dev = len(token_ids), model.device
-    runs, cached_keys, cached_values = _place(prompt, cached, rope, 0)
-    reused = torch.tensor([p for start, length in runs for p in range(start, start + length)],
-                          dtype=torch.long, device=dev)
-    is_reused = torch.zeros(n, dtype=torch.bool, device=dev)
-    is_reused[reused] = True
-    ctx = _Context(model, token_ids, 0, None, reused, is_reused, cached_keys, cached_values)
+    ctx, runs = _Context.of(model, rope, prompt, cached, None)
     out = []
     for layer in range(model.config.num_layers):
-        passes = ctx.run(~is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=layer)
+        passes = ctx.run(~ctx.is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=layer)
         while True:
             try:
                 next(passes)
@@ -441,7 +442,7 @@ def segment_peaks_by_layer(model: LlamaModel, rope: RopeTables, prompt: BlendPro
                 asked: _Pass = stop.value
                 break
         assert asked.attention is not None
-        out.append(_peaks(asked.attention[reused], runs))
+        out.append(_peaks(asked.attention[ctx.reused], runs))
     return out
 
 
