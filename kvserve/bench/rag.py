@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvserve.bench.common import table
-from kvserve.bench.rag_itl import DECODE_PROMPT_TOKENS, DECODE_TOKENS, ItlMethod
+from kvserve.bench.rag_itl import DECODE_PROMPT_TOKENS, DECODE_TOKENS, ItlMethod, itl_methods, render_itl, run_itl
 from kvserve.bench.rag_workload import (
     QUESTION_PLACES,
     Document,
@@ -328,13 +328,12 @@ def run_bench(args: argparse.Namespace) -> int:
                            cache.blend_selection):
         print(line)
     if args.decoders:
-        from kvserve.bench.rag_itl import itl_methods, render_itl, run_itl
+        decoder_blocks = args.decoders * -(-(DECODE_PROMPT_TOKENS + DECODE_TOKENS) // cache.block_size)
 
-        def make_itl_llm(m: ItlMethod) -> LLM:
+        def make_itl_llm(m: ItlMethod) -> LLM:     # the decoders' blocks beside the documents and queries
             return LLM(loaded=loaded, num_kv_blocks=pool + decoder_blocks, **{**options,
                        "blend_in_steps": m.blend_in_steps})
 
-        decoder_blocks = args.decoders * -(-(DECODE_PROMPT_TOKENS + DECODE_TOKENS) // cache.block_size)
         itl = run_itl(make_itl_llm, itl_methods(args.fraction or DEFAULT_FRACTIONS), documents, queries,
                       args.decoders, args.question, log)
         print(f"\n{args.decoders} requests decoding beside each query (inter-token latency from the query's arrival "
