@@ -52,6 +52,7 @@ def opt(help: str, **kw: Any) -> dict[str, Option]:
 #: every layer), "query-segments" (the same first pass; the segments whose tokens the question
 #: attends to most, recomputed whole)
 BLEND_SELECTIONS = ("deviation", "narrowing", "query", "query-segments")
+QUERY_SELECTIONS = ("query", "query-segments")     # those that compute the question first, to choose
 
 
 def check_blend_selection(selection: str, sink_tokens: int) -> None:

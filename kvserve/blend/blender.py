@@ -12,7 +12,6 @@ At its first admission (the engine calls, in order):
     task.advance(budget)     ``BlendJob``'s layers, ``budget`` token-layers at a time
     finish(task)             the KV of every token after the hit written into the request's
                              blocks; returns the next-token logits
-    run(req, ...)            the three at once
 
 The request's blocks then hold KV that no exact computation produced, so the KV manager
 never caches them under prefix keys (``KVCacheManager.mark_lossy``); a preempted blended
@@ -37,7 +36,6 @@ it counts as reused.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +44,7 @@ from kvserve.blend.blending import Blended, BlendJob, BlendPrompt, narrowing_fra
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV, compute_kv
 from kvserve.blend.store import SegmentStore, read_tokens, write_tokens
-from kvserve.config import check_blend_selection
+from kvserve.config import QUERY_SELECTIONS, check_blend_selection
 from kvserve.kv.block_pool import NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
@@ -107,7 +105,7 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
     (module docstring)."""
     recomputed = min(num_reused, max(fraction * num_reused, num_sink_tokens))
     computed = num_tokens - num_reused
-    if selection.startswith("query"):    # the query selections: the question computed twice
+    if selection in QUERY_SELECTIONS:    # the question computed twice
         return 2 * computed + recomputed
     below = select_layer / num_layers
     if selection == "narrowing":         # wider for the first layers of the narrowing
@@ -189,13 +187,6 @@ class Blender:
             return BlendPlan(num_known, tuple(fresh))
         self.stats.num_declined += 1
         return None
-
-    def run(self, req: Request, plan: BlendPlan, block_ids: list[int]) -> BlendOutcome:
-        """Blend ``req``'s prompt as ``plan`` says and write the KV of its tokens after the
-        exact hit (in its blocks already) into ``block_ids`` (its table)."""
-        task = self.start(req, plan, block_ids)
-        task.advance(math.inf)
-        return self.finish(task)
 
     def start(self, req: Request, plan: BlendPlan, block_ids: list[int]) -> BlendTask:
         """``req``'s blend as ``plan`` says, its inputs read: the exact hit's KV from

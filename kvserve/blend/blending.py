@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV
-from kvserve.config import ModelConfig, check_blend_selection
+from kvserve.config import QUERY_SELECTIONS, ModelConfig, check_blend_selection
 from kvserve.model.llama import LlamaModel
 from kvserve.request import DEFAULT_BLEND_FRACTION, check_blend_fraction
 
@@ -175,7 +175,7 @@ def _blend_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cache
     reused, is_reused, cached_keys, cached_values = ctx.reused, ctx.is_reused, ctx.cached_keys, ctx.cached_values
     num_reused = int(reused.numel())
     everything = torch.ones(n, dtype=torch.bool, device=dev)
-    if selection in ("query", "query-segments") and num_reused:
+    if selection in QUERY_SELECTIONS and num_reused:
         # the text after the last segment (the question) computed first, every reused token as
         # cached: where its queries attend picks what to recompute, in every layer
         asked = yield from ctx.run(~is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=query_layer)
@@ -215,6 +215,7 @@ class _Pass(NamedTuple):
     logits: torch.Tensor            # after the prompt's last token
     selected: torch.Tensor          # the reused positions ``choose`` named (none without it)
     attention: torch.Tensor | None  # [n]: with ``question_from``, the attention those queries gave each position
+    layer_attention: tuple[torch.Tensor, ...]   # the same per layer read (every layer without ``question_layer``)
 
 
 class _Context:
@@ -260,6 +261,7 @@ class _Context:
         h = model.embed(torch.tensor(self.token_ids, dtype=torch.long, device=dev)[rows])
         selected = reused[:0]
         attention = torch.zeros(n, device=dev) if question_from is not None else None
+        layer_attention: list[torch.Tensor] = []
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         for layer in range(model.config.num_layers):
@@ -283,13 +285,14 @@ class _Context:
                 k, v = k_all, v_all
             if attention is not None and question_from is not None and question_layer in (None, layer):
                 asking = rows >= question_from
-                attention += _query_attention(q[asking], k, rows[asking], model.scale)
+                layer_attention.append(_query_attention(q[asking], k, rows[asking], model.scale))
+                attention += layer_attention[-1]
             keys.append(k)
             values.append(v)
             h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
             yield int(rows.numel()), int(rows.sum()) + int(rows.numel())     # position p attends p + 1 keys
         logits = model.compute_logits(model.final_norm_of(h[-1:]))[0]
-        return _Pass(keys, values, logits, selected, attention)
+        return _Pass(keys, values, logits, selected, attention, tuple(layer_attention))
 
 
 def _place(prompt: BlendPrompt, cached: Sequence[SegmentKV | None], rope: RopeTables,
@@ -432,18 +435,14 @@ def segment_peaks_by_layer(model: LlamaModel, rope: RopeTables, prompt: BlendPro
         raise ValueError("every segment's standalone KV is needed, whole")
     _check(model, prompt, cached, 0.0, 1, None, "query-segments", 0, None)
     ctx, runs = _Context.of(model, rope, prompt, cached, None)
-    out = []
-    for layer in range(model.config.num_layers):
-        passes = ctx.run(~ctx.is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=layer)
-        while True:
-            try:
-                next(passes)
-            except StopIteration as stop:
-                asked: _Pass = stop.value
-                break
-        assert asked.attention is not None
-        out.append(_peaks(asked.attention[ctx.reused], runs))
-    return out
+    passes = ctx.run(~ctx.is_reused, question_from=runs[-1][0] + runs[-1][1])     # one first pass, every layer read
+    while True:
+        try:
+            next(passes)
+        except StopIteration as stop:
+            asked: _Pass = stop.value
+            break
+    return [_peaks(attention[ctx.reused], runs) for attention in asked.layer_attention]
 
 
 @torch.inference_mode()

@@ -4,7 +4,8 @@
 at one layer (``blend_query_layer``, docs/blend.md). Which layer finds the right document
 depends on the model, so it is measured: on ``bench rag``'s workload (documents with a
 planted fact each, queries over k of them asking for one fact), every layer's first-pass
-attention scores the documents (``segment_peaks_by_layer``), and a layer scores a hit when
+attention scores the documents (``segment_peaks_by_layer``: one first pass per query, every
+layer read), and a layer scores a hit when
 it ranks the asked document first. The layer with the most hits is the one to pass.
 """
 
