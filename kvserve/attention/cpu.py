@@ -14,6 +14,7 @@ cannot read raises ValueError.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
 
 import torch
@@ -60,6 +61,9 @@ def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batc
         raise ValueError(f"the CPU attention backend needs CPU tensors, q is on {q.device}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, {out.dtype}")
+    if key.refined is not None or value.refined is not None:
+        raise ValueError("mixed-precision blocks (HalfStore.refined) are read through registered halves "
+                         "(register_halves, run_registered)")
     d = q.shape[-1]
     (k_layout, k_parts), (v_layout, v_parts) = half_args("key", key, d), half_args("value", value, d)
     q32 = q.float().contiguous()
@@ -78,12 +82,16 @@ def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batc
 def half_args(name: str, store: HalfStore, head_dim: int) -> HalfArgs:
     """The kernel's view of a half: (kind, dtype, bits, group, hadamard, outliers) and its
     six tensors (data/codes, scale, zero, outlier values, outlier channels, residual)."""
-    layout = store.layout
+    return _half_args(name, store.layout, store.parts, store.residual, head_dim)
+
+
+def _half_args(name: str, layout: HalfLayout, parts: Mapping[str, torch.Tensor], residual: torch.Tensor | None,
+               head_dim: int) -> HalfArgs:
     if not isinstance(layout, HalfLayout) or layout.kind not in _INNER_PARTS:
         raise ValueError(f"{name}: no CPU kernel reads layout {layout!r}")
     wanted = _INNER_PARTS[layout.kind] + (_OUTLIER_PARTS if layout.num_outliers else ())
-    if set(store.parts) != set(wanted):
-        raise ValueError(f"{name}: layout {layout} stores parts {sorted(wanted)}, got {sorted(store.parts)}")
+    if set(parts) != set(wanted):
+        raise ValueError(f"{name}: layout {layout} stores parts {sorted(wanted)}, got {sorted(parts)}")
     dtype = 0
     if layout.kind == CodecKind.PLAIN:
         if layout.plain_dtype not in _DTYPE_CODES:
@@ -91,10 +99,9 @@ def half_args(name: str, store: HalfStore, head_dim: int) -> HalfArgs:
         dtype = _DTYPE_CODES[layout.plain_dtype]
     if layout.hadamard and (head_dim & (head_dim - 1)):
         raise ValueError(f"{name}: +had needs a power-of-two head_dim, got {head_dim}")
-    parts = store.parts
     tensors = [parts[wanted[0]], parts.get("scale", _ABSENT), parts.get("zero", _ABSENT),
                parts.get("outlier_values", _ABSENT), parts.get("outlier_channels", _ABSENT),
-               _ABSENT if store.residual is None else store.residual]
+               _ABSENT if residual is None else residual]
     return [int(layout.kind), dtype, layout.bits, layout.group_size, int(layout.hadamard), layout.num_outliers], tensors
 
 
@@ -103,7 +110,15 @@ def register_halves(ext: ModuleType, key: HalfStore, value: HalfStore, head_dim:
     writes (kvserve/attention/cpu_writes.py): the storage's parts are handed over and checked once."""
     (k_layout, k_parts), (v_layout, v_parts) = half_args("key", key, head_dim), half_args("value", value, head_dim)
     block_size = next(iter(key.parts.values())).shape[1]
-    return ext.make_halves(k_layout, k_parts, v_layout, v_parts, block_size, head_dim)
+    if key.refined is None and value.refined is None:
+        return ext.make_halves(k_layout, k_parts, v_layout, v_parts, block_size, head_dim)
+    if key.refined is None or value.refined is None or key.refined.side_map is not value.refined.side_map:
+        raise ValueError("keys and values are refined together, by one side map")
+    # a finer copy is only read for full blocks: no residual rows
+    kf = _half_args("key (finer)", key.refined.layout, key.refined.parts, None, head_dim)
+    vf = _half_args("value (finer)", value.refined.layout, value.refined.parts, None, head_dim)
+    return ext.make_halves_refined(k_layout, k_parts, v_layout, v_parts, *kf, *vf, key.refined.side_map,
+                                   block_size, head_dim)
 
 
 def run_registered(ext: ModuleType, halves: object, q: torch.Tensor, batch: PagedBatch, scale: float,

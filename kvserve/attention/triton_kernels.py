@@ -100,6 +100,8 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
     (not checked: that would cost a device sync). ``config`` overrides the default cut."""
     if triton_jit is None:
         raise RuntimeError("the Triton attention backend needs the triton package (pip install triton)")
+    if key.refined is not None or value.refined is not None:
+        raise ValueError("the Triton kernels do not read mixed-precision blocks (zip: KV formats) yet")
     _check_query(q, out)
     num_kv_heads, head_dim = _check_half("key", key, batch.block_size, q.shape[2]), q.shape[2]
     if _check_half("value", value, batch.block_size, head_dim) != num_kv_heads:

@@ -33,12 +33,14 @@ from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.budget.budgets import Budgets, KVBudgets, NoBudgets
 from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import check_budget, get_policy
+from kvserve.kv.budget.precision import SaliencyPrecision
 from kvserve.kv.codecs import KVFormat, parse_kv_format
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import Clock, Pins
 from kvserve.kv.prefix import load_or_create_secret, make_extra_key
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
+from kvserve.kv.storage.zip import ZipKVCache
 from kvserve.kv.tiering import make_tiering
 from kvserve.model.formats.build import make_products
 from kvserve.model.formats.spec import parse_weight_format
@@ -131,9 +133,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     model = LlamaModel(mc, loaded.weights, device, dtype, products)
     # the weights' format is part of the model's identity: KV computed with other weights never matches
     fingerprint = f"{loaded.fingerprint}:weights={products.name}"
-    attention = make_attention_backend(config.attention_backend, device)
-
     kv_format = parse_kv_format(cc.kv_format, mc.num_layers, dtype, head_dim=mc.head_dim)
+    attention = _attention_backend(config.attention_backend, device, kv_format)
     # new rows through the C++ writer where it runs (attention/cpu_writes.py), else the torch path
     storage = make_storage(mc, kv_format, cc, config.scheduler, dtype, device, CpuWrites.for_storage)
     pool = BlockPool(storage.num_blocks, cc.block_size)
@@ -253,12 +254,27 @@ def _check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
                          f"drafts would name other tokens")
 
 
+def _attention_backend(name: str, device: torch.device, kv_format: KVFormat) -> AttentionBackend:
+    """The backend ``name``; under a ``zip:`` format, whose mixed blocks the Triton kernels do not
+    read yet, ``auto`` on CUDA is the torch path and ``triton`` an error saying so."""
+    if kv_format.refine is None or not (name == "triton" or (name == "auto" and device.type == "cuda")):
+        return make_attention_backend(name, device)
+    if name == "triton":
+        raise ValueError(f"the triton attention backend does not read the mixed blocks of {kv_format.spec} "
+                         f"yet; use --attention-backend torch (or cpu on a CPU)")
+    log.info("KV format %s: attention through the torch path (the Triton kernels do not read mixed blocks yet)",
+             kv_format.spec)
+    return make_attention_backend("torch", device)
+
+
 def _make_budgets(config: EngineConfig, storage: KVStorage, kv_format: KVFormat, mc: ModelConfig) -> Budgets:
     cc = config.cache
     if not storage.supports_budgets:
         if cc.kv_budget is not None:
             raise ValueError(f"a KV budget needs the native KV format (compaction rewrites full-precision "
                              f"entries); got --kv-format {kv_format.spec}")
+        if isinstance(storage, ZipKVCache):
+            return SaliencyPrecision(storage, mc.num_kv_heads)
         return NoBudgets(f"KV format {kv_format.spec} is quantized; budgets need the native format")
     return KVBudgets(storage, mc.num_kv_heads, cc.kv_budget, cc.kv_policy, HostBlockStore(cc.budget_host_bytes))
 

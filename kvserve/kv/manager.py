@@ -242,7 +242,9 @@ class KVCacheManager:
         self.tiering.demote([b for b in evicted if not self.pool.is_pinned(b)] if pinned else evicted)
         if pinned:
             self.tiering.demote_pinned(pinned)
-        return self.pool.allocate(num_blocks, retention)
+        blocks = self.pool.allocate(num_blocks, retention)
+        self.residual.renew(b.block_id for b in blocks)
+        return blocks
 
     def allocate_unowned(self, num_blocks: int) -> list[Block]:
         """``num_blocks`` blocks (ref 1 each) that no request's table holds, taken as a request's
@@ -264,6 +266,7 @@ class KVCacheManager:
         blocks (it is tried again after the next step).
         """
         rid = request.request_id
+        self.budgets.settle(request, [b.block_id for b in self._blocks[rid]])
         target = self.budgets.target_slots(request)
         if target is None:
             return False

@@ -54,6 +54,10 @@ class ResidualRows:
             if row is not None:
                 self._free.append(row)
 
+    def renew(self, block_ids: Iterable[int]) -> None:
+        """The blocks are handed out again: what the storage kept for their old content goes
+        (nothing here; a zip storage's finer copies, kv/storage/zip.py)."""
+
     def check_integrity(self) -> None:
         used = set(self._rows.values())
         assert len(used) == len(self._rows), "two blocks share a residual row"

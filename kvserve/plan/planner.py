@@ -92,9 +92,11 @@ class KVLayout:
         """Bytes of one block over all KV heads, of the halves that keep a residual
         (``residual``: they encode whole blocks, so the open block waits in the compute dtype
         until it is full) or of the others."""
-        m, b = self.model, self.block_size
+        m, b, fmt = self.model, self.block_size, self.kv_format
+        if fmt.refine is not None:      # zip: every half keeps a residual; a block costs lo + salient x hi
+            return fmt.nbytes_per_block(b, m.num_kv_heads, m.head_dim) if residual else 0
         return sum(c.nbytes_per_block(b, m.num_kv_heads, m.head_dim)
-                   for layer in self.kv_format.layers for c in (layer.key, layer.value)
+                   for layer in fmt.layers for c in (layer.key, layer.value)
                    if c.encodes_whole_blocks == residual)
 
     @property
@@ -111,7 +113,8 @@ class KVLayout:
     def residual_nbytes(self) -> int:
         """The open block every running sequence keeps in the compute dtype (0 without KIVI)."""
         m = self.model
-        num_halves = sum(c.encodes_whole_blocks for layer in self.kv_format.layers for c in (layer.key, layer.value))
+        num_halves = sum(c.encodes_whole_blocks or self.kv_format.refine is not None
+                         for layer in self.kv_format.layers for c in (layer.key, layer.value))
         element = torch.empty((), dtype=compute_dtype(self.compute_format)).element_size()
         return num_halves * self.block_size * m.num_kv_heads * m.head_dim * element
 

@@ -130,6 +130,13 @@ def test_per_layer_formats_sum_over_layers() -> None:
         KVLayout.build("llama-3-8b", "int3")
 
 
+def test_a_zip_format_costs_its_base_plus_the_salient_share_and_a_residual_of_every_half() -> None:
+    layout = KVLayout.build("smollm2-135m", "zip:hi=int8,lo=kivi2,salient=0.2")
+    assert layout.block_nbytes == 80_640 + 38_016 and layout.bytes_per_token == 7_416
+    assert layout.residual_nbytes == 60 * 16 * 3 * 64 * 2           # every half, fp16 compute
+    assert layout.sequence_nbytes(4_096) == 256 * 118_656 + 368_640
+
+
 # --- sequences, batches, budgets --------------------------------------------------------------
 
 def test_70b_serving_100_requests_of_2048_tokens() -> None:

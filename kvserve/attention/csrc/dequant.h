@@ -38,6 +38,10 @@ struct HalfView {
   int residual_dtype = F32;
   int64_t residual_rows = 0;
   int64_t row_bytes = 0;              // bytes of `main` per (token, head)
+  // Precision by saliency (kv/storage/zip.py): a block with side[block] >= 0 is read from
+  // `fine`, the half's finer format, at that slot (same heads, dim and rotation domain).
+  const HalfView* fine = nullptr;
+  const int64_t* side = nullptr;      // [num_blocks]
 };
 
 inline int64_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }

@@ -74,6 +74,15 @@ inline bool in_residual(const HalfView& v, const Batch& b, int64_t s, int64_t kb
   return v.residual && b.open[s] >= 0 && len % b.B && kb == (len - 1) / b.B;
 }
 
+// The view a block of a half is stored in, and (in `block`) where: its finer copy when it has one.
+inline const HalfView& stored(const HalfView& v, int64_t& block) {
+  if (v.fine != nullptr && v.side[block] >= 0) {
+    block = v.side[block];
+    return *v.fine;
+  }
+  return v;
+}
+
 // Block kb of sequence s, head h of a half: read in place when the layout and the tile's
 // `rows` allow it (see attend.h), else decoded to float32 rows.
 inline Rows rows_of(const HalfView& v, int side, const Batch& b, int64_t s, int64_t kb, int64_t h, int n, int rows,
@@ -92,10 +101,16 @@ inline Rows rows_of(const HalfView& v, int side, const Batch& b, int64_t s, int6
     decode_residual(v, b.open[s], h, n, hb.x, b.ld, pf);
     return Rows{reinterpret_cast<const uint8_t*>(hb.x), b.ld * 4, C_F32};
   }
-  const int64_t block = b.tables[s * b.max_blocks + kb];
-  const Rows r = rows_in_place(v, block, h, n, convert, hb);
+  int64_t block = b.tables[s * b.max_blocks + kb];
+  const HalfView& u = stored(v, block);
+  if (u.rotated != v.rotated) {  // a finer copy in the other domain: decoded, then rotated into v's
+    const Rows r = decode_block(u, block, h, n, b.ld, hb, pf);
+    for (int j = 0; j < n; ++j) fwht(hb.x + j * b.ld, static_cast<int>(v.D));
+    return r;
+  }
+  const Rows r = rows_in_place(u, block, h, n, convert, hb);
   if (r.code >= 0) return r;
-  return decode_block(v, block, h, n, b.ld, hb, pf);
+  return decode_block(u, block, h, n, b.ld, hb, pf);
 }
 
 // Whether rows_of decodes an encoded block of this half for a tile of `rows` rows.
@@ -113,13 +128,14 @@ inline void queue(Prefetcher& pf, const HalfView& K, const HalfView& V, const Ba
   pf.clear();
   for (const HalfView* v : {&K, &V}) {
     if (in_residual(*v, b, s, kb)) continue;
-    const int64_t block = b.tables[s * b.max_blocks + kb];
-    if (h0 == 0 && h1 == v->H) {
-      add_block(pf, *v, block);
+    int64_t block = b.tables[s * b.max_blocks + kb];
+    const HalfView& u = stored(*v, block);
+    if (h0 == 0 && h1 == u.H) {
+      add_block(pf, u, block);
       continue;
     }
-    for (int64_t h = h0; h < h1; ++h) add_head_rows(pf, *v, block, h);
-    if (h0 == first) add_params(pf, *v, block);
+    for (int64_t h = h0; h < h1; ++h) add_head_rows(pf, u, block, h);
+    if (h0 == first) add_params(pf, u, block);
   }
 }
 
@@ -183,6 +199,10 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
       const int64_t id = b.tables[s * b.max_blocks + kb];
       KVS_REQUIRE(id >= 0 && id < K.num_blocks && id < V.num_blocks, seq() + "block id " + std::to_string(id) +
                                                                      " is outside the cache");
+      for (const HalfView* v : {&K, &V}) {
+        KVS_REQUIRE(!v->fine || v->side[id] < v->fine->num_blocks, seq() + "block " + std::to_string(id) +
+                                                                      "'s side slot is outside the side pool");
+      }
     }
     const int64_t open = b.open[s];
     if (len % B) {

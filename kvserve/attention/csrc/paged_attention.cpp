@@ -267,9 +267,10 @@ void write_kv(const std::vector<int64_t>& k_layout, const std::vector<at::Tensor
 }
 
 // One layer's halves, checked once: a storage's parts live as long as the storage, so a step's
-// writes and attention calls need not hand them over (and have them checked) again.
+// writes and attention calls need not hand them over (and have them checked) again. Under
+// precision by saliency, K and V point at their finer views KF, VF (never moved: held by pointer).
 struct Halves {
-  HalfView K, V;
+  HalfView K, V, KF, VF;
   std::vector<at::Tensor> keep;   // the part tensors the views point into
 };
 
@@ -284,6 +285,34 @@ std::shared_ptr<Halves> make_halves(const std::vector<int64_t>& k_layout, const 
   for (const auto* parts : {&k_parts, &v_parts})
     for (const auto& t : *parts)
       if (present(t)) h->keep.push_back(t);
+  return h;
+}
+
+// make_halves, each half also reading the blocks that have one from its finer format: kf/vf
+// parts [num_side_slots, ...] and the side map (int64 [num_blocks], a slot or -1, changed in
+// place by the storage between calls).
+std::shared_ptr<Halves> make_halves_refined(const std::vector<int64_t>& k_layout, const std::vector<at::Tensor>& k_parts,
+                                            const std::vector<int64_t>& v_layout, const std::vector<at::Tensor>& v_parts,
+                                            const std::vector<int64_t>& kf_layout,
+                                            const std::vector<at::Tensor>& kf_parts,
+                                            const std::vector<int64_t>& vf_layout,
+                                            const std::vector<at::Tensor>& vf_parts, const at::Tensor& side_map,
+                                            int64_t block_size, int64_t head_dim) {
+  auto h = make_halves(k_layout, k_parts, v_layout, v_parts, block_size, head_dim);
+  h->KF = make_half("key (finer)", kf_layout, kf_parts, block_size, head_dim);
+  h->VF = make_half("value (finer)", vf_layout, vf_parts, block_size, head_dim);
+  check_tensor(side_map, at::kLong, {h->K.num_blocks}, "side_map");
+  for (auto [coarse, fine] : {std::pair{&h->K, &h->KF}, std::pair{&h->V, &h->VF}}) {
+    KVS_REQUIRE(fine->H == coarse->H && !fine->residual, "a finer half holds the same heads and no residual rows");
+    KVS_REQUIRE(!(fine->rotated || coarse->rotated) || (head_dim & (head_dim - 1)) == 0,
+                "+had needs a power-of-two head_dim");   // (make_half checked the rotated one's)
+    coarse->fine = fine;
+    coarse->side = side_map.data_ptr<int64_t>();
+  }
+  for (const auto* parts : {&kf_parts, &vf_parts})
+    for (const auto& t : *parts)
+      if (present(t)) h->keep.push_back(t);
+  h->keep.push_back(side_map);
   return h;
 }
 
@@ -316,6 +345,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: two builds of this extension (two instruction sets) each register it
   pybind11::class_<kvs::Halves, std::shared_ptr<kvs::Halves>>(m, "Halves", pybind11::module_local());
   m.def("make_halves", &kvs::make_halves, "a layer's key and value halves, checked once");
+  m.def("make_halves_refined", &kvs::make_halves_refined, "make_halves() with each half's finer format and side map");
   m.def("run_halves", &kvs::run_halves, "run() on registered halves");
   m.def("run_halves_scored", &kvs::run_halves_scored, "run_halves(), adding the attention weights keys get to scores");
   m.def("write_halves", &kvs::write_halves, "write_kv() on registered halves");

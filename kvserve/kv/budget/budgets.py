@@ -11,6 +11,7 @@ never a state's fields:
     plan(...)             choose what stays (reads the storage, changes nothing)
     apply(...)            write the kept entries to the front of the (rewritten) table
     drop(request_id)      forget the state (finished or preempted: it restarts from scratch)
+    settle(req, blocks)   after a step: which blocks keep a finer copy (``zip:`` formats only)
 
 A request's budget is ``params.kv_budget`` or else the engine's ``kv_budget``; its
 policy is ``params.kv_policy`` or else the engine's ``kv_policy``. ``KVBudgets`` runs
@@ -93,6 +94,10 @@ class Budgets(ABC):
 
     @abstractmethod
     def drop(self, request_id: str) -> None: ...
+
+    def settle(self, request: Request, block_ids: list[int]) -> None:
+        """After a step of ``request`` (its table ``block_ids``): precision by saliency decides
+        which of its blocks keep their finer copy (kv/budget/precision.py); nothing elsewhere."""
 
     @abstractmethod
     def stats(self) -> BudgetStats: ...

@@ -9,7 +9,7 @@ from kvserve.kv.codecs.asymmetric import AsymQuantCodec
 from kvserve.kv.codecs.base import HalfCodec, PartSpec
 from kvserve.kv.codecs.plain import PlainCodec
 from kvserve.kv.codecs.registry import DEFAULT_GROUP_SIZE, KV_FORMATS, CodecArgs, CodecFactory
-from kvserve.kv.codecs.spec import KVFormat, LayerFormat, parse_codec, parse_kv_format
+from kvserve.kv.codecs.spec import KVFormat, LayerFormat, Refinement, parse_codec, parse_kv_format
 from kvserve.kv.codecs.symmetric import Fp8Codec, Int8Codec, fp8_supported
 from kvserve.kv.codecs.transforms import HadamardCodec, OutlierCodec, hadamard_rotate
 
@@ -28,6 +28,7 @@ __all__ = [
     "OutlierCodec",
     "PartSpec",
     "PlainCodec",
+    "Refinement",
     "fp8_supported",
     "hadamard_rotate",
     "parse_codec",

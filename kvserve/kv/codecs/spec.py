@@ -16,6 +16,7 @@ into ranges ``a-b``.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -38,29 +39,66 @@ class LayerFormat:
     value: HalfCodec
 
 
+DEFAULT_SALIENT = 0.2
+ZIP_RANKS = ("saliency", "recent")
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """Precision by saliency (``zip:``): besides its base encoding (``KVFormat.layers``), a
+    block may hold a second, finer encoding (``layers``) in a side pool sized for ``salient``
+    of the blocks; reads take the finer one where a block has it (kv/storage/zip.py)."""
+
+    layers: tuple[LayerFormat, ...]
+    salient: float
+    rank: str = "saliency"     # which blocks keep it: the most salient, or ("recent") the first and newest
+
+    def __post_init__(self) -> None:
+        if not 0 < self.salient < 1:
+            raise ValueError(f"salient must be a fraction of the blocks in (0, 1), got {self.salient}")
+        if self.rank not in ZIP_RANKS:
+            raise ValueError(f"rank={self.rank!r}: choose one of {', '.join(ZIP_RANKS)}")
+
+
 @dataclass(frozen=True)
 class KVFormat:
     spec: str                        # canonical spec string; part of every block's content key
-    layers: tuple[LayerFormat, ...]  # one per layer
+    layers: tuple[LayerFormat, ...]  # one per layer (under ``refine``: every block's base encoding)
     compute_dtype: torch.dtype
+    refine: Refinement | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("a KV format needs at least one layer")
+        if self.refine is not None and len(self.refine.layers) != len(self.layers):
+            raise ValueError("a refinement needs a format for every layer")
 
     @property
     def is_lossless(self) -> bool:
         """True only for native storage: every half plain, in the compute dtype."""
-        return all(isinstance(c, PlainCodec) and c.dtype == self.compute_dtype
+        return self.refine is None and all(isinstance(c, PlainCodec) and c.dtype == self.compute_dtype
                    for layer in self.layers for c in (layer.key, layer.value))
 
     def nbytes_per_block(self, block_size: int, num_kv_heads: int, head_dim: int) -> int:
-        """Exact bytes of one block across all layers, keys and values."""
-        return sum(c.nbytes_per_block(block_size, num_kv_heads, head_dim)
-                   for layer in self.layers for c in (layer.key, layer.value))
+        """Exact bytes of one block across all layers, keys and values; under ``refine``, the base
+        encoding plus ``salient`` of the finer one (rounded up): what a block costs on average."""
+        base = _layers_nbytes(self.layers, block_size, num_kv_heads, head_dim)
+        if self.refine is None:
+            return base
+        return base + math.ceil(self.refine.salient * self.refined_nbytes_per_block(block_size, num_kv_heads, head_dim))
+
+    def refined_nbytes_per_block(self, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one block's finer encoding (0 without ``refine``)."""
+        if self.refine is None:
+            return 0
+        return _layers_nbytes(self.refine.layers, block_size, num_kv_heads, head_dim)
 
     def bytes_per_token(self, block_size: int, num_kv_heads: int, head_dim: int) -> float:
         return self.nbytes_per_block(block_size, num_kv_heads, head_dim) / block_size
+
+
+def _layers_nbytes(layers: tuple[LayerFormat, ...], block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    return sum(c.nbytes_per_block(block_size, num_kv_heads, head_dim) for layer in layers for c in (layer.key, layer.value))
 
 
 def parse_codec(token: str, half: Half, compute_dtype: torch.dtype) -> HalfCodec:
@@ -104,6 +142,8 @@ def parse_kv_format(spec: str, num_layers: int, compute_dtype: torch.dtype, *,
     if num_layers < 1:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
     text = re.sub(r"\s+", "", spec).lower()
+    if text.startswith("zip:"):
+        return _parse_zip(text[4:], num_layers, compute_dtype, head_dim)
     if not text:
         raise ValueError("empty KV format spec; try 'native', 'int8', 'kivi2' or 'k=int8,v=int4'")
     owners: list[str | None] = [None] * num_layers
@@ -128,6 +168,33 @@ def parse_kv_format(spec: str, num_layers: int, compute_dtype: torch.dtype, *,
             layer.key.check_head_dim(head_dim)
             layer.value.check_head_dim(head_dim)
     return KVFormat(_canonical(full, compute_dtype), full, compute_dtype)
+
+
+_ZIP_KEY = re.compile(r",(?=(?:hi|lo|salient|rank)=)")
+ZIP_SYNTAX = "zip:hi=SPEC,lo=SPEC[,salient=FRACTION][,rank=saliency|recent], e.g. zip:hi=int8,lo=kivi2,salient=0.2"
+
+
+def _parse_zip(text: str, num_layers: int, compute_dtype: torch.dtype, head_dim: int | None) -> KVFormat:
+    """``hi=...,lo=...,salient=...`` (any order; hi and lo are plain specs, not zip)."""
+    given: dict[str, str] = {}
+    for item in _ZIP_KEY.split(text):
+        key, eq, value = item.partition("=")
+        if key not in ("hi", "lo", "salient", "rank") or not eq or not value or key in given:
+            raise ValueError(f"bad zip format 'zip:{text}': expected {ZIP_SYNTAX}")
+        given[key] = value
+    if "hi" not in given or "lo" not in given:
+        raise ValueError(f"'zip:{text}' needs both hi= and lo= ({ZIP_SYNTAX})")
+    if given["hi"].startswith("zip:") or given["lo"].startswith("zip:"):
+        raise ValueError("zip formats do not nest")
+    try:
+        salient = float(given.get("salient", DEFAULT_SALIENT))
+    except ValueError:
+        raise ValueError(f"salient={given['salient']!r} is not a number ({ZIP_SYNTAX})") from None
+    hi = parse_kv_format(given["hi"], num_layers, compute_dtype, head_dim=head_dim)
+    lo = parse_kv_format(given["lo"], num_layers, compute_dtype, head_dim=head_dim)
+    refine = Refinement(hi.layers, salient, given.get("rank", "saliency"))
+    rank = "" if refine.rank == "saliency" else f",rank={refine.rank}"
+    return KVFormat(f"zip:hi={hi.spec},lo={lo.spec},salient={salient:g}{rank}", lo.layers, compute_dtype, refine)
 
 
 def _split_segment(segment: str, num_layers: int, num_segments: int) -> tuple[int, int, str]:

@@ -54,6 +54,7 @@ class StepWrites:
                                                 # keeps residual rows (codecs that encode whole blocks)
     kept_block_ids: tuple[int, ...] = ()        # encoded blocks that keep their rows: they hold drafted
                                                 # tokens (the KV manager releases them once accepted)
+    refine_slots: torch.Tensor | None = None    # [n] per encoded block, its side slot or -1 (kv/storage/zip.py)
 
 
 class WritePlanner(ABC):

@@ -1,5 +1,6 @@
 """The storage for a KV format: the native layout when every layer keeps the compute dtype
-as it is, otherwise blocks through their codecs (with full-precision open blocks)."""
+as it is, a base and a side pool under precision by saliency (``zip:``), otherwise blocks
+through their codecs (with full-precision open blocks)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from kvserve.kv.storage.base import KVStorage
 from kvserve.kv.storage.layout import MakeRowWriter
 from kvserve.kv.storage.paged import PagedKVCache
 from kvserve.kv.storage.quantized import QuantizedKVCache
+from kvserve.kv.storage.zip import ZipKVCache
 
 
 def make_storage(model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
                  dtype: torch.dtype, device: torch.device, make_writer: MakeRowWriter | None = None) -> KVStorage:
-    cls: type[KVStorage] = PagedKVCache if fmt.is_lossless else QuantizedKVCache
+    cls: type[KVStorage] = PagedKVCache if fmt.is_lossless else ZipKVCache if fmt.refine else QuantizedKVCache
     return cls.build(model, fmt, cache, scheduler, dtype, device, make_writer)

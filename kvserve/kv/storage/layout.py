@@ -83,14 +83,27 @@ class HalfLayout:
 
 
 @dataclass(frozen=True)
+class RefinedHalf:
+    """A half's finer format under precision by saliency (kv/storage/zip.py): its layout, its
+    parts (each ``[num_side_slots, *part.shape]``) and the side map (int64 ``[num_blocks]``: a
+    block's side slot, or -1 where the block is read from the half's own parts)."""
+
+    layout: HalfLayout
+    parts: Mapping[str, torch.Tensor]
+    side_map: torch.Tensor
+
+
+@dataclass(frozen=True)
 class HalfStore:
     """One half of one layer as a kernel reads it: its layout, its part tensors (each
-    ``[num_blocks, *part.shape]``, named as the codec names them) and, for halves that
-    encode whole blocks, residual rows ``[num_rows, B, H, D]`` in the compute dtype."""
+    ``[num_blocks, *part.shape]``, named as the codec names them), for halves that
+    encode whole blocks (and every half of a zip storage) residual rows ``[num_rows, B, H, D]``
+    in the compute dtype, and under precision by saliency the finer copies (``refined``)."""
 
     layout: HalfLayout
     parts: Mapping[str, torch.Tensor]
     residual: torch.Tensor | None = None
+    refined: RefinedHalf | None = None
 
     def __post_init__(self) -> None:
         if self.layout.encodes_whole_blocks and self.residual is None:

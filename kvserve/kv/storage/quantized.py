@@ -52,7 +52,7 @@ class QuantizedKVCache(KVStorage):
         self.format = fmt
         self.dtype = dtype
         self.device = device
-        self.residual = ResidualRows(num_residual_rows) if self.keeps_residual(fmt) else NoResidual()
+        self.residual = self.make_residual(num_residual_rows) if self.keeps_residual(fmt) else NoResidual()
         h, d = config.num_kv_heads, config.head_dim
         self.key_parts: list[dict[str, torch.Tensor]] = []
         self.value_parts: list[dict[str, torch.Tensor]] = []
@@ -65,7 +65,7 @@ class QuantizedKVCache(KVStorage):
         shape = (self.residual.num_rows, block_size, h, d)
 
         def rows(codec: HalfCodec) -> torch.Tensor | None:
-            return torch.zeros(shape, dtype=dtype, device=device) if codec.encodes_whole_blocks else None
+            return torch.zeros(shape, dtype=dtype, device=device) if _keeps_rows(fmt, codec) else None
 
         self.key_residual = [rows(lf.key) for lf in fmt.layers]
         self.value_residual = [rows(lf.value) for lf in fmt.layers]
@@ -78,7 +78,10 @@ class QuantizedKVCache(KVStorage):
 
     @staticmethod
     def keeps_residual(fmt: KVFormat) -> bool:
-        return any(c.encodes_whole_blocks for lf in fmt.layers for c in (lf.key, lf.value))
+        return any(_keeps_rows(fmt, c) for lf in fmt.layers for c in (lf.key, lf.value))
+
+    def make_residual(self, num_rows: int) -> ResidualRows:
+        return ResidualRows(num_rows)
 
     @classmethod
     def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
@@ -100,8 +103,8 @@ class QuantizedKVCache(KVStorage):
 
     @staticmethod
     def residual_row_nbytes(config: ModelConfig, fmt: KVFormat, block_size: int, dtype: torch.dtype) -> int:
-        """One row: a block of every half that encodes whole blocks, in the compute dtype."""
-        num_halves = sum(c.encodes_whole_blocks for lf in fmt.layers for c in (lf.key, lf.value))
+        """One row: a block of every half that keeps rows, in the compute dtype."""
+        num_halves = sum(_keeps_rows(fmt, c) for lf in fmt.layers for c in (lf.key, lf.value))
         element = torch.empty((), dtype=dtype).element_size()
         return num_halves * block_size * config.num_kv_heads * config.head_dim * element
 
@@ -169,6 +172,12 @@ class QuantizedKVCache(KVStorage):
         # holding drafted tokens, which keep theirs until the tokens are checked)
         kept = set(writes.kept_block_ids)
         self.residual.release(b for b in writes.encode_block_ids.tolist() if b not in kept)
+
+
+def _keeps_rows(fmt: KVFormat, codec: HalfCodec) -> bool:
+    """Halves that encode whole blocks keep their open blocks in rows; under a refinement every
+    half does (a block is encoded twice, once full, kv/storage/zip.py)."""
+    return fmt.refine is not None or codec.encodes_whole_blocks
 
 
 def _check_token_parts(codec: HalfCodec, block_size: int, heads: int, dim: int) -> None:

@@ -1,0 +1,231 @@
+"""Precision by saliency (``zip:hi=...,lo=...,salient=f``): every block in a low base format,
+the salient ones also in a finer format in a side pool.
+
+    block pool  | b0 | b1 | b2 | b3 | b4 | ...      base (lo) parts, one per block, always
+    side pool   | s0 | s1 | s2 |                    finer (hi) parts, ``salient`` of the blocks
+    side map      b0->s1  b3->s0  b4->s2            -1 elsewhere (``RefinedBlocks``)
+
+Every half keeps its open blocks in full-precision residual rows, so that a block is encoded
+once, when it is full, into its base parts and, where a side slot is free, into its finer
+parts as well: the finer copy is made from the real keys and values, never from the base
+one. Reads take the finer copy where a block has one. Which blocks keep theirs is the KV
+budgets' business (kv/budget/precision.py: the least salient lose it as the context grows);
+dropping a refinement frees its side slot, which the next full block takes. The memory is
+sized so: ``lo + salient * hi`` per block, plus a side slot for every block a step can fill
+(the residual rows' count), since a step refines what it fills before saliency is known.
+
+A block's finer copy goes with the block's content: it is dropped when the block is handed
+out again (``RefinedRows.renew``), and tiers carry the base parts alone (``block_tensors``),
+so a block brought back from a tier is read at the base precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.kv.residual import ResidualRows, num_residual_rows
+from kvserve.kv.storage.base import Overlay, StepWrites, WritePlanner
+from kvserve.kv.storage.layout import HalfLayout, HalfStore, MakeRowWriter, RefinedHalf
+from kvserve.kv.storage.quantized import QuantizedKVCache, _QuantizedPlanner
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from kvserve.kv.codecs import KVFormat
+
+
+class RefinedBlocks:
+    """Which blocks hold a finer copy, and where: host bookkeeping plus the device's side map
+    (``side_map[block]`` = its side slot or -1) that reads index by."""
+
+    def __init__(self, num_blocks: int, num_slots: int, device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.side_map = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
+        self._slot_of: dict[int, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))   # pop() hands out slot 0 first
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return sorted(self._slot_of)
+
+    def slot(self, block_id: int) -> int | None:
+        return self._slot_of.get(block_id)
+
+    def assign(self, block_id: int) -> int | None:
+        """The block's side slot, taking a free one the first time; None when none is free."""
+        slot = self._slot_of.get(block_id)
+        if slot is None and self._free:
+            slot = self._free.pop()
+            self._slot_of[block_id] = slot
+            self.side_map[block_id] = slot
+        return slot
+
+    def drop(self, block_ids: Iterable[int]) -> list[int]:
+        """Drop the finer copies of ``block_ids`` (blocks without one are skipped); returns the
+        blocks that had one."""
+        dropped = [b for b in block_ids if b in self._slot_of]
+        for block_id in dropped:
+            self._free.append(self._slot_of.pop(block_id))
+        if dropped:
+            self.side_map[torch.tensor(dropped, dtype=torch.long, device=self.side_map.device)] = -1
+        return dropped
+
+    def check_integrity(self) -> None:
+        used = set(self._slot_of.values())
+        assert len(used) == len(self._slot_of), "two blocks share a side slot"
+        assert not used & set(self._free), "a side slot is both used and free"
+        assert len(used) + len(self._free) == self.num_slots, "side slots leaked"
+        mapped = (self.side_map >= 0).nonzero().flatten().tolist()
+        assert mapped == self.block_ids, "the side map disagrees with the refined blocks"
+        assert all(int(self.side_map[b]) == s for b, s in self._slot_of.items()), "the side map names other slots"
+
+
+class RefinedRows(ResidualRows):
+    """The residual rows of a zip storage, with its refined blocks: what the KV manager holds
+    as the storage's per-block bookkeeping (``renew`` as it hands blocks out again)."""
+
+    def __init__(self, num_rows: int, refined: RefinedBlocks) -> None:
+        super().__init__(num_rows)
+        self.refined = refined
+
+    def renew(self, block_ids: Iterable[int]) -> None:
+        self.refined.drop(block_ids)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        self.refined.check_integrity()
+
+
+class ZipKVCache(QuantizedKVCache):
+    """A ``QuantizedKVCache`` of the base format whose every half keeps rows, plus the side
+    pool of the finer format (module docstring). ``gather`` reads mixed blocks for the torch
+    path; ``half_stores`` hands the C++ kernel each half with its finer copies and side map
+    (``HalfStore.refined``), which it reads in place."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat,
+                 num_residual_rows: int, dtype: torch.dtype, device: torch.device, *, num_side_slots: int) -> None:
+        if fmt.refine is None:
+            raise ValueError(f"KV format {fmt.spec} has no refinement (zip:hi=...,lo=...)")
+        self.refined = RefinedBlocks(num_blocks, num_side_slots, device)
+        super().__init__(config, num_blocks, block_size, fmt, num_residual_rows, dtype, device)
+        h, d = config.num_kv_heads, config.head_dim
+        self.refine_layers = fmt.refine.layers
+        self.side_key_parts: list[dict[str, torch.Tensor]] = []
+        self.side_value_parts: list[dict[str, torch.Tensor]] = []
+        for lf in self.refine_layers:
+            for codec, store in ((lf.key, self.side_key_parts), (lf.value, self.side_value_parts)):
+                store.append({p.name: torch.zeros((num_side_slots, *p.shape), dtype=p.dtype, device=device)
+                              for p in codec.parts(block_size, h, d)})
+        side = self.refined.side_map
+        self._refined_halves = [
+            (HalfStore(self.key_layouts[i], self.key_parts[i], self.key_residual[i],
+                       RefinedHalf(HalfLayout.from_codec(lf.key), self.side_key_parts[i], side)),
+             HalfStore(self.value_layouts[i], self.value_parts[i], self.value_residual[i],
+                       RefinedHalf(HalfLayout.from_codec(lf.value), self.side_value_parts[i], side)))
+            for i, lf in enumerate(self.refine_layers)]
+
+    def make_residual(self, num_rows: int) -> ResidualRows:
+        return RefinedRows(num_rows, self.refined)
+
+    @classmethod
+    def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
+              dtype: torch.dtype, device: torch.device, make_writer: MakeRowWriter | None = None) -> Self:
+        """Residual rows and a side slot per row are reserved first; then blocks at ``lo + salient
+        * hi`` bytes, and ``salient`` of them more side slots. ``make_writer`` is not used: the
+        C++ writers store per-token halves straight into their blocks, which a zip storage never does."""
+        assert fmt.refine is not None
+        bs, h, d = cache.block_size, model.num_kv_heads, model.head_dim
+        num_rows = num_residual_rows(bs, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+        reserved = num_rows * (cls.residual_row_nbytes(model, fmt, bs, dtype) + fmt.refined_nbytes_per_block(bs, h, d))
+        per_block = fmt.nbytes_per_block(bs, h, d)
+        if cache.num_blocks is None and reserved + per_block > cache.memory_bytes:
+            raise ValueError(
+                f"KV format {fmt.spec} reserves {reserved} bytes ({num_rows} full-precision rows for open blocks and "
+                f"as many side slots for the blocks a step fills), more than the KV cache memory "
+                f"({cache.memory_bytes} bytes); lower max_num_seqs ({scheduler.max_num_seqs}) or "
+                f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}), or give the KV cache more memory")
+        num_blocks = cache.resolve_num_blocks(per_block, reserved)
+        num_side = int(fmt.refine.salient * num_blocks) + num_rows
+        return cls(model, num_blocks, bs, fmt, num_rows, dtype, device, num_side_slots=num_side)
+
+    @property
+    def nbytes(self) -> int:
+        side = [t for store in self.side_key_parts + self.side_value_parts for t in store.values()]
+        return super().nbytes + sum(t.numel() * t.element_size() for t in side) + self.refined.side_map.numel() * 8
+
+    def planner(self) -> WritePlanner:
+        return _ZipPlanner(self.residual, self.block_size, self.device, self.refined)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
+        self._write_torch(layer, key, value, writes)
+        slots = writes.refine_slots
+        if slots is None or not writes.encode_rows.numel():
+            return
+        has = slots >= 0
+        if not bool(has.any()):
+            return
+        rows, side = writes.encode_rows[has], slots[has]
+        lf = self.refine_layers[layer]
+        for codec, residual, store in ((lf.key, self.key_residual[layer], self.side_key_parts[layer]),
+                                       (lf.value, self.value_residual[layer], self.side_value_parts[layer])):
+            assert residual is not None
+            for name, part in codec.encode(residual.index_select(0, rows)).items():
+                store[name].index_copy_(0, side, part)
+
+    def gather(self, layer: int, block_table: torch.Tensor,
+               overlay: Overlay | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().gather(layer, block_table, overlay)
+        flat = block_table.reshape(-1)
+        side = self.refined.side_map.index_select(0, flat)
+        at = (side >= 0).nonzero().flatten()
+        if overlay is not None and overlay.positions.numel():
+            at = at[~torch.isin(at, overlay.positions)]     # open blocks are read from their rows
+        if not at.numel():
+            return keys, values
+        slots = side.index_select(0, at)
+        lf = self.refine_layers[layer]
+        out = []
+        for x, codec, store in ((keys, lf.key, self.side_key_parts[layer]), (values, lf.value, self.side_value_parts[layer])):
+            blocks = x.view(-1, self.block_size, *x.shape[2:])
+            blocks[at] = codec.decode({name: t.index_select(0, slots) for name, t in store.items()}, self.dtype)
+            out.append(x)
+        return out[0], out[1]
+
+    def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
+        return self._refined_halves[layer]
+
+
+class _ZipPlanner(_QuantizedPlanner):
+    """The quantized planner (every half keeps rows), and a side slot for each block a step fills,
+    while one is free; a block written from its first slot holds new content: any finer copy of
+    what it held before is dropped."""
+
+    def __init__(self, residual: ResidualRows, block_size: int, device: torch.device, refined: RefinedBlocks) -> None:
+        super().__init__(residual, block_size, device)
+        self.refined = refined
+        self.refine_slots: list[int] = []
+
+    def add(self, block_ids: list[int], first_slot: int, num_new: int, num_drafted: int = 0) -> None:
+        bs = self.block_size
+        first_fresh = -(-first_slot // bs)
+        self.refined.drop(block_ids[first_fresh:-(-(first_slot + num_new) // bs)])
+        filled = len(self.encode_blocks)
+        super().add(block_ids, first_slot, num_new, num_drafted)
+        for block_id in self.encode_blocks[filled:]:
+            slot = self.refined.assign(block_id)
+            self.refine_slots.append(-1 if slot is None else slot)
+
+    def build(self) -> StepWrites:
+        writes = super().build()
+        slots = torch.tensor(self.refine_slots, dtype=torch.long, device=self.device)
+        return StepWrites(writes.slots, writes.encode_rows, writes.encode_block_ids, writes.residual_slots,
+                          writes.kept_block_ids, refine_slots=slots)
+
