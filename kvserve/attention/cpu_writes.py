@@ -8,6 +8,8 @@ The call takes each layer's halves as the attention kernel reads them (registere
     per-token halves           token --encode--> its slot                     (``slots``)
     halves of whole blocks     token --copy--> its residual row               (``residual_slots``)
                                filled rows --encode--> their blocks            (``encode_rows``, ``encode_block_ids``)
+    a zip storage's halves     every half as a half of whole blocks, and the filled rows that have a
+                               side slot --encode--> the finer format there   (``refine_rows``, ``refine_slots``)
 
 The bytes are the torch codecs' own (same float32 operations in the same order), so the
 torch path stays the reference and the fallback: a storage takes this writer only on CPU
@@ -50,13 +52,20 @@ class CpuWrites:
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
               residual_slots: torch.Tensor | None = None, encode_rows: torch.Tensor | None = None,
-              encode_block_ids: torch.Tensor | None = None) -> None:
+              encode_block_ids: torch.Tensor | None = None, refine_rows: torch.Tensor | None = None,
+              refine_slots: torch.Tensor | None = None) -> None:
         """``key``/``value`` [num_tokens, heads, dim] of ``layer``: see the module docstring for
-        the index tensors (int64; the residual ones only where a half keeps rows)."""
-        self._ext.write_halves(self._layers[layer], _channels_contiguous(key), _channels_contiguous(value), slots,
-                               _NO_INDICES if residual_slots is None else residual_slots,
-                               _NO_INDICES if encode_rows is None else encode_rows,
-                               _NO_INDICES if encode_block_ids is None else encode_block_ids)
+        the index tensors (int64; the residual ones only where a half keeps rows). Halves with a
+        finer format (a zip storage's) also encode ``refine_rows`` into side slots ``refine_slots``."""
+        args = (self._layers[layer], _channels_contiguous(key), _channels_contiguous(value), slots,
+                _NO_INDICES if residual_slots is None else residual_slots,
+                _NO_INDICES if encode_rows is None else encode_rows,
+                _NO_INDICES if encode_block_ids is None else encode_block_ids)
+        if refine_rows is None:
+            self._ext.write_halves(*args)
+        else:
+            assert refine_slots is not None
+            self._ext.write_halves_refined(*args, refine_rows, refine_slots)
 
 
 def _channels_contiguous(x: torch.Tensor) -> torch.Tensor:

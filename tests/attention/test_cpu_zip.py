@@ -12,6 +12,7 @@ from tiny import TINY
 
 from kvserve.attention import cpu
 from kvserve.attention.backends import CpuBackend
+from kvserve.attention.cpu_writes import CpuWrites
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv.codecs import parse_kv_format
 from kvserve.kv.storage.factory import make_storage
@@ -104,3 +105,53 @@ def test_unregistered_calls_and_the_triton_kernels_refuse_mixed_blocks() -> None
     if triton_kernels.triton_jit is not None:
         with pytest.raises(ValueError, match="do not read mixed-precision blocks"):
             triton_kernels.paged_attention(torch.zeros(1, 4, 16), *storage.half_stores(0), batch, 0.25)
+
+
+def _zip_storage(spec: str, *, cpu_writes: bool) -> ZipKVCache:
+    config = replace(TINY, num_kv_heads=3, num_heads=3, head_dim=64)
+    fmt = parse_kv_format(spec, config.num_layers, torch.float32, head_dim=64)
+    # 6 side slots for 32 blocks: the pool runs out on the way (sized by build, it never does in a step)
+    storage = ZipKVCache(config, 32, 16, fmt, 40, torch.float32, torch.device("cpu"), num_side_slots=6,
+                         make_writer=CpuWrites.for_storage if cpu_writes else None)
+    assert (storage._writer is not None) == cpu_writes
+    return storage
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_cpu_writer_stores_the_torch_paths_bytes_in_both_formats(spec: str) -> None:
+    # (sequence, new tokens) per step: prompts ending mid-block and on a boundary, decodes,
+    # a chunk long enough for the threaded path; side slots run out on the way
+    steps = [[("a", 37), ("b", 16)], [("a", 1), ("b", 1), ("c", 20)], [("a", 12), ("c", 300)],
+             [("a", 1), ("b", 15), ("c", 1)]]
+    spec = spec.replace("g8", "g32").replace("salient=0.5", "salient=0.25")
+    reference, tested = _zip_storage(spec, cpu_writes=False), _zip_storage(spec, cpu_writes=True)
+    g = torch.Generator().manual_seed(0)
+    tables: dict[str, list[int]] = {}
+    lens: dict[str, int] = {}
+    free = list(range(32))
+    for step in steps:
+        planners = [s.planner() for s in (reference, tested)]
+        for name, n in step:
+            table, start = tables.setdefault(name, []), lens.get(name, 0)
+            while len(table) * 16 < start + n:
+                table.append(free.pop())
+            for p in planners:
+                p.add(table, start, n)
+            lens[name] = start + n
+        writes = [p.build() for p in planners]
+        for layer in range(2):
+            k = torch.randn(writes[0].slots.numel(), 3, 64, generator=g)
+            v = torch.randn(writes[0].slots.numel(), 3, 64, generator=g)
+            for storage, w in zip((reference, tested), writes):
+                storage.write(layer, k, v, w)
+        for storage, w in zip((reference, tested), writes):
+            storage.finish_step(w)
+        assert reference.refined.block_ids == tested.refined.block_ids
+        for layer in range(2):
+            for ref, new in zip(reference.half_stores(layer), tested.half_stores(layer)):
+                assert ref.refined is not None and new.refined is not None
+                for mine, theirs in ((ref.parts, new.parts), (ref.refined.parts, new.refined.parts)):
+                    for name, t in mine.items():
+                        assert torch.equal(t.view(torch.uint8), theirs[name].view(torch.uint8)), (spec, layer, name)
+                assert ref.residual is not None and new.residual is not None and torch.equal(ref.residual, new.residual)
+    assert reference.refined.num_free_slots == 0          # the side pool ran out: later blocks got no copy

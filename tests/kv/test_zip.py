@@ -88,6 +88,7 @@ def test_full_blocks_are_read_from_the_finer_copy_until_it_is_dropped():
     writes = planner.build()
     assert writes.encode_block_ids.tolist() == [6, 3] and writes.refine_slots is not None
     assert writes.refine_slots.tolist() == [0, 1] and cache.refined.block_ids == [3, 6]
+    assert writes.refine_rows is not None and writes.refine_rows.tolist() == writes.encode_rows.tolist()
     for layer in range(2):
         cache.write(layer, k, -k, writes)
     keys, values = cache.gather(1, torch.tensor([[6, 3, 5]]), overlay)
@@ -128,3 +129,25 @@ def test_the_side_pool_runs_out_before_the_blocks_do():
     assert writes.refine_slots is not None and writes.refine_slots.tolist() == list(range(8))
     cache.refined.drop(range(8))
     assert cache.refined.num_free_slots == num_slots == int(0.25 * 8) + num_residual_rows(4, 4, 32)
+
+
+def test_the_probe_observer_scores_as_the_saliency_budgets_state():
+    from kvserve.kv.budget.policies import get_policy
+    from kvserve.kv.budget.precision import ProbeObserver
+    from kvserve.kv.budget.state import BudgetState
+
+    observer = ProbeObserver(2, 2, 4, CPU)
+    state = BudgetState(get_policy("saliency"), 64, [64, 64], 2, 4, CPU)
+    g = torch.Generator().manual_seed(0)
+    # a prefix hit of 8 slots, a chunk of 9, then three decode steps; probes as the engine picks them
+    for start, n, probes in ((8, 9, (3, 7, 8)), (17, 1, (0,)), (18, 1, ()), (19, 1, (0,))):
+        for s in (observer, state):
+            s.prepare(start, start, n)
+            s.record_probes(start, probes)
+        for layer in range(2):
+            scores = torch.rand(2, start + n, generator=g)
+            observer.add_scores(layer, scores)
+            state.add_scores(layer, scores)
+    for layer in range(2):
+        assert torch.allclose(observer.saliency(layer), state.saliency(layer), rtol=0, atol=1e-7)
+    assert observer.saliency_of_layers(20).shape == (2, 2, 20)

@@ -42,6 +42,7 @@ struct HalfView {
   // `fine`, the half's finer format, at that slot (same heads, dim and rotation domain).
   const HalfView* fine = nullptr;
   const int64_t* side = nullptr;      // [num_blocks]
+  bool rows_only = false;             // every token goes to its residual row first (a zip storage's halves)
 };
 
 inline int64_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }

@@ -437,7 +437,9 @@ inline void encode_block(const HalfView& v, int64_t row, int64_t block, int64_t 
 
 // ---- one layer ------------------------------------------------------------------------------
 
-inline bool encodes_whole_blocks(const HalfView& v) { return v.kind == ASYM_CHANNEL || v.num_outliers > 0; }
+inline bool encodes_whole_blocks(const HalfView& v) {
+  return v.kind == ASYM_CHANNEL || v.num_outliers > 0 || v.rows_only;
+}
 
 // A [T, H, D] tensor of new keys or values, channels contiguous.
 struct TokenRows {

@@ -304,10 +304,15 @@ std::shared_ptr<Halves> make_halves_refined(const std::vector<int64_t>& k_layout
   check_tensor(side_map, at::kLong, {h->K.num_blocks}, "side_map");
   for (auto [coarse, fine] : {std::pair{&h->K, &h->KF}, std::pair{&h->V, &h->VF}}) {
     KVS_REQUIRE(fine->H == coarse->H && !fine->residual, "a finer half holds the same heads and no residual rows");
-    KVS_REQUIRE(!(fine->rotated || coarse->rotated) || (head_dim & (head_dim - 1)) == 0,
-                "+had needs a power-of-two head_dim");   // (make_half checked the rotated one's)
+    KVS_REQUIRE(coarse->residual, "a refined half keeps its open blocks in residual rows");
+    KVS_REQUIRE(fine->num_blocks <= coarse->num_blocks + coarse->residual_rows, "more side slots than blocks");
     coarse->fine = fine;
     coarse->side = side_map.data_ptr<int64_t>();
+    // writes: every token to its row; a filled block is encoded from its row into both formats
+    coarse->rows_only = fine->rows_only = true;
+    fine->residual = coarse->residual;
+    fine->residual_dtype = coarse->residual_dtype;
+    fine->residual_rows = coarse->residual_rows;
   }
   for (const auto* parts : {&kf_parts, &vf_parts})
     for (const auto& t : *parts)
@@ -336,6 +341,19 @@ void write_halves(const Halves& h, const at::Tensor& key, const at::Tensor& valu
   write_views(h.K, h.V, key, value, slots, residual_slots, encode_rows, encode_block_ids);
 }
 
+// write_halves on refined halves, then the filled blocks `refine_rows` also encoded into their
+// side slots `refine_slots` in the finer format.
+void write_halves_refined(const Halves& h, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
+                          const at::Tensor& residual_slots, const at::Tensor& encode_rows,
+                          const at::Tensor& encode_block_ids, const at::Tensor& refine_rows,
+                          const at::Tensor& refine_slots) {
+  KVS_REQUIRE(h.K.fine && h.V.fine, "these halves have no finer format (make_halves_refined)");
+  write_views(h.K, h.V, key, value, slots, residual_slots, encode_rows, encode_block_ids);
+  if (refine_rows.numel() == 0) return;
+  write_views(h.KF, h.VF, key.narrow(0, 0, 0), value.narrow(0, 0, 0), slots, residual_slots.narrow(0, 0, 0),
+              refine_rows, refine_slots);
+}
+
 }  // namespace kvs
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -349,6 +367,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run_halves", &kvs::run_halves, "run() on registered halves");
   m.def("run_halves_scored", &kvs::run_halves_scored, "run_halves(), adding the attention weights keys get to scores");
   m.def("write_halves", &kvs::write_halves, "write_kv() on registered halves");
+  m.def("write_halves_refined", &kvs::write_halves_refined, "write_halves() and the finer copies of filled blocks");
 #if KVS_W == 16 && defined(__AVX512VBMI__)
   m.attr("isa") = "avx512vbmi";
 #elif KVS_W == 16

@@ -1,7 +1,8 @@
 """Precision by saliency: which blocks of a ``zip:`` KV format keep their finer copy.
 
 Every request gets a ``BudgetState`` under the ``saliency`` policy that never compacts: the
-probe queries' attention is scored as for the ``saliency`` budget (docs/budgets.md), and after
+probe queries' attention is scored as for the ``saliency`` budget (docs/budgets.md), except
+that decode queries are probes only every 16th position, like the prompt's; and after
 each step that filled one of its blocks (``settle``) the request keeps the finer copies of its
 most salient full blocks,
 ``ceil(salient x full blocks)`` of them; the others lose theirs, unless another running request
@@ -23,13 +24,55 @@ import math
 import torch
 
 from kvserve.kv.budget.budgets import BudgetStep, NoBudgets
-from kvserve.kv.budget.policies import SNAPKV_WINDOW, get_policy
+from kvserve.kv.budget.policies import PROBE_STRIDE, SNAPKV_WINDOW, get_policy
 from kvserve.kv.budget.state import BudgetState
 from kvserve.kv.storage.zip import ZipKVCache
 from kvserve.request import Request
 
 # the saliency policy's state with this budget has the budget policy's probe window (32 positions)
 _OBSERVED_BUDGET = 2 * SNAPKV_WINDOW
+
+
+class ProbeObserver(BudgetState):
+    """The ``saliency`` policy's state without a budget, for the attention path to score into:
+    nothing is ever evicted, so a slot is its position and every layer's scores fit one tensor
+    ``[layers, heads, slots]`` (a step's bookkeeping is one operation, not one per layer).
+    ``saliency`` is ``BudgetState.saliency``'s (tested equal)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, device: torch.device) -> None:
+        super().__init__(get_policy("saliency"), _OBSERVED_BUDGET, [_OBSERVED_BUDGET] * num_layers, num_kv_heads,
+                         block_size, device)
+        self.scores = torch.zeros(num_layers, num_kv_heads, 0, device=device)
+
+    @property
+    def scores_attention(self) -> bool:
+        return True
+
+    def prepare(self, slot_start: int, first_pos: int, num_new: int) -> None:
+        assert slot_start == first_pos, "an observer's slots are its positions"
+        begin, end = min(self.num_recorded, slot_start), slot_start + num_new
+        if end > self.scores.shape[-1]:
+            grown = torch.zeros(*self.scores.shape[:-1], max(end, 2 * self.scores.shape[-1]), device=self.device)
+            grown[..., :self.num_recorded] = self.scores[..., :self.num_recorded]
+            self.scores = grown
+        self.scores[..., begin:end] = 0
+        self.num_recorded = end
+
+    def add_scores(self, layer: int, scores: torch.Tensor, first_slot: int = 0) -> None:
+        self.scores[layer, :, first_slot:first_slot + scores.shape[1]] += scores
+
+    def key_mask(self, layer: int, num_slots: int) -> torch.Tensor:
+        return torch.ones(num_slots, dtype=torch.bool, device=self.device)
+
+    def saliency(self, layer: int, slots: torch.Tensor | None = None) -> torch.Tensor:
+        every = self.saliency_of_layers(self.num_recorded)[layer]
+        return every if slots is None else every[:, slots]
+
+    def saliency_of_layers(self, num_slots: int) -> torch.Tensor:
+        """[layers, heads, num_slots] the saliency of the first ``num_slots`` slots in every layer."""
+        probes = torch.tensor(self.probes, dtype=torch.long, device=self.device)
+        seen_by = len(self.probes) - torch.searchsorted(probes, torch.arange(num_slots, device=self.device))
+        return self.scores[..., :num_slots] / seen_by.clamp(min=1)
 
 
 class SaliencyPrecision(NoBudgets):
@@ -42,17 +85,15 @@ class SaliencyPrecision(NoBudgets):
         self.num_layers = storage.num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = storage.block_size
-        self.policy = get_policy("saliency")
-        self._states: dict[str, BudgetState] = {}
+        self._states: dict[str, ProbeObserver] = {}
         self._wanted: dict[str, set[int]] = {}      # per request, the blocks it keeps refined
         self._settled: dict[str, int] = {}          # per request, its full blocks when it last settled
         self.num_dropped = 0                        # finer copies dropped by ``settle``, all requests
 
     def start(self, request: Request) -> None:
         if request.request_id not in self._states:
-            self._states[request.request_id] = BudgetState(
-                self.policy, _OBSERVED_BUDGET, [_OBSERVED_BUDGET] * self.num_layers, self.num_kv_heads,
-                self.block_size, self.storage.device)
+            self._states[request.request_id] = ProbeObserver(self.num_layers, self.num_kv_heads, self.block_size,
+                                                             self.storage.device)
 
     def get(self, request_id: str) -> BudgetState | None:
         return self._states.get(request_id)
@@ -63,7 +104,12 @@ class SaliencyPrecision(NoBudgets):
             return None
         first_pos = request.num_computed_tokens
         state.prepare(first_pos, first_pos, num_new)
-        rows = state.probe_rows(first_pos, num_new, request.num_tokens)
+        # probes by position: every 16th and the prompt's last window; decode queries only every
+        # 16th too (the last token of each block, the step that fills it and settles), so 15 decode
+        # steps in 16 score nothing
+        prompt = request.num_prompt_tokens
+        rows = tuple(r for r in range(num_new) if prompt - state.window <= first_pos + r < prompt
+                     or (first_pos + r + 1) % PROBE_STRIDE == 0)
         state.record_probes(first_pos, rows)
         return BudgetStep(state, first_pos, 0, False, bool(rows), rows)
 
@@ -74,10 +120,8 @@ class SaliencyPrecision(NoBudgets):
 
     def block_saliency(self, request_id: str, num_blocks: int) -> torch.Tensor:
         """[num_blocks] the saliency of the request's first ``num_blocks`` blocks (module docstring)."""
-        state = self._states[request_id]
-        num_slots = num_blocks * self.block_size
-        per_token = torch.stack([state.saliency(layer)[:, :num_slots].sum(dim=0) for layer in range(self.num_layers)])
-        return per_token.mean(dim=0).view(num_blocks, self.block_size).amax(dim=1)
+        per_token = self._states[request_id].saliency_of_layers(num_blocks * self.block_size).sum(dim=1).mean(dim=0)
+        return per_token.view(num_blocks, self.block_size).amax(dim=1)
 
     def settle(self, request: Request, block_ids: list[int]) -> None:
         rid = request.request_id

@@ -54,7 +54,8 @@ class StepWrites:
                                                 # keeps residual rows (codecs that encode whole blocks)
     kept_block_ids: tuple[int, ...] = ()        # encoded blocks that keep their rows: they hold drafted
                                                 # tokens (the KV manager releases them once accepted)
-    refine_slots: torch.Tensor | None = None    # [n] per encoded block, its side slot or -1 (kv/storage/zip.py)
+    refine_rows: torch.Tensor | None = None     # [r] the rows among encode_rows whose blocks get a finer copy
+    refine_slots: torch.Tensor | None = None    # [r] ... and its side slot (kv/storage/zip.py)
 
 
 class WritePlanner(ABC):

@@ -112,11 +112,13 @@ class HalfStore:
 
 class RowWriter(Protocol):
     """Writes a step's new keys and values of one layer into its halves, as the storage's
-    torch path would, byte for byte (the index tensors: ``StepWrites``' fields, int64)."""
+    torch path would, byte for byte (the index tensors: ``StepWrites``' fields, int64; the
+    refine ones: the filled blocks' rows that have a side slot, and those slots, kv/storage/zip.py)."""
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
               residual_slots: torch.Tensor | None = None, encode_rows: torch.Tensor | None = None,
-              encode_block_ids: torch.Tensor | None = None) -> None: ...
+              encode_block_ids: torch.Tensor | None = None, refine_rows: torch.Tensor | None = None,
+              refine_slots: torch.Tensor | None = None) -> None: ...
 
 
 # (device, each layer's (key, value) halves, head_dim) -> a writer, or None where it cannot run

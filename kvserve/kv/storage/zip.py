@@ -22,6 +22,7 @@ so a block brought back from a tier is read at the base precision.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,10 +112,12 @@ class ZipKVCache(QuantizedKVCache):
     (``HalfStore.refined``), which it reads in place."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat,
-                 num_residual_rows: int, dtype: torch.dtype, device: torch.device, *, num_side_slots: int) -> None:
+                 num_residual_rows: int, dtype: torch.dtype, device: torch.device, *, num_side_slots: int,
+                 make_writer: MakeRowWriter | None = None) -> None:
         if fmt.refine is None:
             raise ValueError(f"KV format {fmt.spec} has no refinement (zip:hi=...,lo=...)")
         self.refined = RefinedBlocks(num_blocks, num_side_slots, device)
+        # (the writer is made below, over the halves with their finer formats)
         super().__init__(config, num_blocks, block_size, fmt, num_residual_rows, dtype, device)
         h, d = config.num_kv_heads, config.head_dim
         self.refine_layers = fmt.refine.layers
@@ -131,6 +134,7 @@ class ZipKVCache(QuantizedKVCache):
              HalfStore(self.value_layouts[i], self.value_parts[i], self.value_residual[i],
                        RefinedHalf(HalfLayout.from_codec(lf.value), self.side_value_parts[i], side)))
             for i, lf in enumerate(self.refine_layers)]
+        self._writer = make_writer(device, self._refined_halves, d) if make_writer is not None else None
 
     def make_residual(self, num_rows: int) -> ResidualRows:
         return RefinedRows(num_rows, self.refined)
@@ -139,8 +143,8 @@ class ZipKVCache(QuantizedKVCache):
     def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
               dtype: torch.dtype, device: torch.device, make_writer: MakeRowWriter | None = None) -> Self:
         """Residual rows and a side slot per row are reserved first; then blocks at ``lo + salient
-        * hi`` bytes, and ``salient`` of them more side slots. ``make_writer`` is not used: the
-        C++ writers store per-token halves straight into their blocks, which a zip storage never does."""
+        * hi`` bytes, and ``salient`` of them more side slots. ``make_writer`` gets the halves with
+        their finer formats (``HalfStore.refined``): the C++ writer then sends every token to its row."""
         assert fmt.refine is not None
         bs, h, d = cache.block_size, model.num_kv_heads, model.head_dim
         num_rows = num_residual_rows(bs, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
@@ -154,7 +158,8 @@ class ZipKVCache(QuantizedKVCache):
                 f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}), or give the KV cache more memory")
         num_blocks = cache.resolve_num_blocks(per_block, reserved)
         num_side = int(fmt.refine.salient * num_blocks) + num_rows
-        return cls(model, num_blocks, bs, fmt, num_rows, dtype, device, num_side_slots=num_side)
+        return cls(model, num_blocks, bs, fmt, num_rows, dtype, device, num_side_slots=num_side,
+                   make_writer=make_writer)
 
     @property
     def nbytes(self) -> int:
@@ -165,14 +170,15 @@ class ZipKVCache(QuantizedKVCache):
         return _ZipPlanner(self.residual, self.block_size, self.device, self.refined)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
+        rows, side = writes.refine_rows, writes.refine_slots
+        assert rows is not None and side is not None, "writes planned by another storage's planner"
+        if self._writer is not None:
+            self._writer.write(layer, key, value, writes.slots, writes.residual_slots, writes.encode_rows,
+                               writes.encode_block_ids, rows, side)
+            return
         self._write_torch(layer, key, value, writes)
-        slots = writes.refine_slots
-        if slots is None or not writes.encode_rows.numel():
+        if not rows.numel():
             return
-        has = slots >= 0
-        if not bool(has.any()):
-            return
-        rows, side = writes.encode_rows[has], slots[has]
         lf = self.refine_layers[layer]
         for codec, residual, store in ((lf.key, self.key_residual[layer], self.side_key_parts[layer]),
                                        (lf.value, self.value_residual[layer], self.side_value_parts[layer])):
@@ -211,6 +217,7 @@ class _ZipPlanner(_QuantizedPlanner):
     def __init__(self, residual: ResidualRows, block_size: int, device: torch.device, refined: RefinedBlocks) -> None:
         super().__init__(residual, block_size, device)
         self.refined = refined
+        self.refine_rows: list[int] = []
         self.refine_slots: list[int] = []
 
     def add(self, block_ids: list[int], first_slot: int, num_new: int, num_drafted: int = 0) -> None:
@@ -219,13 +226,17 @@ class _ZipPlanner(_QuantizedPlanner):
         self.refined.drop(block_ids[first_fresh:-(-(first_slot + num_new) // bs)])
         filled = len(self.encode_blocks)
         super().add(block_ids, first_slot, num_new, num_drafted)
-        for block_id in self.encode_blocks[filled:]:
+        for row, block_id in zip(self.encode_rows[filled:], self.encode_blocks[filled:]):
             slot = self.refined.assign(block_id)
-            self.refine_slots.append(-1 if slot is None else slot)
+            if slot is not None:
+                self.refine_rows.append(row)
+                self.refine_slots.append(slot)
 
     def build(self) -> StepWrites:
         writes = super().build()
-        slots = torch.tensor(self.refine_slots, dtype=torch.long, device=self.device)
-        return StepWrites(writes.slots, writes.encode_rows, writes.encode_block_ids, writes.residual_slots,
-                          writes.kept_block_ids, refine_slots=slots)
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        return replace(writes, refine_rows=tensor(self.refine_rows), refine_slots=tensor(self.refine_slots))
 
