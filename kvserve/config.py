@@ -146,7 +146,8 @@ class CacheConfig:
         "Redis tiers) share it", default_text="$KVSERVE_CACHE_DIR/block-key-secret", metavar="FILE"))
     kv_format: str = field(default="native", metadata=opt(
         "KV storage: native, fp16, bf16, fp8, int8, int4, kivi2, kivi4, with +outN/+had and per-layer or "
-        "per-half specs, e.g. '0-1=fp16;2-=kivi2' (docs/kv_formats.md)"))
+        "per-half specs, e.g. '0-1=fp16;2-=kivi2', or precision by saliency, e.g. "
+        "'zip:hi=int8+had,lo=kivi2+had,salient=0.2' (docs/kv_formats.md)"))
     kv_budget: int | None = field(default=None, metadata=opt(
         "tokens of KV cache kept per layer for each request (docs/budgets.md)", default_text="no budget"))
     kv_policy: str = field(default="streaming", metadata=opt(

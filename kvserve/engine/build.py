@@ -137,6 +137,10 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     attention = _attention_backend(config.attention_backend, device, kv_format)
     # new rows through the C++ writer where it runs (attention/cpu_writes.py), else the torch path
     storage = make_storage(mc, kv_format, cc, config.scheduler, dtype, device, CpuWrites.for_storage)
+    if isinstance(storage, ZipKVCache) and storage.mixes_rotation_domains and attention.reads_in_place:
+        log.warning("KV format %s: the finer and base formats of a half differ in +had; the kernel rotates the "
+                    "finer blocks' rows as it reads them (measured 2.7x slower decode): give both +had or neither",
+                    kv_format.spec)
     pool = BlockPool(storage.num_blocks, cc.block_size)
     secret_path = Path(cc.key_secret_file) if cc.key_secret_file else default_cache_dir() / "block-key-secret"
     extra_key = make_extra_key(fingerprint, f"{kv_format.spec}:{dtype}", cc.cache_salt,

@@ -151,3 +151,12 @@ def test_the_probe_observer_scores_as_the_saliency_budgets_state():
     for layer in range(2):
         assert torch.allclose(observer.saliency(layer), state.saliency(layer), rtol=0, atol=1e-7)
     assert observer.saliency_of_layers(20).shape == (2, 2, 20)
+
+
+@pytest.mark.parametrize("spec, mixes", [
+    (SPEC, False), ("zip:hi=int8,lo=kivi2g8+had", True), ("zip:hi=int8+had,lo=kivi2g8+had", False),
+    ("zip:hi=int8+had,lo=kivi2g8", True), ("zip:hi=int4g8+had+out2,lo=kivi2g8", False),   # +outN: not rotated
+    ("zip:hi=0=int8;1=int8+had,lo=int8", True),
+])
+def test_a_storage_says_whether_its_formats_mix_rotation_domains(spec, mixes):
+    assert zip_storage(spec=spec).mixes_rotation_domains is mixes

@@ -39,7 +39,7 @@ struct HalfView {
   int64_t residual_rows = 0;
   int64_t row_bytes = 0;              // bytes of `main` per (token, head)
   // Precision by saliency (kv/storage/zip.py): a block with side[block] >= 0 is read from
-  // `fine`, the half's finer format, at that slot (same heads, dim and rotation domain).
+  // `fine`, the half's finer format, at that slot (same heads and dim; either Hadamard domain).
   const HalfView* fine = nullptr;
   const int64_t* side = nullptr;      // [num_blocks]
   bool rows_only = false;             // every token goes to its residual row first (a zip storage's halves)

@@ -1,17 +1,16 @@
 """Precision by saliency: which blocks of a ``zip:`` KV format keep their finer copy.
 
-Every request gets a ``BudgetState`` under the ``saliency`` policy that never compacts: the
+Every request gets a ``ProbeObserver``, the ``saliency`` policy's state without a budget: the
 probe queries' attention is scored as for the ``saliency`` budget (docs/budgets.md), except
-that decode queries are probes only every 16th position, like the prompt's; and after
-each step that filled one of its blocks (``settle``) the request keeps the finer copies of its
-most salient full blocks,
-``ceil(salient x full blocks)`` of them; the others lose theirs, unless another running request
-counts the block among its own most salient (a shared block's precision is the most any of its
-readers asks for). A block's saliency is its most salient token's: per token, ZipCache's
+that decode queries are probes only every 16th position, like the prompt's. After each step
+that filled one of its blocks (``settle``) the request keeps the finer copies of its most
+salient full blocks, ``ceil(salient x full blocks)`` of them; the others lose theirs, unless
+another running request counts the block among its own most salient (a shared block's
+precision is the most any of its readers asks for). A block's saliency is its most salient token's: per token, ZipCache's
 normalized attention summed over KV heads and averaged over layers. A block that loses its
 finer copy never gets it back (the full-precision values are gone): precision only falls, as
-the context grows and saliency settles. ``rank=recent`` (the control: no saliency) ranks the
-first block (the attention sink) first, then the newest.
+the context grows and saliency settles. ``rank=recent`` (the control: no saliency, and no
+probe scored) ranks the first block (the attention sink) first, then the newest.
 
 KV budgets that evict are not available here (the blocks are quantized: nothing can be
 compacted), so this is the engine's ``Budgets`` under such a format.
@@ -108,8 +107,9 @@ class SaliencyPrecision(NoBudgets):
         # 16th too (the last token of each block, the step that fills it and settles), so 15 decode
         # steps in 16 score nothing
         prompt = request.num_prompt_tokens
-        rows = tuple(r for r in range(num_new) if prompt - state.window <= first_pos + r < prompt
-                     or (first_pos + r + 1) % PROBE_STRIDE == 0)
+        rows = () if self.rank != "saliency" else tuple(
+            r for r in range(num_new)
+            if prompt - state.window <= first_pos + r < prompt or (first_pos + r + 1) % PROBE_STRIDE == 0)
         state.record_probes(first_pos, rows)
         return BudgetStep(state, first_pos, 0, False, bool(rows), rows)
 
@@ -130,10 +130,10 @@ class SaliencyPrecision(NoBudgets):
         if state is None or num_full == self._settled.get(rid, 0):
             return
         self._settled[rid] = num_full
-        score = self.block_saliency(rid, num_full) if self.rank == "saliency" else _recency(num_full)
+        score = (self.block_saliency(rid, num_full) if self.rank == "saliency" else _recency(num_full)).tolist()
         keep = math.ceil(self.salient * num_full)
         # most salient first; ties go to the earlier block
-        order = sorted(range(num_full), key=lambda i: (-float(score[i]), i))
+        order = sorted(range(num_full), key=lambda i: (-score[i], i))
         wanted = {block_ids[i] for i in order[:keep]}
         self._wanted[rid] = wanted
         others = set().union(*(w for r, w in self._wanted.items() if r != rid))

@@ -198,12 +198,19 @@ class ZipKVCache(QuantizedKVCache):
             return keys, values
         slots = side.index_select(0, at)
         lf = self.refine_layers[layer]
-        out = []
         for x, codec, store in ((keys, lf.key, self.side_key_parts[layer]), (values, lf.value, self.side_value_parts[layer])):
-            blocks = x.view(-1, self.block_size, *x.shape[2:])
+            blocks = x.view(-1, self.block_size, *x.shape[2:])    # (a fresh decode: written in place)
             blocks[at] = codec.decode({name: t.index_select(0, slots) for name, t in store.items()}, self.dtype)
-            out.append(x)
-        return out[0], out[1]
+        return keys, values
+
+    @property
+    def mixes_rotation_domains(self) -> bool:
+        """Some half's finer format is Hadamard-rotated (``+had`` without ``+outN``) and its base
+        not, or the other way round: the C++ kernel then rotates those blocks' rows as it reads them."""
+        def rotated(layout: HalfLayout) -> bool:
+            return layout.hadamard and not layout.num_outliers
+        return any(rotated(h.layout) != rotated(h.refined.layout)
+                   for pair in self._refined_halves for h in pair if h.refined is not None)
 
     def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
         return self._refined_halves[layer]
