@@ -31,7 +31,7 @@ from kvserve.kv.storage.layout import HalfLayout, HalfStore, MakeRowWriter
 if TYPE_CHECKING:
     from typing import Self
 
-    from kvserve.kv.codecs import HalfCodec, KVFormat
+    from kvserve.kv.codecs import HalfCodec, KVFormat, LayerFormat
 
 
 class QuantizedKVCache(KVStorage):
@@ -54,12 +54,9 @@ class QuantizedKVCache(KVStorage):
         self.device = device
         self.residual = self.make_residual(num_residual_rows) if self.keeps_residual(fmt) else NoResidual()
         h, d = config.num_kv_heads, config.head_dim
-        self.key_parts: list[dict[str, torch.Tensor]] = []
-        self.value_parts: list[dict[str, torch.Tensor]] = []
+        self.key_parts, self.value_parts = layer_parts(fmt.layers, num_blocks, block_size, h, d, device)
         for lf in fmt.layers:
-            for codec, store in ((lf.key, self.key_parts), (lf.value, self.value_parts)):
-                store.append({p.name: torch.zeros((num_blocks, *p.shape), dtype=p.dtype, device=device)
-                              for p in codec.parts(block_size, h, d)})
+            for codec in (lf.key, lf.value):
                 if not codec.encodes_whole_blocks:
                     _check_token_parts(codec, block_size, h, d)
         shape = (self.residual.num_rows, block_size, h, d)
@@ -172,6 +169,17 @@ class QuantizedKVCache(KVStorage):
         # holding drafted tokens, which keep theirs until the tokens are checked)
         kept = set(writes.kept_block_ids)
         self.residual.release(b for b in writes.encode_block_ids.tolist() if b not in kept)
+
+
+def layer_parts(layers: Sequence[LayerFormat], count: int, block_size: int, heads: int, dim: int,
+                device: torch.device) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """Per layer, zeroed part tensors ``[count, *part.shape]`` of the key codec, then of the value codec."""
+    halves: tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] = ([], [])
+    for lf in layers:
+        for codec, store in zip((lf.key, lf.value), halves):
+            store.append({p.name: torch.zeros((count, *p.shape), dtype=p.dtype, device=device)
+                          for p in codec.parts(block_size, heads, dim)})
+    return halves
 
 
 def _keeps_rows(fmt: KVFormat, codec: HalfCodec) -> bool:

@@ -31,7 +31,7 @@ from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.kv.residual import ResidualRows, num_residual_rows
 from kvserve.kv.storage.base import Overlay, StepWrites, WritePlanner
 from kvserve.kv.storage.layout import HalfLayout, HalfStore, MakeRowWriter, RefinedHalf
-from kvserve.kv.storage.quantized import QuantizedKVCache, _QuantizedPlanner
+from kvserve.kv.storage.quantized import QuantizedKVCache, _QuantizedPlanner, layer_parts
 
 if TYPE_CHECKING:
     from typing import Self
@@ -121,12 +121,8 @@ class ZipKVCache(QuantizedKVCache):
         super().__init__(config, num_blocks, block_size, fmt, num_residual_rows, dtype, device)
         h, d = config.num_kv_heads, config.head_dim
         self.refine_layers = fmt.refine.layers
-        self.side_key_parts: list[dict[str, torch.Tensor]] = []
-        self.side_value_parts: list[dict[str, torch.Tensor]] = []
-        for lf in self.refine_layers:
-            for codec, store in ((lf.key, self.side_key_parts), (lf.value, self.side_value_parts)):
-                store.append({p.name: torch.zeros((num_side_slots, *p.shape), dtype=p.dtype, device=device)
-                              for p in codec.parts(block_size, h, d)})
+        self.side_key_parts, self.side_value_parts = layer_parts(self.refine_layers, num_side_slots, block_size, h, d,
+                                                                 device)
         side = self.refined.side_map
         self._refined_halves = [
             (HalfStore(self.key_layouts[i], self.key_parts[i], self.key_residual[i],
