@@ -18,7 +18,8 @@ without speculation, and a sampled one's is drawn by speculative sampling
 (``Sampler.verify_draft``) from exactly the distribution of drawing one token at a time. A
 grammar's request keeps only the drafted tokens its grammar accepts. Requests with a KV budget
 do not draft (a budget compacts by the tokens observed, drafted ones included), nor do
-requests with a seed: their draws must repeat, and how far a request drafts follows the
+requests under a ``zip:`` KV format (which blocks keep their finer copy follows the steps
+taken: drafting would change it, and with it the tokens), nor requests with a seed: their draws must repeat, and how far a request drafts follows the
 machine's measured timing.
 
 How far each request drafts is decided per step (spec/cost.py): k grows with the request's
@@ -135,7 +136,7 @@ class Speculator:
         """Whether ``req`` takes drafts (the module docstring says which do)."""
         p = req.params
         return (p.speculate and (p.is_greedy or p.seed is None)
-                and self.budgets.max_blocks(p, req.num_prompt_tokens) is None)
+                and self.budgets.max_blocks(p, req.num_prompt_tokens) is None and self.budgets.takes_drafts)
 
     def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
         """Drafts for the running requests about to decode (request id -> tokens). A model

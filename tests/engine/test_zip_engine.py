@@ -118,3 +118,13 @@ def test_a_block_back_from_a_tier_is_read_at_its_base_precision(loaded):
         while e.has_unfinished:
             e.step()
         e.check_integrity()
+
+
+def test_requests_under_a_zip_format_do_not_draft(loaded):
+    # which blocks keep a finer copy follows the steps taken: drafting would change the tokens
+    prompt = [[7, 3, 9, 1, 4, 2] * 6 + [5, 8] + [7, 3, 9, 1, 4, 2] * 3]
+    spec = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=64, block_size=4,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    plain = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=64, block_size=4)
+    assert spec.generate(prompt, GREEDY)[0].token_ids == plain.generate(prompt, GREEDY)[0].token_ids
+    assert spec.engine.speculator.stats.num_drafts == 0

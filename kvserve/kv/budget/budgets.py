@@ -21,7 +21,7 @@ them; ``NoBudgets`` stands in where the storage cannot (quantized KV formats).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -94,6 +94,10 @@ class Budgets(ABC):
 
     @abstractmethod
     def drop(self, request_id: str) -> None: ...
+
+    #: Requests may draft (speculative decoding) as far as the budgets go: false where the KV a
+    #: request reads depends on the steps it took (precision by saliency)
+    takes_drafts: ClassVar[bool] = True
 
     def settle(self, request: Request, block_ids: list[int]) -> None:
         """After a step of ``request`` (its table ``block_ids``): precision by saliency decides

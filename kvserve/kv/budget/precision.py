@@ -75,6 +75,10 @@ class ProbeObserver(BudgetState):
 
 
 class SaliencyPrecision(NoBudgets):
+    #: which blocks keep their finer copy follows the steps a request took: a drafting request's
+    #: tokens would not be those of plain decoding
+    takes_drafts = False
+
     def __init__(self, storage: ZipKVCache, num_kv_heads: int) -> None:
         assert storage.format.refine is not None
         super().__init__(f"KV format {storage.format.spec} is quantized; budgets need the native format")
