@@ -266,7 +266,7 @@ class KVCacheManager:
         blocks (it is tried again after the next step).
         """
         rid = request.request_id
-        self.budgets.settle(request, [b.block_id for b in self._blocks[rid]])
+        self.budgets.settle(request, self._blocks[rid])
         target = self.budgets.target_slots(request)
         if target is None:
             return False

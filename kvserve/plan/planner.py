@@ -113,8 +113,7 @@ class KVLayout:
     def residual_nbytes(self) -> int:
         """The open block every running sequence keeps in the compute dtype (0 without KIVI)."""
         m = self.model
-        num_halves = sum(c.encodes_whole_blocks or self.kv_format.refine is not None
-                         for layer in self.kv_format.layers for c in (layer.key, layer.value))
+        num_halves = sum(self.kv_format.keeps_rows(c) for layer in self.kv_format.layers for c in (layer.key, layer.value))
         element = torch.empty((), dtype=compute_dtype(self.compute_format)).element_size()
         return num_halves * self.block_size * m.num_kv_heads * m.head_dim * element
 

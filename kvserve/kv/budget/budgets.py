@@ -21,10 +21,12 @@ them; ``NoBudgets`` stands in where the storage cannot (quantized KV formats).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
 import torch
 
+from kvserve.kv.block_pool import Block
 from kvserve.kv.budget.arkvale import ArkValeState
 from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import check_budget, get_policy
@@ -99,9 +101,9 @@ class Budgets(ABC):
     #: request reads depends on the steps it took (precision by saliency)
     takes_drafts: ClassVar[bool] = True
 
-    def settle(self, request: Request, block_ids: list[int]) -> None:
-        """After a step of ``request`` (its table ``block_ids``): precision by saliency decides
-        which of its blocks keep their finer copy (kv/budget/precision.py); nothing elsewhere."""
+    def settle(self, request: Request, table: Sequence[Block]) -> None:
+        """After a step of ``request`` (its block table): precision by saliency decides which of
+        its blocks keep their finer copy (kv/budget/precision.py); nothing elsewhere."""
 
     @abstractmethod
     def stats(self) -> BudgetStats: ...

@@ -19,9 +19,11 @@ compacted), so this is the engine's ``Budgets`` under such a format.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
+from kvserve.kv.block_pool import Block
 from kvserve.kv.budget.budgets import BudgetStep, NoBudgets
 from kvserve.kv.budget.policies import PROBE_STRIDE, SNAPKV_WINDOW, get_policy
 from kvserve.kv.budget.state import BudgetState
@@ -127,13 +129,14 @@ class SaliencyPrecision(NoBudgets):
         per_token = self._states[request_id].saliency_of_layers(num_blocks * self.block_size).sum(dim=1).mean(dim=0)
         return per_token.view(num_blocks, self.block_size).amax(dim=1)
 
-    def settle(self, request: Request, block_ids: list[int]) -> None:
+    def settle(self, request: Request, table: Sequence[Block]) -> None:
         rid = request.request_id
         state = self._states.get(rid)
         num_full = min(request.num_computed_tokens, 0 if state is None else state.num_recorded) // self.block_size
         if state is None or num_full == self._settled.get(rid, 0):
             return
         self._settled[rid] = num_full
+        block_ids = [b.block_id for b in table[:num_full]]
         score = (self.block_saliency(rid, num_full) if self.rank == "saliency" else _recency(num_full)).tolist()
         keep = math.ceil(self.salient * num_full)
         # most salient first; ties go to the earlier block
@@ -141,7 +144,7 @@ class SaliencyPrecision(NoBudgets):
         wanted = {block_ids[i] for i in order[:keep]}
         self._wanted[rid] = wanted
         others = set().union(*(w for r, w in self._wanted.items() if r != rid))
-        dropped = self.storage.refined.drop(b for b in block_ids[:num_full] if b not in wanted and b not in others)
+        dropped = self.storage.refined.drop(b for b in block_ids if b not in wanted and b not in others)
         self.num_dropped += len(dropped)
 
 

@@ -79,6 +79,12 @@ class KVFormat:
         return self.refine is None and all(isinstance(c, PlainCodec) and c.dtype == self.compute_dtype
                    for layer in self.layers for c in (layer.key, layer.value))
 
+    def keeps_rows(self, codec: HalfCodec) -> bool:
+        """Whether a half of this format keeps its open blocks in full-precision residual rows:
+        a codec that encodes whole blocks, and under ``refine`` every half (a block is encoded
+        into both formats once, when it is full)."""
+        return self.refine is not None or codec.encodes_whole_blocks
+
     def nbytes_per_block(self, block_size: int, num_kv_heads: int, head_dim: int) -> int:
         """Exact bytes of one block across all layers, keys and values; under ``refine``, the base
         encoding plus ``salient`` of the finer one (rounded up): what a block costs on average."""

@@ -55,6 +55,12 @@ class HalfLayout:
     num_outliers: int = 0
 
     @property
+    def reads_rotated(self) -> bool:
+        """Kernels read this half in the rotated domain (``+had`` without ``+outN``: the query or
+        the output is rotated instead of every row)."""
+        return self.hadamard and not self.num_outliers
+
+    @property
     def encodes_whole_blocks(self) -> bool:
         """Whether an open block of this half lives in a residual row until it is full."""
         return self.kind == CodecKind.ASYM_CHANNEL or self.num_outliers > 0

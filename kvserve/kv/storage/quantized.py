@@ -19,7 +19,7 @@ below, which stays the reference.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -62,7 +62,7 @@ class QuantizedKVCache(KVStorage):
         shape = (self.residual.num_rows, block_size, h, d)
 
         def rows(codec: HalfCodec) -> torch.Tensor | None:
-            return torch.zeros(shape, dtype=dtype, device=device) if _keeps_rows(fmt, codec) else None
+            return torch.zeros(shape, dtype=dtype, device=device) if fmt.keeps_rows(codec) else None
 
         self.key_residual = [rows(lf.key) for lf in fmt.layers]
         self.value_residual = [rows(lf.value) for lf in fmt.layers]
@@ -75,10 +75,13 @@ class QuantizedKVCache(KVStorage):
 
     @staticmethod
     def keeps_residual(fmt: KVFormat) -> bool:
-        return any(_keeps_rows(fmt, c) for lf in fmt.layers for c in (lf.key, lf.value))
+        return any(fmt.keeps_rows(c) for lf in fmt.layers for c in (lf.key, lf.value))
 
     def make_residual(self, num_rows: int) -> ResidualRows:
         return ResidualRows(num_rows)
+
+    #: what the reserved rows hold, for the error when they do not fit
+    rows_hold: ClassVar[str] = "of the halves that encode whole blocks"
 
     @classmethod
     def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
@@ -86,22 +89,32 @@ class QuantizedKVCache(KVStorage):
         """The residual rows are reserved out of the memory first (kv/residual.py says how many)."""
         bs = cache.block_size
         num_rows = num_residual_rows(bs, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-        reserved = num_rows * cls.residual_row_nbytes(model, fmt, bs, dtype)
+        reserved = num_rows * cls.reserved_nbytes_per_row(model, fmt, bs, dtype)
         per_block = fmt.nbytes_per_block(bs, model.num_kv_heads, model.head_dim)
         if cache.num_blocks is None and reserved + per_block > cache.memory_bytes:
             raise ValueError(
-                f"KV format {fmt.spec} keeps {num_rows} full-precision residual rows of the halves that encode "
-                f"whole blocks ({reserved} bytes: one open block per running request plus the blocks a step "
-                f"fills), more than the KV cache memory ({cache.memory_bytes} bytes); lower max_num_seqs "
-                f"({scheduler.max_num_seqs}) or max_num_batched_tokens ({scheduler.max_num_batched_tokens}), "
-                f"or give the KV cache more memory")
+                f"KV format {fmt.spec} keeps {num_rows} full-precision residual rows {cls.rows_hold} ({reserved} "
+                f"bytes: one open block per running request plus the blocks a step fills), more than the KV cache "
+                f"memory ({cache.memory_bytes} bytes); lower max_num_seqs ({scheduler.max_num_seqs}) or "
+                f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}), or give the KV cache more memory")
         num_blocks = cache.resolve_num_blocks(per_block, reserved)
-        return cls(model, num_blocks, bs, fmt, num_rows, dtype, device, make_writer=make_writer)
+        return cls.sized(model, fmt, num_blocks, num_rows, bs, dtype, device, make_writer)
+
+    @classmethod
+    def reserved_nbytes_per_row(cls, model: ModelConfig, fmt: KVFormat, block_size: int, dtype: torch.dtype) -> int:
+        """What ``build`` reserves for each residual row."""
+        return cls.residual_row_nbytes(model, fmt, block_size, dtype)
+
+    @classmethod
+    def sized(cls, model: ModelConfig, fmt: KVFormat, num_blocks: int, num_rows: int, block_size: int,
+              dtype: torch.dtype, device: torch.device, make_writer: MakeRowWriter | None) -> Self:
+        """The storage ``build`` sized."""
+        return cls(model, num_blocks, block_size, fmt, num_rows, dtype, device, make_writer=make_writer)
 
     @staticmethod
     def residual_row_nbytes(config: ModelConfig, fmt: KVFormat, block_size: int, dtype: torch.dtype) -> int:
         """One row: a block of every half that keeps rows, in the compute dtype."""
-        num_halves = sum(_keeps_rows(fmt, c) for lf in fmt.layers for c in (lf.key, lf.value))
+        num_halves = sum(fmt.keeps_rows(c) for lf in fmt.layers for c in (lf.key, lf.value))
         element = torch.empty((), dtype=dtype).element_size()
         return num_halves * block_size * config.num_kv_heads * config.head_dim * element
 
@@ -180,12 +193,6 @@ def layer_parts(layers: Sequence[LayerFormat], count: int, block_size: int, head
             store.append({p.name: torch.zeros((count, *p.shape), dtype=p.dtype, device=device)
                           for p in codec.parts(block_size, heads, dim)})
     return halves
-
-
-def _keeps_rows(fmt: KVFormat, codec: HalfCodec) -> bool:
-    """Halves that encode whole blocks keep their open blocks in rows; under a refinement every
-    half does (a block is encoded twice, once full, kv/storage/zip.py)."""
-    return fmt.refine is not None or codec.encodes_whole_blocks
 
 
 def _check_token_parts(codec: HalfCodec, block_size: int, heads: int, dim: int) -> None:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.kv.residual import ResidualRows, num_residual_rows
+from kvserve.config import ModelConfig
+from kvserve.kv.residual import ResidualRows
 from kvserve.kv.storage.base import Overlay, StepWrites, WritePlanner
 from kvserve.kv.storage.layout import HalfLayout, HalfStore, MakeRowWriter, RefinedHalf
 from kvserve.kv.storage.quantized import QuantizedKVCache, _QuantizedPlanner, layer_parts
@@ -135,26 +135,23 @@ class ZipKVCache(QuantizedKVCache):
     def make_residual(self, num_rows: int) -> ResidualRows:
         return RefinedRows(num_rows, self.refined)
 
+    rows_hold = "of every half and as many side slots for the blocks a step fills"
+
     @classmethod
-    def build(cls, model: ModelConfig, fmt: KVFormat, cache: CacheConfig, scheduler: SchedulerConfig,
-              dtype: torch.dtype, device: torch.device, make_writer: MakeRowWriter | None = None) -> Self:
-        """Residual rows and a side slot per row are reserved first; then blocks at ``lo + salient
-        * hi`` bytes, and ``salient`` of them more side slots. ``make_writer`` gets the halves with
-        their finer formats (``HalfStore.refined``): the C++ writer then sends every token to its row."""
+    def reserved_nbytes_per_row(cls, model: ModelConfig, fmt: KVFormat, block_size: int, dtype: torch.dtype) -> int:
+        """A row and a side slot: a step refines what it fills before saliency is known."""
+        return (cls.residual_row_nbytes(model, fmt, block_size, dtype)
+                + fmt.refined_nbytes_per_block(block_size, model.num_kv_heads, model.head_dim))
+
+    @classmethod
+    def sized(cls, model: ModelConfig, fmt: KVFormat, num_blocks: int, num_rows: int, block_size: int,
+              dtype: torch.dtype, device: torch.device, make_writer: MakeRowWriter | None) -> Self:
+        """Blocks at ``lo + salient * hi`` bytes (``build``), so ``salient`` of them side slots beyond
+        the rows'. ``make_writer`` gets the halves with their finer formats (``HalfStore.refined``):
+        the C++ writer then sends every token to its row."""
         assert fmt.refine is not None
-        bs, h, d = cache.block_size, model.num_kv_heads, model.head_dim
-        num_rows = num_residual_rows(bs, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-        reserved = num_rows * (cls.residual_row_nbytes(model, fmt, bs, dtype) + fmt.refined_nbytes_per_block(bs, h, d))
-        per_block = fmt.nbytes_per_block(bs, h, d)
-        if cache.num_blocks is None and reserved + per_block > cache.memory_bytes:
-            raise ValueError(
-                f"KV format {fmt.spec} reserves {reserved} bytes ({num_rows} full-precision rows for open blocks and "
-                f"as many side slots for the blocks a step fills), more than the KV cache memory "
-                f"({cache.memory_bytes} bytes); lower max_num_seqs ({scheduler.max_num_seqs}) or "
-                f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}), or give the KV cache more memory")
-        num_blocks = cache.resolve_num_blocks(per_block, reserved)
         num_side = int(fmt.refine.salient * num_blocks) + num_rows
-        return cls(model, num_blocks, bs, fmt, num_rows, dtype, device, num_side_slots=num_side,
+        return cls(model, num_blocks, block_size, fmt, num_rows, dtype, device, num_side_slots=num_side,
                    make_writer=make_writer)
 
     @property
@@ -203,9 +200,7 @@ class ZipKVCache(QuantizedKVCache):
     def mixes_rotation_domains(self) -> bool:
         """Some half's finer format is Hadamard-rotated (``+had`` without ``+outN``) and its base
         not, or the other way round: the C++ kernel then rotates those blocks' rows as it reads them."""
-        def rotated(layout: HalfLayout) -> bool:
-            return layout.hadamard and not layout.num_outliers
-        return any(rotated(h.layout) != rotated(h.refined.layout)
+        return any(h.layout.reads_rotated != h.refined.layout.reads_rotated
                    for pair in self._refined_halves for h in pair if h.refined is not None)
 
     def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
