@@ -135,41 +135,41 @@ def test_check_integrity_catches_drifted_bytes():
         store.check_integrity()
 
 
-def test_exchange_swaps_stashed_blocks_with_device_blocks_in_place():
-    """The incoming blocks land in the device blocks, whose content is stashed under the
-    outgoing keys, the newest, evicting the oldest for room (a row freed by an incoming block
-    may take an outgoing one in the same call)."""
-    from kvserve.kv.budget import pages
-
-    if pages.load_extension() is None:
-        pytest.skip("the C++ page selection cannot be built here")
-    store = HostBlockStore(4 * BLOCK_NBYTES)
-    cache_k = torch.arange(6.0)[:, None].repeat(1, 8)          # device block b holds b
-    cache_v = -cache_k
-    for i in range(4):                                          # stashed: 10 + i
-        store.put(StashKey("a", 0, i), block(fill=10.0 + i))
-    store.exchange([StashKey("a", 0, 2), StashKey("a", 0, 0)], [StashKey("a", 0, 7), StashKey("a", 0, 8)],
-                   (cache_k, cache_v), [4, 1])
-    assert cache_k[:, 0].tolist() == [0.0, 10.0, 2.0, 3.0, 12.0, 5.0]
-    assert cache_v[:, 0].tolist() == [0.0, 10.0, -2.0, -3.0, 12.0, -5.0]       # stashed values were 10 + i too
-    assert store.peek(StashKey("a", 0, 7))[0][0] == 4.0 and store.peek(StashKey("a", 0, 7))[1][0] == -4.0
-    assert store.peek(StashKey("a", 0, 8))[0][0] == 1.0 and store.num_evicted == 0
-    # a store of two: the outgoing blocks evict the oldest (a1, then a3); no temporaries needed
-    small = HostBlockStore(2 * BLOCK_NBYTES)
-    small.put(StashKey("a", 0, 1), block(fill=11.0))
-    small.put(StashKey("a", 0, 3), block(fill=13.0))
-    small.exchange([StashKey("a", 0, 3)], [StashKey("a", 0, 5)], (cache_k, cache_v), [2])
-    assert cache_k[2, 0] == 13.0 and small.peek(StashKey("a", 0, 5))[0][0] == 2.0
-    assert small.contains(StashKey("a", 0, 1)) and small.num_evicted == 0
-    small.exchange([StashKey("a", 0, 1)], [StashKey("a", 0, 6)], (cache_k, cache_v), [3])
-    small.put(StashKey("b", 0, 0), block(fill=20.0))
-    small.put(StashKey("b", 0, 1), block(fill=21.0))
-    assert small.num_evicted == 2 and not small.contains(StashKey("a", 0, 5))
-    for s in (store, small):
-        s.check_integrity()
-    with pytest.raises(ValueError, match="1 blocks, 1 coming and 2 going"):
-        store.exchange([StashKey("a", 0, 1)], [StashKey("a", 0, 9), StashKey("a", 0, 10)], (cache_k, cache_v), [0])
-    strided = (cache_k[:, ::2], cache_v[:, ::2])
-    assert not store.can_exchange(strided)
-    with pytest.raises(ValueError, match="contiguous CPU blocks"):
-        store.exchange([StashKey("a", 0, 1)], [StashKey("a", 0, 9)], strided, [0])
+def test_the_row_index_follows_stashes_evictions_takes_and_reported_swaps():
+    """``rows_of`` is the store's own index (the C++ decode pass trades blocks through it):
+    every stash, eviction, take and drop shows in it; a swap made in place is reported with
+    ``swapped``, after which the block that took the row is stashed, and the newest."""
+    store = HostBlockStore(3 * BLOCK_NBYTES)
+    a = [StashKey("a", 0, j) for j in range(6)]
+    store.put(a[1], block(fill=1.0))
+    store.put(a[4], block(fill=4.0))
+    store.put(StashKey("b", 1, 0), block(fill=9.0))
+    rows = store.rows_of("a", 0, 6)
+    assert rows.dtype == torch.long and rows.shape[0] >= 6
+    assert rows[:6].tolist() == [-1, store._rows[a[1]], -1, -1, store._rows[a[4]], -1]
+    assert store.rows_of("b", 1, 1)[0] == store._rows[StashKey("b", 1, 0)]
+    store.put(a[5], block(fill=5.0))                 # full: evicts the oldest, a1
+    assert rows[1] == -1 and rows[5] == store._rows[a[5]] and store.num_evicted_of("a") == 1
+    store.take(a[4])
+    assert rows[4] == -1
+    store.check_integrity()
+    # block 5's row traded for block 2's content in place (as swap_pages does), then reported
+    rows[2], rows[5] = rows[5].item(), -1
+    store._pool[rows[2], 0] = 2.0
+    store.swapped("a", 0, [(5, 2)])
+    assert store.contains(a[2]) and not store.contains(a[5]) and store.peek(a[2])[0][0] == 2.0
+    store.check_integrity()
+    store.put(a[0], block())
+    store.put(a[3], block())                          # evicts b0, then a2 is the oldest
+    assert not store.contains(StashKey("b", 1, 0)) and store.contains(a[2])
+    store.put(StashKey("b", 1, 1), block())
+    assert not store.contains(a[2]) and rows[2] == -1
+    longer = store.rows_of("a", 0, 200)              # grown: the same rows, -1 beyond
+    assert longer.shape[0] >= 200 and torch.equal(longer[:6], rows[:6]) and (longer[6:] == -1).all()
+    longer[0] = -1                                    # drifted from the stash
+    with pytest.raises(AssertionError, match="row index and the stash disagree"):
+        store.check_integrity()
+    longer[0] = store._rows[a[0]]
+    store.drop_owner("a")
+    assert (store.rows_of("a", 0, 6) == -1).all()
+    store.check_integrity()

@@ -105,7 +105,7 @@ def test_the_cpu_scores_are_the_digest_box_scores(isa, weight):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("group", [1, 2, 4, 5, 8])
 def test_the_cpu_scores_hold_for_any_number_of_query_heads_per_kv_head(isa, group):
-    """The kernel sums four query heads of a KV head at a time: groups below, at and past four."""
+    """Any number of query heads per KV head, one to eight."""
     ext = load_extension(isa)
     for seed, num_blocks in enumerate([3, 16, 37]):
         box = DigestBox(*digests(num_blocks, seed, kv_heads=2, dim=32))
@@ -130,6 +130,62 @@ def test_the_cpu_choice_is_the_torch_twins(isa):
             num_cases += 1
             num_swapping += bool(cpu)
     assert num_swapping >= num_cases // 3         # the cases do exercise swaps
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ISAS)
+def test_swap_pages_makes_the_swaps_select_pages_chooses_in_place(isa):
+    """One decode step's pass: the pairs are the choice's (a host block with no pool row counts
+    as lost, and is marked so); each incoming block's pool row and the device block of the
+    outgoing one trade contents, and the row index, marks, resident list and positions follow."""
+    from kvserve.kv.budget.host_store import HostBlockStore, StashKey
+
+    ext = load_extension(isa)
+    bs, num_blocks, resident = 2, 14, [0, 5, 7, 9, 13]
+    table = [6, 2, 4, 1, 3, 0]                 # device block of each resident slot-block (and the tail's)
+    num_done = 0
+    for seed in range(6):
+        box = DigestBox(*digests(num_blocks, seed, kv_heads=1, dim=4))
+        q = torch.randn(2, 4, generator=torch.Generator().manual_seed(50 + seed))
+        where = torch.full((num_blocks,), HOST, dtype=torch.uint8)
+        where[resident] = RESIDENT
+        store = HostBlockStore(1 << 20)
+        for j in range(num_blocks):
+            if where[j] == HOST and j != 3:   # block 3: evicted, never stashed here
+                store.put(StashKey("a", 0, j), (torch.full((bs, 1, 4), 100.0 + j), torch.full((bs, 1, 4), -100.0 - j)))
+        cache_k = torch.zeros(7, bs, 1, 4)
+        for i, j in enumerate(resident):
+            cache_k[table[i]] = float(j)
+        cache_v = -cache_k
+        pos = (torch.tensor(resident)[:, None] * bs + torch.arange(bs)).flatten()[None].repeat(2, 1)
+        pos = torch.cat([pos, torch.full((2, 1), 99)], dim=1)
+        lost = where.clone()
+        lost[3] = LOST
+        margin = 0.0 if seed % 2 == 0 else 1.0
+        expected = choose_swaps(box.scores(q, 0.5), lost, len(resident), margin)
+        places = list(resident)
+        done = ext.swap_pages(box.store, num_blocks, q, 0.5, where, len(resident), margin,
+                              store.rows_of("a", 0, num_blocks), store.pool, cache_k, cache_v, table, places, pos,
+                              bs).tolist()
+        assert [(j_in, j_out) for j_in, j_out, _ in done] == expected and where[3] == LOST
+        store.swapped("a", 0, [(j_in, j_out) for j_in, j_out, _ in done])
+        now = list(resident)
+        for j_in, j_out, i in done:
+            assert now[i] == j_out
+            now[i] = j_in
+            assert (cache_k[table[i]] == 100.0 + j_in).all() and (cache_v[table[i]] == -100.0 - j_in).all()
+            assert (store.peek(StashKey("a", 0, j_out))[0] == j_out).all()
+            assert (store.peek(StashKey("a", 0, j_out))[1] == -j_out).all()
+            assert where[j_in] == RESIDENT and where[j_out] == HOST
+        assert places == resident       # the caller's list is left to the caller
+        want = (torch.tensor(now)[:, None] * bs + torch.arange(bs)).flatten()
+        assert torch.equal(pos[:, :-1], want[None].repeat(2, 1)) and (pos[:, -1] == 99).all()
+        store.check_integrity()
+        num_done += len(done)
+    assert num_done >= 3
+    with pytest.raises(RuntimeError, match="rows: contiguous int64"):
+        ext.swap_pages(box.store, num_blocks, q, 0.5, where, len(resident), 0.0, torch.zeros(3, dtype=torch.long),
+                       store.pool, cache_k, cache_v, table, resident, pos, bs)
 
 
 def test_swaps_pair_the_best_host_block_with_the_worst_resident_one_while_they_gain_the_margin():

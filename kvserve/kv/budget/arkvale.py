@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
 import torch
 
 from kvserve.kv.budget.host_store import HostBlock, HostBlockStore, StashKey
@@ -127,6 +126,7 @@ class ArkValeState(BudgetState):
         self._num_evicted_seen = 0      # the host store's evictions of this request already marked LOST
         self.selector = PageSelector(device)
         self._pos_on_cpu = device.type == "cpu"
+        self._in_place: bool | None = None       # see _trades_in_place
         self.recalls: list[tuple[int, int]] = []       # (layer, block) each time a host block came back
 
     @property
@@ -144,7 +144,11 @@ class ArkValeState(BudgetState):
 
     def capture_query(self, layer: int, q: torch.Tensor) -> None:
         """Keep the layer's latest query ([heads, dim]): the next compaction ranks blocks by it."""
-        self.last_q[layer] = q.detach().clone()
+        last = self.last_q[layer]
+        if last is None or last.shape != q.shape or last.dtype != q.dtype:
+            self.last_q[layer] = q.detach().clone()
+        else:
+            last.copy_(q)       # the same memory each step: no allocation
 
     # -- policy hooks --------------------------------------------------------
     def target_slots(self, num_computed: int) -> int:
@@ -169,6 +173,21 @@ class ArkValeState(BudgetState):
             return
         self._mark_lost()
         margin = self.recall_margin * q.shape[-1] ** 0.5      # logits -> raw q . k
+        blocks = storage.layer_blocks(layer)
+        if self._trades_in_place(blocks):
+            assert blocks is not None and self.selector.native is not None
+            pool = self.host_store.pool
+            done = self.selector.native.swap_pages(
+                box.store, box.num_blocks, q.float().contiguous(), self.bound_weight, where, len(resident), margin,
+                self.host_store.rows_of(self.owner, layer, box.num_blocks),
+                pool if pool is not None else blocks[0][:0], blocks[0], blocks[1], block_ids, resident,
+                self.pos[layer], self.block_size).tolist()
+            if done:
+                self.host_store.swapped(self.owner, layer, [(j_in, j_out) for j_in, j_out, _ in done])
+                for j_in, _, i in done:
+                    resident[i] = j_in
+                self.recalls.extend((layer, j_in) for j_in, _, _ in done)
+            return
         pairs = self.selector.swaps(box, q, self.bound_weight, where, len(resident), margin)
         if not pairs:
             return
@@ -176,26 +195,27 @@ class ArkValeState(BudgetState):
         places = [resident.index(j) for _, j in pairs]     # where in ``resident`` each comes in
         going = [resident[i] for i in places]
         coming_keys, going_keys = [self._key(layer, j) for j in coming], [self._key(layer, j) for j in going]
-        blocks = storage.layer_blocks(layer)
-        if blocks is not None and self.host_store.can_exchange(blocks):
-            self.host_store.exchange(coming_keys, going_keys, blocks, [block_ids[i] for i in places])
-        else:
-            # all taken before any outgoing block is stashed, which may evict the oldest blocks
-            k_in, v_in = self.host_store.take_many(coming_keys)
-            slots = torch.tensor([block_ids[i] for i in places], dtype=torch.long, device=storage.device)
-            k_out, v_out = storage.swap_blocks(layer, slots, k_in.to(storage.device), v_in.to(storage.device))
-            self.host_store.put_many(going_keys, k_out, v_out)
+        # all taken before any outgoing block is stashed, which may evict the oldest blocks
+        k_in, v_in = self.host_store.take_many(coming_keys)
+        slots = torch.tensor([block_ids[i] for i in places], dtype=torch.long, device=storage.device)
+        k_out, v_out = storage.swap_blocks(layer, slots, k_in.to(storage.device), v_in.to(storage.device))
+        self.host_store.put_many(going_keys, k_out, v_out)
         bs = self.block_size
-        marks = where.numpy()       # the same memory: a few element writes, no torch call per list
-        pos = self.pos[layer].numpy() if self._pos_on_cpu else None
-        for i, j_in, j_out in zip(places, coming, going):
-            marks[j_in], marks[j_out] = RESIDENT, HOST
+        for i, j_in in zip(places, coming):
+            where[j_in], where[resident[i]] = RESIDENT, HOST
             resident[i] = j_in
-            if pos is not None:
-                pos[:, i * bs:(i + 1) * bs] = np.arange(j_in * bs, (j_in + 1) * bs)
-            else:
-                self.pos[layer][:, i * bs:(i + 1) * bs] = torch.arange(j_in * bs, (j_in + 1) * bs, device=self.device)
+            self.pos[layer][:, i * bs:(i + 1) * bs] = torch.arange(j_in * bs, (j_in + 1) * bs, device=self.device)
         self.recalls.extend((layer, j) for j in coming)
+
+    def _trades_in_place(self, blocks: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+        """Whether ``select`` chooses and trades blocks in one C++ pass (``swap_pages``): CPU
+        blocks stored as they are (no quantized format), positions on the CPU, the C++ build
+        loaded; decided once (the storage's tensors do not change)."""
+        if self._in_place is None:
+            self._in_place = (blocks is not None and self.selector.native is not None and self._pos_on_cpu
+                              and self.host_store.can_exchange(blocks)
+                              and all(t.dtype == blocks[0].dtype for t in blocks))
+        return self._in_place
 
     def _mark_lost(self) -> None:
         """Mark LOST, in every layer, the host blocks the store has evicted since the last look."""

@@ -8,10 +8,14 @@ request can no longer recall them (its ranking skips them), and the store counts
 A request's blocks leave with the request (``drop_owner``: finished, aborted, preempted).
 
 The blocks live in one pool, ``[rows, 2, *block shape]`` (keys then values), grown by
-doubling up to the capacity, so stashing or recalling the n blocks of a layer's swap is
-one copy each way whatever n is. Every block of a store has the shape and dtype of the
+doubling up to the capacity, so stashing the n blocks of a layer's compaction is one copy
+whatever n is. Every block of a store has the shape and dtype of the
 first (one engine's blocks: ``[block_size, kv_heads, head_dim]``); a row is free when its
 block has left, and freed rows are reused.
+
+Beside the stash order, the store keeps per request and layer the pool row of each block
+(``rows_of``: -1 where none), which ArkVale's C++ decode pass reads and changes in place
+when it trades blocks between the pool and the device (``swapped`` then moves the keys).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import math
 from collections import OrderedDict
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvserve.kv.budget.pages import load_extension
@@ -44,6 +49,8 @@ class HostBlockStore:
         self._owned: dict[str, set[StashKey]] = {}
         self._owner_evicted: dict[str, int] = {}
         self._pool: torch.Tensor | None = None
+        # owner -> layer -> the pool row of each block (-1: none): a tensor and a numpy view of it
+        self._index: dict[str, dict[int, tuple[torch.Tensor, np.ndarray]]] = {}
         self._free_rows: list[int] = []
         self._shape: tuple[int, ...] = ()
         self._dtype = torch.float32
@@ -59,8 +66,30 @@ class HostBlockStore:
     def capacity_blocks(self) -> int:
         return self.capacity_bytes // self.block_nbytes if self.block_nbytes else 0
 
+    @property
+    def pool(self) -> torch.Tensor | None:
+        """``[rows, 2, *block shape]``: every stashed block's keys then values (None before the first)."""
+        return self._pool
+
     def contains(self, key: StashKey) -> bool:
         return key in self._rows
+
+    def rows_of(self, owner: str, layer: int, num_blocks: int) -> torch.Tensor:
+        """The pool row of each of ``owner``'s blocks of ``layer`` by block index, -1 where the
+        store holds none: int64 ``[>= num_blocks]``, the store's own index (kept as blocks come,
+        go and are evicted). A caller that trades blocks in place through it (kv/csrc/pages.cpp's
+        ``swap_pages``) then reports the trades with ``swapped``."""
+        return self._index_of(owner, layer, num_blocks)[0]
+
+    def swapped(self, owner: str, layer: int, pairs: list[tuple[int, int]]) -> None:
+        """Each pair ``(j_in, j_out)``: block ``j_out`` of ``owner`` and ``layer`` took the pool row
+        block ``j_in`` left (already so in ``rows_of``'s index), and is the newest stashed."""
+        owned, rows = self._owned[owner], self._rows
+        for j_in, j_out in pairs:
+            key_in, key_out = StashKey(owner, layer, j_in), StashKey(owner, layer, j_out)
+            rows[key_out] = rows.pop(key_in)
+            owned.remove(key_in)
+            owned.add(key_out)
 
     def put(self, key: StashKey, block: HostBlock) -> None:
         self.put_many([key], block[0][None], block[1][None])
@@ -88,34 +117,12 @@ class HostBlockStore:
         pool[:, 1].index_copy_(0, index, values_data.to(pool.device, pool.dtype))
 
     def can_exchange(self, blocks: tuple[torch.Tensor, torch.Tensor]) -> bool:
-        """Whether ``exchange`` takes these device blocks: contiguous CPU tensors, where the C++
-        pass is built."""
+        """Whether these device blocks (a layer's keys and values) can trade places with pool rows
+        in place, through ``rows_of`` (kv/csrc/pages.cpp's ``swap_pages``): contiguous CPU
+        tensors, where the C++ pass is built."""
         cache_k, cache_v = blocks
         return (cache_k.device.type == "cpu" and cache_k.is_contiguous() and cache_v.is_contiguous()
                 and load_extension() is not None)
-
-    def exchange(self, coming: list[StashKey], going: list[StashKey], blocks: tuple[torch.Tensor, torch.Tensor],
-                 block_ids: list[int]) -> None:
-        """Swap stashed blocks with device blocks in place, in one C++ pass with no temporaries:
-        block i of ``coming`` leaves the store for ``block_ids[i]`` of ``blocks`` (a layer's keys
-        and values, [num_blocks, *block shape]; ``can_exchange``), whose content is stashed under
-        ``going[i]`` (as ``put_many``, after every ``coming`` has left)."""
-        if len(coming) != len(block_ids) or len(going) != len(block_ids):
-            raise ValueError(f"{len(block_ids)} blocks, {len(coming)} coming and {len(going)} going")
-        if not self.can_exchange(blocks):
-            raise ValueError("exchange needs contiguous CPU blocks and the C++ pass (see can_exchange)")
-        if not coming:
-            return
-        cache_k, cache_v = blocks
-        self._check_shape(cache_k.shape[1:], cache_v.shape[1:], cache_k.dtype, cache_v.dtype)
-        rows_in = [self._rows[key] for key in coming]
-        for key in coming:
-            self._remove(key)
-        placed = self._place(going)
-        ext = load_extension()
-        assert self._pool is not None and ext is not None
-        ext.exchange_pages(self._pool, cache_k, cache_v, block_ids, rows_in,
-                           [n for n, _ in placed], [row for _, row in placed])
 
     def peek(self, key: StashKey) -> HostBlock:
         """The stashed block, left in place (KeyError when it is not here): views of the pool,
@@ -146,6 +153,7 @@ class HostBlockStore:
         for key in list(self._owned.get(owner, ())):
             self._remove(key)
         self._owner_evicted.pop(owner, None)
+        self._index.pop(owner, None)
 
     # -- reading -----------------------------------------------------------
     def owners(self) -> set[str]:
@@ -173,6 +181,10 @@ class HostBlockStore:
         num_rows = 0 if self._pool is None else self._pool.shape[0]
         assert len(set(rows)) == len(rows), "two blocks share a pool row"
         assert sorted(rows + self._free_rows) == list(range(num_rows)), "pool rows lost or doubled"
+        indexed = {StashKey(owner, layer, int(j)): int(view[j])
+                   for owner, layers in self._index.items() for layer, (_, view) in layers.items()
+                   for j in np.flatnonzero(view >= 0)}
+        assert indexed == dict(self._rows), "the row index and the stash disagree"
 
     # -- internals ---------------------------------------------------------
     def _check_shape(self, key_shape: torch.Size, value_shape: torch.Size, key_dtype: torch.dtype,
@@ -202,6 +214,7 @@ class HostBlockStore:
                 self._count_evicted(oldest.owner)
             row = self._take_row()
             self._rows[key] = row
+            self._index_of(key.owner, key.layer, key.block + 1)[1][key.block] = row
             self._owned.setdefault(key.owner, set()).add(key)
             self.nbytes += self.block_nbytes
             placed.pop(row, None)
@@ -223,8 +236,20 @@ class HostBlockStore:
         self._pool = pool
         self._free_rows.extend(range(new - 1, old - 1, -1))     # the lowest row is used first
 
+    def _index_of(self, owner: str, layer: int, num_blocks: int) -> tuple[torch.Tensor, np.ndarray]:
+        layers = self._index.setdefault(owner, {})
+        entry = layers.get(layer)
+        if entry is None or entry[0].shape[0] < num_blocks:
+            old = 0 if entry is None else entry[0].shape[0]
+            grown = torch.full((max(num_blocks, 2 * old, FIRST_ROWS),), -1, dtype=torch.long)
+            if entry is not None:
+                grown[:old] = entry[0]
+            layers[layer] = entry = (grown, grown.numpy())
+        return entry
+
     def _remove(self, key: StashKey) -> None:
         row = self._rows.pop(key)
+        self._index[key.owner][key.layer][1][key.block] = -1
         self._free_rows.append(row)
         self.nbytes -= self.block_nbytes
         keys = self._owned[key.owner]

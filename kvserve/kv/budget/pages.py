@@ -136,6 +136,11 @@ class PageSelector:
     def is_native(self) -> bool:
         return self._ext is not None
 
+    @property
+    def native(self) -> ModuleType | None:
+        """The C++ build, where it is used."""
+        return self._ext
+
     def scores(self, box: DigestBox, q: torch.Tensor, weight: float) -> torch.Tensor:
         """``box.scores(q, weight)``."""
         if self._ext is None:

@@ -18,33 +18,69 @@ namespace kvs {
 
 namespace {
 
-constexpr uint8_t kHost = 0, kResident = 1;
+constexpr uint8_t kHost = 0, kResident = 1, kLost = 2;     // pages.py's HOST, RESIDENT, LOST
+
+// NG query heads of one KV head over the blocks [b0, nb): s[h][b] = sum over the box rows c of
+// box[c][b] * wq[h][c], summed in row order (the same float sums whatever NG and the ISA).
+// Vector builds hold NG x 2 vectors of sums in registers across the rows, so each box row
+// tile is loaded once for the NG heads and no sum goes through memory.
+template <int NG>
+void score_heads(const uint16_t* kb, int64_t stride, const float* wq, int64_t rows, int64_t nb, float* s) {
+  int64_t b = 0;
+#ifdef KVS_SIMD
+  for (; b + 2 * W <= nb; b += 2 * W) {
+    vf acc[NG][2];
+    for (int g = 0; g < NG; ++g) acc[g][0] = acc[g][1] = vzero();
+    for (int64_t c = 0; c < rows; ++c) {
+      const uint16_t* row = kb + c * stride + b;
+      _mm_prefetch(reinterpret_cast<const char*>(row + 4 * W), _MM_HINT_T0);   // the tile after next
+      const vf x0 = vload_f16(row), x1 = vload_f16(row + W);
+      for (int g = 0; g < NG; ++g) {
+        const vf w = vset1(wq[g * rows + c]);
+        acc[g][0] = vfma(x0, w, acc[g][0]);
+        acc[g][1] = vfma(x1, w, acc[g][1]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      vstore(s + g * nb + b, acc[g][0]);
+      vstore(s + g * nb + b + W, acc[g][1]);
+    }
+  }
+#endif
+  for (; b < nb; ++b)
+    for (int g = 0; g < NG; ++g) {
+      float acc = 0.f;
+      for (int64_t c = 0; c < rows; ++c) acc = std::fma(f16_to_f32(kb[c * stride + b]), wq[g * rows + c], acc);
+      s[g * nb + b] = acc;
+    }
+}
 
 // box [kv, 2D, blocks] float16 (centre, then half width, per channel), q [heads, D]: each
-// block's score, relative to every head's best block, then its best head's. The inner loop
-// runs along the blocks, so it vectorizes with no horizontal sums, and each box row is read
-// once per KV head (half the bytes of float32: at 8k tokens a layer's box is ~0.4 MB, read
+// block's score, relative to every head's best block, then its best head's. The products run
+// along the blocks, so they vectorize with no horizontal sums; each box row is read once per
+// four query heads (half the bytes of float32: at 8k tokens a layer's box is ~0.4 MB, read
 // every decode step).
 std::vector<float> scores(const uint16_t* box, int64_t stride, const float* q, int64_t kv, int64_t nb,
                           int64_t dim, int64_t group, float weight) {
-  const int64_t heads = kv * group;
-  std::vector<float> s(heads * nb, 0.f);          // [heads, blocks]
+  const int64_t heads = kv * group, rows = 2 * dim;
+  std::vector<float> wq(heads * rows);        // per query head, the weight of each box row
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t c = 0; c < rows; ++c)
+      wq[h * rows + c] = c < dim ? q[h * dim + c] : weight * std::fabs(q[h * dim + c - dim]);
+  std::vector<float> s(heads * nb);          // [heads, blocks]
   // KV heads in parallel when there is enough to share (each writes its own rows of s)
 #pragma omp parallel for schedule(static) if (kv > 1 && nb >= 256)
   for (int64_t k = 0; k < kv; ++k) {
-    for (int64_t c = 0; c < 2 * dim; ++c) {
-      const uint16_t* row = box + (k * 2 * dim + c) * stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = k * group + g;
-        const float x = q[h * dim + c % dim];
-        const float w = c < dim ? x : weight * std::fabs(x);
-        float* out = s.data() + h * nb;
-        int64_t b = 0;
-#ifdef KVS_SIMD
-        const vf wv = vset1(w);
-        for (; b + W <= nb; b += W) vstore(out + b, vfma(vload_f16(row + b), wv, vload(out + b)));
-#endif
-        for (; b < nb; ++b) out[b] = std::fma(f16_to_f32(row[b]), w, out[b]);
+    const uint16_t* kb = box + k * rows * stride;
+    for (int64_t g = 0; g < group; g += 4) {
+      const int64_t h = k * group + g;
+      const float* w = wq.data() + h * rows;
+      float* out = s.data() + h * nb;
+      switch (std::min<int64_t>(4, group - g)) {
+        case 4: score_heads<4>(kb, stride, w, rows, nb, out); break;
+        case 3: score_heads<3>(kb, stride, w, rows, nb, out); break;
+        case 2: score_heads<2>(kb, stride, w, rows, nb, out); break;
+        default: score_heads<1>(kb, stride, w, rows, nb, out); break;
       }
     }
   }
@@ -58,8 +94,6 @@ std::vector<float> scores(const uint16_t* box, int64_t stride, const float* q, i
   return out;
 }
 
-}  // namespace
-
 // box: the store [kv, 2D, capacity] float16 whose first num_blocks columns are the blocks
 void check_box(const torch::Tensor& box, int64_t num_blocks, const torch::Tensor& q) {
   TORCH_CHECK(box.dim() == 3 && box.scalar_type() == torch::kFloat16 && box.is_contiguous() && !box.is_cuda(),
@@ -70,30 +104,10 @@ void check_box(const torch::Tensor& box, int64_t num_blocks, const torch::Tensor
   TORCH_CHECK(num_blocks >= 0 && num_blocks <= box.size(2), "num_blocks out of range");
 }
 
-// Every block's digest score for q: [blocks] float32.
-torch::Tensor digest_scores(const torch::Tensor& box, int64_t num_blocks, const torch::Tensor& q, double weight) {
-  check_box(box, num_blocks, q);
-  const int64_t kv = box.size(0), nb = num_blocks;
-  std::vector<float> s = scores(reinterpret_cast<const uint16_t*>(box.data_ptr<at::Half>()), box.size(2),
-                                q.data_ptr<float>(), kv, nb, q.size(1), q.size(0) / kv,
-                                static_cast<float>(weight));
-  auto out = torch::empty({nb}, torch::kFloat32);
-  std::copy(s.begin(), s.end(), out.data_ptr<float>());
-  return out;
-}
-
-// Returns [swaps, 2] int64: (host block coming in, resident block going out).
-torch::Tensor select_pages(const torch::Tensor& box, int64_t num_blocks, const torch::Tensor& q, double weight,
-                           const torch::Tensor& where, int64_t num_top, double margin) {
-  check_box(box, num_blocks, q);
-  const int64_t kv = box.size(0), nb = num_blocks, dim = q.size(1);
-  TORCH_CHECK(where.dim() == 1 && where.size(0) == nb && where.scalar_type() == torch::kUInt8 &&
-              where.is_contiguous(), "where: contiguous uint8 [blocks]");
-  TORCH_CHECK(num_top >= 0 && num_top <= nb, "num_top out of range");
-  std::vector<float> s = scores(reinterpret_cast<const uint16_t*>(box.data_ptr<at::Half>()), box.size(2),
-                                q.data_ptr<float>(), kv, nb, dim, q.size(0) / kv,
-                                static_cast<float>(weight));
-  const uint8_t* at = where.data_ptr<uint8_t>();
+// The pairs (host block coming in, resident block going out) for scores s, best gain first
+// (see pages.py; s is changed: lost and NaN blocks -inf, the first and latest +inf).
+std::vector<int64_t> choose_pairs(std::vector<float>& s, const uint8_t* at, int64_t nb, int64_t num_top,
+                                  double margin) {
   const float inf = std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < nb; ++b)    // lost (evicted from the host store) and NaN scores last
     if ((at[b] != kHost && at[b] != kResident) || std::isnan(s[b])) s[b] = -inf;
@@ -117,57 +131,121 @@ torch::Tensor select_pages(const torch::Tensor& box, int64_t num_blocks, const t
     pairs.push_back(coming[n]);
     pairs.push_back(going[n]);
   }
-  auto out = torch::empty({static_cast<int64_t>(pairs.size() / 2), 2}, torch::kInt64);
-  std::copy(pairs.begin(), pairs.end(), out.data_ptr<int64_t>());
+  return pairs;
+}
+
+std::vector<float> box_scores(const torch::Tensor& box, int64_t nb, const torch::Tensor& q, double weight) {
+  return scores(reinterpret_cast<const uint16_t*>(box.data_ptr<at::Half>()), box.size(2), q.data_ptr<float>(),
+                box.size(0), nb, q.size(1), q.size(0) / box.size(0), static_cast<float>(weight));
+}
+
+void check_where(const torch::Tensor& where, int64_t nb, int64_t num_top) {
+  TORCH_CHECK(where.dim() == 1 && where.size(0) == nb && where.scalar_type() == torch::kUInt8 &&
+              where.is_contiguous(), "where: contiguous uint8 [blocks]");
+  TORCH_CHECK(num_top >= 0 && num_top <= nb, "num_top out of range");
+}
+
+torch::Tensor as_tensor(const std::vector<int64_t>& flat, int64_t width) {
+  auto out = torch::empty({static_cast<int64_t>(flat.size()) / width, width}, torch::kInt64);
+  std::copy(flat.begin(), flat.end(), out.data_ptr<int64_t>());
   return out;
 }
 
-// Exchange blocks between the host pool and a layer's paged tensors, in place: the pool rows
-// rows_in go to the blocks block_ids, whose content goes to the rows rows_out (all read before
-// any is written, so a row may be both; a row written twice keeps the later block). pool:
-// [rows, 2, *block], cache_k/cache_v: [blocks, *block], one dtype, all contiguous CPU tensors.
-void exchange_pages(const torch::Tensor& pool, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
-                    const std::vector<int64_t>& block_ids, const std::vector<int64_t>& rows_in,
-                    const std::vector<int64_t>& going, const std::vector<int64_t>& rows_out) {
+}  // namespace
+
+// Every block's digest score for q: [blocks] float32.
+torch::Tensor digest_scores(const torch::Tensor& box, int64_t num_blocks, const torch::Tensor& q, double weight) {
+  check_box(box, num_blocks, q);
+  std::vector<float> s = box_scores(box, num_blocks, q, weight);
+  auto out = torch::empty({num_blocks}, torch::kFloat32);
+  std::copy(s.begin(), s.end(), out.data_ptr<float>());
+  return out;
+}
+
+// Returns [swaps, 2] int64: (host block coming in, resident block going out).
+torch::Tensor select_pages(const torch::Tensor& box, int64_t num_blocks, const torch::Tensor& q, double weight,
+                           const torch::Tensor& where, int64_t num_top, double margin) {
+  check_box(box, num_blocks, q);
+  check_where(where, num_blocks, num_top);
+  std::vector<float> s = box_scores(box, num_blocks, q, weight);
+  return as_tensor(choose_pairs(s, where.data_ptr<uint8_t>(), num_blocks, num_top, margin), 2);
+}
+
+// One ArkVale decode step for one layer, where the device blocks are plain CPU tensors: choose
+// the swaps (select_pages) and make them, in one pass with no Python between. rows [>= blocks]
+// int64: the host pool row of each stashed block, -1 where the store holds none (a HOST block
+// without a row was evicted for room: it is marked LOST here). Per pair (j_in, j_out): the
+// pool row of j_in and the device block block_ids[i] holding j_out (i: j_out's place in
+// resident) trade contents, so j_out is stashed in the row j_in leaves (rows, where, resident
+// and pos [kv_heads, slots] int64, positions of slot-block i, are updated). Returns
+// [swaps, 3] int64: (j_in, j_out, i), for the store's own index and the caller's lists.
+torch::Tensor swap_pages(const torch::Tensor& box, int64_t num_blocks, const torch::Tensor& q, double weight,
+                         const torch::Tensor& where, int64_t num_top, double margin, const torch::Tensor& rows,
+                         const torch::Tensor& pool, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
+                         const std::vector<int64_t>& block_ids, const std::vector<int64_t>& resident,
+                         const torch::Tensor& pos, int64_t block_size) {
+  check_box(box, num_blocks, q);
+  check_where(where, num_blocks, num_top);
+  const int64_t nb = num_blocks;
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) >= nb && rows.scalar_type() == torch::kInt64 && rows.is_contiguous(),
+              "rows: contiguous int64 [>= blocks]");
+  TORCH_CHECK(pos.dim() == 2 && pos.scalar_type() == torch::kInt64 && !pos.is_cuda() &&
+              pos.size(1) >= static_cast<int64_t>(resident.size()) * block_size, "pos: int64 [kv_heads, >= slots]");
+  TORCH_CHECK(block_ids.size() >= resident.size(), "swap_pages: fewer table blocks than resident ones");
+  uint8_t* at = where.data_ptr<uint8_t>();
+  int64_t* row_of = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < nb; ++b)
+    if (at[b] == kHost && row_of[b] < 0) at[b] = kLost;
+  std::vector<float> s = box_scores(box, nb, q, weight);
+  const std::vector<int64_t> pairs = choose_pairs(s, at, nb, num_top, margin);
+  const int64_t n = static_cast<int64_t>(pairs.size() / 2);
+  if (n == 0) return torch::empty({0, 3}, torch::kInt64);
   TORCH_CHECK(pool.is_contiguous() && cache_k.is_contiguous() && cache_v.is_contiguous() && !pool.is_cuda() &&
-              !cache_k.is_cuda(), "exchange_pages: contiguous CPU tensors");
-  TORCH_CHECK(pool.scalar_type() == cache_k.scalar_type() && cache_k.scalar_type() == cache_v.scalar_type(),
-              "exchange_pages: one dtype");
+              !cache_k.is_cuda() && pool.scalar_type() == cache_k.scalar_type() &&
+              cache_k.scalar_type() == cache_v.scalar_type(), "swap_pages: contiguous CPU blocks of one dtype");
   const int64_t block_bytes = cache_k[0].numel() * cache_k.element_size();
   TORCH_CHECK(pool.dim() >= 2 && pool.size(1) == 2 && pool[0][0].numel() * pool.element_size() == block_bytes &&
-              cache_v[0].numel() == cache_k[0].numel(), "exchange_pages: block shapes differ");
-  TORCH_CHECK(block_ids.size() == rows_in.size() && going.size() == rows_out.size(), "exchange_pages: lengths");
-  const int64_t num_rows = pool.size(0), num_blocks = cache_k.size(0);
-  const int64_t n = static_cast<int64_t>(block_ids.size());
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(block_ids[i] >= 0 && block_ids[i] < num_blocks && rows_in[i] >= 0 && rows_in[i] < num_rows,
-                "exchange_pages: index out of range");
-  for (size_t i = 0; i < going.size(); ++i)
-    TORCH_CHECK(going[i] >= 0 && going[i] < n && rows_out[i] >= 0 && rows_out[i] < num_rows,
-                "exchange_pages: index out of range");
+              cache_v[0].numel() == cache_k[0].numel(), "swap_pages: block shapes differ");
   auto* p = static_cast<char*>(pool.data_ptr());
   auto* k = static_cast<char*>(cache_k.data_ptr());
   auto* v = static_cast<char*>(cache_v.data_ptr());
-  thread_local std::vector<char> incoming;
-  incoming.resize(static_cast<size_t>(2 * n * block_bytes));
-  for (int64_t i = 0; i < n; ++i)
-    std::memcpy(incoming.data() + 2 * i * block_bytes, p + rows_in[i] * 2 * block_bytes, 2 * block_bytes);
-  // going[i]: which of the n device blocks row rows_out[i] receives
-  for (size_t i = 0; i < going.size(); ++i) {
-    char* row = p + rows_out[i] * 2 * block_bytes;
-    std::memcpy(row, k + block_ids[going[i]] * block_bytes, block_bytes);
-    std::memcpy(row + block_bytes, v + block_ids[going[i]] * block_bytes, block_bytes);
+  int64_t* ps = pos.data_ptr<int64_t>();
+  const int64_t pos_heads = pos.size(0), pos_stride = pos.stride(0), pos_step = pos.stride(1);
+  thread_local std::vector<char> held;
+  held.resize(static_cast<size_t>(block_bytes));
+  std::vector<int64_t> out;
+  std::vector<int64_t> places(resident);
+  for (int64_t m = 0; m < n; ++m) {
+    const int64_t j_in = pairs[2 * m], j_out = pairs[2 * m + 1];
+    const auto found = std::find(places.begin(), places.end(), j_out);
+    TORCH_CHECK(found != places.end(), "swap_pages: a resident block is not in resident");
+    const int64_t i = found - places.begin(), row = row_of[j_in], block = block_ids[i];
+    TORCH_CHECK(row >= 0 && row < pool.size(0) && block >= 0 && block < cache_k.size(0),
+                "swap_pages: index out of range");
+    char* pk = p + row * 2 * block_bytes;
+    for (char* dev : {k + block * block_bytes, v + block * block_bytes}) {     // trade, keys then values
+      std::memcpy(held.data(), dev, block_bytes);
+      std::memcpy(dev, pk, block_bytes);
+      std::memcpy(pk, held.data(), block_bytes);
+      pk += block_bytes;
+    }
+    row_of[j_out] = row;
+    row_of[j_in] = -1;
+    at[j_in] = kResident;
+    at[j_out] = kHost;
+    *found = j_in;
+    for (int64_t h = 0; h < pos_heads; ++h)
+      for (int64_t t = 0; t < block_size; ++t)
+        ps[h * pos_stride + (i * block_size + t) * pos_step] = j_in * block_size + t;
+    out.insert(out.end(), {j_in, j_out, i});
   }
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(k + block_ids[i] * block_bytes, incoming.data() + 2 * i * block_bytes, block_bytes);
-    std::memcpy(v + block_ids[i] * block_bytes, incoming.data() + (2 * i + 1) * block_bytes, block_bytes);
-  }
+  return as_tensor(out, 3);
 }
 
 }  // namespace kvs
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("digest_scores", &kvs::digest_scores, "every block's digest score: see kvserve/kv/budget/pages.py");
-  m.def("exchange_pages", &kvs::exchange_pages, "blocks between the host pool and the paged tensors: see host_store.py");
   m.def("select_pages", &kvs::select_pages, "ArkVale's swaps for one layer: see kvserve/kv/budget/pages.py");
+  m.def("swap_pages", &kvs::swap_pages, "ArkVale's swaps for one layer, chosen and made: see arkvale.py");
 }
