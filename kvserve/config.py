@@ -49,8 +49,8 @@ def opt(help: str, **kw: Any) -> dict[str, Option]:
 #: (CacheBlend: at ``blend_select_layer``, whose fresh KV differs most from the cached; recomputed
 #: from that layer on), "query" (the text after the last segment, the question, computed first
 #: over the cached KV; the tokens its queries attend to most, over every layer, recomputed in
-#: every layer), "query-segments" (the same first pass; the segments whose tokens the question
-#: attends to most, recomputed whole)
+#: every layer), "query-segments" (the same first pass, read at one layer; windows around the
+#: question's peak in the segments it attends to most, best segment first, recomputed)
 BLEND_SELECTIONS = ("deviation", "narrowing", "query", "query-segments")
 QUERY_SELECTIONS = ("query", "query-segments")     # those that compute the question first, to choose
 
@@ -165,7 +165,8 @@ class CacheConfig:
     blend_selection: str = field(default="deviation", metadata=opt(
         "how blending picks the reused tokens it recomputes: deviation (CacheBlend: fresh vs cached KV at "
         "blend_select_layer), narrowing (the same, narrowed layer by layer: 2f, 1.5f, then f), query (the text after the last segment computed first; the tokens its queries "
-        "attend to most, recomputed in every layer), query-segments (the same, whole segments) (docs/blend.md)",
+        "attend to most, recomputed in every layer), query-segments (the same first pass; windows around the "
+        "question's peak, best segment first) (docs/blend.md)",
         choices=BLEND_SELECTIONS))
     blend_sink_tokens: int = field(default=0, metadata=opt(
         "each reused segment's first tokens always recomputed (its spurious attention sink; docs/blend.md)"))

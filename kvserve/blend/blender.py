@@ -21,14 +21,14 @@ Cost, in prefill-token equivalents (a token through every layer = 1):
 
     full   = n                                          n: tokens after the prefix hit
     blend  = computed + reused * (s / L + f * (1 - s / L)) + load_s * prefill_tokens_per_s    (deviation)
-    blend  = 2 * computed + reused * f + load_s * prefill_tokens_per_s                      (query, query-segments)
+    blend  = (1 + r) * computed + reused * f + load_s * prefill_tokens_per_s                (query, query-segments)
 
 with L layers, s = ``select_layer`` (layers below it run for every token), f the share of
 the reused tokens recomputed (the blend fraction, or the segments' sink tokens where they
-are more), ``computed`` the tokens not reused (the query selection computes them twice: once
-to choose, once over the blend; query-segments recomputes whole segments, more than ``f``
-where the fraction is less than a segment: the estimate counts ``f``), ``load_s`` the tiers' estimate for the segment blocks they hold (kv/tiering.py,
-measured figures) and the engine's measured prefill speed. Attention's quadratic share is
+are more), ``computed`` the tokens not reused (the query selections compute them twice: once
+to choose, up to the layer read, ``r = (query_layer + 1) / L``, or every layer, ``r = 1``,
+and once over the blend), ``load_s`` the tiers' estimate for the segment blocks they hold
+(kv/tiering.py, measured figures) and the engine's measured prefill speed. Attention's quadratic share is
 left out of both sides. A segment computed standalone for storing is paid either way, so
 it counts as reused.
 """
@@ -99,14 +99,15 @@ class BlendOutcome:
 
 
 def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: int, num_layers: int,
-               selection: str = "deviation", num_sink_tokens: int = 0) -> float:
+               selection: str = "deviation", num_sink_tokens: int = 0, query_layer: int | None = None) -> float:
     """Prefill-token equivalents a blend computes for ``num_tokens`` tokens of which
     ``num_reused`` come from stored segments, ``num_sink_tokens`` of them always recomputed
     (module docstring)."""
     recomputed = min(num_reused, max(fraction * num_reused, num_sink_tokens))
     computed = num_tokens - num_reused
-    if selection in QUERY_SELECTIONS:    # the question computed twice
-        return 2 * computed + recomputed
+    if selection in QUERY_SELECTIONS:    # the question computed twice (first up to the layer read)
+        first = 1.0 if query_layer is None else (query_layer + 1) / num_layers
+        return (1 + first) * computed + recomputed
     below = select_layer / num_layers
     if selection == "narrowing":         # wider for the first layers of the narrowing
         wider = sum(min(num_reused, max(f * num_reused, num_sink_tokens)) - recomputed
@@ -179,7 +180,7 @@ class Blender:
             fresh.append(segment)
         tps = self.tiering.prefill_tokens_per_s
         work = blend_work(n, num_reused, spec.fraction, self.select_layer, self.model.config.num_layers,
-                          self.selection, num_sinks)
+                          self.selection, num_sinks, self.query_layer)
         cost = work + (load_s * tps if tps else 0.0)
         log.debug("request %s: blend %.0f token-equivalents (%d reused, loads %.2f ms) vs prefill %d",
                   req.request_id, cost, num_reused, load_s * 1e3, n)

@@ -178,7 +178,9 @@ def _blend_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cache
     if selection in QUERY_SELECTIONS and num_reused:
         # the text after the last segment (the question) computed first, every reused token as
         # cached: where its queries attend picks what to recompute, in every layer
-        asked = yield from ctx.run(~is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=query_layer)
+        # (read at one layer, the pass stops there: the layers above it would change nothing read)
+        asked = yield from ctx.run(~is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=query_layer,
+                                   last_layer=query_layer)
         assert asked.attention is not None
         if selection == "query":
             selected = _pick(asked.attention[reused], runs, blend_fraction, sink_tokens)
@@ -245,8 +247,8 @@ class _Context:
 
     def run(self, computed: torch.Tensor, choose_at: tuple[int, ...] = (),
             choose: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-            question_from: int | None = None,
-            question_layer: int | None = None) -> Generator[tuple[int, int], None, _Pass]:
+            question_from: int | None = None, question_layer: int | None = None,
+            last_layer: int | None = None) -> Generator[tuple[int, int], None, _Pass]:
         """Every layer (yielding the rows it computed and the keys they attended, causally) for
         the positions ``computed`` ([n] bool; from num_known on, the prompt's last among them);
         the others' KV known or cached. At each layer of ``choose_at``, ``choose(layer, rows,
@@ -254,7 +256,9 @@ class _Context:
         at the first, every position from num_known on) names the reused positions computed
         from there on with the ones not reused: a subset of ``rows``. With ``question_from``:
         also the attention the computed positions from there on give each position, summed
-        over them, the heads and the layers (only layer ``question_layer`` where given)."""
+        over them, the heads and the layers (only layer ``question_layer`` where given). With
+        ``last_layer``, the pass ends after that layer: its keys and values for the layers run,
+        no logits (an empty tensor)."""
         model, num_known, known, reused, n = self.model, self.num_known, self.known, self.reused, self.n
         dev = model.device
         rows = torch.arange(n, device=dev)[num_known:][computed[num_known:]]   # the positions ``h`` holds
@@ -264,7 +268,8 @@ class _Context:
         layer_attention: list[torch.Tensor] = []
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        for layer in range(model.config.num_layers):
+        num_layers = model.config.num_layers if last_layer is None else last_layer + 1
+        for layer in range(num_layers):
             q, k, v = model.layer_qkv(layer, h, model.rope.angles(rows))
             if choose is not None and layer in choose_at:
                 selected = choose(layer, rows, k, v)
@@ -291,6 +296,8 @@ class _Context:
             values.append(v)
             h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
             yield int(rows.numel()), int(rows.sum()) + int(rows.numel())     # position p attends p + 1 keys
+        if last_layer is not None:
+            return _Pass(keys, values, h.new_empty(0), selected, attention, tuple(layer_attention))
         logits = model.compute_logits(model.final_norm_of(h[-1:]))[0]
         return _Pass(keys, values, logits, selected, attention, tuple(layer_attention))
 
@@ -357,30 +364,36 @@ def narrowing_fractions(fraction: float, num_layers_from: int) -> tuple[float, .
 SINK_SPAN = 32    # a segment's first tokens, a spurious attention sink: left out of its score as a whole
 
 
-def _peaks(score: torch.Tensor, runs: list[tuple[int, int]]) -> list[float]:
-    """Each run's largest ``score`` past its first SINK_SPAN tokens (all of a shorter run)."""
+def _peaks(score: torch.Tensor, runs: list[tuple[int, int]]) -> list[tuple[float, int]]:
+    """Each run's largest ``score`` past its first SINK_SPAN tokens (all of a shorter run), and
+    where in the run it is (the first such token on a tie)."""
     best, offset = [], 0
     for _, length in runs:
-        run = score[offset:offset + length]
-        best.append(float((run[SINK_SPAN:] if length > SINK_SPAN else run).max()))
+        skip = SINK_SPAN if length > SINK_SPAN else 0
+        run = score[offset + skip:offset + length]
+        at = int(run.argmax())
+        best.append((float(run[at]), skip + at))
         offset += length
     return best
 
 
 def _pick_segments(score: torch.Tensor, runs: list[tuple[int, int]], fraction: float,
                    sink_tokens: int) -> torch.Tensor:
-    """Whole runs, best first by their largest ``score`` past their first SINK_SPAN tokens (all of a
-    shorter run), until ``ceil(fraction * reused tokens)`` are taken (one run at least, where the
-    fraction is not 0); and every run's first ``sink_tokens``. Positions, sorted."""
+    """``ceil(fraction * reused tokens)`` positions in windows: the runs best first by their
+    peak (``_peaks``), from each a contiguous window centred on its peak token (moved inside
+    the run at its ends), the whole run while the count allows, the last window what is left;
+    and every run's first ``sink_tokens``. Positions, sorted."""
     best = _peaks(score, runs)
     wanted = math.ceil(fraction * sum(length for _, length in runs) - 1e-9)
     picked = [_pick(score, runs, 0.0, sink_tokens)]
-    for i in sorted(range(len(runs)), key=lambda i: (-best[i], i)):
+    for i in sorted(range(len(runs)), key=lambda i: (-best[i][0], i)):
         if wanted <= 0:
             break
         start, length = runs[i]
-        picked.append(torch.arange(start, start + length, device=score.device))
-        wanted -= length
+        count = min(length, wanted)
+        first = max(0, min(best[i][1] - count // 2, length - count))
+        picked.append(torch.arange(start + first, start + first + count, device=score.device))
+        wanted -= count
     return torch.unique(torch.cat(picked))
 
 
@@ -442,7 +455,7 @@ def segment_peaks_by_layer(model: LlamaModel, rope: RopeTables, prompt: BlendPro
         except StopIteration as stop:
             asked: _Pass = stop.value
             break
-    return [_peaks(attention[ctx.reused], runs) for attention in asked.layer_attention]
+    return [[peak for peak, _ in _peaks(attention[ctx.reused], runs)] for attention in asked.layer_attention]
 
 
 @torch.inference_mode()

@@ -190,20 +190,22 @@ def test_the_query_selection_reads_one_layer_when_told(setup):
         blend_prefill(model, rope, prompt, standalone(model, prompt), selection="query", query_layer=last + 1)
 
 
-def test_segments_are_ranked_by_their_peak_past_the_sink_span_and_taken_whole():
+def test_segments_are_ranked_by_their_peak_past_the_sink_span_and_give_windows_around_it():
     from kvserve.blend.blending import SINK_SPAN, _pick_segments
 
     runs = [(10, 40), (60, 50), (120, 20)]              # 40 + 50 + 20 reused tokens, in order
     score = torch.zeros(110)
     score[0] = 9.0                                      # run 0's first token: a sink, not counted
-    score[40 + SINK_SPAN + 3] = 2.0                     # run 1's peak past its sink span
+    score[40 + SINK_SPAN + 3] = 2.0                     # run 1's peak past its sink span: position 95
     score[90 + 5] = 1.0                                 # run 2 is shorter than the span: all of it counts
     def picked(fraction: float, sinks: int = 0) -> list[int]:
         return _pick_segments(score, runs, fraction, sinks).tolist()
     assert picked(0.0) == []
-    assert picked(0.01) == list(range(60, 110))                       # the best run, whole
-    assert picked(0.5) == list(range(60, 110)) + list(range(120, 140))     # 55 wanted: two runs
-    assert picked(0.01, sinks=2) == [10, 11, *range(60, 110), 120, 121]
+    assert picked(0.01) == [94, 95]                                   # 2 wanted: centred on run 1's peak
+    assert picked(0.1) == list(range(90, 101))                        # 11: 5 before the peak, 5 after
+    assert picked(0.4) == list(range(66, 110))                        # 44: moved inside the run's end
+    assert picked(0.5) == list(range(60, 110)) + list(range(123, 128))     # 55: run 1 whole, 5 of run 2
+    assert picked(0.01, sinks=2) == [10, 11, 60, 61, 94, 95, 120, 121]
 
 
 def test_more_recompute_comes_closer_to_the_full_prefill(setup):
@@ -354,7 +356,8 @@ def test_narrowing_with_one_layer_left_is_the_deviation_selection(setup):
 def test_each_layers_segment_peaks_name_the_segment_query_segments_recomputes_at_that_layer():
     """``segment_peaks_by_layer`` (what ``eval-blend-layer`` calibrates from) against the
     selection itself: at every layer of the 4-layer model, the segment with the highest peak
-    is the one ``query-segments`` reading that layer recomputes whole (one, at a tiny fraction)."""
+    is the one ``query-segments`` reading that layer recomputes first (whole, at a fraction of
+    its size), its first pass stopping at that layer."""
     loaded = tiny_model(DEEP)
     model = LlamaModel(loaded.config, loaded.weights, torch.device("cpu"), torch.float32)
     rope = RopeTables(loaded.config)
@@ -363,10 +366,18 @@ def test_each_layers_segment_peaks_name_the_segment_query_segments_recomputes_at
         cached = standalone(model, prompt)
         peaks = segment_peaks_by_layer(model, rope, prompt, cached)
         assert len(peaks) == 4 and all(len(p) == 3 for p in peaks)
+        num_reused = sum(length for _, length in prompt.spans)
         for layer, scores in enumerate(peaks):
             best = max(range(3), key=scores.__getitem__)
-            picked = blend_prefill(model, rope, prompt, cached, 0.01, selection="query-segments", query_layer=layer)
+            fraction = prompt.spans[best][1] / num_reused          # as many tokens as that segment holds
+            job = BlendJob(model, rope, prompt, cached, fraction, selection="query-segments", query_layer=layer)
+            picked = job.advance(math.inf)
+            assert picked is not None
             start, length = prompt.spans[best]
             assert picked.selected.tolist() == list(range(start, start + length))
+            # the first pass stops at the layer it reads: layers 0..layer for the text around
+            # the segments, then every layer for it and the recomputed segment
+            computed = len(prompt.token_ids) - picked.num_reused_tokens
+            assert job.num_row_layers == (layer + 1) * computed + 4 * (computed + length)
     with pytest.raises(ValueError, match="standalone KV is needed, whole"):
         segment_peaks_by_layer(model, rope, prompt, [c.head(5) for c in cached])
