@@ -126,7 +126,7 @@ class BlendAdmission:
                     self.kv.free(req)
                     self.scheduler.add(req)
                     continue
-                self.kv.mark_lossy(req)
+                self.kv.mark_lossy(req, plan.num_exact)
                 task = self.blender.start(req, plan, self.kv.block_ids(req.request_id))
             except Exception as e:
                 log.exception("blending request %s failed", req.request_id)

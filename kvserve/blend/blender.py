@@ -13,9 +13,10 @@ At its first admission (the engine calls, in order):
     finish(task)             the KV of every token after the hit written into the request's
                              blocks; returns the next-token logits
 
-The request's blocks then hold KV that no exact computation produced, so the KV manager
-never caches them under prefix keys (``KVCacheManager.mark_lossy``); a preempted blended
-request is recomputed in full, exactly, like any other.
+The request's blocks from its first segment on then hold KV that no exact computation
+produced, so the KV manager never caches them under prefix keys (``KVCacheManager.mark_lossy``);
+the full blocks before it (a system prompt, say) are exact and cached like any other. A
+preempted blended request is recomputed in full, exactly, like any other.
 
 Cost, in prefill-token equivalents (a token through every layer = 1):
 
@@ -28,9 +29,9 @@ the reused tokens recomputed (the blend fraction, or the segments' sink tokens w
 are more), ``computed`` the tokens not reused (the query selections compute them twice: once
 to choose, up to the layer read, ``r = (query_layer + 1) / L``, or every layer, ``r = 1``,
 and once over the blend), ``load_s`` the tiers' estimate for the segment blocks they hold
-(kv/tiering.py, measured figures) and the engine's measured prefill speed. Attention's quadratic share is
-left out of both sides. A segment computed standalone for storing is paid either way, so
-it counts as reused.
+(kv/tiering.py, measured figures) and the engine's measured prefill speed. Attention's
+quadratic share is left out of both sides. A segment computed standalone for storing is paid
+either way, so it counts as reused.
 """
 
 from __future__ import annotations
@@ -70,10 +71,13 @@ class BlendStats:
 @dataclass(frozen=True)
 class BlendPlan:
     """``choose``'s verdict to blend: the exact prefix hit's length and, per segment, its KV
-    when ``choose`` just computed it standalone (None: found stored, or not reused)."""
+    when ``choose`` just computed it standalone (None: found stored, or not reused); and how
+    many leading tokens the blend computes exactly (the hit, and what precedes the first
+    segment: no reused KV comes before them), the blocks the request may cache."""
 
     num_known: int
     fresh: tuple[SegmentKV | None, ...]
+    num_exact: int
 
 
 class BlendTask:
@@ -185,7 +189,7 @@ class Blender:
         log.debug("request %s: blend %.0f token-equivalents (%d reused, loads %.2f ms) vs prefill %d",
                   req.request_id, cost, num_reused, load_s * 1e3, n)
         if num_reused > 0 and (cost < n or not self.use_cost_model):
-            return BlendPlan(num_known, tuple(fresh))
+            return BlendPlan(num_known, tuple(fresh), max(num_known, spec.spans[0][0]))
         self.stats.num_declined += 1
         return None
 

@@ -99,7 +99,8 @@ class KVCacheManager:
         self._blocks: dict[str, list[Block]] = {}
         self._keys: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        self._lossy: set[str] = set()       # requests whose KV no exact computation produced
+        # per request whose KV no exact computation produced past its first tokens: how many are exact
+        self._lossy: dict[str, int] = {}
 
     # -- queries -----------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
@@ -217,9 +218,11 @@ class KVCacheManager:
     def cache_computed_blocks(self, request: Request) -> None:
         """Register every full block whose tokens are all computed."""
         rid = request.request_id
-        if not self.enable_prefix_caching or self.budgets.is_compacted(rid) or rid in self._lossy:
+        if not self.enable_prefix_caching or self.budgets.is_compacted(rid):
             return
         num_full = request.num_computed_tokens // self.block_size
+        if rid in self._lossy:
+            num_full = min(num_full, self._lossy[rid] // self.block_size)
         start = self._num_cached_blocks.get(rid, 0)
         if num_full > start:
             self._cache_blocks(request, start, num_full)
@@ -286,16 +289,17 @@ class KVCacheManager:
         self.budgets.apply(request, plan, [b.block_id for b in table])
         return True
 
-    def mark_lossy(self, request: Request) -> None:
-        """The request's blocks after its cached prefix hold KV that no exact computation
-        produced (a blended prompt, kvserve/blend/): none of them is ever cached, until its
-        blocks are freed (a preempted request is recomputed exactly)."""
-        self._lossy.add(request.request_id)
+    def mark_lossy(self, request: Request, num_exact_tokens: int = 0) -> None:
+        """The request's KV from token ``num_exact_tokens`` on is such as no exact computation
+        produced (a blended prompt, kvserve/blend/: what follows its first reused segment):
+        only its full blocks before that token are ever cached, until its blocks are freed (a
+        preempted request is recomputed exactly)."""
+        self._lossy[request.request_id] = num_exact_tokens
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (see BlockPool.free)."""
         rid = request.request_id
-        self._lossy.discard(rid)
+        self._lossy.pop(rid, None)
         self.budgets.drop(rid)
         table = self._blocks.pop(rid, [])
         self.residual.release(b.block_id for b in table)

@@ -103,6 +103,28 @@ def test_segments_are_shared_across_requests_and_lossy_blocks_never_cached(loade
     assert engine.stats().blend.num_blended == 3
 
 
+def test_the_exact_head_before_the_first_segment_is_cached_and_hit(loaded):
+    """A blended prompt's tokens before its first segment (a system prompt) attend to no reused
+    KV, so they are computed exactly: their full blocks are cached and hit by the next prompt,
+    blended or plain; the blocks from the first segment on never are."""
+    llm = LLM(loaded=loaded, num_kv_blocks=64)
+    engine = llm.engine
+    assert llm.cache_segments([DOCS[0], DOCS[2]]) == 32 + 48
+    cached_before = engine.kv.pool.num_cached_blocks
+    first = llm.generate([rag([2, 0], 0.15, system=40)], GREEDY)[0]      # a head of 40 tokens: 2 full blocks
+    assert (first.num_cached_tokens, first.num_reused_tokens) == (0, 48 + 32)
+    assert engine.kv.pool.num_cached_blocks == cached_before + 2
+    second = llm.generate([rag([0, 2], 0.15, system=40, question_seed=10)], GREEDY)[0]
+    assert (second.num_cached_tokens, second.num_reused_tokens) == (32, 32 + 48)
+    assert engine.kv.pool.num_cached_blocks == cached_before + 2
+    engine.check_integrity()
+    ids = plain(rag([1], 0.0, system=40))
+    hit = llm.generate([ids], GREEDY)[0]
+    cold = LLM(loaded=loaded, enable_prefix_caching=False).generate([ids], GREEDY)[0]
+    assert hit.num_cached_tokens == 32 and hit.token_ids == cold.token_ids
+    engine.check_integrity()
+
+
 def test_a_cached_prefix_stays_exact_and_is_not_reused(loaded):
     # the same system prompt and first document as an earlier plain request: its blocks hit
     llm = LLM(loaded=loaded, num_kv_blocks=64)
