@@ -183,6 +183,31 @@ def test_swap_pages_makes_the_swaps_select_pages_chooses_in_place(isa):
         store.check_integrity()
         num_done += len(done)
     assert num_done >= 3
+    # a table naming a block past the pool for the last pair's slot: refused before any pair
+    # is made (not after the first ones)
+    for seed in range(20):
+        box = DigestBox(*digests(num_blocks, seed, kv_heads=1, dim=4))
+        q = torch.randn(2, 4, generator=torch.Generator().manual_seed(50 + seed))
+        where = torch.full((num_blocks,), HOST, dtype=torch.uint8)
+        where[resident] = RESIDENT
+        expected = choose_swaps(box.scores(q, 0.5), where, len(resident), 0.0)
+        if len(expected) >= 2:
+            break
+    assert len(expected) >= 2
+    store = HostBlockStore(1 << 20)
+    for j in range(num_blocks):
+        if where[j] == HOST:
+            store.put(StashKey("a", 0, j), (torch.full((bs, 1, 4), 100.0 + j), torch.full((bs, 1, 4), -100.0 - j)))
+    rows = store.rows_of("a", 0, num_blocks)
+    bad = list(table)
+    bad[resident.index(expected[-1][1])] = 99
+    stashed = rows[rows >= 0]                       # the pool's other rows are uninitialized memory
+    before = (where.clone(), rows.clone(), cache_k.clone(), store.pool[stashed].clone(), pos.clone())
+    with pytest.raises(RuntimeError, match="index out of range"):
+        ext.swap_pages(box.store, num_blocks, q, 0.5, where, len(resident), 0.0, rows, store.pool, cache_k, cache_v,
+                       bad, resident, pos, bs)
+    after = (where, rows, cache_k, store.pool[stashed], pos)
+    assert [torch.equal(a, b) for a, b in zip(before, after)] == [True] * 5
     with pytest.raises(RuntimeError, match="rows: contiguous int64"):
         ext.swap_pages(box.store, num_blocks, q, 0.5, where, len(resident), 0.0, torch.zeros(3, dtype=torch.long),
                        store.pool, cache_k, cache_v, table, resident, pos, bs)

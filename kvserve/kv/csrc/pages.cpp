@@ -213,15 +213,20 @@ torch::Tensor swap_pages(const torch::Tensor& box, int64_t num_blocks, const tor
   const int64_t pos_heads = pos.size(0), pos_stride = pos.stride(0), pos_step = pos.stride(1);
   thread_local std::vector<char> held;
   held.resize(static_cast<size_t>(block_bytes));
-  std::vector<int64_t> out;
-  std::vector<int64_t> places(resident);
+  // every pair checked before any is made: a bad index changes nothing
+  std::vector<int64_t> out;       // (j_in, j_out, i) per pair
   for (int64_t m = 0; m < n; ++m) {
     const int64_t j_in = pairs[2 * m], j_out = pairs[2 * m + 1];
-    const auto found = std::find(places.begin(), places.end(), j_out);
-    TORCH_CHECK(found != places.end(), "swap_pages: a resident block is not in resident");
-    const int64_t i = found - places.begin(), row = row_of[j_in], block = block_ids[i];
+    const auto found = std::find(resident.begin(), resident.end(), j_out);
+    TORCH_CHECK(found != resident.end(), "swap_pages: a resident block is not in resident");
+    const int64_t i = found - resident.begin(), row = row_of[j_in], block = block_ids[i];
     TORCH_CHECK(row >= 0 && row < pool.size(0) && block >= 0 && block < cache_k.size(0),
                 "swap_pages: index out of range");
+    out.insert(out.end(), {j_in, j_out, i});
+  }
+  for (int64_t m = 0; m < n; ++m) {
+    const int64_t j_in = out[3 * m], j_out = out[3 * m + 1], i = out[3 * m + 2];
+    const int64_t row = row_of[j_in], block = block_ids[i];
     char* pk = p + row * 2 * block_bytes;
     for (char* dev : {k + block * block_bytes, v + block * block_bytes}) {     // trade, keys then values
       std::memcpy(held.data(), dev, block_bytes);
@@ -233,11 +238,9 @@ torch::Tensor swap_pages(const torch::Tensor& box, int64_t num_blocks, const tor
     row_of[j_in] = -1;
     at[j_in] = kResident;
     at[j_out] = kHost;
-    *found = j_in;
     for (int64_t h = 0; h < pos_heads; ++h)
       for (int64_t t = 0; t < block_size; ++t)
         ps[h * pos_stride + (i * block_size + t) * pos_step] = j_in * block_size + t;
-    out.insert(out.end(), {j_in, j_out, i});
   }
   return as_tensor(out, 3);
 }
