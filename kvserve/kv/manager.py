@@ -290,9 +290,9 @@ class KVCacheManager:
         return True
 
     def mark_lossy(self, request: Request, num_exact_tokens: int = 0) -> None:
-        """The request's KV from token ``num_exact_tokens`` on is such as no exact computation
-        produced (a blended prompt, kvserve/blend/: what follows its first reused segment):
-        only its full blocks before that token are ever cached, until its blocks are freed (a
+        """The request's KV from token ``num_exact_tokens`` on was not produced by an exact
+        computation (a blended prompt, kvserve/blend/: from its first reused segment on): only
+        its full blocks before that token are ever cached, until its blocks are freed (a
         preempted request is recomputed exactly)."""
         self._lossy[request.request_id] = num_exact_tokens
 

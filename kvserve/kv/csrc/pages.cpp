@@ -20,7 +20,7 @@ namespace {
 
 constexpr uint8_t kHost = 0, kResident = 1, kLost = 2;     // pages.py's HOST, RESIDENT, LOST
 
-// NG query heads of one KV head over the blocks [b0, nb): s[h][b] = sum over the box rows c of
+// NG query heads of one KV head over the blocks [0, nb): s[h][b] = sum over the box rows c of
 // box[c][b] * wq[h][c], summed in row order (the same float sums whatever NG and the ISA).
 // Vector builds hold NG x 2 vectors of sums in registers across the rows, so each box row
 // tile is loaded once for the NG heads and no sum goes through memory.
