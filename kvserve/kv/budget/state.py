@@ -95,13 +95,14 @@ class BudgetState:
         self._block_holes: tuple[tuple[int, int], ...] | None = None
         num_layers = len(layer_budgets)
         self._capacity = 0
-        self.pos = [torch.empty(num_kv_heads, 0, dtype=torch.long, device=device) for _ in range(num_layers)]
-        self.valid = [torch.empty(0, dtype=torch.bool, device=device) for _ in range(num_layers)]
+        # every layer's slots in one tensor each ([layers, ...]), so a step records its slots in
+        # one write per kind; ``pos``, ``valid``, ``score`` and ``weight`` are per-layer views
+        self._all_pos = torch.empty(num_layers, num_kv_heads, 0, dtype=torch.long, device=device)
+        self._all_valid = torch.empty(num_layers, 0, dtype=torch.bool, device=device)
         has_score = policy.weights != "none"
-        self.score: list[torch.Tensor] | None = (
-            [torch.empty(num_kv_heads, 0, device=device) for _ in range(num_layers)] if has_score else None)
-        self.weight: list[torch.Tensor] | None = (
-            [torch.empty(num_kv_heads, 0, device=device) for _ in range(num_layers)] if policy.merges else None)
+        self._all_score = torch.empty(num_layers, num_kv_heads, 0, device=device) if has_score else None
+        self._all_weight = torch.empty(num_layers, num_kv_heads, 0, device=device) if policy.merges else None
+        self._view_layers()
         self.probes: list[int] = []     # positions of the probe queries scored so far, ascending ("probe")
 
     @property
@@ -155,13 +156,12 @@ class BudgetState:
         begin = min(self.num_recorded, slot_start)
         self._grow(-(-end // self.block_size) * self.block_size)
         positions = torch.arange(first_pos - (slot_start - begin), first_pos + num_new, device=self.device)
-        for layer in range(len(self.layer_budgets)):
-            self.pos[layer][:, begin:end] = positions
-            self.valid[layer][begin:end] = True
-            if self.score is not None:
-                self.score[layer][:, begin:end] = 0
-            if self.weight is not None:
-                self.weight[layer][:, begin:end] = 1
+        self._all_pos[:, :, begin:end] = positions
+        self._all_valid[:, begin:end] = True
+        if self._all_score is not None:
+            self._all_score[:, :, begin:end] = 0
+        if self._all_weight is not None:
+            self._all_weight[:, :, begin:end] = 1
         self.num_recorded = end
 
     def observe_from(self, num_known_tokens: int) -> int:
@@ -293,13 +293,22 @@ class BudgetState:
             extra = torch.full((*t.shape[:-1], new - t.shape[-1]), fill, dtype=t.dtype, device=t.device)
             return torch.cat([t, extra], dim=-1)
 
-        self.pos = [pad(t, 0) for t in self.pos]
-        self.valid = [pad(t, False) for t in self.valid]
-        if self.score is not None:
-            self.score = [pad(t, 0.0) for t in self.score]
-        if self.weight is not None:
-            self.weight = [pad(t, 1.0) for t in self.weight]
+        self._all_pos = pad(self._all_pos, 0)
+        self._all_valid = pad(self._all_valid, False)
+        if self._all_score is not None:
+            self._all_score = pad(self._all_score, 0.0)
+        if self._all_weight is not None:
+            self._all_weight = pad(self._all_weight, 1.0)
         self._capacity = new
+        self._view_layers()
+
+    def _view_layers(self) -> None:
+        self.pos: list[torch.Tensor] = list(self._all_pos.unbind(0))              # [heads, slots] each
+        self.valid: list[torch.Tensor] = list(self._all_valid.unbind(0))          # [slots]
+        self.score: list[torch.Tensor] | None = (
+            None if self._all_score is None else list(self._all_score.unbind(0)))
+        self.weight: list[torch.Tensor] | None = (
+            None if self._all_weight is None else list(self._all_weight.unbind(0)))
 
 
 def _evicted(valid_idx: torch.Tensor, keep: torch.Tensor, num_slots: int) -> torch.Tensor | None:
