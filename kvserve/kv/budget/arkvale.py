@@ -171,10 +171,9 @@ class ArkValeState(BudgetState):
         box, where = self.boxes[layer], self.where[layer]
         if box is None or where is None or box.num_blocks <= len(resident):
             return
-        self._mark_lost()
         margin = self.recall_margin * q.shape[-1] ** 0.5      # logits -> raw q . k
         blocks = storage.layer_blocks(layer)
-        if self._trades_in_place(blocks):
+        if self._trades_in_place(blocks):       # (which marks this layer's lost blocks itself)
             assert blocks is not None and self.selector.native is not None
             pool = self.host_store.pool
             done = self.selector.native.swap_pages(
@@ -188,6 +187,7 @@ class ArkValeState(BudgetState):
                     resident[i] = j_in
                 self.recalls.extend((layer, j_in) for j_in, _, _ in done)
             return
+        self._mark_lost()
         pairs = self.selector.swaps(box, q, self.bound_weight, where, len(resident), margin)
         if not pairs:
             return

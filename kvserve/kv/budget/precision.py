@@ -36,31 +36,16 @@ _OBSERVED_BUDGET = 2 * SNAPKV_WINDOW
 
 class ProbeObserver(BudgetState):
     """The ``saliency`` policy's state without a budget, for the attention path to score into:
-    nothing is ever evicted, so a slot is its position and every layer's scores fit one tensor
-    ``[layers, heads, slots]`` (a step's bookkeeping is one operation, not one per layer).
-    ``saliency`` is ``BudgetState.saliency``'s (tested equal)."""
+    nothing is ever evicted, so a slot is its position. ``saliency`` is
+    ``BudgetState.saliency``'s, read for every layer at once (``saliency_of_layers``; tested equal)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, device: torch.device) -> None:
         super().__init__(get_policy("saliency"), _OBSERVED_BUDGET, [_OBSERVED_BUDGET] * num_layers, num_kv_heads,
                          block_size, device)
-        self.scores = torch.zeros(num_layers, num_kv_heads, 0, device=device)
-
-    @property
-    def scores_attention(self) -> bool:
-        return True
 
     def prepare(self, slot_start: int, first_pos: int, num_new: int) -> None:
         assert slot_start == first_pos, "an observer's slots are its positions"
-        begin, end = min(self.num_recorded, slot_start), slot_start + num_new
-        if end > self.scores.shape[-1]:
-            grown = torch.zeros(*self.scores.shape[:-1], max(end, 2 * self.scores.shape[-1]), device=self.device)
-            grown[..., :self.num_recorded] = self.scores[..., :self.num_recorded]
-            self.scores = grown
-        self.scores[..., begin:end] = 0
-        self.num_recorded = end
-
-    def add_scores(self, layer: int, scores: torch.Tensor, first_slot: int = 0) -> None:
-        self.scores[layer, :, first_slot:first_slot + scores.shape[1]] += scores
+        super().prepare(slot_start, first_pos, num_new)
 
     def key_mask(self, layer: int, num_slots: int) -> torch.Tensor:
         return torch.ones(num_slots, dtype=torch.bool, device=self.device)
@@ -73,7 +58,8 @@ class ProbeObserver(BudgetState):
         """[layers, heads, num_slots] the saliency of the first ``num_slots`` slots in every layer."""
         probes = torch.tensor(self.probes, dtype=torch.long, device=self.device)
         seen_by = len(self.probes) - torch.searchsorted(probes, torch.arange(num_slots, device=self.device))
-        return self.scores[..., :num_slots] / seen_by.clamp(min=1)
+        assert self._all_score is not None
+        return self._all_score[..., :num_slots] / seen_by.clamp(min=1)
 
 
 class SaliencyPrecision(NoBudgets):
