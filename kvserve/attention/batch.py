@@ -135,7 +135,8 @@ class BatchBuilder:
         chunk = BudgetedChunk(
             flat_start, flat_start + n, step.slot_start, start, ids,
             torch.tensor([ids], dtype=torch.long, device=self.device), step.state, attended_here,
-            step.observe_from, step.is_compacted, scored_in_kernel, holes, step.scored_rows)
+            step.observe_from, step.is_compacted, scored_in_kernel, holes, step.scored_rows,
+            self.writes.overlay([(len(ids) - 1, ids[-1])]))
         self.budgeted.append(chunk)
         return chunk
 

@@ -82,6 +82,7 @@ class BudgetedChunk:
     # per layer, the slot blocks [first, end) the backend's table skips (its hole), when read in place
     holes: tuple[tuple[int, int], ...] | None = None
     scored_rows: tuple[int, ...] | None = None   # the rows the policy scores (probes); None: from first_scored_row
+    overlay: Overlay | None = None   # its open block read from elsewhere (the storage's planner says)
 
     @property
     def num_slots(self) -> int:
@@ -217,7 +218,7 @@ def _budgeted(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
     if not b.attended_here:
         return None
     num_slots = b.num_slots
-    ks, vs = cache.gather(layer, b.block_table)
+    ks, vs = cache.gather(layer, b.block_table, b.overlay)
     kh = ks[0, :num_slots].to(q.dtype).transpose(0, 1)           # [Hkv, S, D]
     vh = vs[0, :num_slots].to(q.dtype).transpose(0, 1)
     mask = _slot_mask(st, layer, range(b.slot_start, num_slots), num_slots, masks_keys=True)
@@ -235,7 +236,7 @@ def _score(q: torch.Tensor, b: BudgetedChunk, layer: int, cache: KVStorage,
     rows = range(b.first_scored_row, n) if b.scored_rows is None else b.scored_rows
     if not rows:
         return
-    keys = cache.gather_keys(layer, b.block_table)[0, :b.num_slots]        # [S, Hkv, D]
+    keys = cache.gather_keys(layer, b.block_table, b.overlay)[0, :b.num_slots]        # [S, Hkv, D]
     qs = q[rows.start:] if isinstance(rows, range) else q[torch.tensor(rows, dtype=torch.long, device=q.device)]
     qo = qs.transpose(0, 1).reshape(num_kv_heads, group, len(rows), dim).float()
     logits = torch.einsum("hgnd,shd->hgns", qo, keys.float()) * scale

@@ -30,10 +30,10 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.block_io import BlockMover
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.budget.budgets import Budgets, KVBudgets, NoBudgets
+from kvserve.kv.budget.budgets import Budgets, KVBudgets
 from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import check_budget, get_policy
-from kvserve.kv.budget.precision import SaliencyPrecision
+from kvserve.kv.budget.precision import ZIP_NO_BUDGETS, SaliencyPrecision
 from kvserve.kv.codecs import KVFormat, parse_kv_format
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import Clock, Pins
@@ -273,13 +273,11 @@ def _attention_backend(name: str, device: torch.device, kv_format: KVFormat) -> 
 
 def _make_budgets(config: EngineConfig, storage: KVStorage, kv_format: KVFormat, mc: ModelConfig) -> Budgets:
     cc = config.cache
-    if not storage.supports_budgets:
+    if isinstance(storage, ZipKVCache):
         if cc.kv_budget is not None:
-            raise ValueError(f"a KV budget needs the native KV format (compaction rewrites full-precision "
-                             f"entries); got --kv-format {kv_format.spec}")
-        if isinstance(storage, ZipKVCache):
-            return SaliencyPrecision(storage, mc.num_kv_heads)
-        return NoBudgets(f"KV format {kv_format.spec} is quantized; budgets need the native format")
+            raise ValueError(f"a KV budget cannot run under the KV format {kv_format.spec}: {ZIP_NO_BUDGETS}; "
+                             f"give another --kv-format")
+        return SaliencyPrecision(storage, mc.num_kv_heads)
     return KVBudgets(storage, mc.num_kv_heads, cc.kv_budget, cc.kv_policy, HostBlockStore(cc.budget_host_bytes))
 
 

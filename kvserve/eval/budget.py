@@ -54,6 +54,7 @@ class BudgetEvalSettings:
     ppl_tokens: int = 64
     chunk: int = 512
     seed: int = 0
+    kv_format: str = "native"     # every row's, the full cache's too
 
     def __post_init__(self) -> None:
         for name in self.policies:
@@ -257,7 +258,7 @@ def evaluate(loaded: LoadedModel, text: str, settings: BudgetEvalSettings, kv_ca
     if loaded.tokenizer is None:
         raise ValueError("kvserve eval-budget needs a model with a tokenizer")
     llm = LLM(loaded=loaded, max_num_batched_tokens=settings.chunk, kv_cache_memory_gb=kv_cache_gb,
-              max_num_seqs=1)
+              max_num_seqs=1, kv_format=settings.kv_format)
     text_ids = llm.tokenizer.encode(text)
     longest = max(settings.contexts) + settings.ppl_tokens
     if len(text_ids) < longest:

@@ -124,7 +124,7 @@ def run_eval_budget(args: argparse.Namespace) -> int:
     from kvserve.bench.common import find_text
     from kvserve.engine.build import resolve_device, resolve_dtype
     from kvserve.eval.budget import BudgetEvalSettings, evaluate, goal_lines, render, speed_lines
-    from kvserve.kv.storage.paged import PagedKVCache
+    from kvserve.kv.codecs import parse_kv_format
     from kvserve.model.loader import load_model
 
     t_start = time.perf_counter()
@@ -134,20 +134,22 @@ def run_eval_budget(args: argparse.Namespace) -> int:
         contexts=_ints(args.contexts), fractions=_floats(args.fractions),
         policies=tuple(p for p in args.policies.split(",") if p), depths=_floats(args.depths),
         filler=args.filler, answer_tokens=args.answer_tokens, ppl_tokens=args.ppl_tokens, chunk=args.chunk,
-        seed=args.seed)
+        seed=args.seed, kv_format=args.kv_format)
     loaded = load_model(args.model)
     text = find_text(args.text)
     rows = evaluate(loaded, text, settings, args.kv_cache_gb,
                     log=lambda m: print(f"[eval-budget {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
     device = resolve_device("auto")
     dtype = resolve_dtype("auto", device, loaded.config.torch_dtype)
-    block_nbytes = PagedKVCache.bytes_per_block(loaded.config, 16, dtype)
+    mc = loaded.config
+    block_nbytes = parse_kv_format(settings.kv_format, mc.num_layers, dtype, head_dim=mc.head_dim).nbytes_per_block(
+        16, mc.num_kv_heads, mc.head_dim)
     wall = time.perf_counter() - t_start
     print(f"kvserve eval-budget: {loaded.source}, {device}/{dtype}, prefill chunks of {settings.chunk}; passkey: "
           f"{settings.filler} filler, depths {', '.join(f'{d:g}' for d in settings.depths)}, answer in "
           f"{settings.answer_tokens} greedy tokens; perplexity: {settings.ppl_tokens} tokens after the first "
           f"<context> tokens of the text, fed one per decode step; budgets {', '.join(f'{f:g}' for f in settings.fractions)}"
-          f" x context")
+          f" x context; KV format {settings.kv_format}")
     print(render(rows, block_nbytes))
     for line in goal_lines(rows, settings):
         print(f"goal: {line}")
@@ -170,6 +172,8 @@ def add_eval_budget_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--ppl-tokens", type=int, default=64, help="tokens scored by forced decoding")
     e.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
     e.add_argument("--kv-cache-gb", type=float, default=0.5)
+    e.add_argument("--kv-format", default="native",
+                   help="KV format of every row, the full cache's too (docs/kv_formats.md; not zip:)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     e.set_defaults(run=run_eval_budget)

@@ -280,6 +280,7 @@ class KVCacheManager:
         if len(fresh) > self.pool.num_free_blocks + sum(1 for b in tail if b.ref_count == 1):
             return False
         plan = self.budgets.plan(request, [b.block_id for b in table], fresh)
+        self.residual.release(b.block_id for b in tail)       # (the open block is among them)
         self.pool.free(reversed(tail))
         del table[num_kept:]
         for i in sorted(fresh):     # the blocks the plan was told it rewrites, exactly

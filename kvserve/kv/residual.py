@@ -48,6 +48,10 @@ class ResidualRows:
             self._rows[block_id] = row
         return row
 
+    def row_of(self, block_id: int) -> int | None:
+        """The block's row, None when it has none (closed, or never written)."""
+        return self._rows.get(block_id)
+
     def release(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
             row = self._rows.pop(block_id, None)

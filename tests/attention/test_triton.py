@@ -419,11 +419,13 @@ def test_the_engine_on_the_triton_backend_gives_the_torch_paths_tokens(fmt: str)
     assert outs["triton"][3][1] == 16                   # the last prompt hit the first's leading block
 
 
+@pytest.mark.parametrize("fmt", ["native", "int8", "kivi2g8"])
 @pytest.mark.parametrize("policy", ["snapkv", "pyramid"])
-def test_budgeted_requests_on_the_triton_backend_give_the_torch_paths_tokens(policy: str) -> None:
+def test_budgeted_requests_on_the_triton_backend_give_the_torch_paths_tokens(policy: str, fmt: str) -> None:
     """A compacted request reads in place on the triton backend too: snapkv's slots as one plain
     sequence, pyramid's smaller layer through a block table that skips its hole (scores are taken
-    on the torch path: this backend does not score). Same tokens as the torch backend, through
+    on the torch path: this backend does not score), in the native format and quantized ones
+    (KIVI's keys: the rewritten blocks encoded again). Same tokens as the torch backend, through
     the compaction at the end of the prefill and one in decode."""
     from tiny import tiny_model
 
@@ -435,7 +437,7 @@ def test_budgeted_requests_on_the_triton_backend_give_the_torch_paths_tokens(pol
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(loaded=loaded, num_kv_blocks=32, max_num_batched_tokens=64, device=DEVICE, dtype="float32",
-                  attention_backend=backend)
+                  attention_backend=backend, kv_format=fmt)
         outs[backend] = llm.generate(prompt, params)[0].token_ids
         assert llm.engine.kv.budgets.num_compactions == 2
         llm.engine.check_integrity()

@@ -204,8 +204,6 @@ def test_bad_budget_input_raises_and_leaves_the_engine_untouched(loaded):
         LLM(loaded=loaded, num_kv_blocks=64, kv_budget=64, kv_policy="lru")
     with pytest.raises(ValueError, match="below the minimum of 32 tokens"):
         LLM(loaded=loaded, num_kv_blocks=64, kv_budget=16)
-    with pytest.raises(ValueError, match="needs the native KV format"):
-        LLM(loaded=loaded, num_kv_blocks=64, kv_budget=64, kv_format="int8")
     llm = LLM(loaded=loaded, num_kv_blocks=64)
     for params, message in [(SamplingParams(kv_budget=64, kv_policy="lru"), "unknown KV budget policy 'lru'"),
                             (greedy(4, kv_budget=31), "below the minimum"),
@@ -214,15 +212,12 @@ def test_bad_budget_input_raises_and_leaves_the_engine_untouched(loaded):
         with pytest.raises(ValueError, match=message):
             llm.generate([tokens(20), tokens(30)], [greedy(4), params])
         assert not llm.engine.has_unfinished and not llm.engine._requests
-    quantized = LLM(loaded=loaded, num_kv_blocks=64, kv_format="int8")
-    with pytest.raises(ValueError, match="budgets need the native format"):
-        quantized.generate(tokens(20), greedy(4, kv_budget=64))
-    assert not quantized.engine.has_unfinished
 
 
-def arkvale_engine(loaded, budget_host_bytes: int = 4 << 30, num_blocks: int = 64) -> LLMEngine:
+def arkvale_engine(loaded, budget_host_bytes: int = 4 << 30, num_blocks: int = 64,
+                   kv_format: str = "native") -> LLMEngine:
     cache = CacheConfig(num_blocks=num_blocks, enable_prefix_caching=False, kv_budget=64, kv_policy="arkvale",
-                        budget_host_bytes=budget_host_bytes)
+                        budget_host_bytes=budget_host_bytes, kv_format=kv_format)
     return LLMEngine(EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=64)), loaded)
 
 
@@ -458,7 +453,11 @@ def test_arkvale_blocks_keep_their_keys_and_values_wherever_they_move(loaded, po
         assert len(seen.recalls) >= 20
 
 
-def test_arkvale_chooses_and_swaps_alike_with_the_cpu_and_the_torch_paths(loaded, monkeypatch):
+@pytest.mark.parametrize("fmt", ["native", "kivi2g8", "k=kivi4g8,v=int8"])
+def test_arkvale_chooses_and_swaps_alike_with_the_cpu_and_the_torch_paths(loaded, monkeypatch, fmt):
+    """The C++ pass (choice and trades in place: a quantized block's parts trade as bytes) and
+    the torch path (``select_pages``' twin, ``KVStorage.swap_blocks``) give the same tokens and
+    recalls, in the native format and quantized ones."""
     from kvserve.kv.budget import host_store, pages
 
     if pages.load_extension() is None:
@@ -468,12 +467,13 @@ def test_arkvale_chooses_and_swaps_alike_with_the_cpu_and_the_torch_paths(loaded
         if not native:      # the torch choice, and the swaps through KVStorage.swap_blocks
             monkeypatch.setattr(pages, "load_extension", lambda isa=None: None)
             monkeypatch.setattr(host_store, "load_extension", lambda isa=None: None)
-        e = arkvale_engine(loaded)
+        e = arkvale_engine(loaded, kv_format=fmt)
         rid = e.add_request(tokens(150), greedy(120, kv_budget=64, kv_policy="arkvale-m0"))
         out = e.step()
         state = e.kv.budgets.get(rid)
         assert isinstance(state, ArkValeState) and state.selector.is_native == native
         while e.has_unfinished:
             out = e.step()
+        assert state._in_place is native        # the C++ pass traded the blocks in place, or not
         runs.append((out[0].token_ids, list(state.recalls)))
     assert runs[0] == runs[1] and len(runs[0][1]) > 0

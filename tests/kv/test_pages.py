@@ -165,7 +165,7 @@ def test_swap_pages_makes_the_swaps_select_pages_chooses_in_place(isa):
         expected = choose_swaps(box.scores(q, 0.5), lost, len(resident), margin)
         places = list(resident)
         done = ext.swap_pages(box.store, num_blocks, q, 0.5, where, len(resident), margin,
-                              store.rows_of("a", 0, num_blocks), store.pool, cache_k, cache_v, table, places, pos,
+                              store.rows_of("a", 0, num_blocks), store.pool, [cache_k], [cache_v], table, places, pos,
                               bs).tolist()
         assert [(j_in, j_out) for j_in, j_out, _ in done] == expected and where[3] == LOST
         store.swapped("a", 0, [(j_in, j_out) for j_in, j_out, _ in done])
@@ -204,13 +204,13 @@ def test_swap_pages_makes_the_swaps_select_pages_chooses_in_place(isa):
     stashed = rows[rows >= 0]                       # the pool's other rows are uninitialized memory
     before = (where.clone(), rows.clone(), cache_k.clone(), store.pool[stashed].clone(), pos.clone())
     with pytest.raises(RuntimeError, match="index out of range"):
-        ext.swap_pages(box.store, num_blocks, q, 0.5, where, len(resident), 0.0, rows, store.pool, cache_k, cache_v,
-                       bad, resident, pos, bs)
+        ext.swap_pages(box.store, num_blocks, q, 0.5, where, len(resident), 0.0, rows, store.pool, [cache_k],
+                       [cache_v], bad, resident, pos, bs)
     after = (where, rows, cache_k, store.pool[stashed], pos)
     assert [torch.equal(a, b) for a, b in zip(before, after)] == [True] * 5
     with pytest.raises(RuntimeError, match="rows: contiguous int64"):
         ext.swap_pages(box.store, num_blocks, q, 0.5, where, len(resident), 0.0, torch.zeros(3, dtype=torch.long),
-                       store.pool, cache_k, cache_v, table, resident, pos, bs)
+                       store.pool, [cache_k], [cache_v], table, resident, pos, bs)
 
 
 def test_swaps_pair_the_best_host_block_with_the_worst_resident_one_while_they_gain_the_margin():

@@ -29,13 +29,11 @@ def test_the_factory_picks_the_storage_from_the_format():
     native, int8, kivi = storage("native"), storage("int8"), storage("kivi2g8")
     assert isinstance(native, PagedKVCache) and isinstance(int8, QuantizedKVCache)
     assert native.reads_as_written and native.supports_budgets and native.residual.num_rows == 0
-    assert not int8.reads_as_written and not int8.supports_budgets
+    assert not int8.reads_as_written and int8.supports_budgets
     assert int8.residual.num_rows == 0                      # int8 stores every token as it comes
     assert kivi.residual.num_rows == num_residual_rows(4, 4, 32) == 32 // 4 + 2 * 4 + 1
     # rows for KIVI's keys only: its values are stored token by token
     assert [t is None for t in kivi.key_residual + kivi.value_residual] == [False, False, True, True]
-    with pytest.raises(NotImplementedError, match="no KV budgets"):
-        int8.write_slots(0, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), torch.zeros(1, dtype=torch.long))
 
 
 def test_native_writes_go_to_slots_and_read_back_as_written():
@@ -143,3 +141,71 @@ def test_swapping_blocks_returns_what_they_held_and_stores_the_new():
     assert torch.equal(cache.key_caches[1], other.key_caches[1]) and torch.equal(cache.key_caches[0], other.key_caches[0])
     table = torch.tensor([[3, 6, 1]])
     assert torch.equal(cache.gather_keys(1, table), cache.gather(1, table)[0])
+
+
+def test_quantized_rewrites_encode_closed_blocks_again_and_write_open_ones_into_their_rows():
+    """A budget's rewrite (``write_slots``) under KIVI: entries of a closed block are laid over its
+    decoded tokens and the block encoded again; a block ``reopen``-ed takes its entries in its row,
+    read back exactly between steps (``open_overlay``); values, stored token by token, are each
+    encoded into their slot."""
+    cache = storage("kivi2g8")
+    planner = cache.planner()
+    planner.add([6, 1], 0, 8)            # fills blocks 6 and 1
+    writes = planner.build()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 2, 16, generator=g)
+    cache.write(0, x, x, writes)
+    cache.finish_step(writes)
+    assert cache.residual.num_free_rows == cache.residual.num_rows
+    codec, vcodec = cache.format.layers[0].key, cache.format.layers[0].value
+    before, _ = cache.gather(0, torch.tensor([[6, 1]]))
+    new = torch.randn(4, 2, 16, generator=g)
+    cache.reopen(3)
+    # block 6 slots 1, 2 (closed); block 3 slots 0, 1 (open again)
+    cache.write_slots(0, new, new, torch.tensor([25, 26, 12, 13]))
+    assert cache.residual.row_of(3) is not None and cache.residual.row_of(6) is None
+    assert cache.open_overlay([6, 1]) is None
+    overlay = cache.open_overlay([6, 3])
+    assert overlay is not None and overlay.positions.tolist() == [1]
+    keys, values = cache.gather(0, torch.tensor([[6, 3, 1]]), overlay)
+    expected = before[0, :4].clone()
+    expected[1:3] = new[:2]
+    assert torch.equal(keys[0, :4], codec.decode(codec.encode(expected.unsqueeze(0)), F32)[0])
+    assert torch.equal(keys[0, 4:6], new[2:])                # exactly, from the row
+    assert torch.equal(keys[0, 8:], before[0, 4:])           # block 1: untouched
+    per_token = vcodec.decode(vcodec.encode(new.unsqueeze(1)), F32)[:, 0]
+    assert torch.equal(values[0, 1:3], per_token[:2]) and torch.equal(values[0, 4:6], per_token[2:])
+    cache.residual.release([3])
+    cache.residual.check_integrity()
+
+
+def test_quantized_blocks_are_stashed_as_their_bytes_and_come_back_exactly():
+    """ArkVale's moves under a quantized format: ``stored_blocks`` gives each block's parts as
+    bytes (one row of ``stash_nbytes`` per half: KIVI-2 keys of 4 tokens x 2 heads x 16 are 32
+    bytes of codes + 128 of float16 scales and zeros per channel; values 32 + 64, padded to 160),
+    and ``swap_blocks`` puts such rows into other blocks, returning theirs: the blocks decode
+    there exactly as they did where they were."""
+    cache, other = storage("kivi2g8"), storage("kivi2g8")
+    g = torch.Generator().manual_seed(0)
+    for c in (cache, other):
+        planner = c.planner()
+        planner.add([6, 1, 2, 5], 0, 16)
+        writes = planner.build()
+        for layer in range(2):
+            x = torch.randn(16, 2, 16, generator=g)
+            c.write(layer, x, -x, writes)
+        c.finish_step(writes)
+    assert cache.stash_nbytes == 160
+    k_bytes, v_bytes = cache.stored_blocks(1, torch.tensor([6, 1]))
+    assert k_bytes.shape == v_bytes.shape == (2, 160) and k_bytes.dtype == torch.uint8
+    assert not v_bytes[:, 96:].any()                           # the values' padding
+    moved = cache.gather(1, torch.tensor([[6, 1]]))
+    held = other.gather(1, torch.tensor([[2, 5]]))
+    held_bytes = other.stored_blocks(1, torch.tensor([2, 5]))
+    out = other.swap_blocks(1, torch.tensor([2, 5]), k_bytes, v_bytes)
+    assert torch.equal(out[0], held_bytes[0]) and torch.equal(out[1], held_bytes[1])
+    there = other.gather(1, torch.tensor([[2, 5]]))
+    assert torch.equal(there[0], moved[0]) and torch.equal(there[1], moved[1])
+    other.swap_blocks(1, torch.tensor([2, 5]), *out)           # and back
+    back = other.gather(1, torch.tensor([[2, 5]]))
+    assert torch.equal(back[0], held[0]) and torch.equal(back[1], held[1])

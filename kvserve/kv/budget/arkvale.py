@@ -101,6 +101,7 @@ class PagePlan(TokenPlan):
         super().__init__(num_slots)
         self.resident: list[list[int]] = []
         self.to_host: list[Stash] = []
+        self.host_slots: list[list[int]] = []  # per layer: the slot block each of to_host's was read from
         self.digests: list[DigestBox] = []     # per layer: every full block's digest
 
 
@@ -172,14 +173,14 @@ class ArkValeState(BudgetState):
         if box is None or where is None or box.num_blocks <= len(resident):
             return
         margin = self.recall_margin * q.shape[-1] ** 0.5      # logits -> raw q . k
-        blocks = storage.layer_blocks(layer)
-        if self._trades_in_place(blocks):       # (which marks this layer's lost blocks itself)
-            assert blocks is not None and self.selector.native is not None
-            pool = self.host_store.pool
+        parts = storage.layer_parts(layer)
+        if self._trades_in_place(parts):       # (which marks this layer's lost blocks itself)
+            assert parts is not None and self.selector.native is not None
+            pool = self.host_store.pool         # (none yet: nothing to recall, so no pair is made)
             done = self.selector.native.swap_pages(
                 box.store, box.num_blocks, q.float().contiguous(), self.bound_weight, where, len(resident), margin,
                 self.host_store.rows_of(self.owner, layer, box.num_blocks),
-                pool if pool is not None else blocks[0][:0], blocks[0], blocks[1], block_ids, resident,
+                pool if pool is not None else torch.empty(0, 2, 0), parts[0], parts[1], block_ids, resident,
                 self.pos[layer], self.block_size).tolist()
             if done:
                 self.host_store.swapped(self.owner, layer, [(j_in, j_out) for j_in, j_out, _ in done])
@@ -207,14 +208,13 @@ class ArkValeState(BudgetState):
             self.pos[layer][:, i * bs:(i + 1) * bs] = torch.arange(j_in * bs, (j_in + 1) * bs, device=self.device)
         self.recalls.extend((layer, j) for j in coming)
 
-    def _trades_in_place(self, blocks: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    def _trades_in_place(self, parts: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> bool:
         """Whether ``select`` chooses and trades blocks in one C++ pass (``swap_pages``): CPU
-        blocks stored as they are (no quantized format), positions on the CPU, the C++ build
+        blocks (any KV format: their bytes trade places), positions on the CPU, the C++ build
         loaded; decided once (the storage's tensors do not change)."""
         if self._in_place is None:
-            self._in_place = (blocks is not None and self.selector.native is not None and self._pos_on_cpu
-                              and self.host_store.can_exchange(blocks)
-                              and all(t.dtype == blocks[0].dtype for t in blocks))
+            self._in_place = (parts is not None and self.selector.native is not None and self._pos_on_cpu
+                              and self.host_store.can_exchange(parts))
         return self._in_place
 
     def _mark_lost(self) -> None:
@@ -269,6 +269,7 @@ class ArkValeState(BudgetState):
             keep = sorted(self._rank(layer, self.last_q[layer], box).topk(self.num_resident).indices.tolist())
             kept = set(keep)
             plan.to_host.append(stash([(j, blocks_k[j], blocks_v[j]) for j in range(num_full) if j not in kept]))
+            plan.host_slots.append(plan.to_host[-1].indexes)       # (slot = position)
             plan.keys.append(torch.cat([blocks_k[keep].flatten(0, 1), k[tail_slot:num_slots]]))
             plan.values.append(torch.cat([blocks_v[keep].flatten(0, 1), v[tail_slot:num_slots]]))
             plan.resident.append(keep)
@@ -281,7 +282,7 @@ class ArkValeState(BudgetState):
         resident blocks; the blocks that stay keep their slots (unless their table block is
         ``rewritten``). The first compaction gathers and places every block (``plan``)."""
         if not self.is_compacted:
-            return super().plan_from(reader, num_slots, rewritten)
+            return self._stored(reader, super().plan_from(reader, num_slots, rewritten))
         bs, num_resident = self.block_size, self.num_resident
         num_full = (self.num_evicted + num_slots) // bs
         tail_slot = num_full * bs - self.num_evicted
@@ -308,6 +309,7 @@ class ArkValeState(BudgetState):
             to_host = stash([(resident[i], k_old[n], v_old[n]) for n, i in enumerate(leaving)]
                             + [(j, k_new[j - first_recent], v_new[j - first_recent])
                                for j in range(first_recent, num_full) if j not in keep])
+            host_slots = leaving + [num_resident + j - first_recent for j in range(first_recent, num_full) if j not in keep]
             new_resident = list(resident)
             parts: list[tuple[torch.Tensor, torch.Tensor]] = []
             slots: list[int] = []
@@ -326,7 +328,20 @@ class ArkValeState(BudgetState):
             plan.slots.append(slots)
             plan.resident.append(new_resident)
             plan.to_host.append(to_host)
+            plan.host_slots.append(host_slots)
             plan.digests.append(box)
+        return self._stored(reader, plan)
+
+    @staticmethod
+    def _stored(reader: SlotReader, plan: TokenPlan) -> PagePlan:
+        """``plan`` with the blocks bound for the host as the storage stores them, where that is
+        not their keys and values (a quantized format's bytes: a block comes back exactly)."""
+        assert isinstance(plan, PagePlan)
+        if reader.storage.stashes_decoded:
+            return plan
+        for layer, (to_host, slots) in enumerate(zip(plan.to_host, plan.host_slots, strict=True)):
+            if to_host.indexes:
+                plan.to_host[layer] = Stash(to_host.indexes, *reader.stored_blocks(layer, slots))
         return plan
 
     def apply(self, plan: TokenPlan, num_computed: int) -> None:

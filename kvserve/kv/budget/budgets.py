@@ -15,7 +15,7 @@ never a state's fields:
 
 A request's budget is ``params.kv_budget`` or else the engine's ``kv_budget``; its
 policy is ``params.kv_policy`` or else the engine's ``kv_policy``. ``KVBudgets`` runs
-them; ``NoBudgets`` stands in where the storage cannot (quantized KV formats).
+them; ``NoBudgets`` stands in where the storage cannot (``zip:`` KV formats).
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ class Budgets(ABC):
 
 
 class NoBudgets(Budgets):
-    """The null object for engines that cannot run budgets (quantized KV formats)."""
+    """The null object for engines that run no budgets (a ``zip:`` KV format, an engine's parts
+    built without them)."""
 
     def __init__(self, reason: str = "") -> None:
         self.reason = reason
@@ -283,14 +284,27 @@ class KVBudgets(Budgets):
         return state.plan_from(reader, num_slots, rewritten)
 
     def apply(self, request: Request, plan: TokenPlan, block_ids: list[int]) -> None:
-        """Write the plan's entries to slots [0, kept) of the table ``block_ids``."""
+        """Write the plan's entries to slots [0, kept) of the table ``block_ids``. The block
+        holding slot ``plan.num_slots`` (where the next token goes) is open again; the slots
+        after a layer's last entry in its block (a hole, or the tokens to come) take copies of
+        that entry, so a format that encodes whole blocks sees no stale values there."""
         bs = self.block_size
+        if plan.num_slots % bs:
+            self.storage.reopen(block_ids[plan.num_slots // bs])
         for layer in range(self.num_layers):
-            n = plan.keys[layer].shape[0]
+            keys, values = plan.keys[layer], plan.values[layer]
+            n = keys.shape[0]
             if n == 0:
                 continue
-            rel = range(n) if plan.slots is None else plan.slots[layer]
+            rel = list(range(n) if plan.slots is None else plan.slots[layer])
+            last = max(rel)
+            pad = range(last + 1, -(-(last + 1) // bs) * bs)
+            if pad:
+                at = rel.index(last)
+                rel += pad
+                keys = torch.cat([keys, keys[at:at + 1].expand(len(pad), *keys.shape[1:])])
+                values = torch.cat([values, values[at:at + 1].expand(len(pad), *values.shape[1:])])
             slots = torch.tensor([block_ids[s // bs] * bs + s % bs for s in rel], dtype=torch.long, device=self.device)
-            self.storage.write_slots(layer, plan.keys[layer], plan.values[layer], slots)
+            self.storage.write_slots(layer, keys, values, slots)
         self._states[request.request_id].apply(plan, request.num_computed_tokens)
         self._num_compactions += 1

@@ -116,12 +116,12 @@ class HostBlockStore:
         pool[:, 0].index_copy_(0, index, keys_data.to(pool.device, pool.dtype))
         pool[:, 1].index_copy_(0, index, values_data.to(pool.device, pool.dtype))
 
-    def can_exchange(self, blocks: tuple[torch.Tensor, torch.Tensor]) -> bool:
-        """Whether these device blocks (a layer's keys and values) can trade places with pool rows
-        in place, through ``rows_of`` (kv/csrc/pages.cpp's ``swap_pages``): contiguous CPU
-        tensors, where the C++ pass is built."""
-        cache_k, cache_v = blocks
-        return (cache_k.device.type == "cpu" and cache_k.is_contiguous() and cache_v.is_contiguous()
+    def can_exchange(self, parts: tuple[list[torch.Tensor], list[torch.Tensor]]) -> bool:
+        """Whether these device blocks (a layer's per-block tensors, ``KVStorage.layer_parts``) can
+        trade places with pool rows in place, through ``rows_of`` (kv/csrc/pages.cpp's
+        ``swap_pages``): contiguous CPU tensors, where the C++ pass is built."""
+        tensors = [*parts[0], *parts[1]]
+        return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
                 and load_extension() is not None)
 
     def peek(self, key: StashKey) -> HostBlock:

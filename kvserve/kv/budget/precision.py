@@ -62,6 +62,11 @@ class ProbeObserver(BudgetState):
         return self._all_score[..., :num_slots] / seen_by.clamp(min=1)
 
 
+#: why a ``zip:`` format runs no KV budgets
+ZIP_NO_BUDGETS = ("which blocks keep a finer copy follows the slots of the requests reading them, and a compaction "
+                  "would move them")
+
+
 class SaliencyPrecision(NoBudgets):
     #: which blocks keep their finer copy follows the steps a request took: a drafting request's
     #: tokens would not be those of plain decoding
@@ -69,7 +74,7 @@ class SaliencyPrecision(NoBudgets):
 
     def __init__(self, storage: ZipKVCache, num_kv_heads: int) -> None:
         assert storage.format.refine is not None
-        super().__init__(f"KV format {storage.format.spec} is quantized; budgets need the native format")
+        super().__init__(f"KV format {storage.format.spec}: {ZIP_NO_BUDGETS}")
         self.storage = storage
         self.salient = storage.format.refine.salient
         self.rank = storage.format.refine.rank

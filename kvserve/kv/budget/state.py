@@ -56,15 +56,22 @@ class SlotReader:
 
     def read(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots [0, num_slots) of ``layer``: keys, values [num_slots, heads, dim]."""
-        k, v = self.storage.gather(layer, torch.tensor([self.block_ids], dtype=torch.long, device=self.device))
+        table = torch.tensor([self.block_ids], dtype=torch.long, device=self.device)
+        k, v = self.storage.gather(layer, table, self.storage.open_overlay(self.block_ids))
         return k[0, :num_slots], v[0, :num_slots]
 
     def read_blocks(self, layer: int, slot_blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of whole slot blocks (slots ``i * block_size ...`` for each ``i``): [n, block_size, heads, dim]."""
-        table = torch.tensor([[self.block_ids[i] for i in slot_blocks]], dtype=torch.long, device=self.device)
-        k, v = self.storage.gather(layer, table)
+        ids = [self.block_ids[i] for i in slot_blocks]
+        k, v = self.storage.gather(layer, torch.tensor([ids], dtype=torch.long, device=self.device),
+                                   self.storage.open_overlay(ids))
         shape = (len(slot_blocks), self.block_size, *k.shape[2:])
         return k.view(shape), v.view(shape)
+
+    def stored_blocks(self, layer: int, slot_blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot blocks as the storage stores them (``KVStorage.stored_blocks``)."""
+        ids = torch.tensor([self.block_ids[i] for i in slot_blocks], dtype=torch.long, device=self.device)
+        return self.storage.stored_blocks(layer, ids)
 
 
 class BudgetState:

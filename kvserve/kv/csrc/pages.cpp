@@ -171,19 +171,22 @@ torch::Tensor select_pages(const torch::Tensor& box, int64_t num_blocks, const t
   return as_tensor(choose_pairs(s, where.data_ptr<uint8_t>(), num_blocks, num_top, margin), 2);
 }
 
-// One ArkVale decode step for one layer, where the device blocks are plain CPU tensors: choose
-// the swaps (select_pages) and make them, in one pass with no Python between. rows [>= blocks]
+// One ArkVale decode step for one layer, where the device blocks are CPU tensors: choose the
+// swaps (select_pages) and make them, in one pass with no Python between. rows [>= blocks]
 // int64: the host pool row of each stashed block, -1 where the store holds none (a HOST block
-// without a row was evicted for room: it is marked LOST here). Per pair (j_in, j_out): the
-// pool row of j_in and the device block block_ids[i] holding j_out (i: j_out's place in
-// resident) trade contents, so j_out is stashed in the row j_in leaves (rows, where, resident
-// and pos [kv_heads, slots] int64, positions of slot-block i, are updated). Returns
-// [swaps, 3] int64: (j_in, j_out, i), for the store's own index and the caller's lists.
+// without a row was evicted for room: it is marked LOST here). key_parts / value_parts: each
+// half's per-block tensors [num_device_blocks, ...] (a float cache: the blocks themselves; a
+// quantized one: its codec's parts), whose bytes for one block, in order, are what a pool half
+// row [rows, 2, ...] holds (then padding). Per pair (j_in, j_out): the pool row of j_in and the
+// device block block_ids[i] holding j_out (i: j_out's place in resident) trade contents, so
+// j_out is stashed in the row j_in leaves (rows, where, resident and pos [kv_heads, slots]
+// int64, positions of slot-block i, are updated). Returns [swaps, 3] int64: (j_in, j_out, i),
+// for the store's own index and the caller's lists.
 torch::Tensor swap_pages(const torch::Tensor& box, int64_t num_blocks, const torch::Tensor& q, double weight,
                          const torch::Tensor& where, int64_t num_top, double margin, const torch::Tensor& rows,
-                         const torch::Tensor& pool, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
-                         const std::vector<int64_t>& block_ids, const std::vector<int64_t>& resident,
-                         const torch::Tensor& pos, int64_t block_size) {
+                         const torch::Tensor& pool, const std::vector<torch::Tensor>& key_parts,
+                         const std::vector<torch::Tensor>& value_parts, const std::vector<int64_t>& block_ids,
+                         const std::vector<int64_t>& resident, const torch::Tensor& pos, int64_t block_size) {
   check_box(box, num_blocks, q);
   check_where(where, num_blocks, num_top);
   const int64_t nb = num_blocks;
@@ -200,19 +203,28 @@ torch::Tensor swap_pages(const torch::Tensor& box, int64_t num_blocks, const tor
   const std::vector<int64_t> pairs = choose_pairs(s, at, nb, num_top, margin);
   const int64_t n = static_cast<int64_t>(pairs.size() / 2);
   if (n == 0) return torch::empty({0, 3}, torch::kInt64);
-  TORCH_CHECK(pool.is_contiguous() && cache_k.is_contiguous() && cache_v.is_contiguous() && !pool.is_cuda() &&
-              !cache_k.is_cuda() && pool.scalar_type() == cache_k.scalar_type() &&
-              cache_k.scalar_type() == cache_v.scalar_type(), "swap_pages: contiguous CPU blocks of one dtype");
-  const int64_t block_bytes = cache_k[0].numel() * cache_k.element_size();
-  TORCH_CHECK(pool.dim() >= 2 && pool.size(1) == 2 && pool[0][0].numel() * pool.element_size() == block_bytes &&
-              cache_v[0].numel() == cache_k[0].numel(), "swap_pages: block shapes differ");
+  // each part: its base and bytes per block; the two halves' parts in one list, keys first
+  struct Part { char* base; int64_t bytes; };
+  std::vector<Part> parts;
+  int64_t half_bytes[2] = {0, 0}, num_device = -1;
+  for (int half = 0; half < 2; ++half)
+    for (const torch::Tensor& t : half == 0 ? key_parts : value_parts) {
+      TORCH_CHECK(t.is_contiguous() && !t.is_cuda() && t.dim() >= 1, "swap_pages: contiguous CPU part tensors");
+      TORCH_CHECK(num_device < 0 || t.size(0) == num_device, "swap_pages: parts of different block counts");
+      num_device = t.size(0);
+      const int64_t bytes = num_device ? t.numel() / num_device * t.element_size() : 0;
+      parts.push_back({static_cast<char*>(t.data_ptr()), bytes});
+      half_bytes[half] += bytes;
+    }
+  TORCH_CHECK(!key_parts.empty() && !value_parts.empty(), "swap_pages: a half without parts");
+  TORCH_CHECK(pool.is_contiguous() && !pool.is_cuda() && pool.dim() >= 2 && pool.size(1) == 2,
+              "swap_pages: a contiguous CPU pool [rows, 2, ...]");
+  const int64_t row_bytes = pool.size(0) ? pool[0][0].numel() * pool.element_size() : 0;
+  TORCH_CHECK(half_bytes[0] <= row_bytes && half_bytes[1] <= row_bytes, "swap_pages: block shapes differ");
   auto* p = static_cast<char*>(pool.data_ptr());
-  auto* k = static_cast<char*>(cache_k.data_ptr());
-  auto* v = static_cast<char*>(cache_v.data_ptr());
   int64_t* ps = pos.data_ptr<int64_t>();
   const int64_t pos_heads = pos.size(0), pos_stride = pos.stride(0), pos_step = pos.stride(1);
   thread_local std::vector<char> held;
-  held.resize(static_cast<size_t>(block_bytes));
   // every pair checked before any is made: a bad index changes nothing
   std::vector<int64_t> out;       // (j_in, j_out, i) per pair
   for (int64_t m = 0; m < n; ++m) {
@@ -220,19 +232,24 @@ torch::Tensor swap_pages(const torch::Tensor& box, int64_t num_blocks, const tor
     const auto found = std::find(resident.begin(), resident.end(), j_out);
     TORCH_CHECK(found != resident.end(), "swap_pages: a resident block is not in resident");
     const int64_t i = found - resident.begin(), row = row_of[j_in], block = block_ids[i];
-    TORCH_CHECK(row >= 0 && row < pool.size(0) && block >= 0 && block < cache_k.size(0),
+    TORCH_CHECK(row >= 0 && row < pool.size(0) && block >= 0 && block < num_device,
                 "swap_pages: index out of range");
     out.insert(out.end(), {j_in, j_out, i});
   }
+  const size_t num_key_parts = key_parts.size();
   for (int64_t m = 0; m < n; ++m) {
     const int64_t j_in = out[3 * m], j_out = out[3 * m + 1], i = out[3 * m + 2];
     const int64_t row = row_of[j_in], block = block_ids[i];
-    char* pk = p + row * 2 * block_bytes;
-    for (char* dev : {k + block * block_bytes, v + block * block_bytes}) {     // trade, keys then values
-      std::memcpy(held.data(), dev, block_bytes);
-      std::memcpy(dev, pk, block_bytes);
-      std::memcpy(pk, held.data(), block_bytes);
-      pk += block_bytes;
+    char* pk = p + row * 2 * row_bytes;         // the row's keys; its values a row_bytes on
+    for (size_t x = 0; x < parts.size(); ++x) {  // trade, part by part
+      if (x == num_key_parts) pk = p + (row * 2 + 1) * row_bytes;
+      const Part& part = parts[x];
+      char* dev = part.base + block * part.bytes;
+      held.resize(static_cast<size_t>(part.bytes));
+      std::memcpy(held.data(), dev, part.bytes);
+      std::memcpy(dev, pk, part.bytes);
+      std::memcpy(pk, held.data(), part.bytes);
+      pk += part.bytes;
     }
     row_of[j_out] = row;
     row_of[j_in] = -1;

@@ -100,6 +100,9 @@ class KVStorage(ABC):
     #: KV budgets can run here: entries can be rewritten at any slot (compaction) and whole
     #: blocks of a layer read and written as they are (ArkVale's recalls).
     supports_budgets: ClassVar[bool] = False
+    #: A block as ArkVale stashes it (``stored_blocks``, ``swap_blocks``) is its keys and values
+    #: in the compute dtype; else the storage's own bytes.
+    stashes_decoded: ClassVar[bool] = True
 
     num_layers: int
     num_blocks: int
@@ -142,9 +145,14 @@ class KVStorage(ABC):
         [B, nb * block_size, heads, dim] in ``dtype``, tokens in order; ``overlay`` (from this
         step's planner) says where open blocks are read from."""
 
-    def gather_keys(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
+    def gather_keys(self, layer: int, block_table: torch.Tensor, overlay: Overlay | None = None) -> torch.Tensor:
         """The keys alone of ``gather`` (what scoring attention weights reads)."""
-        return self.gather(layer, block_table)[0]
+        return self.gather(layer, block_table, overlay)[0]
+
+    def open_overlay(self, block_ids: Sequence[int]) -> Overlay | None:
+        """Between steps: where the open blocks among ``block_ids`` (one table) are read from,
+        for ``gather``; None where every block is read as stored."""
+        return None
 
     @abstractmethod
     def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
@@ -160,26 +168,39 @@ class KVStorage(ABC):
         """Store ``key``/``value`` ([n, heads, dim]) at ``slots`` ([n]) of ``layer``."""
         raise NotImplementedError(f"{type(self).__name__} cannot rewrite entries (no KV budgets)")
 
+    def reopen(self, block_id: int) -> None:
+        """A compaction leaves ``block_id`` a request's open block again (its first slots
+        rewritten, the rest to come): a storage that keeps open blocks apart takes a place for it
+        before the rewrite (nothing here)."""
+
     def read_block(self, layer: int, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one block of ``layer`` ([block_size, heads, dim]), as views."""
+        """Keys and values of one block of ``layer`` ([block_size, heads, dim]): views where
+        blocks are stored as they are, else decoded copies."""
         raise NotImplementedError(f"{type(self).__name__} cannot read blocks as stored (no KV budgets)")
 
     def write_block(self, layer: int, block_id: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Overwrite one block of ``layer`` with ``key``/``value`` ([block_size, heads, dim])."""
         raise NotImplementedError(f"{type(self).__name__} cannot write blocks as stored (no KV budgets)")
 
-    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The keys and values of every block of ``layer`` as stored, [num_blocks, block_size,
-        heads, dim] each, for copying whole blocks in place; None where blocks are not stored so."""
+    def layer_parts(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Each half of ``layer`` as its per-block tensors ([num_blocks, ...] each, views of the
+        storage), whose bytes for one block, in order, are its ``stored_blocks`` row: for copying
+        whole blocks in place (ArkVale's C++ swaps); None where they cannot be."""
         return None
+
+    def stored_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of blocks ``block_ids`` ([m]) of ``layer`` as a host store keeps them, one row
+        per block and half: keys and values [m, block_size, heads, dim] (``stashes_decoded``)
+        or the storage's bytes."""
+        old = [self.read_block(layer, int(b)) for b in block_ids.tolist()]
+        return torch.stack([k for k, _ in old]), torch.stack([v for _, v in old])
 
     def swap_blocks(self, layer: int, block_ids: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replace blocks ``block_ids`` ([m]) of ``layer`` with ``key``/``value`` ([m, block_size,
-        heads, dim]); returns what they held (copies, same shape). One read and one write of all
-        ``m`` (ArkVale's recalls)."""
-        old = [self.read_block(layer, int(b)) for b in block_ids.tolist()]
-        out_k, out_v = torch.stack([k for k, _ in old]), torch.stack([v for _, v in old])
+        """Replace blocks ``block_ids`` ([m]) of ``layer`` with ``key``/``value`` (as
+        ``stored_blocks`` gives them); returns what they held (``stored_blocks``). One read and
+        one write of all ``m`` (ArkVale's recalls)."""
+        out_k, out_v = self.stored_blocks(layer, block_ids)
         for i, b in enumerate(block_ids.tolist()):
             self.write_block(layer, b, key[i], value[i])
         return out_k, out_v

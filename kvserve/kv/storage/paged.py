@@ -82,7 +82,7 @@ class PagedKVCache(KVStorage):
         shape = (block_table.shape[0], block_table.shape[1] * self.block_size, k.shape[2], k.shape[3])
         return k.index_select(0, flat).view(shape), v.index_select(0, flat).view(shape)
 
-    def gather_keys(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
+    def gather_keys(self, layer: int, block_table: torch.Tensor, overlay: Overlay | None = None) -> torch.Tensor:
         k = self.key_caches[layer]
         flat = block_table.reshape(-1)
         return k.index_select(0, flat).view(block_table.shape[0], -1, k.shape[2], k.shape[3])
@@ -106,13 +106,16 @@ class PagedKVCache(KVStorage):
         self.key_caches[layer][block_id].copy_(key)
         self.value_caches[layer][block_id].copy_(value)
 
-    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.key_caches[layer], self.value_caches[layer]
+    def layer_parts(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [self.key_caches[layer]], [self.value_caches[layer]]
+
+    def stored_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_caches[layer].index_select(0, block_ids), self.value_caches[layer].index_select(0, block_ids)
 
     def swap_blocks(self, layer: int, block_ids: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.key_caches[layer], self.value_caches[layer]
-        old = k.index_select(0, block_ids), v.index_select(0, block_ids)
+        old = self.stored_blocks(layer, block_ids)
         k.index_copy_(0, block_ids, key.to(k.dtype))
         v.index_copy_(0, block_ids, value.to(v.dtype))
         return old

@@ -72,6 +72,10 @@ class QuantizedKVCache(KVStorage):
                          HalfStore(self.value_layouts[i], self.value_parts[i], self.value_residual[i]))
                         for i in range(len(fmt.layers))]
         self._writer = make_writer(device, self._halves, d) if make_writer is not None else None
+        # the bytes of one block and half as a host store keeps it (``stored_blocks``): the largest
+        # half of any layer (the others padded with zeros), so every stashed block has one shape
+        self.stash_nbytes = max(sum(t[0].numel() * t.element_size() for t in store.values())
+                                for store in self.key_parts + self.value_parts)
 
     @staticmethod
     def keeps_residual(fmt: KVFormat) -> bool:
@@ -176,6 +180,101 @@ class QuantizedKVCache(KVStorage):
 
     def half_stores(self, layer: int) -> tuple[HalfStore, HalfStore]:
         return self._halves[layer]
+
+    def open_overlay(self, block_ids: Sequence[int]) -> Overlay | None:
+        """Between steps a block with a residual row is open (the rows of the blocks a step
+        fills are freed when it ends): it is read from its row."""
+        hits = [(i, row) for i, b in enumerate(block_ids) if (row := self.residual.row_of(b)) is not None]
+        if not hits:
+            return None
+        return Overlay(torch.tensor([i for i, _ in hits], dtype=torch.long, device=self.device),
+                       torch.tensor([r for _, r in hits], dtype=torch.long, device=self.device))
+
+    # -- for KV budgets ----------------------------------------------------------
+    supports_budgets = True
+
+    def write_slots(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """A budget's rewrite (a compaction, ArkVale's recalls): entries at any cache slots (each
+        at most once), through the codecs. A half that stores tokens on their own encodes each
+        into its slot. A half that encodes whole blocks writes the entries of an open block (one
+        with a residual row: ``reopen``) into its row, and encodes every other block the slots
+        touch again: from the entries alone where they fill it, else laid over its decoded
+        tokens (which its other slots keep; the budgets write whole blocks, or a block's front
+        with the rest copies)."""
+        lf = self.format.layers[layer]
+        bs = self.block_size
+        blocks: torch.Tensor | None = None
+        for x, residual, codec, store in ((key, self.key_residual[layer], lf.key, self.key_parts[layer]),
+                                          (value, self.value_residual[layer], lf.value, self.value_parts[layer])):
+            x = x.to(self.dtype)
+            if residual is None:
+                for name, part in codec.encode(x.unsqueeze(1)).items():
+                    stored = store[name]
+                    stored.view(-1, *stored.shape[2:]).index_copy_(0, slots, part.squeeze(1))
+                continue
+            if blocks is None:      # (the same for both halves)
+                blocks, index = (slots // bs).unique(return_inverse=True)     # sorted
+                rows = [self.residual.row_of(b) for b in blocks.tolist()]
+                open_block = torch.tensor([r is not None for r in rows], dtype=torch.bool, device=slots.device)
+                block_row = torch.tensor([-1 if r is None else r for r in rows], dtype=torch.long, device=slots.device)
+                in_row = open_block[index]
+                closed_blocks = blocks[~open_block]
+                # each closed block's place among them, and how many of its slots are written
+                place = torch.cumsum(~open_block, 0) - 1
+                closed_at = place[index[~in_row]] * bs + slots[~in_row] % bs
+                filled = torch.bincount(place[index[~in_row]], minlength=closed_blocks.numel()) == bs
+            if bool(in_row.any()):
+                at = block_row[index[in_row]] * bs + slots[in_row] % bs
+                residual.view(-1, *x.shape[1:]).index_copy_(0, at, x[in_row])
+            if not closed_blocks.numel():
+                continue
+            content = x.new_empty(closed_blocks.numel(), bs, *x.shape[1:])
+            partial = (~filled).nonzero().flatten()
+            if partial.numel():
+                content[partial] = codec.decode({name: t.index_select(0, closed_blocks[partial])
+                                                 for name, t in store.items()}, self.dtype)
+            content.view(-1, *x.shape[1:]).index_copy_(0, closed_at, x[~in_row])
+            for name, part in codec.encode(content).items():
+                store[name].index_copy_(0, closed_blocks, part)
+
+    def reopen(self, block_id: int) -> None:
+        if self.residual.num_rows:
+            self.residual.assign(block_id)
+
+    stashes_decoded = False
+
+    def stored_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each half's parts as bytes, one uint8 row of ``stash_nbytes`` per block (the parts
+        in order, then zeros): what ArkVale stashes, so a block comes back exactly as it left.
+        A block still open (its tokens in a residual row) has no stored form yet."""
+        m, width = block_ids.numel(), self.stash_nbytes
+        assert all(self.residual.row_of(b) is None for b in block_ids.tolist()), "an open block is stashed"
+        out = []
+        for store in (self.key_parts[layer], self.value_parts[layer]):
+            row = torch.zeros(m, width, dtype=torch.uint8, device=self.device)
+            at = 0
+            for t in store.values():
+                part = t.index_select(0, block_ids).reshape(m, -1).view(torch.uint8)
+                row[:, at:at + part.shape[1]] = part
+                at += part.shape[1]
+            out.append(row)
+        return out[0], out[1]
+
+    def layer_parts(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return list(self.key_parts[layer].values()), list(self.value_parts[layer].values())
+
+    def swap_blocks(self, layer: int, block_ids: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bytes in, bytes out (``stored_blocks``): one copy per part, nothing encoded."""
+        old = self.stored_blocks(layer, block_ids)
+        m = block_ids.numel()
+        for store, data in ((self.key_parts[layer], key), (self.value_parts[layer], value)):
+            at = 0
+            for t in store.values():
+                n = t[0].numel() * t.element_size()
+                t.index_copy_(0, block_ids, data[:, at:at + n].contiguous().view(t.dtype).view(m, *t.shape[1:]))
+                at += n
+        return old
 
     def finish_step(self, writes: StepWrites) -> None:
         # the blocks filled this step are encoded now: their rows are free again (but for blocks

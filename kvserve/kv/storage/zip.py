@@ -111,6 +111,10 @@ class ZipKVCache(QuantizedKVCache):
     path; ``half_stores`` hands the C++ kernel each half with its finer copies and side map
     (``HalfStore.refined``), which it reads in place."""
 
+    #: no KV budgets: a block's finer copy follows the slots of the requests that read it, and
+    #: a compaction's rewrite would encode its base parts anew (``_make_budgets`` says so)
+    supports_budgets = False
+
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat,
                  num_residual_rows: int, dtype: torch.dtype, device: torch.device, *, num_side_slots: int,
                  make_writer: MakeRowWriter | None = None) -> None:
