@@ -58,6 +58,14 @@ class ResidualRows:
             if row is not None:
                 self._free.append(row)
 
+    def borrow(self, n: int) -> list[int]:
+        """Up to ``n`` free rows for scratch (a budget's rewrite, between steps), no block's;
+        ``give_back`` returns them."""
+        return [self._free.pop() for _ in range(min(n, len(self._free)))]
+
+    def give_back(self, rows: list[int]) -> None:
+        self._free.extend(reversed(rows))
+
     def renew(self, block_ids: Iterable[int]) -> None:
         """The blocks are handed out again: what the storage kept for their old content goes
         (nothing here; a zip storage's finer copies, kv/storage/zip.py)."""

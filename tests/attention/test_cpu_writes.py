@@ -223,3 +223,49 @@ def test_bad_writes_are_clear_errors() -> None:
         writer.write(0, k.double(), k.double(), ok, ok)
     with pytest.raises(ValueError, match="encode_rows and encode_block_ids differ"):
         writer.write(0, k, k, ok, ok, torch.tensor([0]), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("spec", ["kivi2", "int8", "k=kivi2+out4,v=kivi2", "0=fp16;1=kivi2+had", "int4+out4"])
+def test_budget_rewrites_through_the_writer_are_the_torch_paths_bytes(spec: str) -> None:
+    """A KV budget's rewrite (``write_slots``) through the C++ writer leaves the bytes of the
+    codecs' torch path: whole closed blocks, one partly written (its other tokens decoded into
+    the borrowed row first), an open block's front in its row (``reopen``), and more closed
+    blocks than free rows (written in groups of the rows lent), the slots in any order."""
+    shape, dtype = Shape(), torch.float32
+    reference = make_storage(spec, dtype, shape, cpu_writes=False)
+    tested = make_storage(spec, dtype, shape, cpu_writes=True)
+    g = torch.Generator().manual_seed(3)
+    for storage in (reference, tested):         # blocks 0-11 full, the same tokens in both
+        planner = storage.planner()
+        planner.add(list(range(12)), 0, 12 * BLOCK)
+        writes = planner.build()
+        g.manual_seed(3)
+        for layer in range(storage.num_layers):
+            storage.write(layer, *new_tokens(12 * BLOCK, shape, dtype, g), writes)
+        storage.finish_step(writes)
+    assert_same_bytes(reference, tested)
+    lent = [s.residual.borrow(s.residual.num_free_rows - 2) if s.residual.num_rows else [] for s in (reference, tested)]
+    slots = torch.cat([torch.arange(1 * BLOCK, 6 * BLOCK),            # blocks 1-5, whole
+                       torch.arange(6 * BLOCK, 6 * BLOCK + 5),        # block 6, its first 5 slots
+                       torch.arange(12 * BLOCK, 12 * BLOCK + 7)])     # block 12, open again
+    slots = slots[torch.randperm(slots.numel(), generator=g)]
+    for storage in (reference, tested):
+        storage.reopen(12)
+    for layer in range(reference.num_layers):
+        k, v = new_tokens(slots.numel(), shape, dtype, g)
+        for storage in (reference, tested):
+            storage.write_slots(layer, k, v, slots)
+    # every part, and the open block's row (the writer's borrowed rows are scratch: free again)
+    row = reference.residual.row_of(12)
+    assert row == tested.residual.row_of(12) and (row is None) == (reference.residual.num_rows == 0)
+    for layer in range(reference.num_layers):
+        for ref, new in zip(reference.half_stores(layer), tested.half_stores(layer)):
+            for name, t in ref.parts.items():
+                assert torch.equal(t.view(torch.uint8), new.parts[name].view(torch.uint8)), differences(t, new.parts[name])
+            if ref.residual is not None:
+                assert new.residual is not None and torch.equal(ref.residual[row], new.residual[row])
+    for storage, rows in zip((reference, tested), lent):
+        storage.residual.give_back(rows)
+        if storage.residual.num_rows:
+            storage.residual.release([12])
+        storage.residual.check_integrity()

@@ -200,7 +200,10 @@ class QuantizedKVCache(KVStorage):
         with a residual row: ``reopen``) into its row, and encodes every other block the slots
         touch again: from the entries alone where they fill it, else laid over its decoded
         tokens (which its other slots keep; the budgets write whole blocks, or a block's front
-        with the rest copies)."""
+        with the rest copies). Through the C++ writer where the storage has one (closed blocks
+        in free residual rows borrowed for the write), else the codecs' torch path."""
+        if self._writer is not None and self._write_slots_native(layer, key, value, slots):
+            return
         lf = self.format.layers[layer]
         bs = self.block_size
         blocks: torch.Tensor | None = None
@@ -236,6 +239,50 @@ class QuantizedKVCache(KVStorage):
             content.view(-1, *x.shape[1:]).index_copy_(0, closed_at, x[~in_row])
             for name, part in codec.encode(content).items():
                 store[name].index_copy_(0, closed_blocks, part)
+
+    def _write_slots_native(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> bool:
+        """``write_slots`` through the C++ writer, as a step's writes go: per-token halves into
+        their slots; for halves that encode whole blocks, an open block's entries into its row and
+        every closed block the slots touch through a borrowed row (its decoded tokens there first
+        where the entries do not fill it), encoded into the block, as many blocks a call as rows
+        are free. False, writing nothing, where no row is free."""
+        assert self._writer is not None
+        if not self.residual.num_rows:
+            self._writer.write(layer, key, value, slots)
+            return True
+        bs = self.block_size
+        blocks, index = (slots // bs).unique(return_inverse=True)
+        open_rows = [self.residual.row_of(b) for b in blocks.tolist()]
+        closed = [i for i, r in enumerate(open_rows) if r is None]
+        lent = self.residual.borrow(len(closed))
+        if closed and not lent:
+            return False
+        try:
+            counts = torch.bincount(index, minlength=blocks.numel()).tolist()
+            # one call per group of closed blocks (as many as rows were lent); the first also
+            # writes the open blocks' entries
+            groups = [closed[i:i + len(lent)] for i in range(0, len(closed), len(lent))] if closed else [[]]
+            for n, group in enumerate(groups):
+                block_row = torch.tensor([r if r is not None and n == 0 else -1 for r in open_rows], dtype=torch.long)
+                block_row[group] = torch.tensor(lent[:len(group)], dtype=torch.long)
+                partial = [i for i in group if counts[i] < bs]
+                if partial:
+                    self._decode_into_rows(layer, blocks[partial], block_row[partial])
+                mine = block_row[index] >= 0
+                at = block_row[index[mine]] * bs + slots[mine] % bs
+                self._writer.write(layer, key[mine], value[mine], slots[mine], at, block_row[group], blocks[group])
+            return True
+        finally:
+            self.residual.give_back(lent)
+
+    def _decode_into_rows(self, layer: int, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """The blocks' decoded tokens into residual rows ``rows`` of the halves that keep rows."""
+        lf = self.format.layers[layer]
+        for residual, codec, store in ((self.key_residual[layer], lf.key, self.key_parts[layer]),
+                                       (self.value_residual[layer], lf.value, self.value_parts[layer])):
+            if residual is not None:
+                decoded = codec.decode({name: t.index_select(0, block_ids) for name, t in store.items()}, self.dtype)
+                residual.index_copy_(0, rows, decoded)
 
     def reopen(self, block_id: int) -> None:
         if self.residual.num_rows:
