@@ -173,6 +173,10 @@ class CacheConfig:
     blend_query_layer: int | None = field(default=None, metadata=opt(
         "the layer whose attention the query selections read (calibrated per model: 18 for SmolLM2-135M; "
         "docs/blend.md)", default_text="every layer, summed"))
+    blend_preamble: str | None = field(default=None, metadata=opt(
+        "text every segment is computed after before it is stored (a system prompt, say), so a document's "
+        "stored KV has seen the start of a prompt instead of starting one; part of the segments' keys "
+        "(docs/blend.md)", default_text="none"))
     blend_in_steps: bool = field(default=True, metadata=opt(
         "run a blend a few layers at a time, at most a step's token budget (max_num_batched_tokens) of work "
         "between two steps, so decoding requests keep stepping (docs/blend.md); with chunked prefill only",
@@ -195,6 +199,8 @@ class CacheConfig:
         if self.blend_select_layer < 1:
             raise ValueError(f"blend_select_layer must be >= 1, got {self.blend_select_layer}")
         check_blend_selection(self.blend_selection, self.blend_sink_tokens)
+        if self.blend_preamble is not None and not self.blend_preamble:
+            raise ValueError("blend_preamble must be a non-empty text (None: no preamble)")
         if self.blend_query_layer is not None and self.blend_query_layer < 0:
             raise ValueError(f"blend_query_layer must be >= 0, got {self.blend_query_layer}")
         if self.budget_host_bytes < 0:

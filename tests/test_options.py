@@ -39,6 +39,7 @@ SAMPLES = {
     "blend_selection": (["query"], "query", "query"),
     "blend_sink_tokens": (["32"], 32, 32),
     "blend_query_layer": (["18"], 18, 18),
+    "blend_preamble": (["You are a helpful assistant."], "You are a helpful assistant.", "You are a helpful assistant."),
     "blend_in_steps": ([], False, False),
     "max_pinned_fraction": (["0.25"], 0.25, 0.25),
     "max_pin_ttl_s": (["60"], 60.0, 60.0),
@@ -131,7 +132,7 @@ def test_names_from_before_keep_working():
 
 
 def test_unknown_option_and_tier_option_without_its_tier():
-    with pytest.raises(ValueError, match="unknown engine option 'num_blocks'; known options: attention_backend, blend_cost_model, blend_in_steps, blend_query_layer, blend_select_layer, blend_selection, blend_sink_tokens, block_size"):
+    with pytest.raises(ValueError, match="unknown engine option 'num_blocks'; known options: attention_backend, blend_cost_model, blend_in_steps, blend_preamble, blend_query_layer, blend_select_layer, blend_selection, blend_sink_tokens"):
         engine_config(None, num_blocks=4)
     with pytest.raises(ValueError, match="disk_cache_gb given without disk_cache_dir"):
         engine_config(None, disk_cache_gb=4)

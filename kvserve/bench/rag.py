@@ -72,6 +72,7 @@ from kvserve.bench.rag_workload import (
     make_queries,
     prompt_text,
     segmented_prompt,
+    template_head,
 )
 from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.llm import LLM
@@ -289,6 +290,10 @@ def run_bench(args: argparse.Namespace) -> int:
     cut_apart = sum(segmented_prompt(t, documents, q, 0.0).encode(tokenizer)[0] != tokenizer.encode(t)
                     for t, q in zip(texts, queries))
     options = engine_options(args)
+    if args.preamble_head:
+        if options.get("blend_preamble") is not None:
+            raise ValueError("give --preamble-head or --blend-preamble, not both")
+        options["blend_preamble"] = template_head(tokenizer)
     cache = engine_config(args.model, **options).cache
     longest = max(len(tokenizer.encode(prompt_text(tokenizer, documents, q, args.question)))
                   for q in [*queries, warmup])
@@ -322,8 +327,12 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"\nprompt ids: the parts tokenized apart differ from the whole text's ids in {cut_apart}/{len(queries)} "
           f"prompts; segment tokens stored again after eviction: "
           f"{sum(a.num_restored_tokens for r in results for a in r.answers)}")
+    preamble = ("none" if cache.blend_preamble is None
+                else f"{len(tokenizer.encode(cache.blend_preamble))} tokens"
+                + (" (the prompts' head)" if args.preamble_head else ""))
     print(f"blend selection: {cache.blend_selection}, {cache.blend_sink_tokens} sink tokens per segment, "
-          f"query layer {'all' if cache.blend_query_layer is None else cache.blend_query_layer}")
+          f"query layer {'all' if cache.blend_query_layer is None else cache.blend_query_layer}, "
+          f"segments stored after a preamble: {preamble}")
     for line in goal_lines(results, args.k, loaded.config.num_layers, cache.blend_select_layer,
                            cache.blend_selection):
         print(line)
@@ -379,6 +388,9 @@ def add_rag_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentPa
     r.add_argument("--decoders", type=int, default=0,
                    help="also measure the inter-token latency of this many decoding requests while each query "
                         "prefills or blends (kvserve/bench/rag_itl.py)")
+    r.add_argument("--preamble-head", action="store_true",
+                   help="store every document after the prompts' own head (the chat template's system turn and "
+                        "the user turn's start), as --blend-preamble with that text (docs/blend.md)")
     add_engine_args(r, ("blend_cost_model", "blend_select_layer", "blend_selection", "blend_sink_tokens",
-                        "blend_query_layer"))
+                        "blend_query_layer", "blend_preamble"))
     r.set_defaults(run=run_bench)

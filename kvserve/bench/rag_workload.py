@@ -150,6 +150,15 @@ def prompt_text(tokenizer: Tokenizer, documents: Sequence[Document], query: Quer
     return tokenizer.apply_chat_template([{"role": "user", "content": user}]) + f"{asked} is"
 
 
+def template_head(tokenizer: Tokenizer) -> str:
+    """The chat template's text before a user message's content (the system turn and the user
+    turn's start): the head of every query's prompt, what ``--preamble-head`` stores the
+    documents after."""
+    mark = "\x00documents\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}])
+    return text[:text.index(mark)]
+
+
 def segmented_prompt(text: str, documents: Sequence[Document], query: Query,
                      blend_fraction: float) -> SegmentedPrompt:
     """``text`` (from ``prompt_text``) cut at the query's documents, each a segment."""

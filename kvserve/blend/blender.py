@@ -37,6 +37,7 @@ either way, so it counts as reused.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,9 +124,11 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
 class Blender:
     def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, tiering: Tiering,
                  select_layer: int = 1, use_cost_model: bool = True, selection: str = "deviation",
-                 sink_tokens: int = 0, query_layer: int | None = None) -> None:
+                 sink_tokens: int = 0, query_layer: int | None = None, preamble: Sequence[int] = ()) -> None:
         """``use_cost_model`` False: blend whenever a segment's KV can be reused; ``selection``,
-        ``sink_tokens`` and ``query_layer``: how the recomputed tokens are picked (``blend_prefill``)."""
+        ``sink_tokens`` and ``query_layer``: how the recomputed tokens are picked (``blend_prefill``);
+        ``preamble``: the tokens every segment is computed after before it is stored
+        (``compute_kv``; part of the segments' keys)."""
         if not 1 <= select_layer < model.config.num_layers:
             raise ValueError(f"blend_select_layer must be in 1..{model.config.num_layers - 1} for this model, "
                              f"got {select_layer}")
@@ -140,7 +143,11 @@ class Blender:
         self.kv = kv
         self.tiering = tiering      # its load estimates and measured prefill speed, for the cost model
         self.rope = RopeTables(model.config)
-        self.segments = SegmentStore(kv, storage, tiering)
+        if len(preamble) >= model.config.max_position_embeddings:
+            raise ValueError(f"the blend preamble has {len(preamble)} tokens, more than the model's "
+                             f"{model.config.max_position_embeddings} positions leave a segment")
+        self.preamble = tuple(preamble)
+        self.segments = SegmentStore(kv, storage, tiering, self.preamble)
         self.select_layer = select_layer
         self.stats = BlendStats()
 
@@ -155,7 +162,11 @@ class Blender:
         location = self.segments.locate(token_ids, salt)
         if location.num_full_blocks == 0 or location.num_blocks:
             return 0
-        return self._put(compute_kv(self.model, token_ids), salt)
+        return self._put(self._compute(token_ids), salt)
+
+    def _compute(self, token_ids: Sequence[int]) -> SegmentKV:
+        """A segment as it is stored: computed standalone, after the preamble where there is one."""
+        return compute_kv(self.model, token_ids, preamble=self.preamble, rope=self.rope)
 
     def choose(self, req: Request, num_known: int) -> BlendPlan | None:
         """How to blend ``req`` (its first ``num_known`` tokens an exact prefix hit), or None
@@ -171,7 +182,7 @@ class Blender:
                 ids = req.prompt_token_ids[start:start + length]
                 location = self.segments.locate(ids, req.cache_salt)
                 if location.num_blocks == 0 and location.num_full_blocks:
-                    segment = compute_kv(self.model, ids)
+                    segment = self._compute(ids)
                     self._put(segment, req.cache_salt)
                     usable = length
                 else:

@@ -59,14 +59,24 @@ class SegmentKV:
                          tuple(k[start:end] for k in self.keys), tuple(v[start:end] for v in self.values))
 
 
-def compute_kv(model: LlamaModel, token_ids: Sequence[int], first_position: int = 0) -> SegmentKV:
+def compute_kv(model: LlamaModel, token_ids: Sequence[int], first_position: int = 0,
+               preamble: Sequence[int] = (), rope: RopeTables | None = None) -> SegmentKV:
     """Keys and values of ``token_ids`` attending only to each other, at positions
     ``first_position, ...``: a segment computed standalone when ``first_position`` is 0.
 
     One causal prefill through the model's own forward, into a scratch native cache of one
     block holding every token, so the keys and values are exactly those a prompt made of
     these tokens alone would write (compute dtype, before any KV format's encoding).
+
+    With a ``preamble`` the tokens are computed after it (it takes positions 0, ...; they attend
+    to it and to each other) and their keys and values kept alone, the keys moved to
+    ``first_position, ...`` (``rope``: the model's tables, made here when not given): what a
+    prompt starting with the preamble writes for them, placed as a standalone segment.
     """
+    if preamble:
+        full = compute_kv(model, [*preamble, *token_ids])
+        kept = full.span(len(preamble), len(preamble) + len(token_ids))
+        return kept.moved_to(first_position, rope if rope is not None else RopeTables(model.config))
     n = len(token_ids)
     if n == 0:
         raise ValueError("a segment needs at least one token")

@@ -42,7 +42,10 @@ class SegmentLocation(NamedTuple):
 
 
 class SegmentStore:
-    def __init__(self, kv: KVCacheManager, storage: KVStorage, tiering: Tiering) -> None:
+    def __init__(self, kv: KVCacheManager, storage: KVStorage, tiering: Tiering,
+                 preamble: Sequence[int] = ()) -> None:
+        """``preamble``: the tokens the segments here were computed after (part of their keys)."""
+        self.preamble = tuple(preamble)
         self.kv = kv
         self.pool = kv.pool
         self.tiering = tiering
@@ -52,7 +55,7 @@ class SegmentStore:
     def keys(self, token_ids: Sequence[int], salt: str = "") -> list[bytes]:
         """The segment's block keys under cache salt ``salt`` (the namespace of the requests
         that store and reuse it, as for prefix blocks)."""
-        return segment_block_keys(token_ids, self.block_size, self.kv.extra_key_for(salt))
+        return segment_block_keys(token_ids, self.block_size, self.kv.extra_key_for(salt), self.preamble)
 
     def num_cached_blocks(self, token_ids: Sequence[int], salt: str = "") -> int:
         """The segment's leading full blocks on the device now (tiers not asked)."""

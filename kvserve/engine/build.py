@@ -146,7 +146,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     extra_key = make_extra_key(fingerprint, f"{kv_format.spec}:{dtype}", cc.cache_salt,
                                load_or_create_secret(secret_path))
     # what a front end needs to parse requests for this engine (a cluster's ingress gets it over the wire)
-    model_card = ModelCard(loaded.tokenizer, mc.vocab_size, max_model_len, cc.block_size, extra_key)
+    preamble = _blend_preamble(cc.blend_preamble, loaded)
+    model_card = ModelCard(loaded.tokenizer, mc.vocab_size, max_model_len, cc.block_size, extra_key, preamble)
     # the tiering copies blocks through the mover; Redis keys are namespaced by the extra key
     # (model, format, dtype, salt), as blocks are tagged by it
     mover = BlockMover(storage.block_tensors())
@@ -159,7 +160,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     tokenizer_json = loaded.tokenizer.to_tokenizer_json() if loaded.tokenizer is not None else None
     scheduler = Scheduler(config.scheduler, kv, tiering)
     blender = Blender(model, storage, kv, tiering, cc.blend_select_layer, cc.blend_cost_model, cc.blend_selection,
-                      cc.blend_sink_tokens, cc.blend_query_layer)
+                      cc.blend_sink_tokens, cc.blend_query_layer, preamble)
     grammars = GrammarCompiler(tokenizer_json, mc.vocab_size, eos)
     parts = EngineParts(
         model_config=mc, device=device, dtype=dtype, max_model_len=max_model_len, model=model,
@@ -279,6 +280,15 @@ def _make_budgets(config: EngineConfig, storage: KVStorage, kv_format: KVFormat,
                              f"give another --kv-format")
         return SaliencyPrecision(storage, mc.num_kv_heads)
     return KVBudgets(storage, mc.num_kv_heads, cc.kv_budget, cc.kv_policy, HostBlockStore(cc.budget_host_bytes))
+
+
+def _blend_preamble(text: str | None, loaded: LoadedModel) -> tuple[int, ...]:
+    """The blend preamble's token ids (none without one); ValueError where there is no tokenizer."""
+    if text is None:
+        return ()
+    if loaded.tokenizer is None:
+        raise ValueError("blend_preamble is text, and this model has no tokenizer")
+    return tuple(loaded.tokenizer.encode(text))
 
 
 def _blend_step_tokens(config: EngineConfig) -> int | None:

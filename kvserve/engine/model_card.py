@@ -28,6 +28,7 @@ class ModelCard:
     max_model_len: int
     block_size: int
     extra_key: bytes          # model fingerprint, KV format and dtype, salt (kv/prefix.make_extra_key)
+    segment_preamble: tuple[int, ...] = ()    # the tokens segments are computed after (blend_preamble)
 
     def encode(self, prompt: Prompt) -> EncodedPrompt:
         """The one entry for a prompt in any form: text, token ids, a ``SegmentedPrompt`` (its
@@ -78,15 +79,17 @@ class ModelCard:
     def segment_keys(self, token_ids: Sequence[int], salt: str = "") -> list[bytes]:
         """The keys a segment's full blocks are stored under (kvserve/blend/store.py), as the
         engine computes them."""
-        return segment_block_keys(token_ids, self.block_size, salted_extra_key(self.extra_key, salt))
+        return segment_block_keys(token_ids, self.block_size, salted_extra_key(self.extra_key, salt),
+                                  self.segment_preamble)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # the tokenizer's compiled chat template does not pickle: send its JSON
         tok = None if self.tokenizer is None else self.tokenizer.to_json()
-        return (_card_from_wire, (tok, self.vocab_size, self.max_model_len, self.block_size, self.extra_key))
+        return (_card_from_wire, (tok, self.vocab_size, self.max_model_len, self.block_size, self.extra_key,
+                                  self.segment_preamble))
 
 
 def _card_from_wire(tokenizer_json: str | None, vocab_size: int, max_model_len: int, block_size: int,
-                    extra_key: bytes) -> ModelCard:
+                    extra_key: bytes, segment_preamble: tuple[int, ...] = ()) -> ModelCard:
     tokenizer = None if tokenizer_json is None else Tokenizer.from_json(tokenizer_json)
-    return ModelCard(tokenizer, vocab_size, max_model_len, block_size, extra_key)
+    return ModelCard(tokenizer, vocab_size, max_model_len, block_size, extra_key, segment_preamble)

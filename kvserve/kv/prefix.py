@@ -91,11 +91,21 @@ def extend_block_keys(keys: list[bytes], token_ids: Sequence[int], block_size: i
 SEGMENT_ROOT = hashlib.sha256(b"kvserve segment chain v1").digest()
 
 
-def segment_block_keys(token_ids: Sequence[int], block_size: int, extra_key: bytes) -> list[bytes]:
-    """Keys of a segment's full blocks: its tokens' chain from ``SEGMENT_ROOT``. The extra key
-    is the engine's (model, format and dtype, salt), as for prefix blocks."""
+def segment_root(preamble: Sequence[int] = ()) -> bytes:
+    """The parent of a segment's first block: ``SEGMENT_ROOT``, or where segments are computed
+    after a preamble (kvserve/blend/segment.py), a root of that preamble's tokens, so segments
+    stored after different preambles (or none) never meet."""
+    if not preamble:
+        return SEGMENT_ROOT
+    return hashlib.sha256(SEGMENT_ROOT + b"preamble" + b"".join(t.to_bytes(4, "little") for t in preamble)).digest()
+
+
+def segment_block_keys(token_ids: Sequence[int], block_size: int, extra_key: bytes,
+                       preamble: Sequence[int] = ()) -> list[bytes]:
+    """Keys of a segment's full blocks: its tokens' chain from ``segment_root(preamble)``. The
+    extra key is the engine's (model, format and dtype, salt), as for prefix blocks."""
     keys: list[bytes] = []
-    extend_block_keys(keys, token_ids, block_size, extra_key, root=SEGMENT_ROOT)
+    extend_block_keys(keys, token_ids, block_size, extra_key, root=segment_root(preamble))
     return keys
 
 

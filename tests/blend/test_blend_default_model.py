@@ -49,3 +49,33 @@ def test_fraction_one_gives_the_full_prefill_tokens_on_the_real_model(default_mo
     want = full.generate([ids], GREEDY)[0]
     assert got.num_recomputed_tokens == got.num_reused_tokens > 0
     assert got.token_ids == want.token_ids
+
+
+def test_documents_stored_after_a_preamble_are_the_prompts_own_kv_for_them(default_model):
+    """With ``blend_preamble`` a document is stored as the engine computes it after the preamble
+    (its blocks read back as ``compute_kv(..., preamble=...)``), under keys of their own that the
+    model card (the cluster router's) computes alike; the fact is still found."""
+    import torch
+
+    from kvserve.blend.segment import compute_kv
+    from kvserve.kv.prefix import segment_block_keys
+
+    system = "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\n"
+    llm = LLM(loaded=default_model, num_kv_blocks=256, blend_preamble=system)
+    pre = llm.tokenizer.encode(system)
+    got = llm.chat(conversation(DOC_A, DOC_B), GREEDY, segments=[DOC_A, DOC_B], blend_fraction=0.15)[0]
+    assert "4817" in got.text and got.num_reused_tokens > 0
+    blender = llm.engine.blending.blender
+    doc = llm.tokenizer.encode(DOC_B)
+    card = llm.engine.model_card
+    keys = blender.segments.keys(doc)
+    assert keys == card.segment_keys(doc) == segment_block_keys(doc, 16, card.extra_key, pre)
+    assert not set(keys) & set(segment_block_keys(doc, 16, card.extra_key))
+    stored = blender.segments.get(doc, 0, blender.rope)
+    want = compute_kv(blender.model, doc, preamble=pre)
+    n = stored.num_tokens
+    assert n == len(keys) * 16
+    for layer in (0, 17, 29):
+        assert torch.equal(stored.values[layer], want.values[layer][:n])
+        assert torch.equal(stored.keys[layer], want.keys[layer][:n])
+    llm.engine.check_integrity()

@@ -84,6 +84,10 @@ def test_the_engine_blends_with_each_selection_as_blend_prefill_does(loaded, sel
         LLM(loaded=loaded, num_kv_blocks=16, blend_sink_tokens=-2)
     with pytest.raises(ValueError, match="blend_query_layer must be in 0..1 for this model"):
         LLM(loaded=loaded, num_kv_blocks=16, blend_query_layer=2)
+    with pytest.raises(ValueError, match="blend_preamble must be a non-empty text"):
+        LLM(loaded=loaded, num_kv_blocks=16, blend_preamble="")
+    with pytest.raises(ValueError, match="blend_preamble is text, and this model has no tokenizer"):
+        LLM(loaded=loaded, num_kv_blocks=16, blend_preamble="You are a helpful assistant.")
 
 
 def test_segments_are_shared_across_requests_and_lossy_blocks_never_cached(loaded):

@@ -117,3 +117,30 @@ def test_segment_keys_are_their_own_chain():
     keys_ab = segment_block_keys(a[:16] + b[16:], 16, extra)
     assert keys_ab[0] == keys_a[0] and keys_ab[1] != keys_a[1]
     assert len(SEGMENT_ROOT) == 32 and SEGMENT_ROOT != bytes(32)
+
+
+def test_a_segment_computed_after_a_preamble_is_its_span_of_the_whole_prompt_moved_to_0():
+    """``compute_kv(..., preamble=P)``: the tokens' values are those a prompt P + S writes for them,
+    their keys those moved from position len(P) to 0, and both differ from S computed alone."""
+    model, rope = build(), RopeTables(TINY)
+    pre, seg = tokens(7, 1), tokens(20, 2)
+    whole = compute_kv(model, pre + seg)
+    after = compute_kv(model, seg, preamble=pre, rope=rope)
+    alone = compute_kv(model, seg)
+    assert after.first_position == 0 and after.token_ids == tuple(seg)
+    for layer in range(TINY.num_layers):
+        assert torch.equal(after.values[layer], whole.values[layer][7:])
+        assert torch.equal(after.keys[layer], rope.move(whole.keys[layer][7:], 7, 0))
+        assert not torch.allclose(after.values[layer], alone.values[layer], atol=1e-3) or layer == 0
+    assert torch.equal(compute_kv(model, seg, 5, preamble=pre).keys[1], rope.move(whole.keys[1][7:], 7, 5))
+    with pytest.raises(ValueError, match="outside the model"):
+        compute_kv(model, seg, preamble=tokens(TINY.max_position_embeddings - 10, 3))
+
+
+def test_segments_stored_after_a_preamble_have_keys_of_their_own():
+    extra = make_extra_key("tiny-0", "native:torch.float32")
+    a = tokens(40, 4)
+    plain, after_p, after_q = (segment_block_keys(a, 16, extra, pre) for pre in ((), (1, 2, 3), (1, 2, 4)))
+    assert plain == segment_block_keys(a, 16, extra, ())
+    assert after_p == segment_block_keys(a, 16, extra, [1, 2, 3])
+    assert not set(plain) & set(after_p) and not set(after_p) & set(after_q)

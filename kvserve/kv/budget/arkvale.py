@@ -81,7 +81,8 @@ def block_scores(q: torch.Tensor, dmin: torch.Tensor, dmax: torch.Tensor,
 
 class Stash(NamedTuple):
     """Blocks of one layer bound for the host store: their indexes, keys and values [n, block_size,
-    heads, dim] (None when there are none)."""
+    heads, dim], or as the storage stashes them (``KVStorage.stored_blocks``; None when there are
+    none)."""
 
     indexes: list[int]
     keys: torch.Tensor | None

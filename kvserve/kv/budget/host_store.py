@@ -9,8 +9,9 @@ A request's blocks leave with the request (``drop_owner``: finished, aborted, pr
 
 The blocks live in one pool, ``[rows, 2, *block shape]`` (keys then values), grown by
 doubling up to the capacity, so stashing the n blocks of a layer's compaction is one copy
-whatever n is. Every block of a store has the shape and dtype of the
-first (one engine's blocks: ``[block_size, kv_heads, head_dim]``); a row is free when its
+whatever n is. Every block of a store has the shape and dtype of the first (one engine's
+blocks as its storage stashes them, ``KVStorage.stored_blocks``: ``[block_size, kv_heads,
+head_dim]`` in the compute dtype, or a quantized format's bytes); a row is free when its
 block has left, and freed rows are reused.
 
 Beside the stash order, the store keeps per request and layer the pool row of each block
@@ -29,7 +30,7 @@ import torch
 
 from kvserve.kv.budget.pages import load_extension
 
-HostBlock = tuple[torch.Tensor, torch.Tensor]   # keys, values of one block and layer: [block_size, heads, dim]
+HostBlock = tuple[torch.Tensor, torch.Tensor]   # keys, values of one block and layer, as the storage stashes them
 
 FIRST_ROWS = 64        # rows the pool starts with (then doubles, up to the capacity)
 
