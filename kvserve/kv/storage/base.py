@@ -174,8 +174,9 @@ class KVStorage(ABC):
         before the rewrite (nothing here)."""
 
     def read_block(self, layer: int, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one block of ``layer`` ([block_size, heads, dim]): views where
-        blocks are stored as they are, else decoded copies."""
+        """Keys and values of one block of ``layer`` ([block_size, heads, dim]), as views (a
+        storage whose blocks are stored as they are; the default ``stored_blocks`` and
+        ``swap_blocks`` go through it and ``write_block``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot read blocks as stored (no KV budgets)")
 
     def write_block(self, layer: int, block_id: int, key: torch.Tensor, value: torch.Tensor) -> None:
