@@ -132,11 +132,13 @@ class BatchBuilder:
         if not step.is_observed:
             return None
         ids = block_ids[:-(-(step.slot_start + n) // self.block_size)]
+        # its open block's rows, where the torch path reads its keys (to score or attend it)
+        reads = attended_here or (step.state.scores_attention and not scored_in_kernel)
         chunk = BudgetedChunk(
             flat_start, flat_start + n, step.slot_start, start, ids,
             torch.tensor([ids], dtype=torch.long, device=self.device), step.state, attended_here,
             step.observe_from, step.is_compacted, scored_in_kernel, holes, step.scored_rows,
-            self.writes.overlay([(len(ids) - 1, ids[-1])]))
+            self.writes.overlay([(len(ids) - 1, ids[-1])]) if reads else None)
         self.budgeted.append(chunk)
         return chunk
 

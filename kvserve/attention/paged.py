@@ -82,7 +82,7 @@ class BudgetedChunk:
     # per layer, the slot blocks [first, end) the backend's table skips (its hole), when read in place
     holes: tuple[tuple[int, int], ...] | None = None
     scored_rows: tuple[int, ...] | None = None   # the rows the policy scores (probes); None: from first_scored_row
-    overlay: Overlay | None = None   # its open block read from elsewhere (the storage's planner says)
+    overlay: Overlay | None = None   # its open block read from elsewhere, where the torch path reads it
 
     @property
     def num_slots(self) -> int:

@@ -146,8 +146,7 @@ class Blender:
         if len(preamble) >= model.config.max_position_embeddings:
             raise ValueError(f"the blend preamble has {len(preamble)} tokens, more than the model's "
                              f"{model.config.max_position_embeddings} positions leave a segment")
-        self.preamble = tuple(preamble)
-        self.segments = SegmentStore(kv, storage, tiering, self.preamble)
+        self.segments = SegmentStore(kv, storage, tiering, preamble)
         self.select_layer = select_layer
         self.stats = BlendStats()
 
@@ -166,7 +165,7 @@ class Blender:
 
     def _compute(self, token_ids: Sequence[int]) -> SegmentKV:
         """A segment as it is stored: computed standalone, after the preamble where there is one."""
-        return compute_kv(self.model, token_ids, preamble=self.preamble, rope=self.rope)
+        return compute_kv(self.model, token_ids, preamble=self.segments.preamble, rope=self.rope)
 
     def choose(self, req: Request, num_known: int) -> BlendPlan | None:
         """How to blend ``req`` (its first ``num_known`` tokens an exact prefix hit), or None

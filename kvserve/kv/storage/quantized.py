@@ -22,8 +22,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.kv.block_io import block_nbytes, read_blocks, write_blocks
 from kvserve.kv.residual import NoResidual, ResidualRows, num_residual_rows
 from kvserve.kv.storage.base import KVStorage, Overlay, StepWrites, WritePlanner
 from kvserve.kv.storage.layout import HalfLayout, HalfStore, MakeRowWriter
@@ -74,8 +76,7 @@ class QuantizedKVCache(KVStorage):
         self._writer = make_writer(device, self._halves, d) if make_writer is not None else None
         # the bytes of one block and half as a host store keeps it (``stored_blocks``): the largest
         # half of any layer (the others padded with zeros), so every stashed block has one shape
-        self.stash_nbytes = max(sum(t[0].numel() * t.element_size() for t in store.values())
-                                for store in self.key_parts + self.value_parts)
+        self.stash_nbytes = max(block_nbytes(list(store.values())) for store in self.key_parts + self.value_parts)
 
     @staticmethod
     def keeps_residual(fmt: KVFormat) -> bool:
@@ -291,21 +292,14 @@ class QuantizedKVCache(KVStorage):
     stashes_decoded = False
 
     def stored_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each half's parts as bytes, one uint8 row of ``stash_nbytes`` per block (the parts
-        in order, then zeros): what ArkVale stashes, so a block comes back exactly as it left.
-        A block still open (its tokens in a residual row) has no stored form yet."""
-        m, width = block_ids.numel(), self.stash_nbytes
-        assert all(self.residual.row_of(b) is None for b in block_ids.tolist()), "an open block is stashed"
-        out = []
-        for store in (self.key_parts[layer], self.value_parts[layer]):
-            row = torch.zeros(m, width, dtype=torch.uint8, device=self.device)
-            at = 0
-            for t in store.values():
-                part = t.index_select(0, block_ids).reshape(m, -1).view(torch.uint8)
-                row[:, at:at + part.shape[1]] = part
-                at += part.shape[1]
-            out.append(row)
-        return out[0], out[1]
+        """Each half's parts as bytes (a block's payload between tiers, kv/block_io.py), one uint8
+        row of ``stash_nbytes`` per block (then zeros): what ArkVale stashes, so a block comes
+        back exactly as it left. A block still open (its tokens in a residual row) has no stored
+        form yet."""
+        ids = block_ids.tolist()
+        assert all(self.residual.row_of(b) is None for b in ids), "an open block is stashed"
+        k, v = (read_blocks(parts, ids) for parts in self.layer_parts(layer))
+        return (F.pad(k, (0, self.stash_nbytes - k.shape[1])), F.pad(v, (0, self.stash_nbytes - v.shape[1])))
 
     def layer_parts(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return list(self.key_parts[layer].values()), list(self.value_parts[layer].values())
@@ -314,13 +308,9 @@ class QuantizedKVCache(KVStorage):
                     value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Bytes in, bytes out (``stored_blocks``): one copy per part, nothing encoded."""
         old = self.stored_blocks(layer, block_ids)
-        m = block_ids.numel()
-        for store, data in ((self.key_parts[layer], key), (self.value_parts[layer], value)):
-            at = 0
-            for t in store.values():
-                n = t[0].numel() * t.element_size()
-                t.index_copy_(0, block_ids, data[:, at:at + n].contiguous().view(t.dtype).view(m, *t.shape[1:]))
-                at += n
+        ids = block_ids.tolist()
+        for parts, data in zip(self.layer_parts(layer), (key, value)):
+            write_blocks(parts, ids, data[:, :block_nbytes(parts)])
         return old
 
     def finish_step(self, writes: StepWrites) -> None:
