@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -90,6 +91,67 @@ class BlendSpec:
             end = start + length
 
 
+@dataclass(frozen=True)
+class BlendRows:
+    """A blended prompt's rows as the engine's steps compute them (``blend_in_batch``): from
+    ``first`` (the exact prefix hit's end) to the prompt's end, the positions computed and those
+    supplied, with the supplied positions' keys and values in every layer (the stored segments'
+    moved KV, or, in the layers below the deviation selections' choice, the KV the choosing
+    pass computed for them).
+
+    Once a blend (kvserve/blend/) has chosen what to recompute, the rest of it is a prefill
+    with gaps: the *computed* positions (the text that is not reused, and the reused tokens
+    selected) run through every layer as chunks of the normal step, through the engine's
+    attention backend and KV format; the *supplied* positions (the reused tokens not
+    selected) run through no layer: their keys and values are written into the request's
+    blocks by the same step, at their slots, as the chunk passes them. A chunk covers
+    consecutive positions of both kinds; every computed row attends to every position before
+    it, as the dense blend's rows do (a row only reads earlier positions, so chunks taken in
+    position order give its exact computation, up to float order).
+
+        positions   | head | doc a          | doc b         | question |
+        computed    |  ccc |   c     cc     | cc  c         |  cccccc  |
+        supplied    |      | ss sssss  sss  |   ss ssssss   |          |
+        chunks      | <-- 16 rows --> | <-- 16 rows -->  | <- rest -> |   (a step's budget counts rows)
+    """
+
+    first: int
+    computed: tuple[int, ...]           # ascending; the prompt's last position among them
+    supplied: tuple[int, ...]           # ascending
+    keys: tuple[torch.Tensor, ...]      # per layer [len(supplied), kv_heads, head_dim]
+    values: tuple[torch.Tensor, ...]
+    num_reused_tokens: int              # tokens whose stored KV was taken (those selected included)
+    num_recomputed_tokens: int          # of those, selected: computed in every layer
+
+    def __post_init__(self) -> None:
+        if not self.computed:
+            raise ValueError("a blend computes at least the prompt's last token")
+        if any(k.shape[0] != len(self.supplied) for k in (*self.keys, *self.values)):
+            raise ValueError("one key and one value row per supplied position and layer")
+
+    @property
+    def end(self) -> int:
+        """One past the prompt's last position."""
+        return self.computed[-1] + 1
+
+    def chunk(self, start: int, max_rows: int) -> tuple[int, int]:
+        """The chunk from position ``start``: (positions it covers, rows it computes). It
+        ends right after its ``max_rows``-th computed position (>= 1), or at the prompt's end."""
+        if max_rows < 1:
+            raise ValueError(f"a chunk computes at least one row, got {max_rows}")
+        first = bisect_left(self.computed, start)
+        last = min(first + max_rows, len(self.computed))
+        return self.computed[last - 1] + 1 - start, last - first
+
+    def computed_in(self, start: int, end: int) -> tuple[int, ...]:
+        """The computed positions in [start, end)."""
+        return self.computed[bisect_left(self.computed, start):bisect_left(self.computed, end)]
+
+    def supplied_in(self, start: int, end: int) -> tuple[int, int]:
+        """The supplied positions in [start, end), as a range of indices into ``supplied``."""
+        return bisect_left(self.supplied, start), bisect_left(self.supplied, end)
+
+
 class EncodedPrompt(NamedTuple):
     """A prompt as the engine takes it: token ids, and the spans of its segments when it has
     any (kvserve/blend/). What every front end (the Python API, the server, a cluster's
@@ -139,6 +201,7 @@ class Request:
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None   # set by the engine for structured outputs
     blend: BlendSpec | None = None               # segments to blend at first admission (kvserve/blend/)
+    blend_rows: BlendRows | None = None          # a blend the steps are computing (``BlendRows``)
     error: str | None = None                     # why it finished with FinishReason.ERROR
     # text produced so far (kept only when stop strings need it)
     output_text: str = ""

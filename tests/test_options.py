@@ -41,6 +41,7 @@ SAMPLES = {
     "blend_query_layer": (["18"], 18, 18),
     "blend_preamble": (["You are a helpful assistant."], "You are a helpful assistant.", "You are a helpful assistant."),
     "blend_in_steps": ([], False, False),
+    "blend_in_batch": ([], True, True),
     "max_pinned_fraction": (["0.25"], 0.25, 0.25),
     "max_pin_ttl_s": (["60"], 60.0, 60.0),
     "max_num_batched_tokens": (["128"], 128, 128),
@@ -132,7 +133,7 @@ def test_names_from_before_keep_working():
 
 
 def test_unknown_option_and_tier_option_without_its_tier():
-    with pytest.raises(ValueError, match="unknown engine option 'num_blocks'; known options: attention_backend, blend_cost_model, blend_in_steps, blend_preamble, blend_query_layer, blend_select_layer, blend_selection, blend_sink_tokens"):
+    with pytest.raises(ValueError, match="unknown engine option 'num_blocks'; known options: attention_backend, blend_cost_model, blend_in_batch, blend_in_steps, blend_preamble, blend_query_layer, blend_select_layer, blend_selection, blend_sink_tokens"):
         engine_config(None, num_blocks=4)
     with pytest.raises(ValueError, match="disk_cache_gb given without disk_cache_dir"):
         engine_config(None, disk_cache_gb=4)

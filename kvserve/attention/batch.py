@@ -20,6 +20,7 @@ from kvserve.attention.paged import (
     PagedChunks,
     PrefillChunk,
     ScoredChunks,
+    SuppliedKV,
 )
 from kvserve.kv.budget.budgets import Budgets, BudgetStep
 from kvserve.kv.storage import KVStorage
@@ -51,6 +52,11 @@ class BatchBuilder:
         self.paged: list[tuple[int, int, int, list[int]]] = []
         # those whose layers skip blocks: (their index in ``paged``, per layer the blocks skipped)
         self.holed: list[tuple[int, tuple[tuple[int, int], ...]]] = []
+        # each write's source, in the planner's order: a flat row, or -1 - i for supplied row i
+        self.write_rows: list[int] = []
+        self.supplied: list[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], int, int]] = []
+        self.num_supplied = 0
+        self.paged_rows: dict[int, int] = {}    # index in ``paged`` -> the row its last block is read from
 
     def add(self, req: Request, n: int, block_ids: list[int], budgets: Budgets, draft: tuple[int, ...] = ()) -> None:
         """``n`` new tokens of ``req`` from its first not computed, the last ``len(draft)`` of
@@ -97,10 +103,62 @@ class BatchBuilder:
         self.writes.add(block_ids, start, len(tokens), num_drafted)
         self._attend(flat_start, start, len(tokens), block_ids)
 
+    def add_blend(self, req: Request, n: int, block_ids: list[int]) -> None:
+        """The next ``n`` positions of a request whose blend the steps compute
+        (``req.blend_rows``: ``kvserve.request.BlendRows``): its computed rows among them are the
+        chunk's tokens, each attending to every position before it and itself; all ``n`` are
+        written, the supplied ones with their given keys and values."""
+        rows = req.blend_rows
+        if rows is None:
+            raise ValueError(f"request {req.request_id} has no blend rows")
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        computed = rows.computed_in(start, end)
+        if not computed or computed[-1] != end - 1:
+            raise ValueError(f"a blend's chunk ends at a computed row: [{start}, {end}) does not")
+        first, last = rows.supplied_in(start, end)
+        flat_start = len(self.input_ids)
+        self.input_ids.extend(req.all_token_ids[p] for p in computed)
+        self.positions.extend(computed)
+        self.writes.add(block_ids, start, n)
+        at = 0
+        for pos in range(start, end):
+            if computed[at] == pos:
+                self.write_rows.append(flat_start + at)
+                at += 1
+            else:
+                self.write_rows.append(-1 - self.num_supplied - (pos - start - at))
+        self.supplied.append((rows.keys, rows.values, first, last))
+        self.num_supplied += last - first
+        # one query sequence per run of consecutive computed rows, each seeing the keys up to its
+        # own last row; a run that stops inside a block reads that block from the row the step
+        # writes it in (a block it fills is encoded for the reads of later runs)
+        bs, dev = self.block_size, self.device
+        runs, first_row = [], 0
+        for i in range(1, len(computed) + 1):
+            if i == len(computed) or computed[i] != computed[i - 1] + 1:
+                runs.append((first_row, i - first_row, computed[i - 1] + 1))
+                first_row = i
+        if self.backend.reads_in_place:
+            for row, count, stop in runs:
+                ids = block_ids[:-(-stop // bs)]
+                self.paged.append((flat_start + row, count, stop, ids))
+                self.paged_rows[len(self.paged) - 1] = self.writes.step_rows(ids[-1:])[0]
+            return
+        if self.writes.step_rows(block_ids[start // bs:-(-end // bs)]) == [-1] * (-(-end // bs) - start // bs):
+            runs = [(0, len(computed), end)]        # no block read from a row: one call, masked
+        for row, count, stop in runs:
+            num_blocks = -(-stop // bs)
+            query_pos = torch.tensor(computed[row:row + count], dtype=torch.long, device=dev)
+            mask = torch.arange(num_blocks * bs, device=dev)[None, :] <= query_pos[:, None]
+            table = torch.tensor([block_ids[:num_blocks]], dtype=torch.long, device=dev)
+            overlay = self.writes.step_overlay([(num_blocks - 1, block_ids[num_blocks - 1])]) if stop % bs else None
+            self.prefills.append(PrefillChunk(flat_start + row, flat_start + row + count, start, table, mask, overlay))
+
     def _take(self, start: int, tokens: Sequence[int]) -> int:
         flat_start = len(self.input_ids)
         self.input_ids.extend(tokens)
         self.positions.extend(range(start, start + len(tokens)))
+        self.write_rows.extend(range(flat_start, flat_start + len(tokens)))
         return flat_start
 
     def _attend(self, flat_start: int, start: int, n: int, block_ids: list[int]) -> None:
@@ -146,8 +204,14 @@ class BatchBuilder:
         dev = self.device
         decode = self._decode_group() if self.decode_idx else None
         paged = self._paged_chunks() if self.paged else None
+        supplied = None
+        if self.supplied:
+            num = len(self.input_ids)
+            order = [r if r >= 0 else num - 1 - r for r in self.write_rows]
+            supplied = SuppliedKV(torch.tensor(order, dtype=torch.long, device=dev), tuple(self.supplied))
         meta = AttentionMetadata(write=self.writes.build(), decode=decode, prefills=tuple(self.prefills),
-                                 budgeted=tuple(self.budgeted), paged=paged, backend=self.backend)
+                                 budgeted=tuple(self.budgeted), paged=paged, backend=self.backend,
+                                 supplied=supplied)
         ids = torch.tensor(self.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(self.positions, dtype=torch.long, device=dev)
         return ids, pos, meta
@@ -164,9 +228,12 @@ class BatchBuilder:
         def int32(values: list[int] | list[list[int]]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=dev)
 
+        open_rows = self.writes.open_rows([ids[-1] for *_, ids in self.paged])
+        for k, row in self.paged_rows.items():
+            open_rows[k] = row
         batch = PagedBatch(
             block_tables=int32(tables), context_lens=int32([end for _, _, end, _ in self.paged]),
-            query_starts=int32(starts), open_rows=int32(self.writes.open_rows([ids[-1] for *_, ids in self.paged])),
+            query_starts=int32(starts), open_rows=int32(open_rows),
             block_size=self.block_size, max_query_len=max(n for _, n, _, _ in self.paged),
             max_context_len=max(end for _, _, end, _ in self.paged))
         scores = None

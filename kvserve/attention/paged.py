@@ -35,6 +35,7 @@ Keys and values are read through the storage protocol (kv/storage/), whatever th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +121,23 @@ class PagedChunks:
         return self.batch if self.layer_batches is None else self.layer_batches[layer]
 
 
+@dataclass(frozen=True)
+class SuppliedKV:
+    """Keys and values the step writes without computing them: a blend's supplied positions
+    (``kvserve.request.BlendRows``). The write plan takes the step's new keys in the order ``order``
+    gives: each write's row in the computed rows followed by every part's supplied rows."""
+
+    order: torch.Tensor       # [num_writes] int64
+    # per blend chunk: its per-layer keys and values, and the rows [first, end) of them it writes
+    parts: tuple[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], int, int], ...]
+
+    def merge(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values to write, in the write plan's order."""
+        ks = [k, *(keys[layer][first:end].to(k.dtype) for keys, _, first, end in self.parts)]
+        vs = [v, *(values[layer][first:end].to(v.dtype) for _, values, first, end in self.parts)]
+        return torch.cat(ks).index_select(0, self.order), torch.cat(vs).index_select(0, self.order)
+
+
 TORCH = TorchBackend()
 
 
@@ -131,12 +149,16 @@ class AttentionMetadata:
     budgeted: tuple[BudgetedChunk, ...] = ()
     paged: PagedChunks | None = None      # read in place by ``backend`` (else decode/prefills above)
     backend: AttentionBackend = TORCH
+    supplied: SuppliedKV | None = None    # keys and values written beside the computed ones
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                     cache: KVStorage, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, Hkv, D] for the step's new tokens. Returns [T, H, D]."""
-    cache.write(layer, k, v, meta.write)
+    if meta.supplied is None:
+        cache.write(layer, k, v, meta.write)
+    else:
+        cache.write(layer, *meta.supplied.merge(layer, k, v), meta.write)
     for b in meta.budgeted:     # before any attention: a hook may bring blocks back
         b.state.before_attention(layer, q[b.start:b.end], cache, b.block_ids, b.is_compacted)
     num_kv_heads = k.shape[1]

@@ -49,7 +49,9 @@ class BlendAdmission:
     def __init__(self, blender: Blender, kv: KVCacheManager, scheduler: Scheduler,
                  step_tokens: int | None = None) -> None:
         """``step_tokens``: the blend work one step may do, in prefill-token equivalents
-        (the step's token budget, as a chunked prefill gets); None: each blend whole."""
+        (the step's token budget, as a chunked prefill gets); None: each blend whole. With
+        ``blender.in_batch`` a blend here only chooses the rows to recompute; the scheduler's
+        steps compute them (``Scheduler.add_blending``, kvserve.request.BlendRows)."""
         if step_tokens is not None and step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.blender = blender
@@ -94,17 +96,25 @@ class BlendAdmission:
             try:
                 if not task.advance(budget):
                     break           # more next step
-                outcome = self.blender.finish(task)
+                if self.blender.in_batch:
+                    rows = self.blender.rows(task)
+                else:
+                    outcome = self.blender.finish(task)
             except Exception as e:
                 log.exception("blending request %s failed", req.request_id)
                 self.remove(req)
                 results.append(BlendFailed(req, f"blending failed: {type(e).__name__}: {e}"))
                 continue
             self._task = None
-            req.num_reused_tokens = outcome.num_reused_tokens
-            req.num_recomputed_tokens = outcome.num_recomputed_tokens
-            self.scheduler.add_computed(req, task.num_known, reserved=True)
-            results.append(Blended(req, outcome.logits))
+            if self.blender.in_batch:
+                req.num_reused_tokens, req.num_recomputed_tokens = rows.num_reused_tokens, rows.num_recomputed_tokens
+                req.blend_rows = rows
+                self.scheduler.add_blending(req, task.num_known, reserved=True)
+            else:
+                req.num_reused_tokens = outcome.num_reused_tokens
+                req.num_recomputed_tokens = outcome.num_recomputed_tokens
+                self.scheduler.add_computed(req, task.num_known, reserved=True)
+                results.append(Blended(req, outcome.logits))
             if self.step_tokens is not None:
                 break               # one blend's work per step
         return results

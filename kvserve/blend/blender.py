@@ -52,7 +52,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiering import Tiering
 from kvserve.model.llama import LlamaModel
-from kvserve.request import BlendSpec, Request
+from kvserve.request import BlendRows, BlendSpec, Request
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class BlendTask:
 
     def __init__(self, req: Request, job: BlendJob, block_ids: list[int], num_known: int) -> None:
         self.request, self.job, self.block_ids, self.num_known = req, job, block_ids, num_known
-        self.result: Blended | None = None
+        self.result: Blended | BlendRows | None = None
 
     def advance(self, max_work: float) -> bool:
         """Run about ``max_work`` token-layers more (``BlendJob``; one layer at least); whether done."""
@@ -104,31 +104,35 @@ class BlendOutcome:
 
 
 def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: int, num_layers: int,
-               selection: str = "deviation", num_sink_tokens: int = 0, query_layer: int | None = None) -> float:
+               selection: str = "deviation", num_sink_tokens: int = 0, query_layer: int | None = None,
+               in_batch: bool = False) -> float:
     """Prefill-token equivalents a blend computes for ``num_tokens`` tokens of which
     ``num_reused`` come from stored segments, ``num_sink_tokens`` of them always recomputed
-    (module docstring)."""
+    (module docstring). ``in_batch`` (the rows computed by the steps): the deviation
+    selections' rows also run again through the layers up to the last that chooses."""
     recomputed = min(num_reused, max(fraction * num_reused, num_sink_tokens))
     computed = num_tokens - num_reused
     if selection in QUERY_SELECTIONS:    # the question computed twice (first up to the layer read)
         first = 1.0 if query_layer is None else (query_layer + 1) / num_layers
         return (1 + first) * computed + recomputed
     below = select_layer / num_layers
-    if selection == "narrowing":         # wider for the first layers of the narrowing
-        wider = sum(min(num_reused, max(f * num_reused, num_sink_tokens)) - recomputed
-                    for f in narrowing_fractions(fraction, num_layers - select_layer)[:-1]) / num_layers
-        return computed + num_reused * below + recomputed * (1.0 - below) + wider
-    return computed + num_reused * below + recomputed * (1.0 - below)
+    fractions = narrowing_fractions(fraction, num_layers - select_layer) if selection == "narrowing" else (fraction,)
+    again = (computed + recomputed) * (select_layer + len(fractions)) / num_layers if in_batch else 0.0
+    # wider for the first layers of the narrowing
+    wider = sum(min(num_reused, max(f * num_reused, num_sink_tokens)) - recomputed for f in fractions[:-1]) / num_layers
+    return computed + num_reused * below + recomputed * (1.0 - below) + wider + again
 
 
 class Blender:
     def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, tiering: Tiering,
                  select_layer: int = 1, use_cost_model: bool = True, selection: str = "deviation",
-                 sink_tokens: int = 0, query_layer: int | None = None, preamble: Sequence[int] = ()) -> None:
+                 sink_tokens: int = 0, query_layer: int | None = None, preamble: Sequence[int] = (),
+                 in_batch: bool = False) -> None:
         """``use_cost_model`` False: blend whenever a segment's KV can be reused; ``selection``,
         ``sink_tokens`` and ``query_layer``: how the recomputed tokens are picked (``blend_prefill``);
         ``preamble``: the tokens every segment is computed after before it is stored
-        (``compute_kv``; part of the segments' keys)."""
+        (``compute_kv``; part of the segments' keys); ``in_batch``: the engine's steps compute
+        the rows a blend chooses (``start``), as its cost model counts them."""
         if not 1 <= select_layer < model.config.num_layers:
             raise ValueError(f"blend_select_layer must be in 1..{model.config.num_layers - 1} for this model, "
                              f"got {select_layer}")
@@ -137,6 +141,7 @@ class Blender:
             raise ValueError(f"blend_query_layer must be in 0..{model.config.num_layers - 1} for this model, "
                              f"got {query_layer}")
         self.selection, self.sink_tokens, self.query_layer = selection, sink_tokens, query_layer
+        self.in_batch = in_batch
         self.model = model
         self.use_cost_model = use_cost_model
         self.storage = storage
@@ -194,7 +199,7 @@ class Blender:
             fresh.append(segment)
         tps = self.tiering.prefill_tokens_per_s
         work = blend_work(n, num_reused, spec.fraction, self.select_layer, self.model.config.num_layers,
-                          self.selection, num_sinks, self.query_layer)
+                          self.selection, num_sinks, self.query_layer, self.in_batch)
         cost = work + (load_s * tps if tps else 0.0)
         log.debug("request %s: blend %.0f token-equivalents (%d reused, loads %.2f ms) vs prefill %d",
                   req.request_id, cost, num_reused, load_s * 1e3, n)
@@ -205,7 +210,9 @@ class Blender:
 
     def start(self, req: Request, plan: BlendPlan, block_ids: list[int]) -> BlendTask:
         """``req``'s blend as ``plan`` says, its inputs read: the exact hit's KV from
-        ``block_ids`` (its table), the segments' from the store (device, or loaded from the tiers)."""
+        ``block_ids`` (its table), the segments' from the store (device, or loaded from the tiers).
+        With ``in_batch`` the task only chooses the rows to recompute (``rows``); the engine's steps
+        compute them."""
         spec, num_known = _spec(req), plan.num_known
         cached = [fresh if fresh is not None or start + length <= num_known
                   else self.segments.get(req.prompt_token_ids[start:start + length], 0, self.rope, req.cache_salt)
@@ -213,7 +220,7 @@ class Blender:
         known = read_tokens(self.storage, block_ids, req.prompt_token_ids[:num_known]) if num_known else None
         prompt = BlendPrompt(tuple(req.prompt_token_ids), spec.spans)
         job = BlendJob(self.model, self.rope, prompt, cached, spec.fraction, self.select_layer, known,
-                       self.selection, self.sink_tokens, self.query_layer)
+                       self.selection, self.sink_tokens, self.query_layer, rows_only=self.in_batch)
         return BlendTask(req, job, block_ids, num_known)
 
     def finish(self, task: BlendTask) -> BlendOutcome:
@@ -221,17 +228,33 @@ class Blender:
         blended, num_known = task.result, task.num_known
         if blended is None:
             raise ValueError(f"the blend of request {task.request.request_id} is not complete")
+        if not isinstance(blended, Blended):
+            raise TypeError("the task was started in_batch: its result is rows (``rows``)")
         write_tokens(self.storage, task.block_ids, num_known, [k[num_known:] for k in blended.keys],
                      [v[num_known:] for v in blended.values])
-        s = self.stats
-        s.num_blended += 1
-        s.reused_tokens += blended.num_reused_tokens
-        s.recomputed_tokens += blended.num_recomputed_tokens
-        s.computed_tokens += blended.num_computed_tokens
+        self._count(blended.num_reused_tokens, blended.num_recomputed_tokens, blended.num_computed_tokens)
         return BlendOutcome(blended.logits.float().cpu().unsqueeze(0), blended.num_reused_tokens,
                             blended.num_recomputed_tokens, blended.num_computed_tokens)
 
+    def rows(self, task: BlendTask) -> BlendRows:
+        """A complete ``in_batch`` task's rows, for the engine's steps (``Request.blend_rows``)."""
+        rows = task.result
+        if rows is None:
+            raise ValueError(f"the choice of request {task.request.request_id}'s rows is not complete")
+        if not isinstance(rows, BlendRows):
+            raise TypeError("the task was not started in_batch: its result is a whole blend (``finish``)")
+        self._count(rows.num_reused_tokens, rows.num_recomputed_tokens,
+                    len(rows.computed) - rows.num_recomputed_tokens)
+        return rows
+
     # -- inside ----------------------------------------------------------------
+    def _count(self, num_reused: int, num_recomputed: int, num_computed: int) -> None:
+        s = self.stats
+        s.num_blended += 1
+        s.reused_tokens += num_reused
+        s.recomputed_tokens += num_recomputed
+        s.computed_tokens += num_computed
+
     def _put(self, segment: SegmentKV, salt: str) -> int:
         """Store a standalone segment; the tokens stored (0 when the pool has no room)."""
         try:

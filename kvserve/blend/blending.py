@@ -42,7 +42,7 @@ from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV
 from kvserve.config import QUERY_SELECTIONS, ModelConfig, check_blend_selection
 from kvserve.model.llama import LlamaModel
-from kvserve.request import DEFAULT_BLEND_FRACTION, check_blend_fraction
+from kvserve.request import DEFAULT_BLEND_FRACTION, BlendRows, check_blend_fraction
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cach
     job = BlendJob(model, rope, prompt, cached, blend_fraction, select_layer, known, selection, sink_tokens,
                    query_layer)
     done = job.advance(math.inf)
-    assert done is not None
+    assert isinstance(done, Blended)
     return done
 
 
@@ -109,17 +109,20 @@ class BlendJob:
     def __init__(self, model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
                  blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1,
                  known: SegmentKV | None = None, selection: str = "deviation", sink_tokens: int = 0,
-                 query_layer: int | None = None) -> None:
+                 query_layer: int | None = None, rows_only: bool = False) -> None:
+        """``rows_only``: stop once the recomputed tokens are chosen, the result a ``BlendRows``
+        for the engine's steps to compute (``blend_in_batch``) instead of a ``Blended``."""
         _check(model, prompt, cached, blend_fraction, select_layer, known, selection, sink_tokens, query_layer)
-        self._steps = _blend_steps(model, rope, prompt, cached, blend_fraction, select_layer, known, selection,
-                                   sink_tokens, query_layer)
+        steps = _rows_steps if rows_only else _blend_steps
+        self._steps: Generator[tuple[int, int], None, Blended | BlendRows] = steps(
+            model, rope, prompt, cached, blend_fraction, select_layer, known, selection, sink_tokens, query_layer)
         self.keys_per_row = attention_keys_per_row(model.config)
         self.num_row_layers = 0         # rows computed so far, summed over the layers
         self.num_key_layers = 0         # keys those rows attended, summed over the layers
         self.work = 0.0                 # token-layers: rows + keys / keys_per_row
 
     @torch.inference_mode()
-    def advance(self, max_work: float) -> Blended | None:
+    def advance(self, max_work: float) -> Blended | BlendRows | None:
         """Compute layers until ``max_work`` token-layers are done (one layer at least,
         whatever it costs); the result when the blend is complete, else None."""
         spent = 0.0
@@ -127,8 +130,8 @@ class BlendJob:
             try:
                 rows, keys = next(self._steps)
             except StopIteration as stop:
-                blended: Blended = stop.value
-                return blended
+                done: Blended | BlendRows = stop.value
+                return done
             work = rows + keys / self.keys_per_row
             spent += work
             self.work += work
@@ -171,44 +174,95 @@ def _blend_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cache
     """``blend_prefill``'s body (arguments checked): yields per layer the rows computed and
     the keys they attended."""
     ctx, runs = _Context.of(model, rope, prompt, cached, known)
-    n, dev, num_known = ctx.n, model.device, ctx.num_known
-    reused, is_reused, cached_keys, cached_values = ctx.reused, ctx.is_reused, ctx.cached_keys, ctx.cached_values
-    num_reused = int(reused.numel())
-    everything = torch.ones(n, dtype=torch.bool, device=dev)
+    n, num_known, is_reused = ctx.n, ctx.num_known, ctx.is_reused
+    num_reused = int(ctx.reused.numel())
+    everything = torch.ones(n, dtype=torch.bool, device=model.device)
     if selection in QUERY_SELECTIONS and num_reused:
-        # the text after the last segment (the question) computed first, every reused token as
-        # cached: where its queries attend picks what to recompute, in every layer
-        # (read at one layer, the pass stops there: the layers above it would change nothing read)
-        asked = yield from ctx.run(~is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=query_layer,
-                                   last_layer=query_layer)
-        assert asked.attention is not None
-        if selection == "query":
-            selected = _pick(asked.attention[reused], runs, blend_fraction, sink_tokens)
-        else:
-            selected = _pick_segments(asked.attention[reused], runs, blend_fraction, sink_tokens)
+        selected = yield from _ask(ctx, runs, selection, blend_fraction, sink_tokens, query_layer)
         computed = ~is_reused
         computed[selected] = True
         done = (yield from ctx.run(computed))._replace(selected=selected)
     elif num_reused:
-        # per choosing layer, the share of each segment kept computed from there on
-        fractions = (narrowing_fractions(blend_fraction, model.config.num_layers - select_layer)
-                     if selection == "narrowing" else (blend_fraction,))
-        share = {select_layer + i: f for i, f in enumerate(fractions)}
-        index = torch.full((n,), -1, dtype=torch.long, device=dev)      # position -> its row among the reused
-        index[reused] = torch.arange(num_reused, device=dev)
-
-        def choose(layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            current = is_reused[rows]                   # the reused rows still computed at this layer
-            at = index[rows[current]]
-            score = torch.full((num_reused,), -math.inf, device=dev)
-            score[at] = _deviation(k[current], v[current], cached_keys[layer][at], cached_values[layer][at])
-            return _pick(score, runs, share[layer], sink_tokens)
-
-        done = yield from ctx.run(everything, choose_at=tuple(share), choose=choose)
+        choose_at, choose = _deviation_choice(ctx, runs, blend_fraction, select_layer, selection, sink_tokens)
+        done = yield from ctx.run(everything, choose_at=choose_at, choose=choose)
     else:
         done = yield from ctx.run(everything)
     return Blended(tuple(done.keys), tuple(done.values), done.logits, done.selected, num_reused,
                    n - num_known - num_reused)
+
+
+def _rows_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
+                blend_fraction: float, select_layer: int, known: SegmentKV | None, selection: str,
+                sink_tokens: int, query_layer: int | None) -> Generator[tuple[int, int], None, BlendRows]:
+    """``blend_prefill``'s choice alone (arguments checked), what the engine's steps then compute
+    (``BlendRows``): the query selections' first pass, or the deviation selections' pass over
+    every token up to the last layer that chooses. Yields per layer as ``_blend_steps``."""
+    ctx, runs = _Context.of(model, rope, prompt, cached, known)
+    n, num_known, reused, is_reused = ctx.n, ctx.num_known, ctx.reused, ctx.is_reused
+    # per layer up to the choosing pass's last, the KV of every position as that pass had it
+    passed_keys: list[torch.Tensor] = []
+    passed_values: list[torch.Tensor] = []
+    if selection in QUERY_SELECTIONS and reused.numel():
+        selected = yield from _ask(ctx, runs, selection, blend_fraction, sink_tokens, query_layer)
+    elif reused.numel():
+        choose_at, choose = _deviation_choice(ctx, runs, blend_fraction, select_layer, selection, sink_tokens)
+        everything = torch.ones(n, dtype=torch.bool, device=model.device)
+        chose = yield from ctx.run(everything, choose_at=choose_at, choose=choose, last_layer=max(choose_at))
+        selected, passed_keys, passed_values = chose.selected, chose.keys, chose.values
+    else:
+        selected = reused
+    computed = ~is_reused
+    computed[selected] = True
+    computed[:num_known] = False
+    supplied = torch.nonzero(~computed[num_known:]).flatten() + num_known
+    among_reused = ~computed[reused]        # the supplied positions, in the cached KV's order
+    num_layers = model.config.num_layers
+    keys = tuple(passed_keys[layer][supplied] if layer < len(passed_keys) else ctx.cached_keys[layer][among_reused]
+                 for layer in range(num_layers))
+    values = tuple(passed_values[layer][supplied] if layer < len(passed_values)
+                   else ctx.cached_values[layer][among_reused] for layer in range(num_layers))
+    return BlendRows(num_known, tuple(torch.nonzero(computed).flatten().tolist()), tuple(supplied.tolist()),
+                     keys, values, int(reused.numel()), int(selected.numel()))
+
+
+def _ask(ctx: _Context, runs: list[tuple[int, int]], selection: str, blend_fraction: float, sink_tokens: int,
+         query_layer: int | None) -> Generator[tuple[int, int], None, torch.Tensor]:
+    """The query selections' choice: the text after the last segment (the question) computed
+    first, every reused token as cached; where its queries attend picks what to recompute, in
+    every layer (read at one layer, the pass stops there: the layers above it would change
+    nothing read). The reused positions picked."""
+    asked = yield from ctx.run(~ctx.is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=query_layer,
+                               last_layer=query_layer)
+    assert asked.attention is not None
+    if selection == "query":
+        return _pick(asked.attention[ctx.reused], runs, blend_fraction, sink_tokens)
+    return _pick_segments(asked.attention[ctx.reused], runs, blend_fraction, sink_tokens)
+
+
+Choose = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _deviation_choice(ctx: _Context, runs: list[tuple[int, int]], blend_fraction: float, select_layer: int,
+                      selection: str, sink_tokens: int) -> tuple[tuple[int, ...], Choose]:
+    """The deviation selections' choosing layers and ``choose`` (``_Context.run``): per choosing
+    layer, the share of each segment kept computed from there on, the tokens whose fresh KV
+    deviates most from the cached."""
+    model, n, dev = ctx.model, ctx.n, ctx.model.device
+    reused, is_reused, num_reused = ctx.reused, ctx.is_reused, int(ctx.reused.numel())
+    fractions = (narrowing_fractions(blend_fraction, model.config.num_layers - select_layer)
+                 if selection == "narrowing" else (blend_fraction,))
+    share = {select_layer + i: f for i, f in enumerate(fractions)}
+    index = torch.full((n,), -1, dtype=torch.long, device=dev)      # position -> its row among the reused
+    index[reused] = torch.arange(num_reused, device=dev)
+
+    def choose(layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        current = is_reused[rows]                   # the reused rows still computed at this layer
+        at = index[rows[current]]
+        score = torch.full((num_reused,), -math.inf, device=dev)
+        score[at] = _deviation(k[current], v[current], ctx.cached_keys[layer][at], ctx.cached_values[layer][at])
+        return _pick(score, runs, share[layer], sink_tokens)
+
+    return tuple(share), choose
 
 
 class _Pass(NamedTuple):

@@ -305,7 +305,7 @@ class LLMEngine:
     def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Feed the step's time to the cost models: the tiers' load-or-recompute (steps mostly
         prefill), speculation's (steps that only decode, drafts besides)."""
-        num_prefill = sum(n for c in out.chunks if (n := c.num_new_tokens - len(c.draft)) > 1)
+        num_prefill = sum(n for c in out.chunks if (n := c.num_computed_rows - len(c.draft)) > 1)
         if 2 * num_prefill >= out.num_batched_tokens:
             self.kv.tiering.observe_prefill(out.num_batched_tokens, seconds)
         elif num_prefill == 0 and self.speculator is not None:

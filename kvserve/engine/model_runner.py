@@ -47,6 +47,9 @@ class ModelRunner:
         builder = BatchBuilder(self.cache, self.backend, self.device)
         for chunk in out.chunks:
             req = chunk.request
+            if req.blend_rows is not None:
+                builder.add_blend(req, chunk.num_new_tokens, self.kv.block_ids(req.request_id))
+                continue
             builder.add(req, chunk.num_new_tokens, self.kv.block_ids(req.request_id), self.budgets, chunk.draft)
         return builder.build()
 
@@ -60,7 +63,7 @@ class ModelRunner:
         prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         flat = 0
         for chunk in out.chunks:
-            req, n = chunk.request, chunk.num_new_tokens
+            req, n = chunk.request, chunk.num_computed_rows
             if req.wants_prompt_logprobs and req.num_computed_tokens < req.num_prompt_tokens:
                 prompt_logprobs[req.request_id] = self._prompt_logprobs(hidden[flat:flat + n], req, n)
             if chunk.completes_sequence:

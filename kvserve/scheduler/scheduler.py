@@ -37,6 +37,13 @@ class ScheduledChunk:
     request: Request
     num_new_tokens: int                 # the drafted tokens included
     draft: tuple[int, ...] = ()         # tokens drafted after the request's last (kvserve/spec/)
+    num_rows: int | None = None         # rows the model computes, where not every new token is one
+                                        # (a blend's chunk: kvserve.request.BlendRows)
+
+    @property
+    def num_computed_rows(self) -> int:
+        """The chunk's rows in the step's batch."""
+        return self.num_new_tokens if self.num_rows is None else self.num_rows
 
     @property
     def completes_sequence(self) -> bool:
@@ -52,7 +59,8 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
+        """The rows the step computes (a blend's chunk counts its computed rows only)."""
+        return sum(c.num_computed_rows for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
@@ -116,6 +124,15 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
+    def add_blending(self, request: Request, num_cached_tokens: int, reserved: bool = False) -> None:
+        """Run a request whose blend chose its rows (``request.blend_rows``) in the blocks the KV
+        manager gave it: its next chunks compute those rows from position ``num_cached_tokens``
+        (the exact prefix hit) on. A first admission, as ``add_computed``."""
+        if request.blend_rows is None or request.blend_rows.first != num_cached_tokens:
+            raise ValueError(f"request {request.request_id} has no blend rows from token {num_cached_tokens}")
+        self.add_computed(request, num_cached_tokens, reserved)
+        request.num_computed_tokens = num_cached_tokens
+
     def schedule(self, drafts: Mapping[str, Sequence[int]] = MappingProxyType({})) -> SchedulerOutput:
         """The step's chunks. ``drafts``: tokens drafted after a decoding request's last one,
         scheduled with it when budget and blocks allow (else dropped: it decodes one token)."""
@@ -129,8 +146,12 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            draft = tuple(drafts.get(req.request_id, ()))[:budget - 1] if num_new == 1 else ()
+            num_rows = None
+            if req.blend_rows is not None:
+                num_new, num_rows = req.blend_rows.chunk(req.num_computed_tokens, budget)
+            else:
+                num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            draft = tuple(drafts.get(req.request_id, ()))[:budget - 1] if num_new == 1 and num_rows is None else ()
             if draft and self.kv.try_allocate(req, 1 + len(draft)):
                 out.chunks.append(ScheduledChunk(req, 1 + len(draft), draft))
                 scheduled.add(req.request_id)
@@ -144,9 +165,10 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.chunks.append(ScheduledChunk(req, num_new))
+                chunk = ScheduledChunk(req, num_new, num_rows=num_rows)
+                out.chunks.append(chunk)
                 scheduled.add(req.request_id)
-                budget -= num_new
+                budget -= chunk.num_computed_rows
 
         if not out.preempted:
             self._admit(out, budget)
@@ -221,6 +243,7 @@ class Scheduler:
         self.kv.free(req)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
+        req.blend_rows = None           # a blend cut short is recomputed exactly
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -232,6 +255,8 @@ class Scheduler:
         for chunk in out.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_new_tokens - len(chunk.draft)   # drafts: accept_draft
+            if req.blend_rows is not None and req.num_computed_tokens >= req.blend_rows.end:
+                req.blend_rows = None   # blended: it decodes like any other
             self.kv.cache_computed_blocks(req)
             self.kv.apply_budget(req)
 

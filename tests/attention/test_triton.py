@@ -442,3 +442,30 @@ def test_budgeted_requests_on_the_triton_backend_give_the_torch_paths_tokens(pol
         assert llm.engine.kv.budgets.num_compactions == 2
         llm.engine.check_integrity()
     assert outs["triton"] == outs["torch"] and len(outs["torch"]) == 24
+
+
+@pytest.mark.parametrize("fmt", ["native", "kivi2g8"])
+def test_a_blend_in_the_batch_on_the_triton_backend_gives_the_torch_paths_tokens(fmt: str) -> None:
+    """A blend's rows as chunks of the steps (``blend_in_batch``): one query sequence per run of
+    computed rows, a run that stops inside a block reading it from the row the step writes it in
+    (KIVI's keys), beside a plain request. Same tokens as the torch backend."""
+    from tiny import random_tokens, tiny_model
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.blend.prompt import Segment, SegmentedPrompt
+
+    loaded = tiny_model()
+    docs = [random_tokens(40, 1), random_tokens(33, 2)]
+    prompt = SegmentedPrompt([random_tokens(11, 0), Segment(docs[0]), [5], Segment(docs[1]), [5],
+                              random_tokens(7, 9)], blend_fraction=0.2)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(loaded=loaded, kv_format=fmt, num_kv_blocks=32, max_num_batched_tokens=12, device=DEVICE,
+                  dtype="float32", attention_backend=backend, blend_in_batch=True, blend_cost_model=False)
+        llm.cache_segments(docs)
+        got = llm.generate([prompt, list(range(1, 30))], params)
+        assert got[0].num_reused_tokens == 64
+        outs[backend] = [o.token_ids for o in got]
+        llm.engine.check_integrity()
+    assert outs["triton"] == outs["torch"]

@@ -168,6 +168,13 @@ def test_the_cost_model_sends_unprofitable_blends_to_a_full_prefill(loaded):
     assert blend_work(100, 60, 0.1, 1, 30, "query-segments", 12, query_layer=14) == pytest.approx(1.5 * 40 + 12)
     # narrowing: layer 1 computes 12 of the 60 (2f), layer 2 9 (1.5f), then 6 (f) on
     assert blend_work(100, 60, 0.1, 1, 30, "narrowing") == pytest.approx(40 + 2 + 6 * 29 / 30 + (6 + 3) / 30)
+    # in the batch, the rows kept run again through the choosing pass's layers (0-1; narrowing 0-3);
+    # the query selections' rows are computed once either way
+    dense = 40 + 2 + 6 * 29 / 30
+    assert blend_work(100, 60, 0.1, 1, 30, in_batch=True) == pytest.approx(dense + 46 * 2 / 30)
+    assert blend_work(100, 60, 0.1, 1, 30, "narrowing", in_batch=True) == pytest.approx(
+        dense + (6 + 3) / 30 + 46 * 4 / 30)
+    assert blend_work(100, 60, 0.1, 1, 30, "query", 12, in_batch=True) == pytest.approx(2 * 40 + 12)
     llm.engine.check_integrity()
 
 

@@ -1,0 +1,213 @@
+"""Blending inside the batch (``blend_in_batch``): the recomputed rows run as chunks of the
+engine's steps, through its attention backends and KV formats, beside other requests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_engine import DOCS, plain, rag
+from tiny import TINY, tiny_model
+from tiny import random_tokens as tokens
+
+from kvserve import LLM, SamplingParams
+from kvserve.blend.blending import BlendJob, BlendPrompt, blend_prefill, greedy_tokens
+from kvserve.blend.prompt import Segment, SegmentedPrompt
+from kvserve.blend.rope import RopeTables
+from kvserve.blend.segment import compute_kv
+from kvserve.blend.store import read_tokens
+from kvserve.model.loader import LoadedModel
+from kvserve.request import BlendRows
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+ORDER = (2, 0, 1)
+
+
+@pytest.fixture(scope="module")
+def four_layers() -> LoadedModel:
+    """Four layers: narrowing chooses at layers 1, 2 and 3 (2f, 1.5f, f)."""
+    return tiny_model(dataclasses.replace(TINY, num_layers=4), seed=3)
+
+
+def reference(llm: LLM, prompt: SegmentedPrompt, selection: str, query_layer: int):
+    """The dense blend of ``prompt`` (``blend_prefill``), its documents computed standalone."""
+    model = llm.engine.model
+    spans, at = [], 11
+    for i in ORDER:
+        spans.append((at, len(DOCS[i])))
+        at += len(DOCS[i]) + 1
+    cached = [compute_kv(model, DOCS[i]) for i in ORDER]
+    return blend_prefill(model, RopeTables(model.config), BlendPrompt(tuple(plain(prompt)), tuple(spans)), cached,
+                         0.15, 1, None, selection, 4, query_layer)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("selection", ["deviation", "narrowing", "query", "query-segments"])
+def test_the_batch_computes_the_dense_blend(four_layers, selection, backend):
+    """Chunks of 16 rows through the engine's backend give the dense blend's KV in the request's
+    blocks (every layer, to float order), its recomputed rows and its greedy tokens."""
+    llm = LLM(loaded=four_layers, num_kv_blocks=64, blend_cost_model=False, blend_selection=selection,
+              blend_sink_tokens=4, blend_query_layer=2, enable_prefix_caching=False, blend_in_batch=True,
+              attention_backend=backend, max_num_batched_tokens=16)
+    engine = llm.engine
+    prompt = rag(list(ORDER), 0.15)
+    ref = reference(llm, prompt, selection, 2)
+    rid = engine.add_request(prompt, GREEDY)
+    req = engine._requests[rid]
+    num_chunks = 0
+    while req.num_output_tokens == 0:
+        before = req.num_computed_tokens
+        engine.step()
+        num_chunks += req.num_computed_tokens > before
+    # the choice runs first (outside the batch); then chunks of 16 computed rows each
+    rows = 11 + 3 + 7 + ref.num_recomputed_tokens
+    assert num_chunks == -(-rows // 16) and req.num_recomputed_tokens == ref.num_recomputed_tokens
+    stored = read_tokens(engine.runner.cache, engine.kv.block_ids(rid), req.prompt_token_ids)
+    for layer in range(4):
+        torch.testing.assert_close(stored.keys[layer], ref.keys[layer], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(stored.values[layer], ref.values[layer], atol=2e-5, rtol=1e-5)
+    out = None
+    while engine.has_unfinished:
+        out = next((o for o in engine.step() if o.finished), out)
+    assert out is not None and out.token_ids == greedy_tokens(engine.model, ref, 6)
+    assert (out.num_reused_tokens, out.num_recomputed_tokens) == (121, ref.num_recomputed_tokens)
+    assert engine.stats().blend.num_blended == 1
+    engine.check_integrity()
+    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+
+
+def test_rows_chunk_by_computed_rows():
+    """A chunk ends right after its n-th computed row, or at the prompt's end."""
+    keys = tuple(torch.zeros(4, 1, 2) for _ in range(2))
+    rows = BlendRows(3, (3, 4, 9, 10, 11, 15), (5, 6, 7, 8), keys, keys, 4, 0)
+    assert rows.end == 16
+    assert rows.chunk(3, 2) == (2, 2)            # 3, 4
+    assert rows.chunk(5, 2) == (6, 2)            # 5..10: supplied 5-8, computed 9, 10
+    assert rows.chunk(11, 16) == (5, 2)          # 11..15, the prompt's end
+    assert rows.computed_in(5, 11) == (9, 10) and rows.supplied_in(5, 11) == (0, 4)
+    with pytest.raises(ValueError, match="at least one row"):
+        rows.chunk(3, 0)
+    with pytest.raises(ValueError, match="one key and one value row per supplied position"):
+        BlendRows(3, (3,), (5,), keys, keys, 1, 0)
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "k=kivi4g8+had,v=int8", "kivi2g8", "zip:hi=int8,lo=kivi2g8,salient=0.25"])
+def test_blending_in_the_batch_in_a_quantized_format(loaded, kv_format):
+    """The torch path and the CPU kernel read the chunk's keys in the format alike: same tokens;
+    the request decodes on after, beside a plain one."""
+    outs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(loaded=loaded, num_kv_blocks=64, kv_format=kv_format, blend_cost_model=False,
+                  blend_in_batch=True, attention_backend=backend, max_num_batched_tokens=16,
+                  blend_selection="query-segments", blend_query_layer=1)
+        llm.cache_segments(DOCS[:3])
+        got = llm.generate([rag([1, 2], 0.15), plain(rag([0], 0.0))], SamplingParams(max_tokens=20, ignore_eos=True,
+                                                                                      temperature=0.0))
+        assert [len(o.token_ids) for o in got] == [20, 20] and got[0].num_reused_tokens == 32 + 48
+        llm.engine.check_integrity()
+        assert all(b.ref_count == 0 for b in llm.engine.kv.pool.blocks)
+        outs[backend] = [o.token_ids for o in got]
+    assert outs["torch"] == outs["cpu"]
+
+
+def test_decoding_requests_step_beside_the_blends_chunks(loaded):
+    """The blend's rows share each step with a decoding request: every step holds the decode's
+    token and, once the rows are chosen, a chunk of the blend's; the tokens are those of the
+    dense blend run whole before one step."""
+    def run(in_batch: bool) -> tuple[list[list[str]], dict[str, list[int]]]:
+        llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False, max_num_batched_tokens=16,
+                  blend_in_batch=in_batch, blend_in_steps=in_batch)
+        engine = llm.engine
+        llm.cache_segments(DOCS[:3])
+        engine.add_request(tokens(10, 40), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                           request_id="decoding")
+        engine.step()
+        engine.add_request(rag([0, 1, 2], 0.15), GREEDY, request_id="blended")
+        got: dict[str, list[int]] = {"decoding": [], "blended": []}
+        per_step = []
+        while engine.has_unfinished:
+            outs = engine.step()
+            if not got["blended"]:
+                per_step.append(sorted({o.request_id for o in outs}))
+            for o in outs:
+                got[o.request_id] = list(o.token_ids)
+            engine.check_integrity()
+        return per_step, got
+
+    stepped, got = run(True)
+    whole, want = run(False)
+    # the choice: layers 0 and 1 of every token, a step each; then 30 tokens not reused (the
+    # documents' partial last blocks among them) and 18 selected: 48 rows, in chunks of 15
+    # beside the decode, the first in the step the choice ends
+    assert stepped == [["decoding"]] * 5 + [["blended", "decoding"]]
+    assert whole == [["blended", "decoding"]]
+    assert got["decoding"] == want["decoding"] and got["blended"] == want["blended"]
+
+
+def test_a_request_preempted_while_its_rows_run_is_recomputed_exactly(loaded):
+    """Preempted between two chunks of its rows (as the scheduler does when a running request
+    needs a block), a blended request drops its rows and is computed again in full: its tokens
+    are the plain prompt's."""
+    llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False, blend_in_batch=True,
+              max_num_batched_tokens=8)
+    engine = llm.engine
+    llm.cache_segments(DOCS[:3])
+    prompt = rag([0, 1, 2], 0.15)
+    rid = engine.add_request(prompt, GREEDY)
+    req = engine._requests[rid]
+    while req.num_computed_tokens == 0:
+        engine.step()
+    assert req.blend_rows is not None and req.num_computed_tokens < req.num_prompt_tokens
+    engine.scheduler._preempt(req)
+    assert req.blend_rows is None and req.num_computed_tokens == 0
+    engine.check_integrity()
+    out = None
+    while engine.has_unfinished:
+        out = next((o for o in engine.step() if o.finished), out)
+    want = LLM(loaded=loaded, enable_prefix_caching=False).generate([plain(prompt)], GREEDY)[0]
+    assert out is not None and out.num_preemptions == 1 and out.token_ids == want.token_ids
+    engine.check_integrity()
+    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+
+
+def test_a_request_aborted_while_its_rows_run_frees_its_blocks(loaded):
+    llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False, blend_in_batch=True,
+              max_num_batched_tokens=8)
+    engine = llm.engine
+    llm.cache_segments(DOCS[:3])
+    rid = engine.add_request(rag([0, 1, 2], 0.15), GREEDY)
+    req = engine._requests[rid]
+    while req.num_computed_tokens == 0:     # the choice (two steps' work), then the first chunk
+        engine.step()
+    assert req.blend_rows is not None and 0 < req.num_computed_tokens < req.num_prompt_tokens
+    engine.abort(rid)
+    assert not engine.has_unfinished and engine.scheduler.num_reserved_seats == 0
+    engine.check_integrity()
+    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    again = llm.generate([rag([0, 1, 2], 0.15)], GREEDY)[0]
+    assert again.error is None and len(again.token_ids) == 6
+
+
+def test_the_choice_alone_is_what_blend_prefill_chooses(loaded):
+    """``BlendJob(rows_only=True)``: the positions computed are the text not reused and the
+    selected tokens; the supplied ones carry the stored (moved) KV from the choosing layer on."""
+    model = LLM(loaded=loaded, num_kv_blocks=16).engine.model
+    rope = RopeTables(model.config)
+    head, question = tokens(11, 0), tokens(7, 9)
+    prompt = BlendPrompt.join(head, [DOCS[0], DOCS[1]], question)
+    cached = [compute_kv(model, DOCS[0]), compute_kv(model, DOCS[1])]
+    ref = blend_prefill(model, rope, prompt, cached, 0.2, 1, None, "deviation", 2)
+    rows = BlendJob(model, rope, prompt, cached, 0.2, 1, None, "deviation", 2, rows_only=True).advance(float("inf"))
+    assert isinstance(rows, BlendRows)
+    selected = set(ref.selected.tolist())
+    reused = set(range(11, 11 + 40 + 33))
+    assert rows.computed == tuple(p for p in range(len(prompt.token_ids)) if p not in reused or p in selected)
+    assert rows.supplied == tuple(sorted(reused - selected))
+    at = torch.tensor(rows.supplied)
+    for layer in range(2):      # layer 0 as the choosing pass computed it; layer 1 on, as stored
+        torch.testing.assert_close(rows.keys[layer], ref.keys[layer][at], atol=1e-6, rtol=0)
+        torch.testing.assert_close(rows.values[layer], ref.values[layer][at], atol=1e-6, rtol=0)
+    assert (rows.num_reused_tokens, rows.num_recomputed_tokens) == (73, len(selected))
+    segmented = SegmentedPrompt([head, Segment(DOCS[0]), Segment(DOCS[1]), question], 0.2)
+    assert plain(segmented) == list(prompt.token_ids)
