@@ -7,6 +7,7 @@ request's blocks; the engine appends sampled tokens. Nobody else writes here.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from bisect import bisect_left
 from collections.abc import Sequence
@@ -112,7 +113,11 @@ class BlendRows:
         positions   | head | doc a          | doc b         | question |
         computed    |  ccc |   c     cc     | cc  c         |  cccccc  |
         supplied    |      | ss sssss  sss  |   ss ssssss   |          |
-        chunks      | <-- 16 rows --> | <-- 16 rows -->  | <- rest -> |   (a step's budget counts rows)
+        chunks      | <-- budget -->  | <-- budget -->   | <- rest -> |
+
+    A chunk's computed rows cost what a blend's rows cost outside the batch (kvserve/blend/
+    blending.py): each one token plus the keys it attends over ``keys_per_row``, so a chunk
+    late in a long prompt holds fewer rows; the supplied rows cost nothing.
     """
 
     first: int
@@ -122,6 +127,7 @@ class BlendRows:
     values: tuple[torch.Tensor, ...]
     num_reused_tokens: int              # tokens whose stored KV was taken (those selected included)
     num_recomputed_tokens: int          # of those, selected: computed in every layer
+    keys_per_row: float = math.inf      # attended keys that cost a row as much as its layer's weights
 
     def __post_init__(self) -> None:
         if not self.computed:
@@ -134,14 +140,21 @@ class BlendRows:
         """One past the prompt's last position."""
         return self.computed[-1] + 1
 
-    def chunk(self, start: int, max_rows: int) -> tuple[int, int]:
-        """The chunk from position ``start``: (positions it covers, rows it computes). It
-        ends right after its ``max_rows``-th computed position (>= 1), or at the prompt's end."""
-        if max_rows < 1:
-            raise ValueError(f"a chunk computes at least one row, got {max_rows}")
-        first = bisect_left(self.computed, start)
-        last = min(first + max_rows, len(self.computed))
-        return self.computed[last - 1] + 1 - start, last - first
+    def chunk(self, start: int, budget: int) -> tuple[int, int, int]:
+        """The chunk from position ``start``: (positions it covers, rows it computes, its cost
+        rounded up). It ends right after its last computed row whose cost (with the rows' before
+        it) stays within ``budget``, one row at least, or at the prompt's end."""
+        if budget < 1:
+            raise ValueError(f"a chunk's budget is at least one row, got {budget}")
+        first = last = bisect_left(self.computed, start)
+        cost = 0.0
+        while last < len(self.computed):
+            row = 1.0 + (self.computed[last] + 1) / self.keys_per_row     # position p attends p + 1 keys
+            if last > first and cost + row > budget:
+                break
+            cost += row
+            last += 1
+        return self.computed[last - 1] + 1 - start, last - first, math.ceil(cost - 1e-9)
 
     def computed_in(self, start: int, end: int) -> tuple[int, ...]:
         """The computed positions in [start, end)."""

@@ -60,11 +60,12 @@ class BlendAdmission:
         self.step_tokens = step_tokens
         self._waiting: list[Request] = []
         self._task: BlendTask | None = None      # the blend under way (its request holds blocks and a seat)
+        self._chosen: list[tuple[Request, int]] = []   # rows chosen in the last step, and their exact hit
 
     @property
     def has_work(self) -> bool:
         """Requests waiting here or being blended."""
-        return bool(self._waiting) or self._task is not None
+        return bool(self._waiting) or self._task is not None or bool(self._chosen)
 
     @property
     def blending(self) -> Request | None:
@@ -80,6 +81,9 @@ class BlendAdmission:
         if self._task is not None and self._task.request is req:
             self._task = None
             self.scheduler.release_seat()
+        elif any(r is req for r, _ in self._chosen):
+            self._chosen = [(r, n) for r, n in self._chosen if r is not req]
+            self.scheduler.release_seat()
         elif req in self._waiting:
             self._waiting.remove(req)
 
@@ -87,6 +91,11 @@ class BlendAdmission:
         """One step's blending (module docstring): the requests whose blend completed (or failed)."""
         results: list[Blended | BlendFailed] = []
         budget = math.inf if self.step_tokens is None else self.step_tokens * self.blender.num_layers
+        # rows chosen in the last step join the batch now: a step holds a blend's choice or its
+        # rows' first chunk, not both
+        for req, num_known in self._chosen:
+            self.scheduler.add_blending(req, num_known, reserved=True)
+        self._chosen = []
         while True:
             task = self._task if self._task is not None else self._start(results)
             if task is None:
@@ -109,7 +118,10 @@ class BlendAdmission:
             if self.blender.in_batch:
                 req.num_reused_tokens, req.num_recomputed_tokens = rows.num_reused_tokens, rows.num_recomputed_tokens
                 req.blend_rows = rows
-                self.scheduler.add_blending(req, task.num_known, reserved=True)
+                if self.step_tokens is None:
+                    self.scheduler.add_blending(req, task.num_known, reserved=True)
+                else:
+                    self._chosen.append((req, task.num_known))
             else:
                 req.num_reused_tokens = outcome.num_reused_tokens
                 req.num_recomputed_tokens = outcome.num_recomputed_tokens

@@ -222,7 +222,7 @@ def _rows_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached
     values = tuple(passed_values[layer][supplied] if layer < len(passed_values)
                    else ctx.cached_values[layer][among_reused] for layer in range(num_layers))
     return BlendRows(num_known, tuple(torch.nonzero(computed).flatten().tolist()), tuple(supplied.tolist()),
-                     keys, values, int(reused.numel()), int(selected.numel()))
+                     keys, values, int(reused.numel()), int(selected.numel()), attention_keys_per_row(model.config))
 
 
 def _ask(ctx: _Context, runs: list[tuple[int, int]], selection: str, blend_fraction: float, sink_tokens: int,

@@ -146,9 +146,9 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_rows = None
-            if req.blend_rows is not None:
-                num_new, num_rows = req.blend_rows.chunk(req.num_computed_tokens, budget)
+            num_rows = cost = None
+            if req.blend_rows is not None:      # its budget counts the rows' attention (BlendRows.chunk)
+                num_new, num_rows, cost = req.blend_rows.chunk(req.num_computed_tokens, budget)
             else:
                 num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             draft = tuple(drafts.get(req.request_id, ()))[:budget - 1] if num_new == 1 and num_rows is None else ()
@@ -165,10 +165,9 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                chunk = ScheduledChunk(req, num_new, num_rows=num_rows)
-                out.chunks.append(chunk)
+                out.chunks.append(ScheduledChunk(req, num_new, num_rows=num_rows))
                 scheduled.add(req.request_id)
-                budget -= chunk.num_computed_rows
+                budget = max(0, budget - (num_new if cost is None else cost))
 
         if not out.preempted:
             self._admit(out, budget)

@@ -12,7 +12,7 @@ from tiny import TINY, tiny_model
 from tiny import random_tokens as tokens
 
 from kvserve import LLM, SamplingParams
-from kvserve.blend.blending import BlendJob, BlendPrompt, blend_prefill, greedy_tokens
+from kvserve.blend.blending import BlendJob, BlendPrompt, attention_keys_per_row, blend_prefill, greedy_tokens
 from kvserve.blend.prompt import Segment, SegmentedPrompt
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import compute_kv
@@ -55,14 +55,22 @@ def test_the_batch_computes_the_dense_blend(four_layers, selection, backend):
     ref = reference(llm, prompt, selection, 2)
     rid = engine.add_request(prompt, GREEDY)
     req = engine._requests[rid]
-    num_chunks = 0
+    chunks, rows = [], None
     while req.num_output_tokens == 0:
         before = req.num_computed_tokens
         engine.step()
-        num_chunks += req.num_computed_tokens > before
-    # the choice runs first (outside the batch); then chunks of 16 computed rows each
-    rows = 11 + 3 + 7 + ref.num_recomputed_tokens
-    assert num_chunks == -(-rows // 16) and req.num_recomputed_tokens == ref.num_recomputed_tokens
+        rows = rows or req.blend_rows
+        if req.num_computed_tokens > before:
+            chunks.append(rows.computed_in(before, req.num_computed_tokens))
+    # the choice runs first (outside the batch); then chunks of computed rows, each as many as
+    # the step's 16 tokens of budget hold, a row costing 1 + the keys it attends / keys_per_row
+    assert rows is not None and rows.keys_per_row == attention_keys_per_row(four_layers.config)
+    assert [p for chunk in chunks for p in chunk] == list(rows.computed)
+    assert len(rows.computed) == 11 + 3 + 7 + ref.num_recomputed_tokens
+    cost = lambda positions: sum(1 + (p + 1) / rows.keys_per_row for p in positions)
+    for chunk, after in zip(chunks, chunks[1:]):
+        assert cost(chunk) <= 16 < cost((*chunk, after[0])) or len(chunk) == 1
+    assert req.num_recomputed_tokens == ref.num_recomputed_tokens
     stored = read_tokens(engine.runner.cache, engine.kv.block_ids(rid), req.prompt_token_ids)
     for layer in range(4):
         torch.testing.assert_close(stored.keys[layer], ref.keys[layer], atol=2e-5, rtol=1e-5)
@@ -77,15 +85,21 @@ def test_the_batch_computes_the_dense_blend(four_layers, selection, backend):
     assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
 
 
-def test_rows_chunk_by_computed_rows():
-    """A chunk ends right after its n-th computed row, or at the prompt's end."""
+def test_rows_chunk_by_the_cost_of_their_computed_rows():
+    """A chunk ends right after its last computed row within the budget (one row at least), or at
+    the prompt's end; a row costs 1 and, with ``keys_per_row``, the keys it attends over that."""
     keys = tuple(torch.zeros(4, 1, 2) for _ in range(2))
     rows = BlendRows(3, (3, 4, 9, 10, 11, 15), (5, 6, 7, 8), keys, keys, 4, 0)
     assert rows.end == 16
-    assert rows.chunk(3, 2) == (2, 2)            # 3, 4
-    assert rows.chunk(5, 2) == (6, 2)            # 5..10: supplied 5-8, computed 9, 10
-    assert rows.chunk(11, 16) == (5, 2)          # 11..15, the prompt's end
+    assert rows.chunk(3, 2) == (2, 2, 2)            # 3, 4
+    assert rows.chunk(5, 2) == (6, 2, 2)            # 5..10: supplied 5-8, computed 9, 10
+    assert rows.chunk(11, 16) == (5, 2, 2)          # 11..15, the prompt's end
     assert rows.computed_in(5, 11) == (9, 10) and rows.supplied_in(5, 11) == (0, 4)
+    # 10 keys cost a row: position 3 costs 1.4, 4 1.5, 9 2.0, 10 2.1
+    costly = BlendRows(3, (3, 4, 9, 10, 11, 15), (5, 6, 7, 8), keys, keys, 4, 0, keys_per_row=10.0)
+    assert costly.chunk(3, 3) == costly.chunk(3, 4) == (2, 2, 3)    # 1.4 + 1.5 = 2.9; with 9: 4.9
+    assert costly.chunk(3, 5) == (7, 3, 5)
+    assert costly.chunk(9, 1) == (1, 1, 2)          # one row, whatever it costs
     with pytest.raises(ValueError, match="at least one row"):
         rows.chunk(3, 0)
     with pytest.raises(ValueError, match="one key and one value row per supplied position"):
@@ -115,7 +129,7 @@ def test_decoding_requests_step_beside_the_blends_chunks(loaded):
     """The blend's rows share each step with a decoding request: every step holds the decode's
     token and, once the rows are chosen, a chunk of the blend's; the tokens are those of the
     dense blend run whole before one step."""
-    def run(in_batch: bool) -> tuple[list[list[str]], dict[str, list[int]]]:
+    def run(in_batch: bool) -> tuple[list[list[str]], dict[str, list[int]], int]:
         llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False, max_num_batched_tokens=16,
                   blend_in_batch=in_batch, blend_in_steps=in_batch)
         engine = llm.engine
@@ -123,24 +137,27 @@ def test_decoding_requests_step_beside_the_blends_chunks(loaded):
         engine.add_request(tokens(10, 40), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                            request_id="decoding")
         engine.step()
-        engine.add_request(rag([0, 1, 2], 0.15), GREEDY, request_id="blended")
+        blended = engine._requests[engine.add_request(rag([0, 1, 2], 0.15), GREEDY, request_id="blended")]
         got: dict[str, list[int]] = {"decoding": [], "blended": []}
-        per_step = []
+        per_step, num_chunks = [], 0
         while engine.has_unfinished:
+            before = blended.num_computed_tokens
             outs = engine.step()
+            num_chunks += before < blended.num_computed_tokens and before < blended.num_prompt_tokens
             if not got["blended"]:
                 per_step.append(sorted({o.request_id for o in outs}))
             for o in outs:
                 got[o.request_id] = list(o.token_ids)
             engine.check_integrity()
-        return per_step, got
+        return per_step, got, num_chunks
 
-    stepped, got = run(True)
-    whole, want = run(False)
-    # the choice: layers 0 and 1 of every token, a step each; then 30 tokens not reused (the
-    # documents' partial last blocks among them) and 18 selected: 48 rows, in chunks of 15
-    # beside the decode, the first in the step the choice ends
-    assert stepped == [["decoding"]] * 5 + [["blended", "decoding"]]
+    stepped, got, num_chunks = run(True)
+    whole, want, _ = run(False)
+    # the choice: layers 0 and 1 of every token, a step each, then a step that ends it (its
+    # rows join the batch from the next); then 30 tokens not reused (the documents' partial
+    # last blocks among them) and 18 selected, 48 rows, in chunks beside the decode
+    assert num_chunks > 2
+    assert stepped == [["decoding"]] * (3 + num_chunks - 1) + [["blended", "decoding"]]
     assert whole == [["blended", "decoding"]]
     assert got["decoding"] == want["decoding"] and got["blended"] == want["blended"]
 
