@@ -181,10 +181,10 @@ class CacheConfig:
         "run a blend a few layers at a time, at most a step's token budget (max_num_batched_tokens) of work "
         "between two steps, so decoding requests keep stepping (docs/blend.md); with chunked prefill only",
         flag="--no-blend-in-steps"))
-    blend_in_batch: bool = field(default=False, metadata=opt(
+    blend_in_batch: bool = field(default=True, metadata=opt(
         "compute a blend's recomputed rows as chunks of the engine's steps, through its attention backend "
-        "and KV format, beside the other requests (only the choice of rows runs outside the batch; "
-        "docs/blend.md)"))
+        "and KV format, beside the other requests (only the choice of rows runs outside the batch); off: "
+        "the whole blend outside the batch, on dense tensors (docs/blend.md)", flag="--no-blend-in-batch"))
 
     max_pinned_fraction: float = field(default=0.5, metadata=opt(
         "most of the device KV blocks that pinned prefixes may cover; 0 turns pinning off (docs/server.md)"))

@@ -41,7 +41,7 @@ SAMPLES = {
     "blend_query_layer": (["18"], 18, 18),
     "blend_preamble": (["You are a helpful assistant."], "You are a helpful assistant.", "You are a helpful assistant."),
     "blend_in_steps": ([], False, False),
-    "blend_in_batch": ([], True, True),
+    "blend_in_batch": ([], False, False),
     "max_pinned_fraction": (["0.25"], 0.25, 0.25),
     "max_pin_ttl_s": (["60"], 60.0, 60.0),
     "max_num_batched_tokens": (["128"], 128, 128),

@@ -87,16 +87,15 @@ class Method:
     name: str
     is_prefix_caching: bool = True
     blend_fraction: float | None = None
-    in_batch: bool = False          # the blend's rows as chunks of the steps (``blend_in_batch``)
+    in_batch: bool | None = None    # ``blend_in_batch`` (None: as the engine options say)
 
 
-def methods(fractions: Sequence[float], in_batch: bool = False) -> list[Method]:
-    """Full prefill, prefix caching, a blend per fraction (and, ``in_batch``, the same blend
-    with its rows computed in the batch)."""
-    blends = [Method(f"blend@{f:g}", blend_fraction=f) for f in fractions]
-    if in_batch:
-        blends = [m for f in fractions for m in (Method(f"blend@{f:g}", blend_fraction=f),
-                                                   Method(f"blend@{f:g} batch", blend_fraction=f, in_batch=True))]
+def methods(fractions: Sequence[float], outside_too: bool = False) -> list[Method]:
+    """Full prefill, prefix caching, a blend per fraction (and, ``outside_too``, the same blend
+    run outside the batch, ``blend_in_batch`` off)."""
+    blends = [m for f in fractions for m in (
+        Method(f"blend@{f:g}", blend_fraction=f),
+        *([Method(f"blend@{f:g} outside", blend_fraction=f, in_batch=False)] if outside_too else []))]
     return [Method("full", is_prefix_caching=False), Method("prefix"), *blends]
 
 
@@ -307,12 +306,12 @@ def run_bench(args: argparse.Namespace) -> int:
     # holding no key, are reused before any cached block is evicted)
     pool = args.num_kv_blocks or pool_blocks(documents, longest, args.max_tokens, cache.block_size, 2)
     full_pool = args.num_kv_blocks or pool_blocks([], longest, args.max_tokens, cache.block_size, 1)
-    chosen = methods(args.fraction or DEFAULT_FRACTIONS, args.in_batch)
+    chosen = methods(args.fraction or DEFAULT_FRACTIONS, args.outside_too)
     engines: list[str] = []     # what the engines resolved, for the header
 
     def make_llm(m: Method) -> LLM:
         llm = LLM(loaded=loaded, enable_prefix_caching=m.is_prefix_caching,
-                  num_kv_blocks=pool if m.is_prefix_caching else full_pool, **{**options, "blend_in_batch": m.in_batch})
+                  num_kv_blocks=pool if m.is_prefix_caching else full_pool, **_with_path(options, m.in_batch))
         engines[:] = [f"device {llm.engine.device}, dtype {llm.engine.dtype}"]
         return llm
 
@@ -346,10 +345,11 @@ def run_bench(args: argparse.Namespace) -> int:
         decoder_blocks = args.decoders * -(-(DECODE_PROMPT_TOKENS + DECODE_TOKENS) // cache.block_size)
 
         def make_itl_llm(m: ItlMethod) -> LLM:     # the decoders' blocks beside the documents and queries
-            return LLM(loaded=loaded, num_kv_blocks=pool + decoder_blocks, **{**options,
-                       "blend_in_steps": m.blend_in_steps, "blend_in_batch": m.in_batch})
+            return LLM(loaded=loaded, num_kv_blocks=pool + decoder_blocks,
+                       **_with_path({**options, "blend_in_steps": m.blend_in_steps}, m.in_batch))
 
-        itl = run_itl(make_itl_llm, itl_methods(args.fraction or DEFAULT_FRACTIONS, args.in_batch), documents, queries,
+        itl = run_itl(make_itl_llm, itl_methods(args.fraction or DEFAULT_FRACTIONS, args.outside_too), documents,
+                      queries,
                       args.decoders, args.question, log)
         print(f"\n{args.decoders} requests decoding beside each query (inter-token latency from the query's arrival "
               f"to its first token; step budget {engine_config(args.model, **options).scheduler.max_num_batched_tokens}"
@@ -358,6 +358,11 @@ def run_bench(args: argparse.Namespace) -> int:
     write_plot(args.plot, lambda path: plots.plot_rag(results, path))
     _save(args.json, documents, queries, results)
     return 0
+
+
+def _with_path(options: dict, in_batch: bool | None) -> dict:
+    """``options`` with ``blend_in_batch`` set where a method names it."""
+    return options if in_batch is None else {**options, "blend_in_batch": in_batch}
 
 
 def _save(path: str | None, documents: Sequence[Document], queries: Sequence[Query],
@@ -394,12 +399,12 @@ def add_rag_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentPa
     r.add_argument("--decoders", type=int, default=0,
                    help="also measure the inter-token latency of this many decoding requests while each query "
                         "prefills or blends (kvserve/bench/rag_itl.py)")
-    r.add_argument("--in-batch", action="store_true",
-                   help="also run every blend with its recomputed rows as chunks of the engine's steps "
-                        "(blend_in_batch), beside the blend computed outside the batch (docs/blend.md)")
+    r.add_argument("--outside-too", action="store_true",
+                   help="also run every blend outside the batch, on dense tensors (blend_in_batch off: "
+                        "'blend@f outside'), beside the engine options' blend (docs/blend.md)")
     r.add_argument("--preamble-head", action="store_true",
                    help="store every document after the prompts' own head (the chat template's system turn and "
                         "the user turn's start), as --blend-preamble with that text (docs/blend.md)")
     add_engine_args(r, ("blend_cost_model", "blend_select_layer", "blend_selection", "blend_sink_tokens",
-                        "blend_query_layer", "blend_preamble"))
+                        "blend_query_layer", "blend_preamble", "blend_in_batch"))
     r.set_defaults(run=run_bench)

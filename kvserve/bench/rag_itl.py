@@ -1,11 +1,12 @@
 """``kvserve bench rag --decoders N``: what a RAG prompt costs the requests already decoding.
 
 N requests decode (greedy, ``DECODE_TOKENS`` each, replaced as they finish) while each query's
-prompt is prefilled (``prefix``: chunks of the step's token budget) or blended (``blend@f``: a
-few layers per step, at most the step's token budget of work; ``blend@f whole``: the blend
-run whole before one step, ``--no-blend-in-steps``, as before blends ran in steps; with
-``--in-batch``, ``blend@f batch``: its rows chosen outside the batch, then computed as chunks
-of the steps, ``blend_in_batch``). From the
+prompt is prefilled (``prefix``: chunks of the step's token budget) or blended (``blend@f``: as
+the engine options say, by default its rows chosen a step's budget of work at a time outside
+the batch, then computed as chunks of the steps, ``blend_in_batch``; with ``--outside-too``,
+``blend@f outside``: the whole blend outside the batch, a few layers per step, at most the
+step's token budget of work; ``blend@f whole``: the blend outside the batch run whole before
+one step, ``--no-blend-in-batch --no-blend-in-steps``). From the
 query's arrival to its first token, every gap between two tokens of a decoding request is an
 inter-token latency (ITL) sample (the first counted from the query's arrival); ``alone`` is the decoders with no query, the same number
 of steps, the floor. Query i runs under every method before query i + 1.
@@ -34,7 +35,7 @@ class ItlMethod:
     name: str
     blend_fraction: float | None = None     # None: the prompt as one text (prefix caching)
     blend_in_steps: bool = True
-    in_batch: bool = False                  # the blend's rows as chunks of the steps (``blend_in_batch``)
+    in_batch: bool | None = None            # ``blend_in_batch`` (None: as the engine options say)
 
 
 @dataclass
@@ -45,10 +46,11 @@ class ItlResult:
     steps: list[int] = field(default_factory=list)        # engine steps from a query's arrival to its first token
 
 
-def itl_methods(fractions: Sequence[float], in_batch: bool = False) -> list[ItlMethod]:
+def itl_methods(fractions: Sequence[float], outside_too: bool = False) -> list[ItlMethod]:
     return [ItlMethod("prefix"), *(m for f in fractions for m in (
-        ItlMethod(f"blend@{f:g}", f), ItlMethod(f"blend@{f:g} whole", f, blend_in_steps=False),
-        *([ItlMethod(f"blend@{f:g} batch", f, in_batch=True)] if in_batch else [])))]
+        ItlMethod(f"blend@{f:g}", f),
+        *([ItlMethod(f"blend@{f:g} outside", f, in_batch=False)] if outside_too else []),
+        ItlMethod(f"blend@{f:g} whole", f, blend_in_steps=False, in_batch=False)))]
 
 
 class Decoders:

@@ -216,11 +216,15 @@ def _rows_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached
     computed[:num_known] = False
     supplied = torch.nonzero(~computed[num_known:]).flatten() + num_known
     among_reused = ~computed[reused]        # the supplied positions, in the cached KV's order
-    num_layers = model.config.num_layers
-    keys = tuple(passed_keys[layer][supplied] if layer < len(passed_keys) else ctx.cached_keys[layer][among_reused]
-                 for layer in range(num_layers))
-    values = tuple(passed_values[layer][supplied] if layer < len(passed_values)
-                   else ctx.cached_values[layer][among_reused] for layer in range(num_layers))
+    cfg = model.config
+    if not reused.numel():      # nothing could be reused after all (a segment not loaded): every row computed
+        none = torch.empty((0, cfg.num_kv_heads, cfg.head_dim), dtype=model.dtype, device=model.device)
+        keys = values = (none,) * cfg.num_layers
+    else:
+        keys = tuple(passed_keys[layer][supplied] if layer < len(passed_keys)
+                     else ctx.cached_keys[layer][among_reused] for layer in range(cfg.num_layers))
+        values = tuple(passed_values[layer][supplied] if layer < len(passed_values)
+                       else ctx.cached_values[layer][among_reused] for layer in range(cfg.num_layers))
     return BlendRows(num_known, tuple(torch.nonzero(computed).flatten().tolist()), tuple(supplied.tolist()),
                      keys, values, int(reused.numel()), int(selected.numel()), attention_keys_per_row(model.config))
 

@@ -156,6 +156,8 @@ def hand_made_results() -> list[RagResult]:
 def test_results_compare_each_answer_with_full_prefills_in_its_round():
     full, prefix, blend = hand_made_results()
     assert [r.method for r in (full, prefix, blend)] == ["full", "prefix", "blend@0.1"]
+    both = rag.methods([0.1], outside_too=True)
+    assert [(m.name, m.in_batch) for m in both[2:]] == [("blend@0.1", None), ("blend@0.1 outside", False)]
     assert blend.agreements == pytest.approx((1.0, 1 / 3, 0.0, 1.0))
     assert (full.num_identical, prefix.num_identical, blend.num_identical) == (4, 4, 2)
     assert (blend.num_correct, blend.num_answers) == (2, 4)
@@ -225,23 +227,25 @@ def test_a_tiny_run_end_to_end(default_model, text):
 
 def test_decoders_beside_the_queries_get_a_token_every_step(default_model, text):
     """``--decoders``: two requests decode while each query prefills in chunks (prefix), blends
-    a few layers a step, or blends whole; each step gives each decoder a token (one ITL sample),
-    the whole blend takes one step, the one in steps more."""
+    with its rows in the batch, blends a few layers a step outside it, or blends whole; each step
+    gives each decoder a token (one ITL sample), the whole blend takes one step, the others more."""
     tokenizer = default_model.tokenizer
     documents = make_documents(text, tokenizer, 3, 64, seed=0)
     queries = make_queries(3, 2, 2, seed=1)
 
     def make_llm(m: rag_itl.ItlMethod) -> LLM:
         return LLM(loaded=default_model, num_kv_blocks=128, max_num_batched_tokens=32,
-                   blend_in_steps=m.blend_in_steps, blend_cost_model=False)
+                   blend_in_steps=m.blend_in_steps, blend_cost_model=False,
+                   **({} if m.in_batch is None else {"blend_in_batch": m.in_batch}))
 
-    chosen = rag_itl.itl_methods([0.5])
-    assert [m.name for m in chosen] == ["prefix", "blend@0.5", "blend@0.5 whole"]
+    chosen = rag_itl.itl_methods([0.5], outside_too=True)
+    assert [m.name for m in chosen] == ["prefix", "blend@0.5", "blend@0.5 outside", "blend@0.5 whole"]
     results = rag_itl.run_itl(make_llm, chosen, documents, queries, 2, "both", lambda _: None)
-    alone, prefix, stepped, whole = results
-    assert [r.name for r in results] == ["alone (no query)", "prefix", "blend@0.5", "blend@0.5 whole"]
-    assert whole.steps == [1, 1] and all(s > 1 for s in stepped.steps) and all(s > 1 for s in prefix.steps)
-    for r in (prefix, stepped, whole):
+    alone, prefix, in_batch, stepped, whole = results
+    assert [r.name for r in results] == ["alone (no query)", "prefix", "blend@0.5", "blend@0.5 outside",
+                                         "blend@0.5 whole"]
+    assert whole.steps == [1, 1] and all(s > 1 for r in (prefix, in_batch, stepped) for s in r.steps)
+    for r in (prefix, in_batch, stepped, whole):
         assert len(r.ttft_s) == 2 and len(r.gaps_s) == 2 * sum(r.steps)
     assert len(alone.gaps_s) == 2 * sum(prefix.steps)          # the first method's steps, decoders alone
     assert "blend@0.5 whole" in rag_itl.render_itl(results)

@@ -91,7 +91,9 @@ def test_the_engine_blends_with_each_selection_as_blend_prefill_does(loaded, sel
 
 
 def test_segments_are_shared_across_requests_and_lossy_blocks_never_cached(loaded):
-    llm = LLM(loaded=loaded, num_kv_blocks=48)
+    # the cost model off: in the batch the deviation selection runs the rows kept through the 2
+    # layers of the tiny model again, so it would never pay here (blend_work)
+    llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False)
     engine = llm.engine
     assert llm.cache_segments([DOCS[0], DOCS[1], DOCS[2], DOCS[3]]) == 32 + 32 + 48 + 16
     assert llm.cache_segments([DOCS[2]]) == 0
@@ -111,7 +113,7 @@ def test_the_exact_head_before_the_first_segment_is_cached_and_hit(loaded):
     """A blended prompt's tokens before its first segment (a system prompt) attend to no reused
     KV, so they are computed exactly: their full blocks are cached and hit by the next prompt,
     blended or plain; the blocks from the first segment on never are."""
-    llm = LLM(loaded=loaded, num_kv_blocks=64)
+    llm = LLM(loaded=loaded, num_kv_blocks=64, blend_cost_model=False)
     engine = llm.engine
     assert llm.cache_segments([DOCS[0], DOCS[2]]) == 32 + 48
     cached_before = engine.kv.pool.num_cached_blocks
@@ -283,8 +285,9 @@ def test_the_cost_model_weighs_a_tier_load_against_the_partial_recompute(loaded,
     # a 48-token segment in the host tier. Blending saves 48 - 48 * (1/2 + 0.15/2) = 20.4
     # token-equivalents (2 layers, select layer 1) and costs the load: at a prefill speed
     # where loading still beats recomputing those 48 tokens (the tier's own verdict) but
-    # the load costs more than 20.4 tokens' compute, the request gets a full prefill.
-    llm = LLM(loaded=loaded, num_kv_blocks=24, host_cache_gb=0.01)
+    # the load costs more than 20.4 tokens' compute, the request gets a full prefill. (Outside
+    # the batch: inside it the rows kept run through the tiny model's 2 layers twice.)
+    llm = LLM(loaded=loaded, num_kv_blocks=24, host_cache_gb=0.01, blend_in_batch=False)
     engine = llm.engine
     llm.cache_segments([DOCS[2]])
     llm.generate([tokens(16 * 23 + 3, 20)], SamplingParams(max_tokens=1))
@@ -311,7 +314,7 @@ def test_decoding_requests_keep_stepping_while_a_prompt_blends(loaded):
     are those of the blend run whole before one step (``blend_in_steps`` off)."""
     def run(in_steps: bool) -> tuple[list[list[str]], dict[str, list[int]]]:
         llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False, max_num_batched_tokens=16,
-                  blend_in_steps=in_steps)
+                  blend_in_steps=in_steps, blend_in_batch=False)
         engine = llm.engine
         llm.cache_segments(DOCS[:3])
         decoding = engine.add_request(tokens(10, 40), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
@@ -354,14 +357,17 @@ def test_a_request_aborted_while_it_blends_frees_its_blocks_and_seat(loaded):
     assert again.error is None and len(again.token_ids) == 6
 
 
-def test_a_blend_that_fails_midway_fails_alone(loaded, monkeypatch):
-    llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False, max_num_batched_tokens=16)
+@pytest.mark.parametrize("in_batch", [True, False])
+def test_a_blend_that_fails_midway_fails_alone(loaded, monkeypatch, in_batch):
+    llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False, max_num_batched_tokens=16,
+              blend_in_batch=in_batch)
     engine = llm.engine
     llm.cache_segments(DOCS[:3])
 
     def broken(task):
         raise RuntimeError("no room to write")
-    monkeypatch.setattr(engine.blending.blender, "finish", broken)
+    # in the batch the blend's last part outside it hands its rows over; else it writes the KV
+    monkeypatch.setattr(engine.blending.blender, "rows" if in_batch else "finish", broken)
     plain = engine.add_request(tokens(10, 40), GREEDY)
     failed = engine.add_request(rag([0, 1, 2], 0.15), GREEDY)
     done = {}

@@ -4,6 +4,7 @@ engine's steps, through its attention backends and KV formats, beside other requ
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def test_the_batch_computes_the_dense_blend(four_layers, selection, backend):
     assert [p for chunk in chunks for p in chunk] == list(rows.computed)
     assert len(rows.computed) == 11 + 3 + 7 + ref.num_recomputed_tokens
     cost = lambda positions: sum(1 + (p + 1) / rows.keys_per_row for p in positions)
-    for chunk, after in zip(chunks, chunks[1:]):
+    for chunk, after in itertools.pairwise(chunks):
         assert cost(chunk) <= 16 < cost((*chunk, after[0])) or len(chunk) == 1
     assert req.num_recomputed_tokens == ref.num_recomputed_tokens
     stored = read_tokens(engine.runner.cache, engine.kv.block_ids(rid), req.prompt_token_ids)
