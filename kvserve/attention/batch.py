@@ -56,7 +56,8 @@ class BatchBuilder:
         self.write_rows: list[int] = []
         self.supplied: list[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], int, int]] = []
         self.num_supplied = 0
-        self.paged_rows: dict[int, int] = {}    # index in ``paged`` -> the row its last block is read from
+        # sequences in ``paged`` whose queries are not consecutive: index -> their positions
+        self.paged_positions: dict[int, tuple[int, ...]] = {}
 
     def add(self, req: Request, n: int, block_ids: list[int], budgets: Budgets, draft: tuple[int, ...] = ()) -> None:
         """``n`` new tokens of ``req`` from its first not computed, the last ``len(draft)`` of
@@ -129,30 +130,18 @@ class BatchBuilder:
                 self.write_rows.append(-1 - self.num_supplied - (pos - start - at))
         self.supplied.append((rows.keys, rows.values, first, last))
         self.num_supplied += last - first
-        # one query sequence per run of consecutive computed rows, each seeing the keys up to its
-        # own last row; a run that stops inside a block reads that block from the row the step
-        # writes it in (a block it fills is encoded for the reads of later runs)
+        # one query sequence: each row sees the keys up to its own position (``query_positions``)
         bs, dev = self.block_size, self.device
-        runs, first_row = [], 0
-        for i in range(1, len(computed) + 1):
-            if i == len(computed) or computed[i] != computed[i - 1] + 1:
-                runs.append((first_row, i - first_row, computed[i - 1] + 1))
-                first_row = i
+        num_blocks = -(-end // bs)
         if self.backend.reads_in_place:
-            for row, count, stop in runs:
-                ids = block_ids[:-(-stop // bs)]
-                self.paged.append((flat_start + row, count, stop, ids))
-                self.paged_rows[len(self.paged) - 1] = self.writes.step_rows(ids[-1:])[0]
+            self.paged.append((flat_start, len(computed), end, block_ids[:num_blocks]))
+            self.paged_positions[len(self.paged) - 1] = computed
             return
-        if self.writes.step_rows(block_ids[start // bs:-(-end // bs)]) == [-1] * (-(-end // bs) - start // bs):
-            runs = [(0, len(computed), end)]        # no block read from a row: one call, masked
-        for row, count, stop in runs:
-            num_blocks = -(-stop // bs)
-            query_pos = torch.tensor(computed[row:row + count], dtype=torch.long, device=dev)
-            mask = torch.arange(num_blocks * bs, device=dev)[None, :] <= query_pos[:, None]
-            table = torch.tensor([block_ids[:num_blocks]], dtype=torch.long, device=dev)
-            overlay = self.writes.step_overlay([(num_blocks - 1, block_ids[num_blocks - 1])]) if stop % bs else None
-            self.prefills.append(PrefillChunk(flat_start + row, flat_start + row + count, start, table, mask, overlay))
+        query_pos = torch.tensor(computed, dtype=torch.long, device=dev)
+        mask = torch.arange(num_blocks * bs, device=dev)[None, :] <= query_pos[:, None]
+        table = torch.tensor([block_ids[:num_blocks]], dtype=torch.long, device=dev)
+        overlay = self.writes.overlay([(num_blocks - 1, block_ids[num_blocks - 1])])
+        self.prefills.append(PrefillChunk(flat_start, flat_start + len(computed), start, table, mask, overlay))
 
     def _take(self, start: int, tokens: Sequence[int]) -> int:
         flat_start = len(self.input_ids)
@@ -228,14 +217,15 @@ class BatchBuilder:
         def int32(values: list[int] | list[list[int]]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=dev)
 
-        open_rows = self.writes.open_rows([ids[-1] for *_, ids in self.paged])
-        for k, row in self.paged_rows.items():
-            open_rows[k] = row
+        positions = None
+        if self.paged_positions:
+            positions = int32([p for k, (_, n, end, _) in enumerate(self.paged)
+                               for p in self.paged_positions.get(k, range(end - n, end))])
         batch = PagedBatch(
             block_tables=int32(tables), context_lens=int32([end for _, _, end, _ in self.paged]),
-            query_starts=int32(starts), open_rows=int32(open_rows),
+            query_starts=int32(starts), open_rows=int32(self.writes.open_rows([ids[-1] for *_, ids in self.paged])),
             block_size=self.block_size, max_query_len=max(n for _, n, _, _ in self.paged),
-            max_context_len=max(end for _, _, end, _ in self.paged))
+            max_context_len=max(end for _, _, end, _ in self.paged), query_positions=positions)
         scores = None
         if self.scored:
             score_from = [n for _, n, _, _ in self.paged]           # past the last query: none scored
@@ -269,7 +259,8 @@ class BatchBuilder:
                         block_tables=torch.tensor(rows, dtype=torch.int32, device=dev),
                         context_lens=torch.tensor(row_lens, dtype=torch.int32, device=dev),
                         query_starts=batch.query_starts, open_rows=batch.open_rows, block_size=bs,
-                        max_query_len=batch.max_query_len, max_context_len=batch.max_context_len)
+                        max_query_len=batch.max_query_len, max_context_len=batch.max_context_len,
+                        query_positions=batch.query_positions)
                 made[key] = layer_batch
             out.append(layer_batch)
         return tuple(out)

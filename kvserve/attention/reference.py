@@ -42,7 +42,8 @@ def reference_attention(q: torch.Tensor, key_codec: HalfCodec, key: HalfStore, v
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         logits = torch.einsum("nhd,lhd->hnl", qs, k) * scale
-        query_pos = torch.arange(length - n, length)
+        query_pos = (torch.arange(length - n, length) if batch.query_positions is None
+                     else batch.query_positions[starts[s]:starts[s + 1]].long().cpu())
         causal = torch.arange(length)[None, :] <= query_pos[:, None]   # [n, L]
         logits = logits.masked_fill(~causal.to(logits.device), float("-inf"))
         out[starts[s]:starts[s + 1]] = torch.einsum("hnl,lhd->nhd", logits.softmax(dim=-1), v).to(q.dtype)

@@ -228,7 +228,7 @@ def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_s
 
 @triton.jit
 def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_rows,
-           tables, s_table, context_lens, query_starts, open_rows,
+           tables, s_table, context_lens, query_starts, open_rows, query_positions,
            H, num_q_tiles, tokens_per_split, qk_scale,
            k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
            kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
@@ -240,8 +240,10 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
            V_NOUT: tl.constexpr, V_HAS_RESIDUAL: tl.constexpr,
            GROUP: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
-           DOT: tl.constexpr, F32_DOTS: tl.constexpr):
-    """One program: ROWS (query, head) rows of one sequence over one split of its keys."""
+           DOT: tl.constexpr, F32_DOTS: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """One program: ROWS (query, head) rows of one sequence over one split of its keys. With
+    HAS_POSITIONS each query's position is read from ``query_positions`` (ascending, the last
+    at length - 1: a prefill with gaps), else a sequence's queries are its last n positions."""
     s_idx = tl.program_id(0) // num_q_tiles
     q_tile = tl.program_id(0) % num_q_tiles
     h = tl.program_id(1)
@@ -258,14 +260,19 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
         if open_row >= 0:
             tail_lo = (length // BLOCK_SIZE) * BLOCK_SIZE
     lo = split * tokens_per_split
-    # keys past this tile's last query are masked for every row: stop there
-    hi = tl.minimum(tl.minimum(lo + tokens_per_split, length), length - n + tl.minimum(n, (q_tile + 1) * QUERIES))
-
     rows = tl.arange(0, ROWS)
     j = q_tile * QUERIES + rows // GROUP
     row_ok = (rows < QUERIES * GROUP) & (j < n)
     head = h * GROUP + rows % GROUP
-    pos = length - n + j
+    last_q = tl.minimum(n, (q_tile + 1) * QUERIES) - 1
+    if HAS_POSITIONS:
+        pos = tl.load(query_positions + q_start + j, mask=row_ok, other=0)
+        last_pos = tl.load(query_positions + q_start + last_q)
+    else:
+        pos = length - n + j
+        last_pos = length - n + last_q
+    # keys past this tile's last query are masked for every row: stop there
+    hi = tl.minimum(tl.minimum(lo + tokens_per_split, length), last_pos + 1)
     dd = tl.arange(0, D_PAD)
     d_ok = dd < D
     q_rows = (q_start + j).to(tl.int64)

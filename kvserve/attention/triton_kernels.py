@@ -144,13 +144,15 @@ def attend_launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Page
     tables = batch.block_tables if batch.block_tables.stride(1) == 1 else batch.block_tables.contiguous()
     args = [q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), *partials, num_tokens * num_heads,
             tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
+            batch.context_lens if batch.query_positions is None else batch.query_positions,   # not read without
             num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
             *_half_args(key), *_half_args(value)]
     constants = {**_half_constants("K", key), **_half_constants("V", value),
                  "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
                  "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
                  "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
-                 "SPLIT": cfg.num_splits > 1, "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots}
+                 "SPLIT": cfg.num_splits > 1, "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots,
+                 "HAS_POSITIONS": batch.query_positions is not None}
     return AttendLaunch((batch.num_seqs * num_q_tiles, num_kv_heads, cfg.num_splits), args, constants)
 
 
@@ -302,5 +304,8 @@ def _check_batch(batch: PagedBatch, device: torch.device) -> None:
                              f"{tuple(t.shape)} on {t.device}")
     if batch.block_tables.shape[0] != s or batch.open_rows.shape[0] != s or batch.query_starts.shape[0] != s + 1:
         raise ValueError(f"batch tensors disagree on the number of sequences ({s})")
+    positions = batch.query_positions
+    if positions is not None and (positions.dtype != torch.int32 or positions.dim() != 1 or positions.device != device):
+        raise ValueError(f"batch.query_positions must be a 1-d int32 tensor on {device}")
     if batch.block_size < 1 or batch.max_query_len < 0 or batch.max_context_len < 0:
         raise ValueError("batch.block_size must be positive and the maxima non-negative")

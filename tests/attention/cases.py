@@ -96,3 +96,12 @@ def to_device(case: Case, device: str) -> Case:
                        b.open_rows.to(device), b.block_size, b.max_query_len, b.max_context_len)
     return Case(case.q.to(device), case.key_codec, half(case.key), case.value_codec, half(case.value), batch,
                 case.scale, case.raw_keys, case.raw_values)
+
+
+def with_positions(case: Case, positions: list[list[int]]) -> Case:
+    """``case`` with each sequence's queries at ``positions`` (ascending, the last at its last
+    context position) instead of its last tokens: a prefill with gaps."""
+    from dataclasses import replace
+
+    flat = torch.tensor([p for seq in positions for p in seq], dtype=torch.int32, device=case.batch.context_lens.device)
+    return replace(case, batch=replace(case.batch, query_positions=flat))

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from attention.cases import Case, make_case
+from attention.cases import Case, make_case, with_positions
 
 from kvserve.attention import cpu
 from kvserve.attention.cpu_extension import load_extension, supported_isas
@@ -76,6 +76,35 @@ def test_prefill_longer_than_a_tile() -> None:
     """A chunk of more query rows than one work item holds is cut into query tiles."""
     check(make_case("kivi2", lens=[300], num_queries=[300], group=3, seed=3))
     check(make_case("fp32", lens=[700, 50], num_queries=[200, 50], group=8, head_dim=128, block_size=32, seed=4))
+
+
+# each sequence's queries at given positions: gaps, a run inside a block, one over a block's end
+GAPPED_LENS, GAPPED = [40, 33, 7], [[3, 10, 11, 20, 31, 38, 39], [0, 15, 16, 17, 32], [6]]
+
+
+@pytest.mark.parametrize("spec", ["fp32", "int8", "kivi2+out4", "kivi4+had"])
+def test_queries_at_given_positions_match_the_reference(spec: str) -> None:
+    """``PagedBatch.query_positions``: each query sees the keys up to its own position, through
+    the unregistered and the registered entry points alike (a blend's rows, in the batch)."""
+    k, v = halves(spec)
+    case = with_positions(make_case(k, v, lens=GAPPED_LENS, num_queries=[7, 5, 1], group=3, seed=5), GAPPED)
+    ref = case.reference()
+    plain = make_case(k, v, lens=GAPPED_LENS, num_queries=[7, 5, 1], group=3, seed=5).reference()
+    assert not torch.allclose(ref, plain)           # the positions matter
+    check(case)
+    ext = load_extension()
+    halves_ = cpu.register_halves(ext, case.key, case.value, case.q.shape[-1])
+    got = cpu.run_registered(ext, halves_, case.q.contiguous(), case.batch, case.scale)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+
+
+def test_bad_query_positions_raise() -> None:
+    case = make_case("fp32", lens=[40], num_queries=[3], seed=1)
+    for positions, match in (([[3, 10, 38]], "last query must sit at its last context position"),
+                             ([[10, 3, 39]], "query positions must ascend"),
+                             ([[-1, 3, 39]], "query positions must ascend")):
+        with pytest.raises(ValueError, match=match):
+            check(with_positions(case, positions))
 
 
 def test_residual_and_plain_halves_in_one_call() -> None:

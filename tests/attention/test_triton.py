@@ -231,6 +231,19 @@ def test_residual_on_one_half_only() -> None:
     check(case)
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "kivi2+out4"])
+def test_queries_at_given_positions(fmt: str) -> None:
+    """``PagedBatch.query_positions`` (a prefill with gaps): each query over the keys up to its
+    own position, one tile and several, with splits."""
+    from attention.cases import with_positions
+
+    case = with_positions(make_case(fmt, lens=[40, 33, 7], num_queries=[7, 5, 1], num_kv_heads=2, group=3,
+                                    block_size=16, device=DEVICE, seed=5),
+                          [[3, 10, 11, 20, 31, 38, 39], [0, 15, 16, 17, 32], [6]])
+    check(case)
+    check(case, run(case, config=forced_splits(case)))
+
+
 def test_open_rows_of_full_last_blocks_are_ignored() -> None:
     """A full last block is read from its parts even when open_rows names a row (of garbage).
     (The reference overlays the row whenever open_rows >= 0, so it is run without it.)"""

@@ -229,3 +229,30 @@ def test_the_choice_alone_is_what_blend_prefill_chooses(loaded):
     assert (rows.num_reused_tokens, rows.num_recomputed_tokens) == (73, len(selected))
     segmented = SegmentedPrompt([head, Segment(DOCS[0]), Segment(DOCS[1]), question], 0.2)
     assert plain(segmented) == list(prompt.token_ids)
+
+
+def test_a_budgeted_request_beside_the_blends_rows(loaded):
+    """A plain request under a KV budget (its attention weights added up by the CPU kernel as it
+    attends) shares the steps with a blend's rows (queries at given positions): the tokens of
+    the torch path, for both."""
+    outs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(loaded=loaded, num_kv_blocks=64, blend_cost_model=False, attention_backend=backend,
+                  max_num_batched_tokens=16)
+        engine = llm.engine
+        llm.cache_segments(DOCS[:3])
+        budgeted = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, kv_budget=32, kv_policy="snapkv")
+        engine.add_request(tokens(40, 50), budgeted, request_id="budgeted")
+        engine.add_request(rag([0, 1, 2], 0.15), GREEDY, request_id="blended")
+        got, shared = {}, 0
+        while engine.has_unfinished:
+            rows = engine._requests.get("blended")
+            had_rows = rows is not None and rows.blend_rows is not None
+            for o in engine.step():
+                got[o.request_id] = list(o.token_ids)
+            budget = engine._requests.get("budgeted")
+            shared += had_rows and budget is not None and budget.num_computed_tokens > 40
+        assert shared > 0 and engine.kv.budgets.num_compactions >= 1
+        engine.check_integrity()
+        outs[backend] = got
+    assert outs["cpu"] == outs["torch"] and len(outs["cpu"]["budgeted"]) == 24

@@ -12,6 +12,10 @@
 //
 //   sequence s, tile t:  keys 0 ........................ nkeys-1      (nkeys = last query pos + 1)
 //                        | split 0 | split 1 | ... | split n-1 |      each a run of whole blocks
+//
+// A sequence's n queries are its last n positions (len - n + i), or, with query positions
+// (`qpos`), any ascending positions ending at len - 1: a prefill with gaps (a blend's rows,
+// kvserve/attention/batch.py), each query seeing the keys up to its own position.
 #pragma once
 
 #include <omp.h>
@@ -67,7 +71,13 @@ struct Batch {
   float* scores = nullptr;
   const int32_t* score_from = nullptr;
   int64_t score_ld = 0;
+  const int32_t* qpos = nullptr;   // [T] each query's position (optional; see the top of this file)
 };
+
+// Keys query i of sequence s (n queries, len context tokens) sees: those up to its position.
+inline int64_t visible_keys(const Batch& b, int64_t s, int64_t n, int64_t len, int64_t i) {
+  return b.qpos != nullptr ? int64_t{b.qpos[b.starts[s] + i]} + 1 : len - n + i + 1;
+}
 
 inline bool in_residual(const HalfView& v, const Batch& b, int64_t s, int64_t kb) {
   const int64_t len = b.lens[s];
@@ -204,6 +214,13 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
                                                                       "'s side slot is outside the side pool");
       }
     }
+    if (b.qpos != nullptr) {
+      const int32_t* p = b.qpos + b.starts[s];
+      KVS_REQUIRE(p[n - 1] == len - 1, seq() + "its last query must sit at its last context position");
+      for (int64_t i = 0; i < n; ++i) {
+        KVS_REQUIRE(p[i] >= 0 && (i == 0 || p[i] > p[i - 1]), seq() + "query positions must ascend from 0 up");
+      }
+    }
     const int64_t open = b.open[s];
     if (len % B) {
       for (const HalfView* v : {&K, &V}) {
@@ -219,7 +236,8 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
     const int64_t heads_per_group = std::max<int64_t>(1, std::min<int64_t>(H, kMaxRows / (n * b.group)));
     const int64_t tile_queries = std::max<int64_t>(1, std::min<int64_t>(n, kMaxRows / (b.group * heads_per_group)));
     for (int64_t q0 = 0; q0 < n; q0 += tile_queries) {
-      const int64_t q1 = std::min(n, q0 + tile_queries), nkeys = len - n + q1, nb = (nkeys + B - 1) / B;
+      const int64_t q1 = std::min(n, q0 + tile_queries), nkeys = visible_keys(b, s, n, len, q1 - 1);
+      const int64_t nb = (nkeys + B - 1) / B;
       for (int64_t h0 = 0; h0 < H; h0 += heads_per_group) {
         const int64_t h1 = std::min(H, h0 + heads_per_group);
         plan.groups.push_back({s, q0, q1, h0, h1, nkeys, nb, nb, 1});
@@ -290,7 +308,7 @@ inline void add_scores(const Batch& b, const Plan& plan, const ScoreTask& task, 
     for (int64_t rr = 0; rr < rows; ++rr) {
       const int64_t i = g.q0 + rr / b.group;
       if (i < b.score_from[s]) continue;
-      const int64_t r = hh * rows + rr, visible = len - n + i + 1;
+      const int64_t r = hh * rows + rr, visible = visible_keys(b, s, n, len, i);
       const float* lg = logits + g.lg + r * g.nkeys;
       const float mx = logits[g.norm + 2 * r], inv = 1.0f / logits[g.norm + 2 * r + 1];
       for (int64_t j = 0; j < visible; ++j) out[j] += std::exp2(lg[j] - mx) * inv;
@@ -347,7 +365,7 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
   const int64_t s = g.s, n = b.starts[s + 1] - b.starts[s], len = b.lens[s], ld = b.ld, D = b.D;
   const int64_t nh = g.h1 - g.h0, rows = (g.q1 - g.q0) * b.group;  // rows per head
   for (int64_t i = g.q0; i < g.q1; ++i) {
-    for (int64_t k = 0; k < b.group; ++k) w.visible[(i - g.q0) * b.group + k] = len - n + i + 1;
+    for (int64_t k = 0; k < b.group; ++k) w.visible[(i - g.q0) * b.group + k] = visible_keys(b, s, n, len, i);
   }
   for (int64_t hh = 0; hh < nh; ++hh) {
     for (int64_t i = g.q0; i < g.q1; ++i) {

@@ -81,17 +81,6 @@ class WritePlanner(ABC):
         open, in a storage that keeps rows), or -1: what a kernel's ``PagedBatch.open_rows``
         takes."""
 
-    def step_rows(self, block_ids: Sequence[int]) -> list[int]:
-        """For each block id, the residual row holding its keys and values as written while
-        this step runs (every block the step writes, in a storage that keeps rows: open after
-        the step or encoded by it), or -1. A blend's chunk reads a block its rows stop inside
-        from there (attention/batch.py: ``add_blend``)."""
-        return [-1] * len(block_ids)
-
-    def step_overlay(self, last_blocks: Sequence[tuple[int, int]]) -> Overlay | None:
-        """``overlay`` with ``step_rows``: the blocks read from their rows as they stand in this step."""
-        return None
-
     @abstractmethod
     def build(self) -> StepWrites:
         """The step's writes as tensors on the storage's device."""

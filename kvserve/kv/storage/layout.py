@@ -154,6 +154,9 @@ class PagedBatch:
     block_size: int
     max_query_len: int
     max_context_len: int
+    # [T] each query's position, ascending within its sequence and ending at its last context
+    # position (a prefill with gaps: a blend's rows); None: a sequence's queries are its last n
+    query_positions: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -355,7 +355,6 @@ class _QuantizedPlanner(WritePlanner):
         self.encode_rows: list[int] = []
         self.encode_blocks: list[int] = []
         self.open_rows_of: dict[int, int] = {}      # block id -> row, blocks left open by this step
-        self.rows_of: dict[int, int] = {}           # block id -> row, every block this step writes
         self.kept_blocks: list[int] = []            # blocks encoded while holding drafted tokens
 
     def add(self, block_ids: list[int], first_slot: int, num_new: int, num_drafted: int = 0) -> None:
@@ -365,7 +364,6 @@ class _QuantizedPlanner(WritePlanner):
         if not self.keeps_rows:
             return
         rows = {i: self.residual.assign(block_ids[i]) for i in range(start // bs, (end - 1) // bs + 1)}
-        self.rows_of.update((block_ids[i], row) for i, row in rows.items())
         self.residual_slots.extend(rows[p // bs] * bs + p % bs for p in range(start, end))
         for i, row in rows.items():
             if (i + 1) * bs <= end:
@@ -380,16 +378,7 @@ class _QuantizedPlanner(WritePlanner):
             self.open_rows_of[block_ids[end // bs]] = rows[end // bs]
 
     def overlay(self, last_blocks: Sequence[tuple[int, int]]) -> Overlay | None:
-        return self._overlay(last_blocks, self.open_rows_of)
-
-    def step_rows(self, block_ids: Sequence[int]) -> list[int]:
-        return [self.rows_of.get(block, -1) for block in block_ids]
-
-    def step_overlay(self, last_blocks: Sequence[tuple[int, int]]) -> Overlay | None:
-        return self._overlay(last_blocks, self.rows_of)
-
-    def _overlay(self, last_blocks: Sequence[tuple[int, int]], rows_of: dict[int, int]) -> Overlay | None:
-        hits = [(position, rows_of[block]) for position, block in last_blocks if block in rows_of]
+        hits = [(position, self.open_rows_of[block]) for position, block in last_blocks if block in self.open_rows_of]
         if not hits:
             return None
         return Overlay(torch.tensor([p for p, _ in hits], dtype=torch.long, device=self.device),
