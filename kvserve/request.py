@@ -140,20 +140,24 @@ class BlendRows:
         """One past the prompt's last position."""
         return self.computed[-1] + 1
 
-    def chunk(self, start: int, budget: int) -> tuple[int, int, int]:
+    def chunk(self, start: int, budget: int, max_positions: int) -> tuple[int, int, int]:
         """The chunk from position ``start``: (positions it covers, rows it computes, its cost
         rounded up). It ends right after its last computed row whose cost (with the rows' before
-        it) stays within ``budget``, one row at least, or at the prompt's end."""
-        if budget < 1:
-            raise ValueError(f"a chunk's budget is at least one row, got {budget}")
+        it) stays within ``budget``, one row at least, or at the prompt's end; and it covers at
+        most ``max_positions`` (a step's writes: the storage is sized for them), so where the next
+        computed row lies further it covers that many supplied positions and computes nothing."""
+        if budget < 1 or max_positions < 1:
+            raise ValueError(f"a chunk's budget and positions are at least one, got {budget}, {max_positions}")
         first = last = bisect_left(self.computed, start)
         cost = 0.0
-        while last < len(self.computed):
+        while last < len(self.computed) and self.computed[last] < start + max_positions:
             row = 1.0 + (self.computed[last] + 1) / self.keys_per_row     # position p attends p + 1 keys
             if last > first and cost + row > budget:
                 break
             cost += row
             last += 1
+        if last == first:
+            return max_positions, 0, 0
         return self.computed[last - 1] + 1 - start, last - first, math.ceil(cost - 1e-9)
 
     def computed_in(self, start: int, end: int) -> tuple[int, ...]:

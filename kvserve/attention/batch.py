@@ -114,8 +114,8 @@ class BatchBuilder:
             raise ValueError(f"request {req.request_id} has no blend rows")
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
         computed = rows.computed_in(start, end)
-        if not computed or computed[-1] != end - 1:
-            raise ValueError(f"a blend's chunk ends at a computed row: [{start}, {end}) does not")
+        if computed and computed[-1] != end - 1:
+            raise ValueError(f"a blend's chunk with computed rows ends at one: [{start}, {end}) does not")
         first, last = rows.supplied_in(start, end)
         flat_start = len(self.input_ids)
         self.input_ids.extend(req.all_token_ids[p] for p in computed)
@@ -123,13 +123,15 @@ class BatchBuilder:
         self.writes.add(block_ids, start, n)
         at = 0
         for pos in range(start, end):
-            if computed[at] == pos:
+            if at < len(computed) and computed[at] == pos:
                 self.write_rows.append(flat_start + at)
                 at += 1
             else:
                 self.write_rows.append(-1 - self.num_supplied - (pos - start - at))
         self.supplied.append((rows.keys, rows.values, first, last))
         self.num_supplied += last - first
+        if not computed:
+            return      # supplied positions only: written, nothing attends
         # one query sequence: each row sees the keys up to its own position (``query_positions``)
         bs, dev = self.block_size, self.device
         num_blocks = -(-end // bs)

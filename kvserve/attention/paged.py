@@ -9,7 +9,10 @@ and the fallback.
 A step's tokens are flattened into one batch: each request contributes a run of
 consecutive tokens. Requests with a single new token (decodes) are attended in
 one padded call; each prefill chunk gets its own call, causal within the chunk
-and open to the request's earlier tokens already in the cache.
+and open to the request's earlier tokens already in the cache. A blend's chunk
+(``kvserve.request.BlendRows``) contributes its computed rows, positions with gaps: each
+attends up to its own position (``PagedBatch.query_positions``), and the step also writes
+the keys and values of the positions between them, given (``SuppliedKV``).
 
     flat tokens  | p0 p0 p0 p0 | d1 | p2 p2 | d3 |
     decode group: token_idx = [4, 7], block_table [2, max_blocks], mask [2, 1, 1, max_blocks * block_size]

@@ -306,6 +306,8 @@ class LLMEngine:
         """Feed the step's time to the cost models: the tiers' load-or-recompute (steps mostly
         prefill), speculation's (steps that only decode, drafts besides)."""
         num_prefill = sum(n for c in out.chunks if (n := c.num_computed_rows - len(c.draft)) > 1)
+        if not out.num_batched_tokens:
+            return      # a step that only wrote a blend's supplied keys and values
         if 2 * num_prefill >= out.num_batched_tokens:
             self.kv.tiering.observe_prefill(out.num_batched_tokens, seconds)
         elif num_prefill == 0 and self.speculator is not None:

@@ -55,7 +55,10 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         ids, pos, meta = self.build_metadata(out)
-        hidden = self.model.forward(ids, pos, self.cache, meta)
+        if ids.numel():
+            hidden = self.model.forward(ids, pos, self.cache, meta)
+        else:
+            hidden = self._write_only(meta)
         self.cache.finish_step(meta.write)
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
@@ -77,6 +80,16 @@ class ModelRunner:
         else:
             logits = torch.empty(0, 0)
         return StepResult(sample_requests, drafts, logits, prompt_logprobs)
+
+    def _write_only(self, meta: AttentionMetadata) -> torch.Tensor:
+        """A step that computes no row, only writes a blend's supplied keys and values (a stretch
+        of them longer than a step's writes); no hidden states."""
+        cfg = self.model.config
+        none = torch.empty((0, cfg.num_kv_heads, cfg.head_dim), dtype=self.model.dtype, device=self.device)
+        assert meta.supplied is not None
+        for layer in range(cfg.num_layers):
+            self.cache.write(layer, *meta.supplied.merge(layer, none, none), meta.write)
+        return torch.empty((0, cfg.hidden_size), dtype=self.model.dtype, device=self.device)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, n: int) -> list[TokenLogprob]:
         # hidden row i (position start+i) predicts prompt token start+i+1

@@ -148,9 +148,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_rows = cost = None
             if req.blend_rows is not None:      # its budget counts the rows' attention (BlendRows.chunk)
-                # without chunked prefill, in one step as a whole prompt would be
+                # without chunked prefill, as many rows as a whole prompt (the step's writes are capped alike)
                 rows_budget = budget if self.config.enable_chunked_prefill else req.num_tokens * req.num_tokens
-                num_new, num_rows, cost = req.blend_rows.chunk(req.num_computed_tokens, rows_budget)
+                num_new, num_rows, cost = req.blend_rows.chunk(req.num_computed_tokens, rows_budget,
+                                                               self.config.max_num_batched_tokens)
             else:
                 num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             draft = tuple(drafts.get(req.request_id, ()))[:budget - 1] if num_new == 1 and num_rows is None else ()

@@ -4,7 +4,6 @@ engine's steps, through its attention backends and KV formats, beside other requ
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
@@ -62,15 +61,24 @@ def test_the_batch_computes_the_dense_blend(four_layers, selection, backend):
         engine.step()
         rows = rows or req.blend_rows
         if req.num_computed_tokens > before:
-            chunks.append(rows.computed_in(before, req.num_computed_tokens))
+            chunks.append((before, req.num_computed_tokens))
     # the choice runs first (outside the batch); then chunks of computed rows, each as many as
-    # the step's 16 tokens of budget hold, a row costing 1 + the keys it attends / keys_per_row
+    # the step's 16 tokens of budget hold, a row costing 1 + the keys it attends / keys_per_row,
+    # over at most 16 positions (a step's writes): a longer stretch of supplied positions is
+    # written by steps that compute nothing
     assert rows is not None and rows.keys_per_row == attention_keys_per_row(four_layers.config)
-    assert [p for chunk in chunks for p in chunk] == list(rows.computed)
+    assert [p for start, end in chunks for p in rows.computed_in(start, end)] == list(rows.computed)
     assert len(rows.computed) == 11 + 3 + 7 + ref.num_recomputed_tokens
     cost = lambda positions: sum(1 + (p + 1) / rows.keys_per_row for p in positions)
-    for chunk, after in itertools.pairwise(chunks):
-        assert cost(chunk) <= 16 < cost((*chunk, after[0])) or len(chunk) == 1
+    assert any(not rows.computed_in(start, end) for start, end in chunks)      # write-only steps
+    for start, end in chunks:
+        done = rows.computed_in(start, end)
+        assert end - start <= 16 and (cost(done) <= 16 or len(done) == 1)
+        after = rows.computed_in(end, rows.end)[:1]
+        if done and after:          # the chunk stopped for the budget or the positions
+            assert cost((*done, *after)) > 16 or after[0] >= start + 16
+        if not done:
+            assert end - start == 16
     assert req.num_recomputed_tokens == ref.num_recomputed_tokens
     stored = read_tokens(engine.runner.cache, engine.kv.block_ids(rid), req.prompt_token_ids)
     for layer in range(4):
@@ -88,21 +96,24 @@ def test_the_batch_computes_the_dense_blend(four_layers, selection, backend):
 
 def test_rows_chunk_by_the_cost_of_their_computed_rows():
     """A chunk ends right after its last computed row within the budget (one row at least), or at
-    the prompt's end; a row costs 1 and, with ``keys_per_row``, the keys it attends over that."""
+    the prompt's end, and covers at most the given positions (then perhaps supplied ones only);
+    a row costs 1 and, with ``keys_per_row``, the keys it attends over that."""
     keys = tuple(torch.zeros(4, 1, 2) for _ in range(2))
     rows = BlendRows(3, (3, 4, 9, 10, 11, 15), (5, 6, 7, 8), keys, keys, 4, 0)
     assert rows.end == 16
-    assert rows.chunk(3, 2) == (2, 2, 2)            # 3, 4
-    assert rows.chunk(5, 2) == (6, 2, 2)            # 5..10: supplied 5-8, computed 9, 10
-    assert rows.chunk(11, 16) == (5, 2, 2)          # 11..15, the prompt's end
+    assert rows.chunk(3, 2, 16) == (2, 2, 2)            # 3, 4
+    assert rows.chunk(5, 2, 16) == (6, 2, 2)            # 5..10: supplied 5-8, computed 9, 10
+    assert rows.chunk(11, 16, 16) == (5, 2, 2)          # 11..15, the prompt's end
+    assert rows.chunk(5, 2, 5) == (5, 1, 1)             # 5..9: at most 5 positions
+    assert rows.chunk(5, 2, 3) == (3, 0, 0)             # 5..7: supplied only
     assert rows.computed_in(5, 11) == (9, 10) and rows.supplied_in(5, 11) == (0, 4)
     # 10 keys cost a row: position 3 costs 1.4, 4 1.5, 9 2.0, 10 2.1
     costly = BlendRows(3, (3, 4, 9, 10, 11, 15), (5, 6, 7, 8), keys, keys, 4, 0, keys_per_row=10.0)
-    assert costly.chunk(3, 3) == costly.chunk(3, 4) == (2, 2, 3)    # 1.4 + 1.5 = 2.9; with 9: 4.9
-    assert costly.chunk(3, 5) == (7, 3, 5)
-    assert costly.chunk(9, 1) == (1, 1, 2)          # one row, whatever it costs
-    with pytest.raises(ValueError, match="at least one row"):
-        rows.chunk(3, 0)
+    assert costly.chunk(3, 3, 16) == costly.chunk(3, 4, 16) == (2, 2, 3)    # 1.4 + 1.5 = 2.9; with 9: 4.9
+    assert costly.chunk(3, 5, 16) == (7, 3, 5)
+    assert costly.chunk(9, 1, 16) == (1, 1, 2)          # one row, whatever it costs
+    with pytest.raises(ValueError, match="at least one"):
+        rows.chunk(3, 0, 16)
     with pytest.raises(ValueError, match="one key and one value row per supplied position"):
         BlendRows(3, (3,), (5,), keys, keys, 1, 0)
 
@@ -135,7 +146,7 @@ def test_decoding_requests_step_beside_the_blends_chunks(loaded):
                   blend_in_batch=in_batch, blend_in_steps=in_batch)
         engine = llm.engine
         llm.cache_segments(DOCS[:3])
-        engine.add_request(tokens(10, 40), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        engine.add_request(tokens(10, 40), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
                            request_id="decoding")
         engine.step()
         blended = engine._requests[engine.add_request(rag([0, 1, 2], 0.15), GREEDY, request_id="blended")]
@@ -256,3 +267,25 @@ def test_a_budgeted_request_beside_the_blends_rows(loaded):
         engine.check_integrity()
         outs[backend] = got
     assert outs["cpu"] == outs["torch"] and len(outs["cpu"]["budgeted"]) == 24
+
+
+def test_a_long_stretch_of_reused_tokens_takes_steps_that_only_write(loaded):
+    """With 2 sequences and a 16-token step, KIVI's residual rows are 16 / 16 + 2 x 2 + 1 = 6:
+    a chunk over a document's 40 reused tokens and more would need a row for each block it
+    touches. A chunk covers at most 16 positions; a stretch of supplied ones is written by
+    steps that compute nothing (here the only request: steps with no row at all)."""
+    llm = LLM(loaded=loaded, num_kv_blocks=48, kv_format="kivi2g8", blend_cost_model=False, max_num_seqs=2,
+              max_num_batched_tokens=16, blend_selection="query-segments", blend_query_layer=1)
+    engine = llm.engine
+    llm.cache_segments(DOCS[:3])
+    rid = engine.add_request(rag([0, 1, 2], 0.05), GREEDY)
+    req = engine._requests[rid]
+    write_only, out = 0, None
+    while engine.has_unfinished:
+        before, rows = req.num_computed_tokens, req.blend_rows
+        out = next((o for o in engine.step() if o.finished), out)
+        if rows is not None and req.num_computed_tokens > before:
+            write_only += not rows.computed_in(before, req.num_computed_tokens)
+        engine.check_integrity()
+    assert write_only >= 2 and out is not None and out.error is None and len(out.token_ids) == 6
+    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
