@@ -10,7 +10,10 @@ A segmented request waits here, not in the scheduler, until its first admission:
                             ``step_tokens``, at most that much work (prefill-token
                             equivalents: ``BlendJob``'s token-layers / layers) per step, so the requests
                             decoding keep stepping while a long prompt blends; whole
-                            without it. Once complete, handed to the scheduler as computed
+                            without it. In the batch (``Blender.in_batch``, the default) only
+                            the choice of rows runs here; then, from the next step, the
+                            scheduler's steps compute them (``Scheduler.add_blending``).
+                            Else, once complete, handed to the scheduler as computed
                             (``Scheduler.add_computed``): its next token is the caller's to draw
                          -> or sent to the scheduler for a full prefill (blending does not pay)
                          -> or failed (the blend raised): the caller retires it

@@ -1,6 +1,8 @@
 """The engine's side of blending: a request whose prompt has segments gets its prompt's KV
-by blending, outside the batched step (between steps, a few layers per step), and then
-decodes like any other request.
+by blending, then decodes like any other request. The blend chooses the rows to recompute
+outside the batched step (between steps, a few layers per step); in the batch (``in_batch``,
+the default) the engine's steps then compute them (``kvserve.request.BlendRows``), else the
+whole blend runs here.
 
 At its first admission (the engine calls, in order):
 
@@ -10,8 +12,9 @@ At its first admission (the engine calls, in order):
     start(req, ...)          the exact prefix hit's KV (``num_known`` tokens) read back, the
                              segments' KV loaded and moved to their places: a ``BlendTask``
     task.advance(budget)     ``BlendJob``'s layers, ``budget`` token-layers at a time
-    finish(task)             the KV of every token after the hit written into the request's
-                             blocks; returns the next-token logits
+    rows(task)               in the batch: the rows chosen, and the others' KV, for the steps
+    finish(task)             else: the KV of every token after the hit written into the
+                             request's blocks; returns the next-token logits
 
 The request's blocks from its first segment on then hold KV that no exact computation
 produced, so the KV manager never caches them under prefix keys (``KVCacheManager.mark_lossy``);

@@ -21,6 +21,7 @@ The KV manager gives a load its blocks and caches them after; the tiering
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -148,8 +149,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_rows = cost = None
             if req.blend_rows is not None:      # its budget counts the rows' attention (BlendRows.chunk)
-                # without chunked prefill, as many rows as a whole prompt (the step's writes are capped alike)
-                rows_budget = budget if self.config.enable_chunked_prefill else req.num_tokens * req.num_tokens
+                # without chunked prefill its rows are not cut by the budget (the step's writes still are)
+                rows_budget = budget if self.config.enable_chunked_prefill else sys.maxsize
                 num_new, num_rows, cost = req.blend_rows.chunk(req.num_computed_tokens, rows_budget,
                                                                self.config.max_num_batched_tokens)
             else:
