@@ -18,8 +18,8 @@ A segmented request waits here, not in the scheduler, until its first admission:
                          -> or sent to the scheduler for a full prefill (blending does not pay)
                          -> or failed (the blend raised): the caller retires it
 
-One blend is under way at a time. Once admitted a request is the scheduler's like any; a
-preempted blended request is recomputed in full.
+One blend is under way at a time (in the batch: until its rows are computed). Once admitted a
+request is the scheduler's like any; a preempted blended request is recomputed in full.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class BlendAdmission:
         self._waiting: list[Request] = []
         self._task: BlendTask | None = None      # the blend under way (its request holds blocks and a seat)
         self._chosen: list[tuple[Request, int]] = []   # rows chosen in the last step, and their exact hit
+        # requests whose chosen rows the steps are computing: one at a time, as one blend runs at a
+        # time outside the batch (their supplied keys and values are held outside the KV pool)
+        self._in_batch: list[Request] = []
 
     @property
     def has_work(self) -> bool:
@@ -98,6 +101,7 @@ class BlendAdmission:
         # rows' first chunk, not both
         for req, num_known in self._chosen:
             self.scheduler.add_blending(req, num_known, reserved=True)
+            self._in_batch.append(req)
         self._chosen = []
         while True:
             task = self._task if self._task is not None else self._start(results)
@@ -123,6 +127,7 @@ class BlendAdmission:
                 req.blend_rows = rows
                 if self.step_tokens is None:
                     self.scheduler.add_blending(req, task.num_known, reserved=True)
+                    self._in_batch.append(req)
                 else:
                     self._chosen.append((req, task.num_known))
             else:
@@ -137,7 +142,11 @@ class BlendAdmission:
     def _start(self, results: list[Blended | BlendFailed]) -> BlendTask | None:
         """The next blend, its request's blocks allocated and a seat reserved; the requests
         ``choose`` sends to a full prefill go to the scheduler on the way, those that fail
-        to ``results``. None when no seat, no blocks or no request is left."""
+        to ``results``. None when no seat, no blocks or no request is left, or while another
+        blend's rows are chosen or being computed by the steps."""
+        self._in_batch = [r for r in self._in_batch if r.blend_rows is not None]
+        if self._chosen or self._in_batch:
+            return None
         while self._waiting and self.scheduler.has_free_seat:
             req = self._waiting[0]
             try:

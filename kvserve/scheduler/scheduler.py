@@ -287,6 +287,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.blend_rows = None           # an unfinished blend's supplied keys and values, if any
         self.kv.forget(req)
 
     def check_integrity(self) -> None:

@@ -289,3 +289,28 @@ def test_a_long_stretch_of_reused_tokens_takes_steps_that_only_write(loaded):
         engine.check_integrity()
     assert write_only >= 2 and out is not None and out.error is None and len(out.token_ids) == 6
     assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+
+
+def test_one_blend_at_a_time_until_its_rows_are_computed(loaded):
+    """A blend's supplied keys and values are held outside the KV pool, so the next segmented
+    request's choice starts only once the rows of the one before are computed (as outside the
+    batch one blend runs at a time); both give the tokens they give alone."""
+    llm = LLM(loaded=loaded, num_kv_blocks=64, blend_cost_model=False, max_num_batched_tokens=16)
+    engine = llm.engine
+    llm.cache_segments(DOCS[:3])
+    prompts = [rag([0, 1, 2], 0.15), rag([2, 1], 0.15, question_seed=11)]
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    first, second = (engine._requests[i] for i in ids)
+    got: dict[str, list[int]] = {}
+    second_started_after = None
+    while engine.has_unfinished:
+        for o in engine.step():
+            got[o.request_id] = list(o.token_ids)
+        holding = [r for r in (first, second) if r.blend_rows is not None]
+        assert len(holding) <= 1
+        if engine.blending.blending is second and second_started_after is None:
+            second_started_after = first.blend_rows is None and first.num_computed_tokens >= first.num_prompt_tokens
+        engine.check_integrity()
+    assert second_started_after is True
+    assert [got[i] for i in ids] == alone
