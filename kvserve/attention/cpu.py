@@ -70,12 +70,8 @@ def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batc
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     result = out if direct else torch.empty(q.shape, dtype=torch.float32)
     assert result is not None
-    args = (q32, result, k_layout, k_parts, v_layout, v_parts, batch.block_tables, batch.context_lens,
-            batch.query_starts, batch.open_rows, batch.block_size, float(scale))
-    if batch.query_positions is None:
-        ext.run(*args)
-    else:
-        ext.run_at(*args, batch.query_positions)
+    ext.run(q32, result, k_layout, k_parts, v_layout, v_parts, batch.block_tables, batch.context_lens,
+            batch.query_starts, batch.open_rows, batch.block_size, float(scale), _positions(batch))
     if direct:
         return result
     if out is None:
@@ -134,22 +130,22 @@ def run_registered(ext: ModuleType, halves: object, q: torch.Tensor, batch: Page
         raise ValueError(f"registered halves take contiguous float32 CPU queries, got {_describe(q)}")
     result = out if out is not None and out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q)
     if scores is not None:
-        positions = batch.query_positions
         ext.run_halves_scored(halves, q, result, batch.block_tables, batch.context_lens, batch.query_starts,
-                              batch.open_rows, float(scale), scores.weights, scores.score_from,
-                              _NO_POSITIONS if positions is None else positions)
-    elif batch.query_positions is not None:
-        ext.run_halves_at(halves, q, result, batch.block_tables, batch.context_lens, batch.query_starts,
-                          batch.open_rows, float(scale), batch.query_positions)
+                              batch.open_rows, float(scale), scores.weights, scores.score_from, _positions(batch))
     else:
         ext.run_halves(halves, q, result, batch.block_tables, batch.context_lens, batch.query_starts,
-                       batch.open_rows, float(scale))
+                       batch.open_rows, float(scale), _positions(batch))
     if out is not None and result is not out:
         return out.copy_(result)
     return result
 
 
 _NO_POSITIONS = torch.empty(0, dtype=torch.int32)
+
+
+def _positions(batch: PagedBatch) -> torch.Tensor:
+    """The kernel's ``query_positions``: the batch's, or empty (each sequence's last n positions)."""
+    return _NO_POSITIONS if batch.query_positions is None else batch.query_positions
 
 
 def _describe(x: object) -> str:

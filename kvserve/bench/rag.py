@@ -349,8 +349,7 @@ def run_bench(args: argparse.Namespace) -> int:
                        **_with_path({**options, "blend_in_steps": m.blend_in_steps}, m.in_batch))
 
         itl = run_itl(make_itl_llm, itl_methods(args.fraction or DEFAULT_FRACTIONS, args.outside_too), documents,
-                      queries,
-                      args.decoders, args.question, log)
+                      queries, args.decoders, args.question, log)
         print(f"\n{args.decoders} requests decoding beside each query (inter-token latency from the query's arrival "
               f"to its first token; step budget {engine_config(args.model, **options).scheduler.max_num_batched_tokens}"
               f" tokens):")

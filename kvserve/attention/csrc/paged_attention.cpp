@@ -179,28 +179,23 @@ void run_views(const HalfView& K, const HalfView& V, const at::Tensor& q, at::Te
 
 }  // namespace
 
+// `query_positions` (here and below): each query's position (kernel.h), or empty: each
+// sequence's queries are its last n positions.
+const at::Tensor* positions_or_none(const at::Tensor& query_positions) {
+  return query_positions.numel() ? &query_positions : nullptr;
+}
+
 void run(const at::Tensor& q, at::Tensor out, const std::vector<int64_t>& k_layout,
          const std::vector<at::Tensor>& k_parts, const std::vector<int64_t>& v_layout,
          const std::vector<at::Tensor>& v_parts, const at::Tensor& block_tables, const at::Tensor& context_lens,
-         const at::Tensor& query_starts, const at::Tensor& open_rows, int64_t block_size, double scale) {
-  KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
-  KVS_REQUIRE(block_size > 0, "block_size must be positive");
-  const HalfView K = make_half("key", k_layout, k_parts, block_size, q.size(2));
-  const HalfView V = make_half("value", v_layout, v_parts, block_size, q.size(2));
-  run_views(K, V, q, out, block_tables, context_lens, query_starts, open_rows, scale);
-}
-
-void run_at(const at::Tensor& q, at::Tensor out, const std::vector<int64_t>& k_layout,
-            const std::vector<at::Tensor>& k_parts, const std::vector<int64_t>& v_layout,
-            const std::vector<at::Tensor>& v_parts, const at::Tensor& block_tables, const at::Tensor& context_lens,
-            const at::Tensor& query_starts, const at::Tensor& open_rows, int64_t block_size, double scale,
-            const at::Tensor& query_positions) {
+         const at::Tensor& query_starts, const at::Tensor& open_rows, int64_t block_size, double scale,
+         const at::Tensor& query_positions) {
   KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
   KVS_REQUIRE(block_size > 0, "block_size must be positive");
   const HalfView K = make_half("key", k_layout, k_parts, block_size, q.size(2));
   const HalfView V = make_half("value", v_layout, v_parts, block_size, q.size(2));
   run_views(K, V, q, out, block_tables, context_lens, query_starts, open_rows, scale, nullptr, nullptr,
-            &query_positions);
+            positions_or_none(query_positions));
 }
 
 namespace {
@@ -340,29 +335,20 @@ std::shared_ptr<Halves> make_halves_refined(const std::vector<int64_t>& k_layout
 
 void run_halves(const Halves& h, const at::Tensor& q, at::Tensor out, const at::Tensor& block_tables,
                 const at::Tensor& context_lens, const at::Tensor& query_starts, const at::Tensor& open_rows,
-                double scale) {
+                double scale, const at::Tensor& query_positions) {
   KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
-  run_views(h.K, h.V, q, out, block_tables, context_lens, query_starts, open_rows, scale);
+  run_views(h.K, h.V, q, out, block_tables, context_lens, query_starts, open_rows, scale, nullptr, nullptr,
+            positions_or_none(query_positions));
 }
 
-// run_halves, also adding each scored query's attention weights to `scores` (see kernel.h);
-// `query_positions` as run_halves_at's, or empty (each sequence's queries its last n positions).
+// run_halves, also adding each scored query's attention weights to `scores` (see kernel.h).
 void run_halves_scored(const Halves& h, const at::Tensor& q, at::Tensor out, const at::Tensor& block_tables,
                        const at::Tensor& context_lens, const at::Tensor& query_starts, const at::Tensor& open_rows,
                        double scale, at::Tensor scores, const at::Tensor& score_from,
                        const at::Tensor& query_positions) {
   KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
   run_views(h.K, h.V, q, out, block_tables, context_lens, query_starts, open_rows, scale, &scores, &score_from,
-            query_positions.numel() ? &query_positions : nullptr);
-}
-
-// run_halves with each query's position given (kernel.h): a prefill with gaps.
-void run_halves_at(const Halves& h, const at::Tensor& q, at::Tensor out, const at::Tensor& block_tables,
-                   const at::Tensor& context_lens, const at::Tensor& query_starts, const at::Tensor& open_rows,
-                   double scale, const at::Tensor& query_positions) {
-  KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
-  run_views(h.K, h.V, q, out, block_tables, context_lens, query_starts, open_rows, scale, nullptr, nullptr,
-            &query_positions);
+            positions_or_none(query_positions));
 }
 
 void write_halves(const Halves& h, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
@@ -388,7 +374,6 @@ void write_halves_refined(const Halves& h, const at::Tensor& key, const at::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvserve paged attention over compressed KV blocks (CPU)";
   m.def("run", &kvs::run, "paged attention: see kvserve/attention/cpu.py");
-  m.def("run_at", &kvs::run_at, "run() with each query's position given");
   m.def("write_kv", &kvs::write_kv, "one layer's new keys and values into their blocks: see kvserve/attention/cpu_writes.py");
   // module_local: two builds of this extension (two instruction sets) each register it
   pybind11::class_<kvs::Halves, std::shared_ptr<kvs::Halves>>(m, "Halves", pybind11::module_local());
@@ -396,7 +381,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_halves_refined", &kvs::make_halves_refined, "make_halves() with each half's finer format and side map");
   m.def("run_halves", &kvs::run_halves, "run() on registered halves");
   m.def("run_halves_scored", &kvs::run_halves_scored, "run_halves(), adding the attention weights keys get to scores");
-  m.def("run_halves_at", &kvs::run_halves_at, "run_halves() with each query's position given");
   m.def("write_halves", &kvs::write_halves, "write_kv() on registered halves");
   m.def("write_halves_refined", &kvs::write_halves_refined, "write_halves() and the finer copies of filled blocks");
 #if KVS_W == 16 && defined(__AVX512VBMI__)
