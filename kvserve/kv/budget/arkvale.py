@@ -239,7 +239,7 @@ class ArkValeState(BudgetState):
         """Rank key of every full block: its score for ``q`` (recency without a query), the first
         and the latest block on top, the blocks the host store evicted for room at the bottom."""
         num_blocks = box.num_blocks
-        rank = (torch.arange(num_blocks, dtype=torch.float32) if q is None
+        rank = (torch.arange(num_blocks, dtype=torch.float32, device=self.device) if q is None
                 else self.selector.scores(box, q, self.bound_weight))
         return self._demote_lost(layer, keep_ends_on_top(rank))
 

@@ -77,7 +77,8 @@ def _top_with_forced(valid_idx: torch.Tensor, score: torch.Tensor, forced: torch
 class Streaming(BudgetPolicy):
     def keep(self, valid_idx, score, budget, window, num_kv_heads):
         n = valid_idx.shape[0]
-        cols = torch.cat([torch.arange(SINK_TOKENS), torch.arange(n - (budget - SINK_TOKENS), n)])
+        d = valid_idx.device
+        cols = torch.cat([torch.arange(SINK_TOKENS, device=d), torch.arange(n - (budget - SINK_TOKENS), n, device=d)])
         return valid_idx[cols].expand(num_kv_heads, budget).contiguous()
 
 
@@ -85,7 +86,7 @@ class HeavyHitters(BudgetPolicy):
     def keep(self, valid_idx, score, budget, window, num_kv_heads):
         assert score is not None
         n = valid_idx.shape[0]
-        forced = torch.arange(n) >= n - window
+        forced = torch.arange(n, device=score.device) >= n - window
         return _top_with_forced(valid_idx, score, forced, budget)
 
 
@@ -97,7 +98,7 @@ class SnapKV(BudgetPolicy):
         assert score is not None
         n = valid_idx.shape[0]
         pooled = F.max_pool1d(score[None], SNAPKV_POOL, stride=1, padding=SNAPKV_POOL // 2)[0]
-        forced = torch.arange(n) >= n - window
+        forced = torch.arange(n, device=score.device) >= n - window
         return _top_with_forced(valid_idx, pooled, forced, budget)
 
 
