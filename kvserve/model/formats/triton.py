@@ -20,11 +20,13 @@ product and the residual and stores; with several it stores its partial sum and 
 adds the splits in order, then does the same.
 
 A row's result does not depend on its batch: tile widths and splits come from the weight's
-shape alone, and every row of a tile runs the same loop over K. Only BLOCK_M follows the row
-count (16 up to 16 rows, 64 above), which changes which rows share a ``tl.dot``, not a row's
-own sums, wherever both shapes take the same MMA instruction: the interpreter (numpy), sm_80
-(mma.sync for both). On sm_90 a 64-row tile compiles to wgmma and a 16-row one to mma.sync,
-whose per-element results are not documented to agree: unchecked there.
+shape alone, and every row of a tile runs the same loop over K. Before sm_90 only BLOCK_M
+follows the row count (16 up to 16 rows, 64 above), which changes which rows share a
+``tl.dot``, not a row's own sums: both shapes take the same MMA instruction (the interpreter:
+numpy; sm_80: mma.sync). On sm_90 a 64-row tile compiles to wgmma and a 16-row one to
+mma.sync, and their sums differ in the last bits (seen on an H200: a row alone and the same
+row among 33 differed in their last bits), so there every row count runs in 64-row tiles (``one_tile``):
+a decode step's tile is mostly masked rows, which costs tensor-core work but no weight bytes.
 """
 
 from __future__ import annotations
@@ -268,8 +270,10 @@ class Launch:
 class SegmentLaunch:
     """One segment's planes on the device, as ``_matmul`` reads them, and its launches."""
 
-    def __init__(self, seg: Segment, col0: int, config: LaunchConfig, dtype: torch.dtype, f32_dots: bool) -> None:
+    def __init__(self, seg: Segment, col0: int, config: LaunchConfig, dtype: torch.dtype, f32_dots: bool,
+                 one_tile: bool = False) -> None:
         self.rows, self.cols, self.col0, self.config = seg.rows, seg.cols, col0, config
+        self.one_tile = one_tile        # every row count in PREFILL_BLOCK_M tiles (sm_90: see the module doc)
         codes = seg.parts["codes"]
         if seg.kind == Kind.Q8_0:
             codes = codes.view(torch.int8)
@@ -291,7 +295,7 @@ class SegmentLaunch:
         """``_matmul``'s launch for rows ``x``: ``out``, ``bias`` and ``extra`` (the outlier
         channels' product) are the segment's columns; ``partial`` [splits, rows of x, rows]."""
         num_rows = x.shape[0]
-        block_m = DECODE_ROWS if num_rows <= DECODE_ROWS else PREFILL_BLOCK_M
+        block_m = DECODE_ROWS if num_rows <= DECODE_ROWS and not self.one_tile else PREFILL_BLOCK_M
         grid = (-(-self.rows // self.config.block_n), -(-num_rows // block_m), self.num_splits)
         args = [x, x.stride(0), *_epilogue_args(out, partial, bias, extra), *self.planes, num_rows, self.rows,
                 self.cols, self.config.k_per_split]
@@ -368,12 +372,13 @@ class TritonPackedProduct(Product):
         self.rows, self.cols = packed.shape
         self.device, self.dtype = device, dtype
         f32_dots = is_interpreted() or torch.cuda.get_device_capability(device) < (8, 0)
+        one_tile = not is_interpreted() and torch.cuda.get_device_capability(device) >= (9, 0)
         num_sms = 1 if device.type != "cuda" else torch.cuda.get_device_properties(device).multi_processor_count
         self.segments: list[SegmentLaunch] = []
         col0 = 0
         for seg in self.packed.segments:
             cfg = config or launch_config(seg.rows, seg.cols, num_sms)
-            self.segments.append(SegmentLaunch(seg, col0, cfg, dtype, f32_dots))
+            self.segments.append(SegmentLaunch(seg, col0, cfg, dtype, f32_dots, one_tile))
             col0 += seg.rows
 
     @property

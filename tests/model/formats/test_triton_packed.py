@@ -158,7 +158,8 @@ def test_every_kind_and_batch_size_against_the_reference(name: str) -> None:
 def test_a_rows_result_does_not_depend_on_its_batch(name: str) -> None:
     """Exactly equal: a row alone (BLOCK_M 16), among 7 or 16 (16) or 33 (64) rows. The
     interpreter's tl.dot is numpy's float32 matmul, each element summed over K in order
-    whatever the tile's other rows (a GPU: see TritonPackedProduct)."""
+    whatever the tile's other rows; sm_80 takes mma.sync for both tiles; on sm_90 every row
+    count runs in 64-row tiles (the module doc of kvserve.model.formats.triton)."""
     packed = WEIGHTS[name]()
     p = product(packed)
     x = activations(33, packed.cols, 0)
@@ -167,6 +168,19 @@ def test_a_rows_result_does_not_depend_on_its_batch(name: str) -> None:
         assert torch.equal(p(x[i:i + 1])[0], batch[i])
     assert torch.equal(p(x[:7]), batch[:7])
     assert torch.equal(p(x[16:32]), batch[16:32])
+
+
+def test_one_tile_runs_every_row_count_in_64_row_tiles() -> None:
+    """``one_tile`` (sm_90's launches): a decode step's rows take the prefill's tile, so a row's
+    sums come from one MMA instruction whatever its batch."""
+    seg = WEIGHTS["Q4_1"]().segments[0]
+    for one_tile, want in ((False, [16, 16, 64]), (True, [64, 64, 64])):
+        launcher = qt.SegmentLaunch(seg, 0, qt.LaunchConfig(32, 256), torch.float32, False, one_tile=one_tile)
+        got = []
+        for num_rows in (1, 16, 17):
+            x, out = torch.empty(num_rows, seg.cols), torch.empty(num_rows, seg.rows)
+            got.append(launcher.matmul(x, out, out, None, None, False).constants["BLOCK_M"])
+        assert got == want
 
 
 def test_split_k_sums_in_order() -> None:
@@ -340,7 +354,8 @@ for variant in sys.argv[1:]:
         data = np.random.default_rng(0).integers(0, 256, size=(64 * 512 // block, nbytes), dtype=np.uint8)
         seg = pack_gguf(kind, data, 64, 512).segments[0]
     split = rows == "1"
-    launcher = qt.SegmentLaunch(seg, 0, qt.LaunchConfig(32, 128 if split else 512), dtypes[dtype], int(arch) < 80)
+    launcher = qt.SegmentLaunch(seg, 0, qt.LaunchConfig(32, 128 if split else 512), dtypes[dtype], int(arch) < 80,
+                               one_tile=int(arch) >= 90)
     x = torch.empty(int(rows), 512, dtype=dtypes[dtype])
     out = torch.empty(int(rows), 64, dtype=dtypes[dtype])
     epilogue = (torch.empty(64), torch.empty(int(rows), 64)) if split else (None, None)
