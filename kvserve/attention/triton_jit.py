@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
+from triton.runtime.errors import OutOfResources  # type: ignore[import-untyped]  # noqa: F401  (triton_kernels)
 
 # CodecKind values (kvserve.kv.storage.layout), as kernel constants
 PLAIN = tl.constexpr(0)

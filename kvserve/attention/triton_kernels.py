@@ -14,7 +14,7 @@ Import with ``TRITON_INTERPRET=1`` in the environment to run the kernels on CPU 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -156,6 +156,25 @@ def attend_launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Page
     return AttendLaunch((batch.num_seqs * num_q_tiles, num_kv_heads, cfg.num_splits), args, constants)
 
 
+def smaller_configs(cfg: LaunchConfig) -> list[LaunchConfig]:
+    """What a launch whose kernel needs more shared memory than the device has tries next, in
+    order: one pipeline stage instead of two (the same sums), then tiles of half as many keys
+    down to 16 (each key's logit the same, the softmax's running sums taken in smaller tiles).
+    ``tokens_per_split`` stays a multiple of the smaller tile."""
+    out = []
+    if cfg.num_stages > 1:
+        cfg = replace(cfg, num_stages=1)
+        out.append(cfg)
+    while cfg.block_n > 16:
+        cfg = replace(cfg, block_n=cfg.block_n // 2)
+        out.append(cfg)
+    return out
+
+
+# (device, the kernel's specialization, the asked config's tile and stages) -> the config that fits
+_FITTED: dict[tuple[Any, ...], LaunchConfig] = {}
+
+
 def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float, out: torch.Tensor,
             cfg: LaunchConfig) -> None:
     assert triton_jit is not None
@@ -167,12 +186,38 @@ def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch
                     torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device))
     f32_dots = is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0)
     launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots)
-    triton_jit.attend[launch.grid](*launch.args, **launch.constants, num_warps=cfg.num_warps,
-                                   num_stages=cfg.num_stages)
+    memo = (q.device, tuple(sorted((k, str(v)) for k, v in launch.constants.items())), cfg.num_warps, cfg.num_stages)
+    fitted = _FITTED.get(memo)
+    if fitted is not None:
+        cfg = replace(fitted, tokens_per_split=cfg.tokens_per_split, num_splits=cfg.num_splits)
+        launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots)
+    tries = iter(smaller_configs(cfg))
+    while True:
+        try:
+            triton_jit.attend[launch.grid](*launch.args, **launch.constants, num_warps=cfg.num_warps,
+                                           num_stages=cfg.num_stages)
+            break
+        except triton_jit.OutOfResources as e:
+            smaller = next(tries, None)
+            if smaller is None:
+                raise ValueError(f"the Triton attention kernel does not fit this device's shared memory for "
+                                 f"{_describe(key.layout)} keys and {_describe(value.layout)} values at head_dim "
+                                 f"{q.shape[2]} in {q.dtype}, even in {cfg.block_n}-key tiles ({e}); use a 16-bit "
+                                 "compute dtype or the torch attention backend") from e
+            cfg = smaller
+            launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots)
+            _FITTED[memo] = cfg
     if cfg.num_splits > 1:
         rows = 16
         triton_jit.merge[(-(-num_rows // rows),)](*partials, out, out.stride(0), out.stride(1), num_rows, q.shape[1],
                                                   cfg.num_splits, ROWS=rows, D=q.shape[2], D_PAD=d_pad, num_warps=4)
+
+
+def _describe(layout: HalfLayout) -> str:
+    """A layout in a few words, e.g. ``int8+had`` or ``asym_channel 2-bit+out4``."""
+    kind = layout.kind.name.lower() if layout.kind != CodecKind.PLAIN else str(layout.plain_dtype).split(".")[-1]
+    bits = f" {layout.bits}-bit" if layout.kind in (CodecKind.ASYM_TOKEN, CodecKind.ASYM_CHANNEL) else ""
+    return kind + bits + ("+had" if layout.hadamard else "") + (f"+out{layout.num_outliers}" if layout.num_outliers else "")
 
 
 def _pages_per_tile(block_n: int, block_size: int) -> int:

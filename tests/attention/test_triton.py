@@ -216,11 +216,69 @@ def test_odd_head_dim_and_block_size() -> None:
 
 @pytest.mark.parametrize("fmt", ["int8+had", "kivi2+out4"])
 def test_group_of_32_and_head_dim_256(fmt: str) -> None:
-    """Rows past 16 (a 32-head group: 32 rows a query) and the widest head (32-key tiles)."""
+    """Rows past 16 (a 32-head group: 32 rows a query) and the widest head (32-key tiles). On a
+    GPU, float32 queries with ``+had`` at head_dim 256 are refused: the 256 x 256 float32
+    Hadamard matrix the kernel folds into q and the output alone is 256 KB of shared memory
+    (an H100 or H200 has 227 KB); in bfloat16 it runs."""
     for group, head_dim in ((32, 64), (4, 256)):
         case = make_case(fmt, lens=[1, 40, 77], num_queries=[1, 3, 12], num_kv_heads=1, group=group,
                          head_dim=head_dim, block_size=16, device=DEVICE, seed=group)
+        if DEVICE == "cuda" and head_dim == 256 and fmt == "int8+had":
+            with pytest.raises(ValueError, match="does not fit this device's shared memory"):
+                run(case)
+            case = make_case(fmt, lens=[1, 40, 77], num_queries=[1, 3, 12], num_kv_heads=1, group=group,
+                             head_dim=head_dim, block_size=16, dtype=torch.bfloat16, device=DEVICE, seed=group)
         check(case)
+
+
+class SharedMemoryOf:
+    """``attend`` as a device with ``limit`` bytes of shared memory would run it: a launch
+    whose tile and stages need more raises Triton's OutOfResources (the interpreter has no
+    such limit; on an H200, fp32 queries with ``+had+out4`` at head_dim 128 needed 256 KB)."""
+
+    def __init__(self, kernel: object, limit: int) -> None:
+        self.kernel, self.limit, self.launches = kernel, limit, []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(*args: object, **kwargs: object) -> None:
+            need = 2048 * int(kwargs["BLOCK_N"]) * int(kwargs["num_stages"])   # a stand-in for the tiles' bytes
+            self.launches.append((kwargs["BLOCK_N"], kwargs["num_stages"]))
+            if need > self.limit:
+                raise tk.triton_jit.OutOfResources(need, self.limit, "shared memory")
+            self.kernel[grid](*args, **kwargs)
+        return launch
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> SharedMemoryOf:
+        interpreted = tk.is_interpreted()        # (read from the kernel's type, which this hides)
+        monkeypatch.setattr(tk, "is_interpreted", lambda: interpreted)
+        monkeypatch.setattr(tk, "_FITTED", {})
+        monkeypatch.setattr(tk.triton_jit, "attend", self)
+        return self
+
+
+def test_a_launch_too_big_for_shared_memory_takes_one_stage_then_smaller_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = matrix_case(("kivi2+out4", None), "prefill", group=3, head_dim=64, block_size=16)
+    cfg = tk.launch_config(case.q, case.batch, 1)
+    assert (cfg.block_n, cfg.num_stages) == (64, 2)
+    assert [(c.block_n, c.num_stages) for c in tk.smaller_configs(cfg)] == [(64, 1), (32, 1), (16, 1)]
+    fake = SharedMemoryOf(tk.triton_jit.attend, limit=2048 * 32).install(monkeypatch)
+    check(case)
+    assert fake.launches == [(64, 2), (64, 1), (32, 1)]
+    check(case)                                          # remembered: straight to the config that fits
+    assert fake.launches[3:] == [(32, 1)]
+    case = matrix_case(("kivi2+out4", None), "prefill", group=3, head_dim=64, block_size=32)
+    split = forced_splits(case, block_n=64)              # splits of 64 keys, run in tiles of 32
+    assert split.num_splits == 2
+    check(case, run(case, config=split))
+    assert fake.launches[4:] == [(64, 2), (64, 1), (32, 1)]
+
+
+def test_a_launch_that_never_fits_is_refused_saying_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = matrix_case(("int8+had", None), "decode", group=3, head_dim=64, block_size=16)
+    SharedMemoryOf(tk.triton_jit.attend, limit=0).install(monkeypatch)
+    with pytest.raises(ValueError, match=r"does not fit this device's shared memory for int8\+had keys and int8\+had "
+                                         r"values at head_dim 64 in torch.float32, even in 16-key tiles .*use a 16-bit"):
+        run(case)
 
 
 def test_residual_on_one_half_only() -> None:
