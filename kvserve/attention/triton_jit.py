@@ -180,15 +180,64 @@ def _load_tile(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok,
 
 
 @triton.jit
+def _load_half(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok, side_map,
+               main, scale, zero, out_vals, out_chans, residual,
+               sb_main, sb_scale, sb_zero, sb_out_vals, sb_out_chans, sb_residual,
+               f_main, f_scale, f_zero, f_out_vals, f_out_chans,
+               fb_main, fb_scale, fb_zero, fb_out_vals, fb_out_chans,
+               KIND: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAD: tl.constexpr,
+               NOUT: tl.constexpr, F_KIND: tl.constexpr, F_BITS: tl.constexpr, F_GROUP_SIZE: tl.constexpr,
+               F_HAD: tl.constexpr, F_NOUT: tl.constexpr, FROM_RESIDUAL: tl.constexpr, REFINED: tl.constexpr,
+               D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr,
+               DOT: tl.constexpr, F32_DOTS: tl.constexpr):
+    """``_load_tile`` of a half whose full blocks may also hold a finer copy (precision by
+    saliency, kv/storage/zip.py: ``side_map[block]`` is its side slot, or -1): a token of a
+    block with one is read from the finer parts at that slot, the others from the base parts,
+    each load masked to its own tokens (every byte read once). Both copies are in the loop's
+    basis (the host refuses a finer copy in another Hadamard domain than its base). Open blocks
+    come from residual rows either way."""
+    if REFINED and FROM_RESIDUAL == 0:
+        side = tl.load(side_map + blk, mask=t_ok, other=-1)
+        fine = side >= 0
+        if PAGES > 0:
+            side_pages = tl.load(side_map + pages, mask=page_ok, other=-1)
+        else:
+            side_pages = side
+        x = _load_tile(t_ok & (side < 0), blk, off, pages, page_ok & (side_pages < 0), open_row, h, H, dd, d_ok,
+                       main, scale, zero, out_vals, out_chans, residual,
+                       sb_main, sb_scale, sb_zero, sb_out_vals, sb_out_chans, sb_residual,
+                       KIND, BITS, GROUP_SIZE, HAD, NOUT, False, D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
+        x_fine = _load_tile(t_ok & fine, side, off, side_pages, page_ok & (side_pages >= 0), open_row, h, H, dd,
+                            d_ok, f_main, f_scale, f_zero, f_out_vals, f_out_chans, residual,
+                            fb_main, fb_scale, fb_zero, fb_out_vals, fb_out_chans, sb_residual,
+                            F_KIND, F_BITS, F_GROUP_SIZE, F_HAD, F_NOUT, False, D, D_PAD, BLOCK_N, PAGES, DOT,
+                            F32_DOTS)
+        x = tl.where(fine[:, None], x_fine, x)
+    else:
+        x = _load_tile(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok,
+                       main, scale, zero, out_vals, out_chans, residual,
+                       sb_main, sb_scale, sb_zero, sb_out_vals, sb_out_chans, sb_residual,
+                       KIND, BITS, GROUP_SIZE, HAD, NOUT, FROM_RESIDUAL, D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
+    return x
+
+
+@triton.jit
 def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_scale, dd, d_ok,
                   k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
                   kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
                   v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
                   vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
+                  side_map, kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+                  kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+                  vf_main, vf_scale, vf_zero, vf_out_vals, vf_out_chans,
+                  vfb_main, vfb_scale, vfb_zero, vfb_out_vals, vfb_out_chans,
                   K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP_SIZE: tl.constexpr, K_HAD: tl.constexpr,
                   K_NOUT: tl.constexpr, K_FROM_RESIDUAL: tl.constexpr,
                   V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP_SIZE: tl.constexpr, V_HAD: tl.constexpr,
                   V_NOUT: tl.constexpr, V_FROM_RESIDUAL: tl.constexpr,
+                  KF_KIND: tl.constexpr, KF_BITS: tl.constexpr, KF_GROUP_SIZE: tl.constexpr, KF_HAD: tl.constexpr,
+                  KF_NOUT: tl.constexpr, VF_KIND: tl.constexpr, VF_BITS: tl.constexpr,
+                  VF_GROUP_SIZE: tl.constexpr, VF_HAD: tl.constexpr, VF_NOUT: tl.constexpr, REFINED: tl.constexpr,
                   D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGES: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
     """Online softmax over keys [lo, hi) of one sequence; returns the updated (m, l, acc)."""
@@ -205,11 +254,13 @@ def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_s
             blk = tl.load(table_row + t // BLOCK_SIZE, mask=t_ok, other=0)
             pages = blk
             page_ok = t_ok
-        k = _load_tile(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok,
+        k = _load_half(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok, side_map,
                        k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
                        kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
-                       K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, K_FROM_RESIDUAL,
-                       D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
+                       kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+                       kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+                       K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD, KF_NOUT,
+                       K_FROM_RESIDUAL, REFINED, D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
         s = _dot(q, tl.trans(k), DOT, F32_DOTS) * qk_scale
         visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -217,11 +268,13 @@ def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_s
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_tile(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok,
+        v = _load_half(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok, side_map,
                        v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
                        vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
-                       V_KIND, V_BITS, V_GROUP_SIZE, V_HAD, V_NOUT, V_FROM_RESIDUAL,
-                       D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
+                       vf_main, vf_scale, vf_zero, vf_out_vals, vf_out_chans,
+                       vfb_main, vfb_scale, vfb_zero, vfb_out_vals, vfb_out_chans,
+                       V_KIND, V_BITS, V_GROUP_SIZE, V_HAD, V_NOUT, VF_KIND, VF_BITS, VF_GROUP_SIZE, VF_HAD, VF_NOUT,
+                       V_FROM_RESIDUAL, REFINED, D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
         acc = acc * alpha[:, None] + _dot(p, v, DOT, F32_DOTS)
         m_i = m_new
     return m_i, l_i, acc
@@ -235,10 +288,17 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
            kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
            v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
            vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
+           side_map, kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+           kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+           vf_main, vf_scale, vf_zero, vf_out_vals, vf_out_chans,
+           vfb_main, vfb_scale, vfb_zero, vfb_out_vals, vfb_out_chans,
            K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP_SIZE: tl.constexpr, K_HAD: tl.constexpr,
            K_NOUT: tl.constexpr, K_HAS_RESIDUAL: tl.constexpr,
            V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP_SIZE: tl.constexpr, V_HAD: tl.constexpr,
            V_NOUT: tl.constexpr, V_HAS_RESIDUAL: tl.constexpr,
+           KF_KIND: tl.constexpr, KF_BITS: tl.constexpr, KF_GROUP_SIZE: tl.constexpr, KF_HAD: tl.constexpr,
+           KF_NOUT: tl.constexpr, VF_KIND: tl.constexpr, VF_BITS: tl.constexpr, VF_GROUP_SIZE: tl.constexpr,
+           VF_HAD: tl.constexpr, VF_NOUT: tl.constexpr, REFINED: tl.constexpr,
            GROUP: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
            DOT: tl.constexpr, F32_DOTS: tl.constexpr, HAS_POSITIONS: tl.constexpr):
@@ -293,9 +353,14 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
                                   kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
                                   v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
                                   vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
+                                  side_map, kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+                                  kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+                                  vf_main, vf_scale, vf_zero, vf_out_vals, vf_out_chans,
+                                  vfb_main, vfb_scale, vfb_zero, vfb_out_vals, vfb_out_chans,
                                   K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, False,
                                   V_KIND, V_BITS, V_GROUP_SIZE, V_HAD, V_NOUT, False,
-                                  D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
+                                  KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD, KF_NOUT, VF_KIND, VF_BITS, VF_GROUP_SIZE, VF_HAD, VF_NOUT,
+                                  REFINED, D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
     if K_HAS_RESIDUAL or V_HAS_RESIDUAL:
         m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tl.maximum(lo, tail_lo), hi, pos, table_row, open_row, h,
                                       H, qk_scale, dd, d_ok,
@@ -303,9 +368,14 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
                                       kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
                                       v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
                                       vb_main, vb_scale, vb_zero, vb_out_vals, vb_out_chans, vb_residual,
+                                      side_map, kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+                                      kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+                                      vf_main, vf_scale, vf_zero, vf_out_vals, vf_out_chans,
+                                      vfb_main, vfb_scale, vfb_zero, vfb_out_vals, vfb_out_chans,
                                       K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, K_HAS_RESIDUAL,
                                       V_KIND, V_BITS, V_GROUP_SIZE, V_HAD, V_NOUT, V_HAS_RESIDUAL,
-                                      D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
+                                      KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD, KF_NOUT, VF_KIND, VF_BITS, VF_GROUP_SIZE, VF_HAD, VF_NOUT,
+                                      REFINED, D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
     if V_HAD and V_NOUT == 0:
         acc = _rotate(acc, D, tl.float32, F32_DOTS)
 

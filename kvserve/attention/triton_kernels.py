@@ -14,6 +14,7 @@ Import with ``TRITON_INTERPRET=1`` in the environment to run the kernels on CPU 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -100,12 +101,11 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
     (not checked: that would cost a device sync). ``config`` overrides the default cut."""
     if triton_jit is None:
         raise RuntimeError("the Triton attention backend needs the triton package (pip install triton)")
-    if key.refined is not None or value.refined is not None:
-        raise ValueError("the Triton kernels do not read mixed-precision blocks (zip: KV formats) yet")
     _check_query(q, out)
     num_kv_heads, head_dim = _check_half("key", key, batch.block_size, q.shape[2]), q.shape[2]
     if _check_half("value", value, batch.block_size, head_dim) != num_kv_heads:
         raise ValueError("keys and values are stored with different numbers of heads")
+    _check_refined(key, value, batch.block_size, head_dim, num_kv_heads)
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
     _check_batch(batch, q.device)
@@ -146,8 +146,10 @@ def attend_launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Page
             tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
             batch.context_lens if batch.query_positions is None else batch.query_positions,   # not read without
             num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
-            *_half_args(key), *_half_args(value)]
+            *_half_args(key), *_half_args(value),
+            tables if key.refined is None else key.refined.side_map, *_finer_args(key), *_finer_args(value)]
     constants = {**_half_constants("K", key), **_half_constants("V", value),
+                 **_finer_constants("KF", key), **_finer_constants("VF", value), "REFINED": key.refined is not None,
                  "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
                  "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
                  "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
@@ -236,20 +238,42 @@ def _dot_dtype(dtype: torch.dtype) -> Any:
 PART_NAMES = ("scale", "zero", "outlier_values", "outlier_channels")
 
 
+def _part_tensors(layout: HalfLayout, parts: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Main part, scale, zero, outlier values, outlier channels (the main part stands in for
+    those the layout lacks)."""
+    main = parts["codes" if layout.kind != CodecKind.PLAIN else "data"]
+    return [main, *(parts.get(name, main) for name in PART_NAMES)]
+
+
 def _half_args(store: HalfStore) -> list[Any]:
-    """Six pointers (main part, scale, zero, outlier values, outlier channels, residual rows;
-    the main part stands in for those the layout lacks) and their six block strides."""
-    main = store.parts["codes" if store.layout.kind != CodecKind.PLAIN else "data"]
-    tensors = [main, *(store.parts.get(name, main) for name in PART_NAMES),
-               main if store.residual is None else store.residual]
+    """Six pointers (the parts, then the residual rows; the main part stands in for what the
+    half lacks) and their six block strides."""
+    tensors = _part_tensors(store.layout, store.parts)
+    tensors.append(tensors[0] if store.residual is None else store.residual)
     return [*tensors, *(t.stride(0) for t in tensors)]
 
 
-def _half_constants(prefix: str, store: HalfStore) -> dict[str, Any]:
-    layout = store.layout
+def _finer_args(store: HalfStore) -> list[Any]:
+    """Five pointers to the parts of the half's finer copies and their five side-slot strides
+    (the half's own parts stand in without refinement: never read then)."""
+    refined = store.refined
+    tensors = _part_tensors(store.layout, store.parts) if refined is None else _part_tensors(refined.layout,
+                                                                                              refined.parts)
+    return [*tensors, *(t.stride(0) for t in tensors)]
+
+
+def _layout_constants(prefix: str, layout: HalfLayout) -> dict[str, Any]:
     return {f"{prefix}_KIND": int(layout.kind), f"{prefix}_BITS": layout.bits,
             f"{prefix}_GROUP_SIZE": max(1, layout.group_size), f"{prefix}_HAD": layout.hadamard,
-            f"{prefix}_NOUT": layout.num_outliers, f"{prefix}_HAS_RESIDUAL": store.residual is not None}
+            f"{prefix}_NOUT": layout.num_outliers}
+
+
+def _half_constants(prefix: str, store: HalfStore) -> dict[str, Any]:
+    return {**_layout_constants(prefix, store.layout), f"{prefix}_HAS_RESIDUAL": store.residual is not None}
+
+
+def _finer_constants(prefix: str, store: HalfStore) -> dict[str, Any]:
+    return _layout_constants(prefix, store.layout if store.refined is None else store.refined.layout)
 
 
 # ---- input checks: a layout or tensor the kernel cannot read raises, never reads wrong bytes
@@ -308,7 +332,42 @@ def _check_layout(half: str, layout: HalfLayout, head_dim: int) -> None:
 
 def _check_half(half: str, store: HalfStore, block_size: int, head_dim: int) -> int:
     """Validate one half against its layout; returns its number of heads."""
-    layout, parts = store.layout, store.parts
+    heads = _check_parts(half, store.layout, store.parts, block_size, head_dim)
+    if store.residual is not None:
+        _expect(f"{half}.residual", store.residual, (block_size, heads, head_dim), FLOAT_DTYPES,
+                _part_tensors(store.layout, store.parts)[0].device)
+    return heads
+
+
+def _check_refined(key: HalfStore, value: HalfStore, block_size: int, head_dim: int, num_kv_heads: int) -> None:
+    """The finer copies of a zip storage (``HalfStore.refined``): both halves or neither, one
+    side map (int64, an entry per block), the finer parts valid for their layouts, in the base's
+    Hadamard domain (the loop works in one basis)."""
+    if key.refined is None and value.refined is None:
+        return
+    if key.refined is None or value.refined is None or key.refined.side_map is not value.refined.side_map:
+        raise ValueError("keys and values are refined together, by one side map")
+    side_map = key.refined.side_map
+    num_blocks = next(iter(key.parts.values())).shape[0]
+    device = next(iter(key.parts.values())).device
+    if side_map.dtype != torch.int64 or side_map.dim() != 1 or side_map.shape[0] < num_blocks or \
+            side_map.device != device:
+        raise ValueError(f"the side map must be a 1-d int64 tensor of at least {num_blocks} entries on {device}")
+    for half, store in (("key", key), ("value", value)):
+        refined = store.refined
+        assert refined is not None
+        if refined.layout.reads_rotated != store.layout.reads_rotated:
+            raise ValueError(f"{half}: the Triton kernels read a finer copy in its base's Hadamard domain only: give "
+                             "both formats +had (without +outN) or neither (the cpu backend reads mixed domains)")
+        if _check_parts(f"{half} (finer)", refined.layout, refined.parts, block_size, head_dim) != num_kv_heads:
+            raise ValueError(f"{half}: the finer copies have another number of heads than the blocks")
+        if _part_tensors(refined.layout, refined.parts)[0].device != device:
+            raise ValueError(f"{half}: the finer copies are on another device than the blocks")
+
+
+def _check_parts(half: str, layout: HalfLayout, parts: Mapping[str, torch.Tensor], block_size: int,
+                 head_dim: int) -> int:
+    """Validate a half's parts against its layout; returns its number of heads."""
     _check_layout(half, layout, head_dim)
     main_name = "data" if layout.kind == CodecKind.PLAIN else "codes"
     main = parts.get(main_name)
@@ -334,8 +393,6 @@ def _check_half(half: str, store: HalfStore, block_size: int, head_dim: int) -> 
         _expect(f"{half}.outlier_values", parts.get("outlier_values"), (block_size, heads, n), (torch.float16,),
                 device)
         _expect(f"{half}.outlier_channels", parts.get("outlier_channels"), (heads, n), (torch.uint8,), device)
-    if store.residual is not None:
-        _expect(f"{half}.residual", store.residual, (block_size, heads, head_dim), FLOAT_DTYPES, device)
     return heads
 
 

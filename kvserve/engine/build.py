@@ -40,6 +40,7 @@ from kvserve.kv.pins import Clock, Pins
 from kvserve.kv.prefix import load_or_create_secret, make_extra_key
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
+from kvserve.kv.storage.layout import HalfLayout
 from kvserve.kv.storage.zip import ZipKVCache
 from kvserve.kv.tiering import make_tiering
 from kvserve.model.formats.build import make_products
@@ -260,16 +261,28 @@ def _check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def _attention_backend(name: str, device: torch.device, kv_format: KVFormat) -> AttentionBackend:
-    """The backend ``name``; under a ``zip:`` format, whose mixed blocks the Triton kernels do not
-    read yet, ``auto`` on CUDA is the torch path and ``triton`` an error saying so."""
-    if kv_format.refine is None or not (name == "triton" or (name == "auto" and device.type == "cuda")):
+    """The backend ``name``; under a ``zip:`` format whose finer copies are in another Hadamard
+    domain than their base (``hi=int8,lo=kivi2+had``), which the Triton kernels do not read,
+    ``auto`` on CUDA is the torch path and ``triton`` an error saying so."""
+    if not _mixes_rotation_domains(kv_format) or not (name == "triton" or (name == "auto" and device.type == "cuda")):
         return make_attention_backend(name, device)
+    reason = ("the Triton kernels read a finer copy in its base's Hadamard domain only (give both formats +had, "
+              "without +outN, or neither)")
     if name == "triton":
-        raise ValueError(f"the triton attention backend does not read the mixed blocks of {kv_format.spec} "
-                         f"yet; use --attention-backend torch (or cpu on a CPU)")
-    log.info("KV format %s: attention through the torch path (the Triton kernels do not read mixed blocks yet)",
-             kv_format.spec)
+        raise ValueError(f"the triton attention backend cannot read {kv_format.spec}: {reason}; use "
+                         "--attention-backend torch (or cpu on a CPU)")
+    log.info("KV format %s: attention through the torch path (%s)", kv_format.spec, reason)
     return make_attention_backend("torch", device)
+
+
+def _mixes_rotation_domains(kv_format: KVFormat) -> bool:
+    """A ``zip:`` format some half of whose finer format reads rotated and its base not, or the
+    other way round."""
+    if kv_format.refine is None:
+        return False
+    return any(HalfLayout.from_codec(b).reads_rotated != HalfLayout.from_codec(f).reads_rotated
+               for base, fine in zip(kv_format.layers, kv_format.refine.layers)
+               for b, f in ((base.key, fine.key), (base.value, fine.value)))
 
 
 def _make_budgets(config: EngineConfig, storage: KVStorage, kv_format: KVFormat, mc: ModelConfig) -> Budgets:

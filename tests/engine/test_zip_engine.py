@@ -87,8 +87,9 @@ def test_the_cpu_kernel_gives_the_torch_paths_tokens(loaded, spec):
 def test_what_a_zip_format_cannot_do_is_refused(loaded):
     with pytest.raises(ValueError, match="a KV budget cannot run under the KV format zip:.*a compaction would move"):
         LLM(loaded=loaded, kv_format=SPEC, kv_budget=64)
-    with pytest.raises(ValueError, match="triton attention backend does not read the mixed blocks"):
-        LLM(loaded=loaded, kv_format=SPEC, attention_backend="triton")
+    with pytest.raises(ValueError, match="triton attention backend cannot read zip:hi=int8,lo=kivi2g8\\+had.*"
+                                         "Hadamard domain only"):
+        LLM(loaded=loaded, kv_format="zip:hi=int8,lo=kivi2g8+had,salient=0.2", attention_backend="triton")
     llm = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=32)
     with pytest.raises(ValueError, match="KV budgets are not available here: KV format zip:.*finer copy"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, kv_budget=32, kv_policy="snapkv"))
