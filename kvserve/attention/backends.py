@@ -37,8 +37,10 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     #: False for the torch path, which reads through ``KVStorage.gather`` instead.
     reads_in_place: ClassVar[bool] = True
-    #: ``attend`` takes ``scores`` (``AttentionScores``): it adds the attention weights keys get.
+    #: ``attend`` takes ``scores`` (``AttentionScores``): it adds the attention weights keys get,
+    #: for queries in these dtypes.
     scores_attention: ClassVar[bool] = False
+    scored_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
 
     @classmethod
     @abstractmethod
@@ -63,6 +65,7 @@ class TorchBackend(AttentionBackend):
 class CpuBackend(AttentionBackend):
     name = "cpu"
     scores_attention = True
+    scored_dtypes = (torch.float32,)
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -97,6 +100,8 @@ class CpuBackend(AttentionBackend):
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    scores_attention = True
+    scored_dtypes = (torch.float32, torch.float16, torch.bfloat16)
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -109,10 +114,8 @@ class TritonBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
                out: torch.Tensor | None = None, scores: AttentionScores | None = None) -> torch.Tensor:
-        if scores is not None:
-            raise ValueError("the triton backend does not score attention (scores_attention is false)")
         from kvserve.attention import triton_kernels
-        return triton_kernels.paged_attention(q, key, value, batch, scale, out)
+        return triton_kernels.paged_attention(q, key, value, batch, scale, out, scores=scores)
 
 
 ATTENTION_BACKENDS: Mapping[str, type[AttentionBackend]] = MappingProxyType(

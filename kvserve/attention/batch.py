@@ -82,7 +82,7 @@ class BatchBuilder:
         # a backend that scores adds the weights the policy needs as it attends (short chunks:
         # their logits are kept until the softmax is known)
         in_kernel = (in_place and self.backend.reads_in_place and self.backend.scores_attention and step.is_observed
-                     and self.cache.dtype == torch.float32     # the kernel scores float32 queries only
+                     and self.cache.dtype in self.backend.scored_dtypes
                      and step.state.scores_attention and first_scored < n <= KERNEL_SCORED_ROWS
                      # the kernel scores a suffix of the chunk's rows
                      and (step.scored_rows is None or step.scored_rows == tuple(range(first_scored, n))))

@@ -222,6 +222,25 @@ def _load_half(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok, side_ma
 
 
 @triton.jit
+def _tile_blocks(t0, hi, table_row, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr):
+    """A tile's keys t0 .. t0 + BLOCK_N (those below ``hi`` valid): positions, validity, offsets
+    in their blocks, each token's block, and with PAGES > 0 the tile's PAGES blocks."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    t_ok = t < hi
+    off = t % BLOCK_SIZE
+    if PAGES > 0:     # t0 is block-aligned: the tile holds PAGES whole blocks, or lies in one
+        p = tl.arange(0, PAGES)
+        page_ok = t0 + p * (BLOCK_N // PAGES) < hi
+        pages = tl.load(table_row + t0 // BLOCK_SIZE + p, mask=page_ok, other=0)
+        blk = tl.reshape(tl.broadcast_to(pages[:, None], (PAGES, BLOCK_N // PAGES)), (BLOCK_N,))
+    else:             # tiles straddle blocks: look every token up
+        blk = tl.load(table_row + t // BLOCK_SIZE, mask=t_ok, other=0)
+        pages = blk
+        page_ok = t_ok
+    return t, t_ok, off, blk, pages, page_ok
+
+
+@triton.jit
 def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_scale, dd, d_ok,
                   k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
                   kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
@@ -242,18 +261,7 @@ def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_s
                   PAGES: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
     """Online softmax over keys [lo, hi) of one sequence; returns the updated (m, l, acc)."""
     for t0 in range(lo, hi, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        t_ok = t < hi
-        off = t % BLOCK_SIZE
-        if PAGES > 0:     # t0 is block-aligned: the tile holds PAGES whole blocks, or lies in one
-            p = tl.arange(0, PAGES)
-            page_ok = t0 + p * (BLOCK_N // PAGES) < hi
-            pages = tl.load(table_row + t0 // BLOCK_SIZE + p, mask=page_ok, other=0)
-            blk = tl.reshape(tl.broadcast_to(pages[:, None], (PAGES, BLOCK_N // PAGES)), (BLOCK_N,))
-        else:             # tiles straddle blocks: look every token up
-            blk = tl.load(table_row + t // BLOCK_SIZE, mask=t_ok, other=0)
-            pages = blk
-            page_ok = t_ok
+        t, t_ok, off, blk, pages, page_ok = _tile_blocks(t0, hi, table_row, BLOCK_SIZE, BLOCK_N, PAGES)
         k = _load_half(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok, side_map,
                        k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
                        kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
@@ -291,7 +299,7 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
            side_map, kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
            kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
            vf_main, vf_scale, vf_zero, vf_out_vals, vf_out_chans,
-           vfb_main, vfb_scale, vfb_zero, vfb_out_vals, vfb_out_chans,
+           vfb_main, vfb_scale, vfb_zero, vfb_out_vals, vfb_out_chans, row_m, row_l,
            K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP_SIZE: tl.constexpr, K_HAD: tl.constexpr,
            K_NOUT: tl.constexpr, K_HAS_RESIDUAL: tl.constexpr,
            V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP_SIZE: tl.constexpr, V_HAD: tl.constexpr,
@@ -301,7 +309,7 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
            VF_HAD: tl.constexpr, VF_NOUT: tl.constexpr, REFINED: tl.constexpr,
            GROUP: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
-           DOT: tl.constexpr, F32_DOTS: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+           DOT: tl.constexpr, F32_DOTS: tl.constexpr, HAS_POSITIONS: tl.constexpr, STATS: tl.constexpr):
     """One program: ROWS (query, head) rows of one sequence over one split of its keys. With
     HAS_POSITIONS each query's position is read from ``query_positions`` (ascending, the last
     at length - 1: a prefill with gaps), else a sequence's queries are its last n positions."""
@@ -386,14 +394,17 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
         tl.store(part_m + idx, m_i, mask=row_ok)
         tl.store(part_l + idx, l_i, mask=row_ok)
     else:
+        if STATS:      # each row's final max and sum, for ``score``
+            tl.store(row_m + q_rows * (H * GROUP) + head, m_i, mask=row_ok)
+            tl.store(row_l + q_rows * (H * GROUP) + head, l_i, mask=row_ok)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # no visible key (l = 0): acc = 0
         tl.store(o_ptr + q_rows[:, None] * so_t + head[:, None] * so_h + dd[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def merge(part_acc, part_m, part_l, o_ptr, so_t, so_h, num_rows, num_heads, num_splits,
-          ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+def merge(part_acc, part_m, part_l, o_ptr, so_t, so_h, num_rows, num_heads, num_splits, row_m, row_l,
+          ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, STATS: tl.constexpr):
     """Combine the splits' (acc, max, sum) of ROWS (query, head) rows into the output."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r_ok = r < num_rows
@@ -412,8 +423,110 @@ def merge(part_acc, part_m, part_l, o_ptr, so_t, so_h, num_rows, num_heads, num_
         l_sum = l_sum * alpha + l_k * beta
         acc = acc * alpha[:, None] + acc_k * beta[:, None]
         m = m_new
+    if STATS:
+        tl.store(row_m + r, m, mask=r_ok)
+        tl.store(row_l + r, l_sum, mask=r_ok)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     t = (r // num_heads).to(tl.int64)
     head = r % num_heads
     tl.store(o_ptr + t[:, None] * so_t + head[:, None] * so_h + dd[None, :], out.to(o_ptr.dtype.element_ty),
              mask=r_ok[:, None] & (dd < D)[None, :])
+
+
+@triton.jit
+def _score_tiles(q, m_row, l_row, w_row, width, lo, hi, pos, row_ok, table_row, open_row, h, H, qk_scale, dd, d_ok,
+                 side_map, k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+                 kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+                 kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+                 kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+                 K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP_SIZE: tl.constexpr, K_HAD: tl.constexpr,
+                 K_NOUT: tl.constexpr, KF_KIND: tl.constexpr, KF_BITS: tl.constexpr, KF_GROUP_SIZE: tl.constexpr,
+                 KF_HAD: tl.constexpr, KF_NOUT: tl.constexpr, FROM_RESIDUAL: tl.constexpr, REFINED: tl.constexpr,
+                 D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGES: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
+    """Adds to ``w_row`` (one sequence's weights for one KV head) the softmax weight every key in
+    [lo, hi) gets from the rows: exp2(s - m) / l with each row's final max and sum."""
+    for t0 in range(lo, hi, BLOCK_N):
+        t, t_ok, off, blk, pages, page_ok = _tile_blocks(t0, hi, table_row, BLOCK_SIZE, BLOCK_N, PAGES)
+        k = _load_half(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok, side_map,
+                       k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+                       kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+                       kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+                       kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+                       K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD, KF_NOUT,
+                       FROM_RESIDUAL, REFINED, D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
+        s = _dot(q, tl.trans(k), DOT, F32_DOTS) * qk_scale
+        visible = row_ok[:, None] & t_ok[None, :] & (t[None, :] <= pos[:, None])
+        p = tl.where(visible, tl.exp2(s - m_row[:, None]) / l_row[:, None], 0.0)
+        w_ok = t_ok & (t < width)
+        w = tl.load(w_row + t, mask=w_ok, other=0.0)
+        tl.store(w_row + t, w + tl.sum(p, axis=0), mask=w_ok)
+
+
+@triton.jit
+def score(q_ptr, sq_t, sq_h, row_m, row_l, weights, sw_s, sw_h, width, score_from,
+          tables, s_table, context_lens, query_starts, open_rows, query_positions, H, qk_scale,
+          k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+          kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+          side_map, kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+          kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+          K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP_SIZE: tl.constexpr, K_HAD: tl.constexpr,
+          K_NOUT: tl.constexpr, K_HAS_RESIDUAL: tl.constexpr,
+          KF_KIND: tl.constexpr, KF_BITS: tl.constexpr, KF_GROUP_SIZE: tl.constexpr, KF_HAD: tl.constexpr,
+          KF_NOUT: tl.constexpr, REFINED: tl.constexpr,
+          GROUP: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr,
+          DOT: tl.constexpr, F32_DOTS: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """The attention weights one sequence's queries from its row ``score_from`` on give each key,
+    summed over the queries and the query heads of one KV head (``AttentionScores``), after
+    ``attend`` stored each row's final max and sum: one program per (sequence, KV head), its
+    query tiles one after another, so each weight is summed in one order (no atomics)."""
+    s_idx = tl.program_id(0)
+    h = tl.program_id(1)
+    q_start = tl.load(query_starts + s_idx)
+    n = tl.load(query_starts + s_idx + 1) - q_start
+    first = tl.load(score_from + s_idx)
+    if first >= n:
+        return
+    length = tl.load(context_lens + s_idx)
+    open_row = tl.load(open_rows + s_idx)
+    tail_lo = length
+    if K_HAS_RESIDUAL:  # noqa: SIM102 (compile-time test, then a run-time one)
+        if open_row >= 0:
+            tail_lo = (length // BLOCK_SIZE) * BLOCK_SIZE
+    rows = tl.arange(0, ROWS)
+    dd = tl.arange(0, D_PAD)
+    d_ok = dd < D
+    table_row = tables + s_idx.to(tl.int64) * s_table
+    w_row = weights + s_idx.to(tl.int64) * sw_s + h * sw_h
+    for q_tile in range(first // QUERIES, tl.cdiv(n, QUERIES)):
+        j = q_tile * QUERIES + rows // GROUP
+        row_ok = (rows < QUERIES * GROUP) & (j < n) & (j >= first)
+        head = h * GROUP + rows % GROUP
+        if HAS_POSITIONS:
+            pos = tl.load(query_positions + q_start + j, mask=row_ok, other=0)
+        else:
+            pos = length - n + j
+        q_rows = (q_start + j).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * sq_t + head[:, None] * sq_h + dd[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if K_HAD and K_NOUT == 0:
+            q = _rotate(q, D, tl.float32, F32_DOTS)
+        q = q.to(DOT)
+        m_row = tl.load(row_m + q_rows * (H * GROUP) + head, mask=row_ok, other=0.0)
+        l_row = tl.load(row_l + q_rows * (H * GROUP) + head, mask=row_ok, other=1.0)
+        _score_tiles(q, m_row, l_row, w_row, width, 0, tail_lo, pos, row_ok, table_row, open_row, h, H, qk_scale,
+                     dd, d_ok, side_map, k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+                     kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+                     kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+                     kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+                     K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD, KF_NOUT,
+                     False, REFINED, D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
+        if K_HAS_RESIDUAL:
+            _score_tiles(q, m_row, l_row, w_row, width, tail_lo, length, pos, row_ok, table_row, open_row, h, H,
+                         qk_scale, dd, d_ok, side_map, k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+                         kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+                         kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+                         kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+                         K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD, KF_NOUT,
+                         K_HAS_RESIDUAL, REFINED, D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvserve.kv.storage.layout import CodecKind, HalfLayout, HalfStore, PagedBatch
+from kvserve.kv.storage.layout import AttentionScores, CodecKind, HalfLayout, HalfStore, PagedBatch
 
 try:
     from kvserve.attention import triton_jit
@@ -93,12 +93,15 @@ def launch_config(q: torch.Tensor, batch: PagedBatch, num_kv_heads: int,
 
 
 def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
-                    out: torch.Tensor | None = None, *, config: LaunchConfig | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, *, config: LaunchConfig | None = None,
+                    scores: AttentionScores | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] in q's dtype (written into ``out`` when given); the
     semantics of ``reference_attention``, except that ``open_rows`` of a sequence whose last
     block is full is ignored. ValueError for inputs the kernel cannot read. The batch's
     ``max_query_len`` and ``max_context_len`` size the grid and must bound every sequence's
-    (not checked: that would cost a device sync). ``config`` overrides the default cut."""
+    (not checked: that would cost a device sync). ``config`` overrides the default cut.
+    ``scores``: the attention weights keys get are added to it (``AttentionScores``; a second
+    kernel, ``score``, after the attention has each row's final max and sum)."""
     if triton_jit is None:
         raise RuntimeError("the Triton attention backend needs the triton package (pip install triton)")
     _check_query(q, out)
@@ -109,6 +112,8 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
     _check_batch(batch, q.device)
+    if scores is not None:
+        _check_scores(scores, batch, num_kv_heads, q.device)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     if q.stride(2) != 1:
@@ -120,7 +125,10 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
     if cfg.tokens_per_split % math.lcm(cfg.block_n, batch.block_size):
         raise ValueError(f"tokens_per_split {cfg.tokens_per_split} is not a multiple of block_n {cfg.block_n} "
                          f"and the block size {batch.block_size}")
-    _launch(q, key, value, batch, scale, out, cfg)
+    stats = None if scores is None else torch.empty(2, q.shape[0] * q.shape[1], dtype=torch.float32, device=q.device)
+    cfg = _launch(q, key, value, batch, scale, out, cfg, stats)
+    if scores is not None and stats is not None:
+        _score(q, key, batch, scale, scores, stats, cfg)
     return out
 
 
@@ -135,9 +143,10 @@ class AttendLaunch:
 
 def attend_launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
                   out: torch.Tensor, cfg: LaunchConfig, partials: tuple[torch.Tensor, ...],
-                  f32_dots: bool) -> AttendLaunch:
+                  f32_dots: bool, stats: torch.Tensor | None = None) -> AttendLaunch:
     """What ``paged_attention`` launches (``partials``: acc, max, sum of the splits; any
-    tensors when there is one split). Also used to compile the kernel without a GPU."""
+    tensors when there is one split; ``stats``: [2, rows] where each row's final max and sum
+    go, for scoring). Also used to compile the kernel without a GPU."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = next(iter(key.parts.values())).shape[2]
     num_q_tiles = -(-batch.max_query_len // cfg.queries_per_tile)
@@ -147,14 +156,15 @@ def attend_launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Page
             batch.context_lens if batch.query_positions is None else batch.query_positions,   # not read without
             num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
             *_half_args(key), *_half_args(value),
-            tables if key.refined is None else key.refined.side_map, *_finer_args(key), *_finer_args(value)]
+            tables if key.refined is None else key.refined.side_map, *_finer_args(key), *_finer_args(value),
+            *((out, out) if stats is None else (stats[0], stats[1]))]
     constants = {**_half_constants("K", key), **_half_constants("V", value),
                  **_finer_constants("KF", key), **_finer_constants("VF", value), "REFINED": key.refined is not None,
                  "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
                  "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
                  "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
                  "SPLIT": cfg.num_splits > 1, "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots,
-                 "HAS_POSITIONS": batch.query_positions is not None}
+                 "HAS_POSITIONS": batch.query_positions is not None, "STATS": stats is not None}
     return AttendLaunch((batch.num_seqs * num_q_tiles, num_kv_heads, cfg.num_splits), args, constants)
 
 
@@ -178,7 +188,8 @@ _FITTED: dict[tuple[Any, ...], LaunchConfig] = {}
 
 
 def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float, out: torch.Tensor,
-            cfg: LaunchConfig) -> None:
+            cfg: LaunchConfig, stats: torch.Tensor | None) -> LaunchConfig:
+    """Runs ``attend`` (and ``merge``); returns the config that ran."""
     assert triton_jit is not None
     num_rows, d_pad = q.shape[0] * q.shape[1], max(16, _next_pow2(q.shape[2]))
     partials: tuple[torch.Tensor, ...] = (out, out, out)     # not read with one split
@@ -187,12 +198,12 @@ def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch
                     torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device),
                     torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device))
     f32_dots = is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0)
-    launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots)
+    launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots, stats)
     memo = (q.device, tuple(sorted((k, str(v)) for k, v in launch.constants.items())), cfg.num_warps, cfg.num_stages)
     fitted = _FITTED.get(memo)
     if fitted is not None:
         cfg = replace(fitted, tokens_per_split=cfg.tokens_per_split, num_splits=cfg.num_splits)
-        launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots)
+        launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots, stats)
     tries = iter(smaller_configs(cfg))
     while True:
         try:
@@ -207,12 +218,37 @@ def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch
                                  f"{q.shape[2]} in {q.dtype}, even in {cfg.block_n}-key tiles ({e}); use a 16-bit "
                                  "compute dtype or the torch attention backend") from e
             cfg = smaller
-            launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots)
+            launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots, stats)
             _FITTED[memo] = cfg
     if cfg.num_splits > 1:
         rows = 16
+        row_stats = (out, out) if stats is None else (stats[0], stats[1])
         triton_jit.merge[(-(-num_rows // rows),)](*partials, out, out.stride(0), out.stride(1), num_rows, q.shape[1],
-                                                  cfg.num_splits, ROWS=rows, D=q.shape[2], D_PAD=d_pad, num_warps=4)
+                                                  cfg.num_splits, *row_stats, ROWS=rows, D=q.shape[2], D_PAD=d_pad,
+                                                  STATS=stats is not None, num_warps=4)
+    return cfg
+
+
+def _score(q: torch.Tensor, key: HalfStore, batch: PagedBatch, scale: float, scores: AttentionScores,
+           stats: torch.Tensor, cfg: LaunchConfig) -> None:
+    """``score`` over the keys, one program per (sequence, KV head), in the tiles ``attend`` ran."""
+    assert triton_jit is not None
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = next(iter(key.parts.values())).shape[2]
+    tables = batch.block_tables if batch.block_tables.stride(1) == 1 else batch.block_tables.contiguous()
+    w = scores.weights
+    f32_dots = is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0)
+    args = [q, q.stride(0), q.stride(1), stats[0], stats[1], w, w.stride(0), w.stride(1), w.shape[2],
+            scores.score_from, tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
+            batch.context_lens if batch.query_positions is None else batch.query_positions,
+            num_kv_heads, scale * math.log2(math.e), *_half_args(key),
+            tables if key.refined is None else key.refined.side_map, *_finer_args(key)]
+    constants = {**_half_constants("K", key), **_finer_constants("KF", key), "REFINED": key.refined is not None,
+                 "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
+                 "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
+                 "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
+                 "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots, "HAS_POSITIONS": batch.query_positions is not None}
+    triton_jit.score[(batch.num_seqs, num_kv_heads)](*args, **constants, num_warps=cfg.num_warps, num_stages=1)
 
 
 def _describe(layout: HalfLayout) -> str:
@@ -394,6 +430,16 @@ def _check_parts(half: str, layout: HalfLayout, parts: Mapping[str, torch.Tensor
                 device)
         _expect(f"{half}.outlier_channels", parts.get("outlier_channels"), (heads, n), (torch.uint8,), device)
     return heads
+
+
+def _check_scores(scores: AttentionScores, batch: PagedBatch, num_kv_heads: int, device: torch.device) -> None:
+    w, first = scores.weights, scores.score_from
+    if w.dtype != torch.float32 or w.dim() != 3 or tuple(w.shape[:2]) != (batch.num_seqs, num_kv_heads) or \
+            w.stride(2) != 1 or w.device != device:
+        raise ValueError(f"scores.weights must be float32 [{batch.num_seqs}, {num_kv_heads}, width] on {device}, "
+                         f"its last dim contiguous; got {w.dtype} {tuple(w.shape)} on {w.device}")
+    if first.dtype != torch.int32 or tuple(first.shape) != (batch.num_seqs,) or first.device != device:
+        raise ValueError(f"scores.score_from must be int32 [{batch.num_seqs}] on {device}")
 
 
 def _check_batch(batch: PagedBatch, device: torch.device) -> None:

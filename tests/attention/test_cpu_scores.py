@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention.cases import Case, make_case
+from attention.cases import make_case, reference_scores
 
 from kvserve.attention import cpu
 from kvserve.attention.cpu_extension import load_extension
@@ -18,31 +18,6 @@ pytestmark = pytest.mark.skipif(not cpu.is_available(), reason="the C++ CPU atte
 LENS = [700, 40, 37, 130]          # 700: split over the cores (every 256 keys)
 QUERIES = [1, 3, 1, 9]
 SCORE_FROM = [0, 1, 1, 2]          # the third sequence's one query is row 0 < 1: not scored
-
-
-def stored_keys(case: Case, s: int) -> torch.Tensor:
-    """Sequence ``s``'s keys as stored (decoded), [len, kv_heads, head_dim]."""
-    b = case.batch
-    length = int(b.context_lens[s])
-    table = b.block_tables[s, :-(-length // b.block_size)].long()
-    parts = {name: t.index_select(0, table) for name, t in case.key.parts.items()}
-    return case.key_codec.decode(parts, torch.float32).flatten(0, 1)[:length]
-
-
-def reference_scores(case: Case, score_from: list[int]) -> torch.Tensor:
-    b = case.batch
-    num_seqs, kv_heads = b.block_tables.shape[0], case.key.parts[next(iter(case.key.parts))].shape[2]
-    group = case.q.shape[1] // kv_heads
-    out = torch.zeros(num_seqs, kv_heads, b.max_context_len, dtype=torch.float64)
-    for s in range(num_seqs):
-        start, end, length = int(b.query_starts[s]), int(b.query_starts[s + 1]), int(b.context_lens[s])
-        keys = stored_keys(case, s).double()
-        for i in range(score_from[s], end - start):
-            visible = length - (end - start) + i + 1
-            q = case.q[start + i].double().view(kv_heads, group, -1)
-            weights = (torch.einsum("hgd,lhd->hgl", q, keys[:visible]) * case.scale).softmax(-1)
-            out[s, :, :visible] += weights.sum(1)
-    return out.float()
 
 
 @pytest.mark.parametrize("spec", ["fp32", "fp16", "int8", "int4"])

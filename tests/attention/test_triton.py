@@ -468,6 +468,68 @@ def test_kernels_compile_for_the_gpu_without_spilling() -> None:
     assert len(lines) == 2 and all("STACK:0" in line for line in lines), done.stdout
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("spec", ["fp32", "int8", "int4+had", "fp8"])
+def test_scores_are_the_softmax_weights_each_key_gets(spec: str, split: bool) -> None:
+    """``AttentionScores`` (what KV budgets score by), as the CPU kernel adds them: for each
+    scored query (rows from ``score_from`` on; a sequence whose first scored row is past its
+    queries: none) and query head, the softmax weight each visible key gets, added per KV head;
+    the output unchanged bit for bit; through splits merged (each row's max and sum from the
+    merge)."""
+    from attention.cases import reference_scores
+
+    from kvserve.kv.storage.layout import AttentionScores
+
+    lens, queries, score_from = [300, 40, 37, 130], [1, 3, 1, 9], [0, 1, 1, 2]
+    case = make_case(spec, lens=lens, num_queries=queries, group=3, num_kv_heads=2, device=DEVICE, seed=5)
+    cfg = forced_splits(case, block_n=32) if split else tk.launch_config(case.q, case.batch, 2)
+    plain = run(case, config=cfg)
+    weights = torch.zeros(len(lens), 2, case.batch.max_context_len, device=DEVICE)
+    scores = AttentionScores(weights, torch.tensor(score_from, dtype=torch.int32, device=DEVICE))
+    assert torch.equal(run(case, config=cfg, scores=scores), plain)
+    torch.testing.assert_close(weights.cpu(), reference_scores(case, score_from).cpu(), atol=2e-6, rtol=1e-5)
+
+
+def test_scores_of_a_blend_chunk_and_of_the_open_block() -> None:
+    """Queries at given positions (a chunk with gaps) see the keys up to their own; KIVI's open
+    block is scored from its residual row."""
+    from kvserve.kv.storage.layout import AttentionScores
+
+    case = make_case("kivi2", lens=[45, 20], num_queries=[4, 2], group=2, num_kv_heads=1, device=DEVICE, seed=2)
+    positions = torch.tensor([3, 17, 30, 44, 10, 19], dtype=torch.int32, device=DEVICE)
+    case = replace(case, batch=replace(case.batch, query_positions=positions))
+    weights = torch.zeros(2, 1, 45, device=DEVICE)
+    scores = AttentionScores(weights, torch.tensor([1, 0], dtype=torch.int32, device=DEVICE))
+    check(case, run(case, scores=scores))
+    codec = case.key_codec     # the reference: every key as stored, the open block from its row
+    for s, (start, rows) in enumerate(((0, range(1, 4)), (4, range(2)))):
+        length = int(case.batch.context_lens[s])
+        table = case.batch.block_tables[s, :-(-length // 16)].long()
+        stored = codec.decode({n: t.index_select(0, table) for n, t in case.key.parts.items()}, torch.float32)
+        stored = stored.flatten(0, 1)[:length].clone()
+        if length % 16:
+            row = int(case.batch.open_rows[s])
+            stored[length - length % 16:] = case.key.residual[row, :length % 16].float()
+        want = torch.zeros(45, dtype=torch.float64, device=DEVICE)
+        for i in rows:
+            visible = int(positions[start + i]) + 1
+            q = case.q[start + i].double()                                  # [2 query heads, D]
+            w = (q @ stored[:visible, 0].double().T * case.scale).softmax(-1)
+            want[:visible] += w.sum(0)
+        torch.testing.assert_close(weights[s, 0].double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_scores_are_checked() -> None:
+    from kvserve.kv.storage.layout import AttentionScores
+
+    case = make_case("fp32", lens=[40], num_queries=[1], group=1, num_kv_heads=2, device=DEVICE, seed=1)
+    frm = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"scores.weights must be float32 \[1, 2, width\]"):
+        run(case, scores=AttentionScores(torch.zeros(1, 3, 40, device=DEVICE), frm))
+    with pytest.raises(ValueError, match="scores.score_from must be int32"):
+        run(case, scores=AttentionScores(torch.zeros(1, 2, 40, device=DEVICE), frm.long()))
+
+
 # precision by saliency (kv/storage/zip.py): a finer copy of the base, both Hadamard-rotated,
 # a 16-bit copy, a finer format that encodes whole blocks over per-channel keys
 ZIP_SPECS = ["zip:hi=int8,lo=kivi2g8,salient=0.5", "zip:hi=int8+had,lo=int4g8+had,salient=0.5",
@@ -581,34 +643,50 @@ def test_the_engine_on_the_triton_backend_gives_the_torch_paths_tokens(fmt: str)
 
 @pytest.mark.parametrize("fmt", ["native", "int8", "kivi2g8"])
 @pytest.mark.parametrize("policy", ["snapkv", "pyramid"])
-def test_budgeted_requests_on_the_triton_backend_give_the_torch_paths_tokens(policy: str, fmt: str) -> None:
+def test_budgeted_requests_on_the_triton_backend_give_the_torch_paths_tokens(policy: str, fmt: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A compacted request reads in place on the triton backend too: snapkv's slots as one plain
-    sequence, pyramid's smaller layer through a block table that skips its hole (scores are taken
-    on the torch path: this backend does not score), in the native format and quantized ones
-    (KIVI's keys: the rewritten blocks encoded again). Same tokens as the torch backend, through
-    the compaction at the end of the prefill and one in decode."""
+    sequence, pyramid's smaller layer through a block table that skips its hole, in the native
+    format and quantized ones (KIVI's keys: the rewritten blocks encoded again), its decodes
+    scored by the kernels (``AttentionScores``; the prefill's window on the torch path). Same
+    tokens as the torch backend, through the compaction at the end of the prefill and one in
+    decode."""
     from tiny import tiny_model
 
     from kvserve import LLM, SamplingParams
+    from kvserve.attention import paged
 
+    torch_scored = []                       # the queries the torch path scores, per call
+    score = paged._score
+
+    def counted(q: torch.Tensor, b: paged.BudgetedChunk, *args: object) -> None:
+        rows = b.scored_rows if b.scored_rows is not None else range(b.first_scored_row, q.shape[0])
+        if rows:
+            torch_scored.append(len(rows))
+        score(q, b, *args)
+
+    monkeypatch.setattr(paged, "_score", counted)
     loaded = tiny_model()
     prompt = [(7 * i) % 120 + 1 for i in range(100)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, kv_budget=32, kv_policy=policy)
-    outs = {}
+    outs, scored = {}, {}
     for backend in ("torch", "triton"):
+        torch_scored.clear()
         llm = LLM(loaded=loaded, num_kv_blocks=32, max_num_batched_tokens=64, device=DEVICE, dtype="float32",
                   attention_backend=backend, kv_format=fmt)
         outs[backend] = llm.generate(prompt, params)[0].token_ids
+        scored[backend] = list(torch_scored)
         assert llm.engine.kv.budgets.num_compactions == 2
         llm.engine.check_integrity()
     assert outs["triton"] == outs["torch"] and len(outs["torch"]) == 24
+    assert scored["torch"] and 1 in scored["torch"] and 1 not in scored["triton"]   # decodes: in the kernel
 
 
 @pytest.mark.parametrize("spec", ["zip:hi=int8,lo=kivi2g8,salient=0.3", "zip:hi=int8+had,lo=int4g8+had,salient=0.3"])
 def test_a_zip_format_on_the_triton_backend_gives_the_torch_paths_tokens(spec: str) -> None:
     """Precision by saliency in the engine: blocks refined as they fill, the least salient losing
-    their finer copy as the context grows (saliency from probes, scored on the torch path: this
-    backend does not score), read in place by the kernel. Same tokens as the torch backend."""
+    their finer copy as the context grows (saliency from probes, scored by the kernels in decode),
+    read in place by the kernel. Same tokens as the torch backend."""
     from tiny import tiny_model
 
     from kvserve import LLM, SamplingParams
