@@ -233,11 +233,19 @@ def _score(q: torch.Tensor, key: HalfStore, batch: PagedBatch, scale: float, sco
            stats: torch.Tensor, cfg: LaunchConfig) -> None:
     """``score`` over the keys, one program per (sequence, KV head), in the tiles ``attend`` ran."""
     assert triton_jit is not None
+    f32_dots = is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0)
+    grid, args, constants = score_launch(q, key, batch, scale, scores, stats, cfg, f32_dots)
+    triton_jit.score[grid](*args, **constants, num_warps=cfg.num_warps, num_stages=1)
+
+
+def score_launch(q: torch.Tensor, key: HalfStore, batch: PagedBatch, scale: float, scores: AttentionScores,
+                 stats: torch.Tensor, cfg: LaunchConfig,
+                 f32_dots: bool) -> tuple[tuple[int, int], list[Any], dict[str, Any]]:
+    """``score``'s grid, positional arguments and constants (also used to compile it without a GPU)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = next(iter(key.parts.values())).shape[2]
     tables = batch.block_tables if batch.block_tables.stride(1) == 1 else batch.block_tables.contiguous()
     w = scores.weights
-    f32_dots = is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0)
     args = [q, q.stride(0), q.stride(1), stats[0], stats[1], w, w.stride(0), w.stride(1), w.shape[2],
             scores.score_from, tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
             batch.context_lens if batch.query_positions is None else batch.query_positions,
@@ -248,7 +256,7 @@ def _score(q: torch.Tensor, key: HalfStore, batch: PagedBatch, scale: float, sco
                  "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
                  "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
                  "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots, "HAS_POSITIONS": batch.query_positions is not None}
-    triton_jit.score[(batch.num_seqs, num_kv_heads)](*args, **constants, num_warps=cfg.num_warps, num_stages=1)
+    return (batch.num_seqs, num_kv_heads), args, constants
 
 
 def _describe(layout: HalfLayout) -> str:

@@ -450,9 +450,10 @@ def test_the_benchmark_runs_in_the_interpreter() -> None:
 
 
 def test_kernels_compile_for_the_gpu_without_spilling() -> None:
-    """What the interpreter cannot show: the kernel compiles for sm_90 (Triton's own ptxas, no
-    GPU needed) and keeps its tiles in registers, for the heaviest decode tile (2-bit
-    per-channel keys, head_dim 128) and a prefill with rotated outlier keys."""
+    """What the interpreter cannot show: the kernels compile for sm_90 (Triton's own ptxas, no
+    GPU needed), keep their tiles in registers and ask well under an H100's 227 KB of shared
+    memory, for the heaviest decode tile (2-bit per-channel keys, head_dim 128), a prefill
+    with rotated outlier keys, mixed blocks (zip) and the scoring kernel."""
     import triton
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
@@ -460,12 +461,14 @@ def test_kernels_compile_for_the_gpu_without_spilling() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     script = Path(__file__).with_name("compile_triton.py")
-    done = subprocess.run([sys.executable, str(script), "--arch", "90", "--variants", "kivi2:bf16:128:decode",
-                           "k=fp8+had+out4,v=int4:fp16:64:prefill"], check=False, capture_output=True, text=True,
-                          env=env, timeout=300)
+    variants = ["kivi2:bf16:128:decode", "k=fp8+had+out4,v=int4:fp16:64:prefill", "zip=int8/kivi2:bf16:128:prefill",
+                "kivi2:bf16:128:score"]
+    done = subprocess.run([sys.executable, str(script), "--arch", "90", "--variants", *variants], check=False,
+                          capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 2 and all("STACK:0" in line for line in lines), done.stdout
+    assert len(lines) == 4 and all("STACK:0" in line for line in lines), done.stdout
+    assert all(int(line.split("smem:")[1].split()[0]) <= 128 * 1024 for line in lines), done.stdout
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
