@@ -33,18 +33,25 @@ class LayerHits(NamedTuple):
         return max(range(len(self.hits)), key=lambda layer: (self.hits[layer], -layer))
 
 
-def layer_hits(llm: LLM, documents: Sequence[Document], queries: Sequence[Query], question: str = "both") -> LayerHits:
+def layer_hits(llm: LLM, documents: Sequence[Document], queries: Sequence[Query], question: str = "both",
+               preamble: str | None = None) -> LayerHits:
+    """``preamble``: the documents are stored after this text (``blend_preamble``), as the
+    engine would store them."""
     model, tokenizer = llm.engine.model, llm.tokenizer
     if tokenizer is None:
         raise ValueError("eval-blend-layer needs a model with a tokenizer (the documents are text)")
     rope = RopeTables(model.config)
+    head = () if preamble is None else tuple(tokenizer.encode(preamble))
     standalone: dict[tuple[int, ...], SegmentKV] = {}
     hits = [0] * model.config.num_layers
     for query in queries:
         text = prompt_text(tokenizer, documents, query, question)
         ids, spec = segmented_prompt(text, documents, query, 0.0).encode(tokenizer)
         segments = [tuple(ids[start:start + n]) for start, n in spec.spans]
-        cached = [standalone.setdefault(s, compute_kv(model, s)) for s in segments]
+        for seg in segments:
+            if seg not in standalone:
+                standalone[seg] = compute_kv(model, seg, preamble=head, rope=rope)
+        cached = [standalone[seg] for seg in segments]
         peaks = segment_peaks_by_layer(model, rope, BlendPrompt(tuple(ids), spec.spans), cached)
         target = query.doc_ids.index(query.target)
         for layer, scores in enumerate(peaks):
@@ -61,7 +68,7 @@ def run_eval_blend_layer(args: argparse.Namespace) -> int:
     import torch
 
     from kvserve.bench.common import find_text
-    from kvserve.bench.rag_workload import make_documents, make_queries
+    from kvserve.bench.rag_workload import make_documents, make_queries, template_head
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,14 +77,19 @@ def run_eval_blend_layer(args: argparse.Namespace) -> int:
         raise ValueError("eval-blend-layer needs a model with a tokenizer (the documents are text)")
     documents = make_documents(find_text(args.text), llm.tokenizer, args.num_docs, args.doc_tokens, args.seed)
     queries = make_queries(args.num_docs, args.num_queries, args.k, args.seed)
-    result = layer_hits(llm, documents, queries, args.question)
+    if args.preamble_head and args.blend_preamble is not None:
+        raise ValueError("give --preamble-head or --blend-preamble, not both")
+    preamble = template_head(llm.tokenizer) if args.preamble_head else args.blend_preamble
+    result = layer_hits(llm, documents, queries, args.question, preamble)
+    stored = "" if preamble is None else f", documents stored after a {len(llm.tokenizer.encode(preamble))}-token preamble"
     print(f"{len(queries)} queries of k={args.k} of {len(documents)} documents of ~{args.doc_tokens} tokens "
-          f"(question {args.question}); per layer, the queries whose asked document the question's first-pass "
-          f"attention ranks first (its largest weight past a document's first 32 tokens):")
+          f"(question {args.question}{stored}); per layer, the queries whose asked document the question's "
+          f"first-pass attention ranks first (its largest weight past a document's first 32 tokens):")
     print(render(result))
     best = result.best_layer
+    advice = "--blend-sink-tokens 32" if preamble is None else "and the same blend_preamble"
     print(f"best: layer {best} ({result.hits[best]}/{result.num_queries}); use "
-          f"--blend-selection query-segments --blend-query-layer {best} --blend-sink-tokens 32")
+          f"--blend-selection query-segments --blend-query-layer {best} {advice}")
     return 0
 
 
@@ -91,6 +103,11 @@ def add_eval_blend_layer_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--num-queries", type=int, default=20)
     e.add_argument("--k", type=int, default=4, help="documents per query")
     e.add_argument("--question", choices=("both", "end"), default="both")
+    e.add_argument("--blend-preamble", default=None,
+                   help="store the documents after this text, as blend_preamble does (docs/blend.md)")
+    e.add_argument("--preamble-head", action="store_true",
+                   help="store the documents after the prompts' own head (the chat template's text before the "
+                        "user message), as bench rag --preamble-head")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     e.set_defaults(run=run_eval_blend_layer)

@@ -30,8 +30,33 @@ def test_a_tiny_calibration_on_the_default_model(default_model):
     assert blend_layer.layer_hits(llm, documents, queries) == result
 
 
+def test_documents_stored_after_a_preamble(default_model, monkeypatch):
+    """``preamble``: each distinct document computed once, after the preamble's tokens (what
+    ``blend_preamble`` stores), the first pass as before."""
+    from kvserve.bench.rag_workload import template_head
+
+    llm = LLM(loaded=default_model, num_kv_blocks=16)
+    documents = make_documents(find_text(), llm.tokenizer, 3, 64, seed=0)
+    queries = make_queries(3, 3, 2, seed=0)
+    calls = []
+    compute_kv = blend_layer.compute_kv
+
+    def recorded(model, token_ids, *args, **kwargs):
+        calls.append((tuple(token_ids), tuple(kwargs.get("preamble", ()))))
+        return compute_kv(model, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(blend_layer, "compute_kv", recorded)
+    head = template_head(llm.tokenizer)
+    result = blend_layer.layer_hits(llm, documents, queries, preamble=head)
+    assert result.num_queries == 3 and len(result.hits) == 30
+    assert len(calls) == len({ids for ids, _ in calls}) == len({d for q in queries for d in q.doc_ids})   # once each
+    assert {p for _, p in calls} == {tuple(llm.tokenizer.encode(head))}
+
+
 def test_the_command_parses():
     from kvserve.cli import build_parser
     args = build_parser().parse_args(["eval-blend-layer", "--num-queries", "5", "--k", "2"])
     assert (args.num_queries, args.k, args.num_docs, args.run) == (5, 2, 12, blend_layer.run_eval_blend_layer)
     assert isinstance(args, argparse.Namespace)
+    args = build_parser().parse_args(["eval-blend-layer", "--preamble-head"])
+    assert args.preamble_head and args.blend_preamble is None
