@@ -20,11 +20,14 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import MappingProxyType, ModuleType
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvserve.kv.storage.layout import AttentionScores, HalfStore, PagedBatch
+
+if TYPE_CHECKING:
+    from kvserve.attention.triton_kernels import Halves
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +115,24 @@ class TritonBackend(AttentionBackend):
             return None
         return f"triton kernels run on CUDA (or on CPU under TRITON_INTERPRET=1), the engine is on {device}"
 
+    def __init__(self) -> None:
+        from kvserve.attention import triton_kernels  # the kernels' module, once (not at every call)
+        self._kernels: ModuleType = triton_kernels
+        # each layer's halves checked and their arguments built once (triton_kernels.prepare):
+        # storages hand out the same HalfStore objects every call (held here, so their ids stay theirs)
+        self._layers: dict[tuple[int, int], Halves] = {}
+
     def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
                out: torch.Tensor | None = None, scores: AttentionScores | None = None) -> torch.Tensor:
-        from kvserve.attention import triton_kernels
-        return triton_kernels.paged_attention(q, key, value, batch, scale, out, scores=scores)
+        kernels = self._kernels
+        held = self._layers.get((id(key), id(value)))
+        if held is None or held.key is not key or held.value is not value or held.head_dim != q.shape[-1] or \
+                held.block_size != batch.block_size:
+            if len(self._layers) > 4096:      # a storage that builds its halves per call: stay bounded
+                self._layers.clear()
+            held = kernels.prepare(key, value, q.shape[-1], batch.block_size)
+            self._layers[(id(key), id(value))] = held
+        return kernels.paged_attention(q, key, value, batch, scale, out, scores=scores, halves=held)
 
 
 ATTENTION_BACKENDS: Mapping[str, type[AttentionBackend]] = MappingProxyType(

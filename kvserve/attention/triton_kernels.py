@@ -14,7 +14,7 @@ Import with ``TRITON_INTERPRET=1`` in the environment to run the kernels on CPU 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -92,23 +92,59 @@ def launch_config(q: torch.Tensor, batch: PagedBatch, num_kv_heads: int,
     return LaunchConfig(rows, queries, block_n, tokens_per_split, -(-max_len // tokens_per_split), num_warps=warps)
 
 
+@dataclass(frozen=True)
+class Halves:
+    """A layer's keys and values checked once and their kernel arguments built (``prepare``): a
+    storage hands out the same halves every step, so a backend prepares each layer's once."""
+
+    key: HalfStore
+    value: HalfStore
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    args: tuple[Any, ...]               # attend's: both halves' parts and rows, the side map, finer parts
+    constants: Mapping[str, Any]
+    key_args: tuple[Any, ...]           # score's: the keys'
+    key_constants: Mapping[str, Any]
+
+
+def prepare(key: HalfStore, value: HalfStore, head_dim: int, block_size: int) -> Halves:
+    """``key`` and ``value`` checked against their layouts (ValueError for what the kernels
+    cannot read) and their arguments built."""
+    num_kv_heads = _check_half("key", key, block_size, head_dim)
+    if _check_half("value", value, block_size, head_dim) != num_kv_heads:
+        raise ValueError("keys and values are stored with different numbers of heads")
+    _check_refined(key, value, block_size, head_dim, num_kv_heads)
+    # without finer copies the keys' main part stands in for the side map (never read then)
+    side = key.refined.side_map if key.refined is not None else _part_tensors(key.layout, key.parts)[0]
+    refined = {"REFINED": key.refined is not None}
+    key_constants = {**_half_constants("K", key), **_finer_constants("KF", key), **refined}
+    return Halves(key, value, num_kv_heads, head_dim, block_size,
+                  (*_half_args(key), *_half_args(value), side, *_finer_args(key), *_finer_args(value)),
+                  {**key_constants, **_half_constants("V", value), **_finer_constants("VF", value)},
+                  (*_half_args(key), side, *_finer_args(key)), key_constants)
+
+
 def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
                     out: torch.Tensor | None = None, *, config: LaunchConfig | None = None,
-                    scores: AttentionScores | None = None) -> torch.Tensor:
+                    scores: AttentionScores | None = None, halves: Halves | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] in q's dtype (written into ``out`` when given); the
     semantics of ``reference_attention``, except that ``open_rows`` of a sequence whose last
     block is full is ignored. ValueError for inputs the kernel cannot read. The batch's
     ``max_query_len`` and ``max_context_len`` size the grid and must bound every sequence's
     (not checked: that would cost a device sync). ``config`` overrides the default cut.
     ``scores``: the attention weights keys get are added to it (``AttentionScores``; a second
-    kernel, ``score``, after the attention has each row's final max and sum)."""
+    kernel, ``score``, after the attention has each row's final max and sum). ``halves``:
+    ``key`` and ``value`` as ``prepare`` made them earlier (checked then, not again)."""
     if triton_jit is None:
         raise RuntimeError("the Triton attention backend needs the triton package (pip install triton)")
     _check_query(q, out)
-    num_kv_heads, head_dim = _check_half("key", key, batch.block_size, q.shape[2]), q.shape[2]
-    if _check_half("value", value, batch.block_size, head_dim) != num_kv_heads:
-        raise ValueError("keys and values are stored with different numbers of heads")
-    _check_refined(key, value, batch.block_size, head_dim, num_kv_heads)
+    if halves is None:
+        halves = prepare(key, value, q.shape[2], batch.block_size)
+    elif halves.key is not key or halves.value is not value or halves.head_dim != q.shape[2] or \
+            halves.block_size != batch.block_size:
+        raise ValueError("these halves were prepared for other keys and values, head_dim or block size")
+    num_kv_heads = halves.num_kv_heads
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
     _check_batch(batch, q.device)
@@ -126,9 +162,9 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
         raise ValueError(f"tokens_per_split {cfg.tokens_per_split} is not a multiple of block_n {cfg.block_n} "
                          f"and the block size {batch.block_size}")
     stats = None if scores is None else torch.empty(2, q.shape[0] * q.shape[1], dtype=torch.float32, device=q.device)
-    cfg = _launch(q, key, value, batch, scale, out, cfg, stats)
+    cfg = _launch(q, halves, batch, scale, out, cfg, stats)
     if scores is not None and stats is not None:
-        _score(q, key, batch, scale, scores, stats, cfg)
+        _score(q, halves, batch, scale, scores, stats, cfg)
     return out
 
 
@@ -141,26 +177,22 @@ class AttendLaunch:
     constants: dict[str, Any]
 
 
-def attend_launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
+def attend_launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float,
                   out: torch.Tensor, cfg: LaunchConfig, partials: tuple[torch.Tensor, ...],
                   f32_dots: bool, stats: torch.Tensor | None = None) -> AttendLaunch:
     """What ``paged_attention`` launches (``partials``: acc, max, sum of the splits; any
     tensors when there is one split; ``stats``: [2, rows] where each row's final max and sum
     go, for scoring). Also used to compile the kernel without a GPU."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = next(iter(key.parts.values())).shape[2]
+    num_kv_heads = halves.num_kv_heads
     num_q_tiles = -(-batch.max_query_len // cfg.queries_per_tile)
     tables = batch.block_tables if batch.block_tables.stride(1) == 1 else batch.block_tables.contiguous()
     args = [q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), *partials, num_tokens * num_heads,
             tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
             batch.context_lens if batch.query_positions is None else batch.query_positions,   # not read without
-            num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
-            *_half_args(key), *_half_args(value),
-            tables if key.refined is None else key.refined.side_map, *_finer_args(key), *_finer_args(value),
+            num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e), *halves.args,
             *((out, out) if stats is None else (stats[0], stats[1]))]
-    constants = {**_half_constants("K", key), **_half_constants("V", value),
-                 **_finer_constants("KF", key), **_finer_constants("VF", value), "REFINED": key.refined is not None,
-                 "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
+    constants = {**halves.constants, "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
                  "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
                  "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
                  "SPLIT": cfg.num_splits > 1, "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots,
@@ -168,26 +200,24 @@ def attend_launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Page
     return AttendLaunch((batch.num_seqs * num_q_tiles, num_kv_heads, cfg.num_splits), args, constants)
 
 
-def smaller_configs(cfg: LaunchConfig) -> list[LaunchConfig]:
+def smaller_configs(cfg: LaunchConfig) -> Iterator[LaunchConfig]:
     """What a launch whose kernel needs more shared memory than the device has tries next, in
     order: one pipeline stage instead of two (the same sums), then tiles of half as many keys
     down to 16 (each key's logit the same, the softmax's running sums taken in smaller tiles).
     ``tokens_per_split`` stays a multiple of the smaller tile."""
-    out = []
     if cfg.num_stages > 1:
         cfg = replace(cfg, num_stages=1)
-        out.append(cfg)
+        yield cfg
     while cfg.block_n > 16:
         cfg = replace(cfg, block_n=cfg.block_n // 2)
-        out.append(cfg)
-    return out
+        yield cfg
 
 
 # (device, the kernel's specialization, the asked config's tile and stages) -> the config that fits
 _FITTED: dict[tuple[Any, ...], LaunchConfig] = {}
 
 
-def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float, out: torch.Tensor,
+def _launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float, out: torch.Tensor,
             cfg: LaunchConfig, stats: torch.Tensor | None) -> LaunchConfig:
     """Runs ``attend`` (and ``merge``); returns the config that ran."""
     assert triton_jit is not None
@@ -198,28 +228,33 @@ def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch
                     torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device),
                     torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device))
     f32_dots = is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0)
-    launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots, stats)
-    memo = (q.device, tuple(sorted((k, str(v)) for k, v in launch.constants.items())), cfg.num_warps, cfg.num_stages)
-    fitted = _FITTED.get(memo)
+    launch = attend_launch(q, halves, batch, scale, out, cfg, partials, f32_dots, stats)
+
+    def memo() -> tuple[Any, ...]:
+        return q.device, tuple(sorted((k, str(v)) for k, v in launch.constants.items())), cfg.num_warps, cfg.num_stages
+
+    asked = memo() if _FITTED else None          # (nothing to look up until a launch has not fit)
+    fitted = _FITTED.get(asked) if asked is not None else None
     if fitted is not None:
         cfg = replace(fitted, tokens_per_split=cfg.tokens_per_split, num_splits=cfg.num_splits)
-        launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots, stats)
-    tries = iter(smaller_configs(cfg))
+        launch = attend_launch(q, halves, batch, scale, out, cfg, partials, f32_dots, stats)
+    tries = smaller_configs(cfg)
     while True:
         try:
             triton_jit.attend[launch.grid](*launch.args, **launch.constants, num_warps=cfg.num_warps,
                                            num_stages=cfg.num_stages)
             break
         except triton_jit.OutOfResources as e:
+            asked = asked if asked is not None else memo()
             smaller = next(tries, None)
             if smaller is None:
                 raise ValueError(f"the Triton attention kernel does not fit this device's shared memory for "
-                                 f"{_describe(key.layout)} keys and {_describe(value.layout)} values at head_dim "
-                                 f"{q.shape[2]} in {q.dtype}, even in {cfg.block_n}-key tiles ({e}); use a 16-bit "
-                                 "compute dtype or the torch attention backend") from e
+                                 f"{_describe(halves.key.layout)} keys and {_describe(halves.value.layout)} values "
+                                 f"at head_dim {q.shape[2]} in {q.dtype}, even in {cfg.block_n}-key tiles ({e}); use "
+                                 "a 16-bit compute dtype or the torch attention backend") from e
             cfg = smaller
-            launch = attend_launch(q, key, value, batch, scale, out, cfg, partials, f32_dots, stats)
-            _FITTED[memo] = cfg
+            launch = attend_launch(q, halves, batch, scale, out, cfg, partials, f32_dots, stats)
+            _FITTED[asked] = cfg
     if cfg.num_splits > 1:
         rows = 16
         row_stats = (out, out) if stats is None else (stats[0], stats[1])
@@ -229,33 +264,32 @@ def _launch(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch
     return cfg
 
 
-def _score(q: torch.Tensor, key: HalfStore, batch: PagedBatch, scale: float, scores: AttentionScores,
+def _score(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float, scores: AttentionScores,
            stats: torch.Tensor, cfg: LaunchConfig) -> None:
     """``score`` over the keys, one program per (sequence, KV head), in the tiles ``attend`` ran."""
     assert triton_jit is not None
     f32_dots = is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0)
-    grid, args, constants = score_launch(q, key, batch, scale, scores, stats, cfg, f32_dots)
+    grid, args, constants = score_launch(q, halves, batch, scale, scores, stats, cfg, f32_dots)
     triton_jit.score[grid](*args, **constants, num_warps=cfg.num_warps, num_stages=1)
 
 
-def score_launch(q: torch.Tensor, key: HalfStore, batch: PagedBatch, scale: float, scores: AttentionScores,
+def score_launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float, scores: AttentionScores,
                  stats: torch.Tensor, cfg: LaunchConfig,
                  f32_dots: bool) -> tuple[tuple[int, int], list[Any], dict[str, Any]]:
     """``score``'s grid, positional arguments and constants (also used to compile it without a GPU)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = next(iter(key.parts.values())).shape[2]
+    num_kv_heads = halves.num_kv_heads
     tables = batch.block_tables if batch.block_tables.stride(1) == 1 else batch.block_tables.contiguous()
     w = scores.weights
     args = [q, q.stride(0), q.stride(1), stats[0], stats[1], w, w.stride(0), w.stride(1), w.shape[2],
             scores.score_from, tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
             batch.context_lens if batch.query_positions is None else batch.query_positions,
-            num_kv_heads, scale * math.log2(math.e), *_half_args(key),
-            tables if key.refined is None else key.refined.side_map, *_finer_args(key)]
-    constants = {**_half_constants("K", key), **_finer_constants("KF", key), "REFINED": key.refined is not None,
-                 "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
-                 "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
-                 "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
-                 "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots, "HAS_POSITIONS": batch.query_positions is not None}
+            num_kv_heads, scale * math.log2(math.e), *halves.key_args]
+    constants = {**halves.key_constants, "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile,
+                 "ROWS": cfg.rows, "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)),
+                 "BLOCK_SIZE": batch.block_size, "BLOCK_N": cfg.block_n,
+                 "PAGES": _pages_per_tile(cfg.block_n, batch.block_size), "DOT": _dot_dtype(q.dtype),
+                 "F32_DOTS": f32_dots, "HAS_POSITIONS": batch.query_positions is not None}
     return (batch.num_seqs, num_kv_heads), args, constants
 
 

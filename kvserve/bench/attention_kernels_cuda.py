@@ -8,7 +8,9 @@ attention (3 KV heads, 9 query heads, head_dim 64) and Llama-3-8B's (8 KV heads,
 heads, head_dim 128), block size 16, compute dtype bfloat16 (``--dtype``), one layer. For
 each KV format, in the same run and on the same inputs:
 
-* ``triton``  kvserve.attention.triton_kernels.paged_attention, reading the blocks in place;
+* ``triton``  the triton attention backend (kvserve.attention.backends.TritonBackend, as the
+              engine calls it: the layer's halves checked and their arguments built once),
+              reading the blocks in place;
 * ``paged``   the torch path: gather the blocks (index_select of every part) + codec.decode
               to the compute dtype + scaled_dot_product_attention (what kvserve.attention.paged
               does per decode step);
@@ -23,8 +25,14 @@ paged path's many small ops may). The table gives the median of ``--repeats`` ca
 10-90 percentile spread; speedups are ratios of medians (paged or sdpa time / triton time). GB/s counts the bytes a call must read
 (the KV format's stored bytes of the context, q and out) over the median time, against the
 device's bandwidth measured in the same run by a 1 GiB device-to-device copy (read + write
-bytes / time). ``--interpret`` checks the benchmark itself (wall-clock timing, tiny shapes):
-its numbers mean nothing.
+bytes / time). *host us* is what the host spends issuing one triton call (200 calls back to
+back, no synchronization between them, the device running behind), through the backend and,
+for comparison, through ``paged_attention`` unprepared (every call checking the halves and
+building their arguments): where it exceeds the device time, the host is the bound. *prepare
+us* is that checking and building alone (``triton_kernels.prepare``, median of 200 calls: host
+work, a real measurement under ``--interpret`` too), which the backend does once per layer.
+``--interpret`` checks the benchmark itself (wall-clock timing, tiny shapes): its numbers mean
+nothing.
 """
 
 from __future__ import annotations
@@ -165,14 +173,36 @@ def spread(times: list[float]) -> str:
     return f"{statistics.median(times) * 1e6:.1f} ({qs[0] * 1e6:.0f}-{qs[-1] * 1e6:.0f})"
 
 
+def host_time(fn: Callable[[], object], cuda: bool, calls: int = 200) -> float:
+    """Seconds the host spends issuing one call of ``fn``: ``calls`` back to back, the device
+    synchronized only before and after."""
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t
+    if cuda:
+        torch.cuda.synchronize()
+    return elapsed / calls
+
+
 def measure(kernels: ModuleType, c: Cache, scale: float, timer: Timer, repeats: int
-            ) -> tuple[list[float], list[float], float]:
-    """(triton times, paged times, max |triton - paged|) of one cache's decode step."""
+            ) -> tuple[list[float], list[float], float, tuple[float, float, float]]:
+    """(triton times, paged times, max |triton - paged|, host seconds per triton call through
+    the backend and unprepared, and of ``prepare``) of one cache's decode step."""
+    from kvserve.attention.backends import TritonBackend
+
     out = torch.empty_like(c.q)
-    triton_call = partial(kernels.paged_attention, c.q, c.key, c.value, c.batch, scale, out=out)
+    triton_call = partial(TritonBackend().attend, c.q, c.key, c.value, c.batch, scale, out)
+    unprepared = partial(kernels.paged_attention, c.q, c.key, c.value, c.batch, scale, out=out)
     paged_call = partial(torch_paged, c, scale)
     err = (triton_call().float() - paged_call().float()).abs().max().item()
-    return timer.times(triton_call, repeats), timer.times(paged_call, repeats), err
+    host = (host_time(triton_call, timer.cuda), host_time(unprepared, timer.cuda))
+    prepare = partial(kernels.prepare, c.key, c.value, c.q.shape[2], c.batch.block_size)
+    prepared = statistics.median(host_time(prepare, False, calls=1) for _ in range(200))
+    return timer.times(triton_call, repeats), timer.times(paged_call, repeats), err, (*host, prepared)
 
 
 def run(kernels: ModuleType, formats: list[str], shapes: list[str], workloads: dict[str, list[int]],
@@ -188,23 +218,25 @@ def run(kernels: ModuleType, formats: list[str], shapes: list[str], workloads: d
             sdpa: list[float] = []
             for fmt in formats:
                 c = build(fmt, lens, shape, block_size, dtype, device)
-                t_triton, t_paged, err = measure(kernels, c, scale, timer, repeats)
+                t_triton, t_paged, err, host = measure(kernels, c, scale, timer, repeats)
                 sdpa = sdpa or timer.times(partial(contiguous_sdpa, c, scale), repeats)
                 rate = (c.kv_nbytes + 2 * c.q.numel() * c.q.element_size()) / med(t_triton)
                 splits = kernels.launch_config(c.q, c.batch, shape[0]).num_splits
                 rows.append([shape_name, work_name, fmt, f"{c.kv_nbytes / 1e6:.2f}", splits, spread(t_triton),
                              f"{rate / 1e9:.0f}", f"{100 * rate / bandwidth:.0f}%", spread(t_paged),
-                             f"{med(t_paged) / med(t_triton):.2f}x", f"{med(sdpa) / med(t_triton):.2f}x", f"{err:.1e}"])
+                             f"{med(t_paged) / med(t_triton):.2f}x", f"{med(sdpa) / med(t_triton):.2f}x", f"{err:.1e}",
+                             f"{host[0] * 1e6:.0f} / {host[1] * 1e6:.0f}", f"{host[2] * 1e6:.1f}"])
             sdpa_bytes = 2 * len(lens) * lens[0] * shape[0] * shape[2] * 2
             rows.append([shape_name, work_name, "sdpa contiguous bf16", f"{sdpa_bytes / 1e6:.2f}", "", spread(sdpa),
                          f"{sdpa_bytes / med(sdpa) / 1e9:.0f}", f"{100 * sdpa_bytes / med(sdpa) / bandwidth:.0f}%",
-                         "", "", "1.00x", ""])
+                         "", "", "1.00x", "", "", ""])
     header = (f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (interpreter)'}, "
               f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, dtype {dtype}, block size {block_size}, "
               f"median of {repeats} calls (p10-p90), L2 flushed before each")
     return header + "\n\n" + table(
         ["shape", "decode", "format", "KV MB", "splits", "triton us", "GB/s", "of copy", "paged us",
-         "speedup vs paged", "speedup vs sdpa", "max |triton - paged|"], rows)
+         "speedup vs paged", "speedup vs sdpa", "max |triton - paged|", "host us (unprepared)",
+         "prepare us"], rows)
 
 
 def load_kernels(interpret: bool) -> ModuleType:

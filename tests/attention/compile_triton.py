@@ -64,14 +64,15 @@ def compile_variant(variant: str, arch: int) -> str:
     cfg = triton_kernels.launch_config(case.q, case.batch, 8)
     partials = (torch.empty(1), torch.empty(1), torch.empty(1))
     stats = torch.empty(2, case.q.shape[0] * case.q.shape[1]) if mode == "score" else None
-    launch = triton_kernels.attend_launch(case.q, key, value, case.batch, case.scale, torch.empty_like(case.q),
+    halves = triton_kernels.prepare(key, value, int(head_dim), case.batch.block_size)
+    launch = triton_kernels.attend_launch(case.q, halves, case.batch, case.scale, torch.empty_like(case.q),
                                           cfg, partials, f32_dots=arch < 80, stats=stats)
     kernel = triton_jit.attend
     if mode == "score":
         assert stats is not None
         scores = AttentionScores(torch.empty(4, 8, 1000), torch.zeros(4, dtype=torch.int32))
-        grid, args, constants = triton_kernels.score_launch(case.q, key, case.batch, case.scale, scores, stats, cfg,
-                                                            f32_dots=arch < 80)
+        grid, args, constants = triton_kernels.score_launch(case.q, halves, case.batch, case.scale, scores, stats,
+                                                            cfg, f32_dots=arch < 80)
         launch = triton_kernels.AttendLaunch(grid, args, constants)
         kernel = triton_jit.score
     names = [n for n in kernel.arg_names if n not in launch.constants]

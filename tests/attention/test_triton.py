@@ -522,6 +522,23 @@ def test_scores_of_a_blend_chunk_and_of_the_open_block() -> None:
         torch.testing.assert_close(weights[s, 0].double(), want, atol=2e-6, rtol=1e-5)
 
 
+def test_a_layers_halves_are_prepared_once() -> None:
+    """The backend checks a layer's halves and builds their arguments once (``prepare``), then
+    hands them to every call; halves prepared for other keys, values or shapes are refused."""
+    from kvserve.attention.backends import TritonBackend
+
+    case = make_case("kivi2", lens=[40, 7], num_queries=[1, 1], group=2, num_kv_heads=2, device=DEVICE, seed=3)
+    backend = TritonBackend()
+    first = backend.attend(case.q, case.key, case.value, case.batch, case.scale)
+    held = next(iter(backend._layers.values()))
+    assert torch.equal(backend.attend(case.q, case.key, case.value, case.batch, case.scale), first)
+    assert list(backend._layers.values()) == [held] and held.key is case.key and held.num_kv_heads == 2
+    check(case, first)
+    other = make_case("kivi2", lens=[40, 7], num_queries=[1, 1], group=2, num_kv_heads=2, device=DEVICE, seed=4)
+    with pytest.raises(ValueError, match="prepared for other keys and values, head_dim or block size"):
+        tk.paged_attention(case.q, case.key, other.value, case.batch, case.scale, halves=held)
+
+
 def test_scores_are_checked() -> None:
     from kvserve.kv.storage.layout import AttentionScores
 
