@@ -221,10 +221,20 @@ def _rows_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached
         none = torch.empty((0, cfg.num_kv_heads, cfg.head_dim), dtype=model.dtype, device=model.device)
         keys = values = (none,) * cfg.num_layers
     else:
-        keys = tuple(passed_keys[layer][supplied] if layer < len(passed_keys)
-                     else ctx.cached_keys[layer][among_reused] for layer in range(cfg.num_layers))
-        values = tuple(passed_values[layer][supplied] if layer < len(passed_values)
-                       else ctx.cached_values[layer][among_reused] for layer in range(cfg.num_layers))
+        # layer by layer, each layer's choosing tensors dropped once its supplied rows are copied
+        # out: the peak is one layer's copy beside them, not a second copy of every layer
+        gone = torch.empty(0, device=model.device)
+        kept_keys, kept_values = [], []
+        for layer in range(cfg.num_layers):
+            if layer < len(passed_keys):
+                kept_keys.append(passed_keys[layer][supplied])
+                kept_values.append(passed_values[layer][supplied])
+                passed_keys[layer] = passed_values[layer] = gone
+            else:
+                kept_keys.append(ctx.cached_keys[layer][among_reused])
+                kept_values.append(ctx.cached_values[layer][among_reused])
+            ctx.cached_keys[layer] = ctx.cached_values[layer] = gone
+        keys, values = tuple(kept_keys), tuple(kept_values)
     return BlendRows(num_known, tuple(torch.nonzero(computed).flatten().tolist()), tuple(supplied.tolist()),
                      keys, values, int(reused.numel()), int(selected.numel()), attention_keys_per_row(model.config))
 
