@@ -18,6 +18,9 @@ import to run them on CPU tensors through Triton's interpreter.
 A tile is dequantized in registers to float32 (``_load_tile``), then multiplied in the
 compute dtype (q's) with float32 accumulation; online softmax in base 2. With one split the
 program writes the output; with several it writes (acc, max, sum) and ``merge`` combines them.
+A zip storage's full blocks are read from their finer copy where the side map names one
+(``_load_half``). Scoring (``AttentionScores``): ``attend`` or ``merge`` also store each row's
+final (max, sum), and ``score`` then adds each key's softmax weight per (sequence, KV head).
 
 ``+had`` without outliers is folded out of the loop: H is symmetric and orthonormal, so
 q.(H y) = (H q).y and sum p (H y) = H sum p y; the program rotates q before and the
@@ -241,6 +244,30 @@ def _tile_blocks(t0, hi, table_row, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _key_tile(q, t0, hi, table_row, open_row, h, H, qk_scale, dd, d_ok, side_map,
+              k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+              kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+              kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+              kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+              K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP_SIZE: tl.constexpr, K_HAD: tl.constexpr,
+              K_NOUT: tl.constexpr, KF_KIND: tl.constexpr, KF_BITS: tl.constexpr, KF_GROUP_SIZE: tl.constexpr,
+              KF_HAD: tl.constexpr, KF_NOUT: tl.constexpr, FROM_RESIDUAL: tl.constexpr, REFINED: tl.constexpr,
+              D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+              PAGES: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
+    """The tile of keys t0 .. t0 + BLOCK_N below ``hi``: ``_tile_blocks``' positions and blocks,
+    and the rows' logits over its keys (log2 domain, not yet masked)."""
+    t, t_ok, off, blk, pages, page_ok = _tile_blocks(t0, hi, table_row, BLOCK_SIZE, BLOCK_N, PAGES)
+    k = _load_half(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok, side_map,
+                   k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+                   kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+                   kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
+                   kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
+                   K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD, KF_NOUT,
+                   FROM_RESIDUAL, REFINED, D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
+    return t, t_ok, off, blk, pages, page_ok, _dot(q, tl.trans(k), DOT, F32_DOTS) * qk_scale
+
+
+@triton.jit
 def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_scale, dd, d_ok,
                   k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
                   kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
@@ -261,15 +288,13 @@ def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_s
                   PAGES: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
     """Online softmax over keys [lo, hi) of one sequence; returns the updated (m, l, acc)."""
     for t0 in range(lo, hi, BLOCK_N):
-        t, t_ok, off, blk, pages, page_ok = _tile_blocks(t0, hi, table_row, BLOCK_SIZE, BLOCK_N, PAGES)
-        k = _load_half(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok, side_map,
-                       k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
-                       kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
-                       kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
-                       kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
-                       K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD, KF_NOUT,
-                       K_FROM_RESIDUAL, REFINED, D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
-        s = _dot(q, tl.trans(k), DOT, F32_DOTS) * qk_scale
+        t, t_ok, off, blk, pages, page_ok, s = _key_tile(
+            q, t0, hi, table_row, open_row, h, H, qk_scale, dd, d_ok, side_map,
+            k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+            kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+            kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans, kfb_main, kfb_scale, kfb_zero, kfb_out_vals,
+            kfb_out_chans, K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD,
+            KF_NOUT, K_FROM_RESIDUAL, REFINED, D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
         visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -447,15 +472,13 @@ def _score_tiles(q, m_row, l_row, w_row, width, lo, hi, pos, row_ok, table_row, 
     """Adds to ``w_row`` (one sequence's weights for one KV head) the softmax weight every key in
     [lo, hi) gets from the rows: exp2(s - m) / l with each row's final max and sum."""
     for t0 in range(lo, hi, BLOCK_N):
-        t, t_ok, off, blk, pages, page_ok = _tile_blocks(t0, hi, table_row, BLOCK_SIZE, BLOCK_N, PAGES)
-        k = _load_half(t_ok, blk, off, pages, page_ok, open_row, h, H, dd, d_ok, side_map,
-                       k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
-                       kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
-                       kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
-                       kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
-                       K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD, KF_NOUT,
-                       FROM_RESIDUAL, REFINED, D, D_PAD, BLOCK_N, PAGES, DOT, F32_DOTS)
-        s = _dot(q, tl.trans(k), DOT, F32_DOTS) * qk_scale
+        t, t_ok, _, _, _, _, s = _key_tile(
+            q, t0, hi, table_row, open_row, h, H, qk_scale, dd, d_ok, side_map,
+            k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
+            kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
+            kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans, kfb_main, kfb_scale, kfb_zero, kfb_out_vals,
+            kfb_out_chans, K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD,
+            KF_NOUT, FROM_RESIDUAL, REFINED, D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
         visible = row_ok[:, None] & t_ok[None, :] & (t[None, :] <= pos[:, None])
         p = tl.where(visible, tl.exp2(s - m_row[:, None]) / l_row[:, None], 0.0)
         w_ok = t_ok & (t < width)

@@ -40,7 +40,6 @@ from kvserve.kv.pins import Clock, Pins
 from kvserve.kv.prefix import load_or_create_secret, make_extra_key
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
-from kvserve.kv.storage.layout import HalfLayout
 from kvserve.kv.storage.zip import ZipKVCache
 from kvserve.kv.tiering import make_tiering
 from kvserve.model.formats.build import make_products
@@ -135,10 +134,11 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     # the weights' format is part of the model's identity: KV computed with other weights never matches
     fingerprint = f"{loaded.fingerprint}:weights={products.name}"
     kv_format = parse_kv_format(cc.kv_format, mc.num_layers, dtype, head_dim=mc.head_dim)
-    attention = _attention_backend(config.attention_backend, device, kv_format)
     # new rows through the C++ writer where it runs (attention/cpu_writes.py), else the torch path
     storage = make_storage(mc, kv_format, cc, config.scheduler, dtype, device, CpuWrites.for_storage)
-    if isinstance(storage, ZipKVCache) and storage.mixes_rotation_domains and attention.reads_in_place:
+    mixes_domains = isinstance(storage, ZipKVCache) and storage.mixes_rotation_domains
+    attention = _attention_backend(config.attention_backend, device, kv_format, mixes_domains)
+    if mixes_domains and attention.reads_in_place:
         log.warning("KV format %s: the finer and base formats of a half differ in +had; the kernel rotates the "
                     "finer blocks' rows as it reads them (measured 2.7x slower decode): give both +had or neither",
                     kv_format.spec)
@@ -260,11 +260,11 @@ def _check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
                          f"drafts would name other tokens")
 
 
-def _attention_backend(name: str, device: torch.device, kv_format: KVFormat) -> AttentionBackend:
+def _attention_backend(name: str, device: torch.device, kv_format: KVFormat, mixes_domains: bool) -> AttentionBackend:
     """The backend ``name``; under a ``zip:`` format whose finer copies are in another Hadamard
-    domain than their base (``hi=int8,lo=kivi2+had``), which the Triton kernels do not read,
-    ``auto`` on CUDA is the torch path and ``triton`` an error saying so."""
-    if not _mixes_rotation_domains(kv_format) or not (name == "triton" or (name == "auto" and device.type == "cuda")):
+    domain than their base (``mixes_domains``: ``hi=int8,lo=kivi2+had``), which the Triton kernels
+    do not read, ``auto`` on CUDA is the torch path and ``triton`` an error saying so."""
+    if not mixes_domains or not (name == "triton" or (name == "auto" and device.type == "cuda")):
         return make_attention_backend(name, device)
     reason = ("the Triton kernels read a finer copy in its base's Hadamard domain only (give both formats +had, "
               "without +outN, or neither)")
@@ -273,16 +273,6 @@ def _attention_backend(name: str, device: torch.device, kv_format: KVFormat) -> 
                          "--attention-backend torch (or cpu on a CPU)")
     log.info("KV format %s: attention through the torch path (%s)", kv_format.spec, reason)
     return make_attention_backend("torch", device)
-
-
-def _mixes_rotation_domains(kv_format: KVFormat) -> bool:
-    """A ``zip:`` format some half of whose finer format reads rotated and its base not, or the
-    other way round."""
-    if kv_format.refine is None:
-        return False
-    return any(HalfLayout.from_codec(b).reads_rotated != HalfLayout.from_codec(f).reads_rotated
-               for base, fine in zip(kv_format.layers, kv_format.refine.layers)
-               for b, f in ((base.key, fine.key), (base.value, fine.value)))
 
 
 def _make_budgets(config: EngineConfig, storage: KVStorage, kv_format: KVFormat, mc: ModelConfig) -> Budgets:
