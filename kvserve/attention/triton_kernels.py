@@ -13,6 +13,7 @@ Import with ``TRITON_INTERPRET=1`` in the environment to run the kernels on CPU 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -64,6 +65,17 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+@functools.cache
+def _device_traits(device: torch.device) -> tuple[int, bool]:
+    """A device's multiprocessors (1 off CUDA) and whether the kernels' dots run on float32
+    operands there (the interpreter; GPUs before sm_80): asked of torch once per device, not at
+    every call."""
+    if device.type != "cuda":
+        return 1, True
+    return (torch.cuda.get_device_properties(device).multi_processor_count,
+            is_interpreted() or torch.cuda.get_device_capability(device) < (8, 0))
+
+
 def launch_config(q: torch.Tensor, batch: PagedBatch, num_kv_heads: int,
                   tokens_per_split: int | None = None) -> LaunchConfig:
     """The default cut: enough (sequence, head, split) programs to fill the device twice
@@ -81,7 +93,7 @@ def launch_config(q: torch.Tensor, batch: PagedBatch, num_kv_heads: int,
     max_len = max(1, batch.max_context_len)
     if tokens_per_split is None:
         programs = batch.num_seqs * num_kv_heads * -(-batch.max_query_len // queries)
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        sms = _device_traits(q.device)[0]
         want = -(-PROGRAMS_PER_SM * sms // max(1, programs))
         splits = max(1, min(want, max_len // MIN_TOKENS_PER_SPLIT))
         tokens_per_split = -(-max_len // splits)
@@ -227,7 +239,7 @@ def _launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float, ou
         partials = (torch.empty(cfg.num_splits, num_rows, d_pad, dtype=torch.float32, device=q.device),
                     torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device),
                     torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device))
-    f32_dots = is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0)
+    f32_dots = _device_traits(q.device)[1]
     launch = attend_launch(q, halves, batch, scale, out, cfg, partials, f32_dots, stats)
 
     def memo() -> tuple[Any, ...]:
@@ -268,7 +280,7 @@ def _score(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float, sco
            stats: torch.Tensor, cfg: LaunchConfig) -> None:
     """``score`` over the keys, one program per (sequence, KV head), in the tiles ``attend`` ran."""
     assert triton_jit is not None
-    f32_dots = is_interpreted() or torch.cuda.get_device_capability(q.device) < (8, 0)
+    f32_dots = _device_traits(q.device)[1]
     grid, args, constants = score_launch(q, halves, batch, scale, scores, stats, cfg, f32_dots)
     triton_jit.score[grid](*args, **constants, num_warps=cfg.num_warps, num_stages=1)
 
