@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType, ModuleType
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from kvserve.attention.triton_kernels import Halves
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AttentionBackend(ABC):
@@ -56,6 +57,29 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"the {self.name} backend reads through the storage's gather")
 
 
+class HeldHalves(Generic[T]):
+    """What a backend builds once per layer from its halves (the C++ kernel's registration, the
+    Triton launch's checked arguments): storages hand out the same ``HalfStore`` objects every
+    call, held here beside what was built from them (so their ids stay theirs), by their ids and
+    ``shape`` (what else the build depended on)."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[int, ...], tuple[HalfStore, HalfStore, T]] = {}
+
+    def get(self, key: HalfStore, value: HalfStore, shape: tuple[int, ...], build: Callable[[], T]) -> T:
+        at = (id(key), id(value), *shape)
+        held = self._held.get(at)
+        if held is None or held[0] is not key or held[1] is not value:
+            if len(self._held) > 4096:      # a storage that builds its halves per call: stay bounded
+                self._held.clear()
+            held = (key, value, build())
+            self._held[at] = held
+        return held[2]
+
+    def values(self) -> list[T]:
+        return [built for _, _, built in self._held.values()]
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
     reads_in_place = False
@@ -80,9 +104,7 @@ class CpuBackend(AttentionBackend):
     def __init__(self) -> None:
         from kvserve.attention import cpu  # the kernel's module, once (not at every call)
         self._cpu: ModuleType = cpu
-        # each layer's halves registered with the kernel once: storages hand out the same
-        # HalfStore objects every call (held here, so their ids stay theirs)
-        self._layers: dict[tuple[int, int], tuple[HalfStore, HalfStore, object]] = {}
+        self._layers: HeldHalves[object] = HeldHalves()     # each layer's halves registered with the kernel once
 
     def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
                out: torch.Tensor | None = None, scores: AttentionScores | None = None) -> torch.Tensor:
@@ -92,13 +114,8 @@ class CpuBackend(AttentionBackend):
             if scores is not None:
                 raise ValueError("attention scores need contiguous float32 CPU queries and the C++ kernel")
             return cpu.paged_attention(q, key, value, batch, scale, out)    # checks and says what is wrong
-        held = self._layers.get((id(key), id(value)))
-        if held is None or held[0] is not key or held[1] is not value:
-            if len(self._layers) > 4096:      # a storage that builds its halves per call: stay bounded
-                self._layers.clear()
-            held = (key, value, cpu.register_halves(ext, key, value, q.shape[-1]))
-            self._layers[(id(key), id(value))] = held
-        return cpu.run_registered(ext, held[2], q, batch, scale, out, scores)
+        halves = self._layers.get(key, value, (q.shape[-1],), lambda: cpu.register_halves(ext, key, value, q.shape[-1]))
+        return cpu.run_registered(ext, halves, q, batch, scale, out, scores)
 
 
 class TritonBackend(AttentionBackend):
@@ -118,21 +135,15 @@ class TritonBackend(AttentionBackend):
     def __init__(self) -> None:
         from kvserve.attention import triton_kernels  # the kernels' module, once (not at every call)
         self._kernels: ModuleType = triton_kernels
-        # each layer's halves checked and their arguments built once (triton_kernels.prepare):
-        # storages hand out the same HalfStore objects every call (held here, so their ids stay theirs)
-        self._layers: dict[tuple[int, int], Halves] = {}
+        # each layer's halves checked and their arguments built once (triton_kernels.prepare)
+        self._layers: HeldHalves[Halves] = HeldHalves()
 
     def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
                out: torch.Tensor | None = None, scores: AttentionScores | None = None) -> torch.Tensor:
         kernels = self._kernels
-        held = self._layers.get((id(key), id(value)))
-        if held is None or held.key is not key or held.value is not value or held.head_dim != q.shape[-1] or \
-                held.block_size != batch.block_size:
-            if len(self._layers) > 4096:      # a storage that builds its halves per call: stay bounded
-                self._layers.clear()
-            held = kernels.prepare(key, value, q.shape[-1], batch.block_size)
-            self._layers[(id(key), id(value))] = held
-        return kernels.paged_attention(q, key, value, batch, scale, out, scores=scores, halves=held)
+        halves = self._layers.get(key, value, (q.shape[-1], batch.block_size),
+                                  lambda: kernels.prepare(key, value, q.shape[-1], batch.block_size))
+        return kernels.paged_attention(q, key, value, batch, scale, out, scores=scores, halves=halves)
 
 
 ATTENTION_BACKENDS: Mapping[str, type[AttentionBackend]] = MappingProxyType(

@@ -155,13 +155,19 @@ class AttentionMetadata:
     supplied: SuppliedKV | None = None    # keys and values written beside the computed ones
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    cache: KVStorage, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D], k/v: [T, Hkv, D] for the step's new tokens. Returns [T, H, D]."""
+def write_layer(k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVStorage, meta: AttentionMetadata) -> None:
+    """The step's writes of one layer: the new tokens' keys and values, a blend's supplied
+    ones merged in position order (``SuppliedKV``)."""
     if meta.supplied is None:
         cache.write(layer, k, v, meta.write)
     else:
         cache.write(layer, *meta.supplied.merge(layer, k, v), meta.write)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    cache: KVStorage, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, Hkv, D] for the step's new tokens. Returns [T, H, D]."""
+    write_layer(k, v, layer, cache, meta)
     for b in meta.budgeted:     # before any attention: a hook may bring blocks back
         b.state.before_attention(layer, q[b.start:b.end], cache, b.block_ids, b.is_compacted)
     num_kv_heads = k.shape[1]

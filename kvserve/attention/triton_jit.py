@@ -314,6 +314,42 @@ def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_s
 
 
 @triton.jit
+def _tail_lo(length, open_row, HAS_RESIDUAL: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The first key of a sequence's open block where its halves read it from residual rows
+    (tokens [tail_lo, length)), else ``length``."""
+    tail_lo = length
+    if HAS_RESIDUAL:  # noqa: SIM102 (compile-time test, then a run-time one)
+        if open_row >= 0:
+            tail_lo = (length // BLOCK_SIZE) * BLOCK_SIZE
+    return tail_lo
+
+
+@triton.jit
+def _query_tile(q_ptr, sq_t, sq_h, query_positions, q_start, n, length, q_tile, h, dd, d_ok,
+                K_HAD: tl.constexpr, K_NOUT: tl.constexpr, GROUP: tl.constexpr, QUERIES: tl.constexpr,
+                ROWS: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr,
+                HAS_POSITIONS: tl.constexpr):
+    """Query tile ``q_tile`` of a sequence of ``n`` queries: its rows' query index ``j``,
+    validity, query head, position and row of q, and q itself in the keys' basis (rotated for a
+    ``+had`` key half read rotated) in the dot dtype. With HAS_POSITIONS each query's position is
+    read from ``query_positions``, else a sequence's queries are its last n positions."""
+    rows = tl.arange(0, ROWS)
+    j = q_tile * QUERIES + rows // GROUP
+    row_ok = (rows < QUERIES * GROUP) & (j < n)
+    head = h * GROUP + rows % GROUP
+    if HAS_POSITIONS:
+        pos = tl.load(query_positions + q_start + j, mask=row_ok, other=0)
+    else:
+        pos = length - n + j
+    q_rows = (q_start + j).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * sq_t + head[:, None] * sq_h + dd[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if K_HAD and K_NOUT == 0:
+        q = _rotate(q, D, tl.float32, F32_DOTS)
+    return j, row_ok, head, pos, q_rows, q.to(DOT)
+
+
+@triton.jit
 def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_rows,
            tables, s_table, context_lens, query_starts, open_rows, query_positions,
            H, num_q_tiles, tokens_per_split, qk_scale,
@@ -348,33 +384,20 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
         return
     length = tl.load(context_lens + s_idx)
     open_row = tl.load(open_rows + s_idx)
-    # tokens [tail_lo, length) of an open block come from residual rows (halves that keep them)
-    tail_lo = length
-    if K_HAS_RESIDUAL or V_HAS_RESIDUAL:  # noqa: SIM102 (compile-time test, then a run-time one)
-        if open_row >= 0:
-            tail_lo = (length // BLOCK_SIZE) * BLOCK_SIZE
+    tail_lo = _tail_lo(length, open_row, K_HAS_RESIDUAL or V_HAS_RESIDUAL, BLOCK_SIZE)
     lo = split * tokens_per_split
-    rows = tl.arange(0, ROWS)
-    j = q_tile * QUERIES + rows // GROUP
-    row_ok = (rows < QUERIES * GROUP) & (j < n)
-    head = h * GROUP + rows % GROUP
+    dd = tl.arange(0, D_PAD)
+    d_ok = dd < D
+    _, row_ok, head, pos, q_rows, q = _query_tile(q_ptr, sq_t, sq_h, query_positions, q_start, n, length, q_tile,
+                                                  h, dd, d_ok, K_HAD, K_NOUT, GROUP, QUERIES, ROWS, D, DOT, F32_DOTS,
+                                                  HAS_POSITIONS)
     last_q = tl.minimum(n, (q_tile + 1) * QUERIES) - 1
     if HAS_POSITIONS:
-        pos = tl.load(query_positions + q_start + j, mask=row_ok, other=0)
         last_pos = tl.load(query_positions + q_start + last_q)
     else:
-        pos = length - n + j
         last_pos = length - n + last_q
     # keys past this tile's last query are masked for every row: stop there
     hi = tl.minimum(tl.minimum(lo + tokens_per_split, length), last_pos + 1)
-    dd = tl.arange(0, D_PAD)
-    d_ok = dd < D
-    q_rows = (q_start + j).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * sq_t + head[:, None] * sq_h + dd[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if K_HAD and K_NOUT == 0:
-        q = _rotate(q, D, tl.float32, F32_DOTS)
-    q = q.to(DOT)
 
     m_i = tl.full((ROWS,), NEG_BIG, tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
@@ -513,29 +536,16 @@ def score(q_ptr, sq_t, sq_h, row_m, row_l, weights, sw_s, sw_h, width, score_fro
         return
     length = tl.load(context_lens + s_idx)
     open_row = tl.load(open_rows + s_idx)
-    tail_lo = length
-    if K_HAS_RESIDUAL:  # noqa: SIM102 (compile-time test, then a run-time one)
-        if open_row >= 0:
-            tail_lo = (length // BLOCK_SIZE) * BLOCK_SIZE
-    rows = tl.arange(0, ROWS)
+    tail_lo = _tail_lo(length, open_row, K_HAS_RESIDUAL, BLOCK_SIZE)
     dd = tl.arange(0, D_PAD)
     d_ok = dd < D
     table_row = tables + s_idx.to(tl.int64) * s_table
     w_row = weights + s_idx.to(tl.int64) * sw_s + h * sw_h
     for q_tile in range(first // QUERIES, tl.cdiv(n, QUERIES)):
-        j = q_tile * QUERIES + rows // GROUP
-        row_ok = (rows < QUERIES * GROUP) & (j < n) & (j >= first)
-        head = h * GROUP + rows % GROUP
-        if HAS_POSITIONS:
-            pos = tl.load(query_positions + q_start + j, mask=row_ok, other=0)
-        else:
-            pos = length - n + j
-        q_rows = (q_start + j).to(tl.int64)
-        q = tl.load(q_ptr + q_rows[:, None] * sq_t + head[:, None] * sq_h + dd[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        if K_HAD and K_NOUT == 0:
-            q = _rotate(q, D, tl.float32, F32_DOTS)
-        q = q.to(DOT)
+        j, row_ok, head, pos, q_rows, q = _query_tile(q_ptr, sq_t, sq_h, query_positions, q_start, n, length, q_tile,
+                                                      h, dd, d_ok, K_HAD, K_NOUT, GROUP, QUERIES, ROWS, D, DOT,
+                                                      F32_DOTS, HAS_POSITIONS)
+        row_ok = row_ok & (j >= first)          # the tile's rows before the first scored one add nothing
         m_row = tl.load(row_m + q_rows * (H * GROUP) + head, mask=row_ok, other=0.0)
         l_row = tl.load(row_l + q_rows * (H * GROUP) + head, mask=row_ok, other=1.0)
         _score_tiles(q, m_row, l_row, w_row, width, 0, tail_lo, pos, row_ok, table_row, open_row, h, H, qk_scale,

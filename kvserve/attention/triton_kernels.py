@@ -195,21 +195,33 @@ def attend_launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: flo
     """What ``paged_attention`` launches (``partials``: acc, max, sum of the splits; any
     tensors when there is one split; ``stats``: [2, rows] where each row's final max and sum
     go, for scoring). Also used to compile the kernel without a GPU."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = halves.num_kv_heads
+    num_tokens, num_heads, _ = q.shape
     num_q_tiles = -(-batch.max_query_len // cfg.queries_per_tile)
-    tables = batch.block_tables if batch.block_tables.stride(1) == 1 else batch.block_tables.contiguous()
     args = [q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), *partials, num_tokens * num_heads,
-            tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
-            batch.context_lens if batch.query_positions is None else batch.query_positions,   # not read without
-            num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e), *halves.args,
-            *((out, out) if stats is None else (stats[0], stats[1]))]
-    constants = {**halves.constants, "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
-                 "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
-                 "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
-                 "SPLIT": cfg.num_splits > 1, "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots,
-                 "HAS_POSITIONS": batch.query_positions is not None, "STATS": stats is not None}
-    return AttendLaunch((batch.num_seqs * num_q_tiles, num_kv_heads, cfg.num_splits), args, constants)
+            *_batch_args(batch), halves.num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
+            *halves.args, *((out, out) if stats is None else (stats[0], stats[1]))]
+    constants = {**halves.constants, **_tile_constants(q, halves, batch, cfg, f32_dots),
+                 "SPLIT": cfg.num_splits > 1, "STATS": stats is not None}
+    return AttendLaunch((batch.num_seqs * num_q_tiles, halves.num_kv_heads, cfg.num_splits), args, constants)
+
+
+def _batch_args(batch: PagedBatch) -> list[Any]:
+    """The batch as both kernels take it: block table (its rows contiguous) and its row stride,
+    context lengths, query starts, open rows, query positions (the context lengths stand in
+    without: not read)."""
+    tables = batch.block_tables if batch.block_tables.stride(1) == 1 else batch.block_tables.contiguous()
+    return [tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
+            batch.context_lens if batch.query_positions is None else batch.query_positions]
+
+
+def _tile_constants(q: torch.Tensor, halves: Halves, batch: PagedBatch, cfg: LaunchConfig,
+                    f32_dots: bool) -> dict[str, Any]:
+    """The compile-time shape of both kernels' tiles: rows, keys, head and block sizes, dot dtype."""
+    head_dim = q.shape[2]
+    return {"GROUP": q.shape[1] // halves.num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
+            "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
+            "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
+            "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots, "HAS_POSITIONS": batch.query_positions is not None}
 
 
 def smaller_configs(cfg: LaunchConfig) -> Iterator[LaunchConfig]:
@@ -289,20 +301,11 @@ def score_launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: floa
                  stats: torch.Tensor, cfg: LaunchConfig,
                  f32_dots: bool) -> tuple[tuple[int, int], list[Any], dict[str, Any]]:
     """``score``'s grid, positional arguments and constants (also used to compile it without a GPU)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = halves.num_kv_heads
-    tables = batch.block_tables if batch.block_tables.stride(1) == 1 else batch.block_tables.contiguous()
     w = scores.weights
     args = [q, q.stride(0), q.stride(1), stats[0], stats[1], w, w.stride(0), w.stride(1), w.shape[2],
-            scores.score_from, tables, tables.stride(0), batch.context_lens, batch.query_starts, batch.open_rows,
-            batch.context_lens if batch.query_positions is None else batch.query_positions,
-            num_kv_heads, scale * math.log2(math.e), *halves.key_args]
-    constants = {**halves.key_constants, "GROUP": num_heads // num_kv_heads, "QUERIES": cfg.queries_per_tile,
-                 "ROWS": cfg.rows, "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)),
-                 "BLOCK_SIZE": batch.block_size, "BLOCK_N": cfg.block_n,
-                 "PAGES": _pages_per_tile(cfg.block_n, batch.block_size), "DOT": _dot_dtype(q.dtype),
-                 "F32_DOTS": f32_dots, "HAS_POSITIONS": batch.query_positions is not None}
-    return (batch.num_seqs, num_kv_heads), args, constants
+            scores.score_from, *_batch_args(batch), halves.num_kv_heads, scale * math.log2(math.e), *halves.key_args]
+    constants = {**halves.key_constants, **_tile_constants(q, halves, batch, cfg, f32_dots)}
+    return (batch.num_seqs, halves.num_kv_heads), args, constants
 
 
 def _describe(layout: HalfLayout) -> str:

@@ -13,7 +13,7 @@ import torch
 
 from kvserve.attention.backends import AttentionBackend, TorchBackend
 from kvserve.attention.batch import BatchBuilder
-from kvserve.attention.paged import AttentionMetadata
+from kvserve.attention.paged import AttentionMetadata, write_layer
 from kvserve.kv.budget.budgets import Budgets
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
@@ -88,7 +88,7 @@ class ModelRunner:
         none = torch.empty((0, cfg.num_kv_heads, cfg.head_dim), dtype=self.model.dtype, device=self.device)
         assert meta.supplied is not None
         for layer in range(cfg.num_layers):
-            self.cache.write(layer, *meta.supplied.merge(layer, none, none), meta.write)
+            write_layer(none, none, layer, self.cache, meta)
         return torch.empty((0, cfg.hidden_size), dtype=self.model.dtype, device=self.device)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, n: int) -> list[TokenLogprob]:

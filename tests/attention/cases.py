@@ -8,13 +8,16 @@ a residual row (its real entries are in the row).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
 from kvserve.attention.reference import reference_attention
-from kvserve.kv.codecs import HalfCodec, parse_codec
+from kvserve.kv.codecs import HalfCodec, KVFormat, parse_codec
+from kvserve.kv.storage import Overlay
 from kvserve.kv.storage.layout import HalfLayout, HalfStore, PagedBatch
+from kvserve.kv.storage.zip import ZipKVCache
 
 
 @dataclass(frozen=True)
@@ -130,3 +133,76 @@ def reference_scores(case: Case, score_from: list[int]) -> torch.Tensor:
             weights = (torch.einsum("hgd,lhd->hgl", q, keys[:visible]) * case.scale).softmax(-1)
             out[s, :, :visible] += weights.sum(1)
     return out.float()
+
+
+def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int,
+                    scale: float) -> torch.Tensor:
+    """q [n, Hq, D] (the last n positions of ``length``) over keys/values [L, H, D]: float64 attention."""
+    n, hq, _ = q.shape
+    group = hq // keys.shape[1]
+    k = keys[:length].double().repeat_interleave(group, dim=1)
+    v = values[:length].double().repeat_interleave(group, dim=1)
+    logits = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    causal = torch.arange(length, device=q.device)[None, :] <= torch.arange(length - n, length, device=q.device)[:, None]
+    return torch.einsum("hnl,lhd->nhd", logits.masked_fill(~causal, float("-inf")).softmax(dim=-1), v)
+
+
+@dataclass(frozen=True)
+class ZipCase:
+    """A zip storage (kv/storage/zip.py) on the tiny config holding 3 sequences' keys and values
+    (2 KV heads) in every layer, some full blocks with a finer copy and some without (``drop``
+    took theirs away): the sequences' block tables, lengths, open rows, the overlay that reads
+    their open blocks from rows, and the keys and values written (all sequences' in a row)."""
+
+    storage: ZipKVCache
+    fmt: KVFormat
+    tables: list[list[int]]
+    lens: list[int]
+    open_rows: list[int]
+    overlay: Overlay
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def batch(self, num_queries: list[int]) -> tuple[PagedBatch, list[int]]:
+        """A batch of each sequence's last ``num_queries`` positions, and their query starts."""
+        starts = [0]
+        for n in num_queries:
+            starts.append(starts[-1] + n)
+        dev = self.keys.device
+        width = max(len(t) for t in self.tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32, device=dev)
+        as_ints = partial(torch.tensor, dtype=torch.int32, device=dev)
+        return PagedBatch(table, as_ints(self.lens), as_ints(starts), as_ints(self.open_rows), self.storage.block_size,
+                          max(num_queries), max(self.lens)), starts
+
+
+def zip_case(spec: str, head_dim: int, block_size: int, device: str, seed: int, drop: list[int]) -> ZipCase:
+    from tiny import TINY
+
+    from kvserve.config import CacheConfig, SchedulerConfig
+    from kvserve.kv.codecs import parse_kv_format
+    from kvserve.kv.storage.factory import make_storage
+
+    config = replace(TINY, head_dim=head_dim)
+    fmt = parse_kv_format(spec, config.num_layers, torch.float32, head_dim=head_dim)
+    storage = make_storage(config, fmt, CacheConfig(block_size=block_size, num_blocks=16),
+                           SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), torch.float32,
+                           torch.device(device))
+    assert isinstance(storage, ZipKVCache)
+    b = block_size
+    tables, lens = [[7, 2, 9, 4, 11], [3, 5], [12, 0, 6]], [4 * b + 2, 2 * b, 2 * b + 3]
+    planner = storage.planner()
+    for table, length in zip(tables, lens):
+        planner.add(table, 0, length)
+    last = [(i * 5 + (length - 1) // b, table[(length - 1) // b]) for i, (table, length) in enumerate(zip(tables, lens))]
+    overlay = planner.overlay(last)
+    open_rows = planner.open_rows([blk for _, blk in last])
+    writes = planner.build()
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(sum(lens), 2, head_dim, generator=g) * 2).to(device)
+    v = torch.randn(sum(lens), 2, head_dim, generator=g).to(device)
+    for layer in range(config.num_layers):
+        storage.write(layer, k, v, writes)
+    assert storage.refined.block_ids == sorted(blk for t, n in zip(tables, lens) for blk in t[:n // b])
+    storage.refined.drop(drop)
+    return ZipCase(storage, fmt, tables, lens, open_rows, overlay, k, v)

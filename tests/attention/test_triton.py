@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
@@ -530,9 +529,9 @@ def test_a_layers_halves_are_prepared_once() -> None:
     case = make_case("kivi2", lens=[40, 7], num_queries=[1, 1], group=2, num_kv_heads=2, device=DEVICE, seed=3)
     backend = TritonBackend()
     first = backend.attend(case.q, case.key, case.value, case.batch, case.scale)
-    held = next(iter(backend._layers.values()))
+    held = backend._layers.values()[0]
     assert torch.equal(backend.attend(case.q, case.key, case.value, case.batch, case.scale), first)
-    assert list(backend._layers.values()) == [held] and held.key is case.key and held.num_kv_heads == 2
+    assert backend._layers.values() == [held] and held.key is case.key and held.num_kv_heads == 2
     check(case, first)
     other = make_case("kivi2", lens=[40, 7], num_queries=[1, 1], group=2, num_kv_heads=2, device=DEVICE, seed=4)
     with pytest.raises(ValueError, match="prepared for other keys and values, head_dim or block size"):
@@ -556,42 +555,6 @@ ZIP_SPECS = ["zip:hi=int8,lo=kivi2g8,salient=0.5", "zip:hi=int8+had,lo=int4g8+ha
              "zip:hi=fp16,lo=int2g8,salient=0.5", "zip:hi=int4g8+out2+had,lo=kivi4g8,salient=0.5"]
 
 
-def _zip_case(spec: str, block_size: int) -> tuple[Any, list[int], list[int], list[list[int]], Any]:
-    """A zip storage on the tiny config (head_dim 64) holding 3 sequences' keys and values in
-    every layer, some full blocks with a finer copy and some without; the sequences' lengths,
-    open rows, block tables and the overlay that reads their open blocks from rows."""
-    from tiny import TINY
-
-    from kvserve.config import CacheConfig, SchedulerConfig
-    from kvserve.kv.codecs import parse_kv_format
-    from kvserve.kv.storage.factory import make_storage
-    from kvserve.kv.storage.zip import ZipKVCache
-
-    config = replace(TINY, head_dim=64)
-    fmt = parse_kv_format(spec, config.num_layers, torch.float32, head_dim=64)
-    storage = make_storage(config, fmt, CacheConfig(block_size=block_size, num_blocks=16),
-                           SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), torch.float32,
-                           torch.device(DEVICE))
-    assert isinstance(storage, ZipKVCache)
-    b = block_size
-    tables, lens = [[7, 2, 9, 4, 11], [3, 5], [12, 0, 6]], [4 * b + 2, 2 * b, 2 * b + 3]
-    planner = storage.planner()
-    for table, length in zip(tables, lens):
-        planner.add(table, 0, length)
-    last = [(i * 5 + (length - 1) // b, table[(length - 1) // b]) for i, (table, length) in enumerate(zip(tables, lens))]
-    overlay = planner.overlay(last)
-    open_rows = planner.open_rows([blk for _, blk in last])
-    writes = planner.build()
-    g = torch.Generator().manual_seed(b)
-    k = (torch.randn(sum(lens), 2, 64, generator=g) * 2).to(DEVICE)
-    v = torch.randn(sum(lens), 2, 64, generator=g).to(DEVICE)
-    for layer in range(config.num_layers):
-        storage.write(layer, k, v, writes)
-    assert storage.refined.block_ids == sorted(blk for t, n in zip(tables, lens) for blk in t[:n // b])
-    storage.refined.drop([2, 5, 0])                  # some blocks of each sequence lose their finer copy
-    return storage, lens, open_rows, tables, overlay
-
-
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("spec", ZIP_SPECS)
 def test_mixed_precision_blocks_are_read_in_the_precision_each_holds(spec: str, block_size: int) -> None:
@@ -600,42 +563,32 @@ def test_mixed_precision_blocks_are_read_in_the_precision_each_holds(spec: str, 
     reads; tiles of whole blocks (block sizes 4 and 16) and inside one block (16, 8-key tiles).
     (Tiles that straddle blocks read each token's block the same way: storages' block sizes are
     powers of two, so one of tile and block divides the other.)"""
-    storage, lens, open_rows, tables, overlay = _zip_case(spec, block_size)
+    from attention.cases import dense_attention, zip_case
+
+    case = zip_case(spec, 64, block_size, DEVICE, seed=block_size, drop=[2, 5, 0])
     num_queries = [1, 3, 5]
-    starts = [0]
-    for n in num_queries:
-        starts.append(starts[-1] + n)
-    table = torch.tensor([t + [0] * (5 - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
-    batch = PagedBatch(table, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                       torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-                       torch.tensor(open_rows, dtype=torch.int32, device=DEVICE), block_size, max(num_queries), max(lens))
+    batch, starts = case.batch(num_queries)
     q = torch.randn(starts[-1], 4, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     scale = 64 ** -0.5
     config = tk.launch_config(q, batch, 2)
     for layer in (0, 1):
-        key, value = storage.half_stores(layer)
+        key, value = case.storage.half_stores(layer)
         assert key.refined is not None and value.refined is not None
         got = tk.paged_attention(q, key, value, batch, scale, config=replace(config, block_n=8))
-        keys, values = storage.gather(layer, table.long(), overlay)
-        for s, (length, n) in enumerate(zip(lens, num_queries)):
-            pos = torch.arange(length - n, length, device=DEVICE)
-            k = keys[s, :length].repeat_interleave(2, dim=1)
-            v = values[s, :length].repeat_interleave(2, dim=1)
-            logits = torch.einsum("nhd,lhd->hnl", q[starts[s]:starts[s + 1]].double(), k.double()) * scale
-            causal = torch.arange(length, device=DEVICE)[None, :] <= pos[:, None]
-            ref = torch.einsum("hnl,lhd->nhd", logits.masked_fill(~causal, float("-inf")).softmax(dim=-1), v.double())
+        keys, values = case.storage.gather(layer, batch.block_tables.long(), case.overlay)
+        for s, length in enumerate(case.lens):
+            ref = dense_attention(q[starts[s]:starts[s + 1]], keys[s], values[s], length, scale)
             torch.testing.assert_close(got[starts[s]:starts[s + 1]].double(), ref, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(tk.paged_attention(q, key, value, batch, scale), got, atol=2e-5, rtol=2e-5)
 
 
 def test_a_finer_copy_in_another_hadamard_domain_is_refused() -> None:
-    storage, lens, _, tables, _ = _zip_case("zip:hi=int8,lo=kivi2g8+had,salient=0.5", 4)
-    batch = PagedBatch(torch.tensor([tables[1]], dtype=torch.int32, device=DEVICE),
-                       torch.tensor([lens[1]], dtype=torch.int32, device=DEVICE),
-                       torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
-                       torch.tensor([-1], dtype=torch.int32, device=DEVICE), 4, 1, lens[1])
+    from attention.cases import zip_case
+
+    case = zip_case("zip:hi=int8,lo=kivi2g8+had,salient=0.5", 64, 4, DEVICE, seed=4, drop=[2, 5, 0])
+    batch, _ = case.batch([1, 1, 1])
     with pytest.raises(ValueError, match="finer copy in its base's Hadamard domain only"):
-        tk.paged_attention(torch.zeros(1, 4, 64, device=DEVICE), *storage.half_stores(0), batch, 0.125)
+        tk.paged_attention(torch.zeros(3, 4, 64, device=DEVICE), *case.storage.half_stores(0), batch, 0.125)
 
 
 @pytest.mark.parametrize("fmt", ["native", "int8", "kivi2g8", "k=int4g8+had,v=fp8"])
