@@ -32,11 +32,13 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None,
                  tiers: Sequence[Transport] | None = None, clock: Clock | None = None,
-                 draft: LoadedModel | None = None, **options: Any) -> None:
+                 draft: LoadedModel | None = None, timer: Clock | None = None, **options: Any) -> None:
         """``clock``: seconds for pin retention times (tests step a fake one; default monotonic).
-        ``draft``: the speculative ``draft`` method's model, loaded (LLMEngine's docstring)."""
+        ``draft``: the speculative ``draft`` method's model, loaded; ``timer``: what times the
+        steps and tier reads the cost models learn from (default perf_counter; LLMEngine's docstring)."""
         config = engine_config(model, **options)
-        self.engine = LLMEngine(config, loaded, tiers, clock if clock is not None else time.monotonic, draft)
+        self.engine = LLMEngine(config, loaded, tiers, clock if clock is not None else time.monotonic, draft,
+                                timer if timer is not None else time.perf_counter)
 
     @property
     def tokenizer(self):

@@ -13,6 +13,7 @@ attributes. Names are checked first, so a typo costs no model load and opens no 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -121,7 +122,7 @@ class EngineParts:
 
 
 def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Transport] | None,
-                clock: Clock, draft: LoadedModel | None = None) -> EngineParts:
+                clock: Clock, draft: LoadedModel | None = None, timer: Clock = time.perf_counter) -> EngineParts:
     """Every part of an engine for ``loaded``; ``tiers`` replace the transports ``config.tiers``
     would open, ``draft`` the draft method's model (LLMEngine's docstring)."""
     mc, cc = loaded.config, config.cache
@@ -153,7 +154,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     # (model, format, dtype, salt), as blocks are tagged by it
     mover = BlockMover(storage.block_tensors())
     transports = list(tiers) if tiers is not None else open_transports(config.tiers, extra_key.hex()[:32])
-    tiering = make_tiering(transports, mover, extra_key, cc.block_size, config.write_through)
+    tiering = make_tiering(transports, mover, extra_key, cc.block_size, config.write_through, timer)
     budgets = _make_budgets(config, storage, kv_format, mc)
     pins = Pins(pool, int(cc.max_pinned_fraction * storage.num_blocks), cc.max_pin_ttl_s, clock)
     kv = KVCacheManager(pool, extra_key, cc.enable_prefix_caching, storage.residual, tiering, budgets, pins)

@@ -34,16 +34,18 @@ log = logging.getLogger("kvserve")
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  tiers: Sequence[Transport] | None = None, clock: Clock = time.monotonic,
-                 draft: LoadedModel | None = None) -> None:
+                 draft: LoadedModel | None = None, timer: Clock = time.perf_counter) -> None:
         """``tiers``: transports to use as the offload tiers, in lookup order, instead of
         those ``config.tiers`` configure (tests, embedders with their own storage).
         ``clock``: seconds, for the pins' retention times (tests step a fake one).
         ``draft``: the speculative ``draft`` method's model, loaded (instead of its config's
-        ``model``)."""
+        ``model``). ``timer``: seconds, for the durations the load-or-recompute cost model
+        learns from (the model steps, the tiers' reads; tests tick a fake one)."""
         config = config if config is not None else EngineConfig()
         check_names(config, draft)
         loaded = loaded if loaded is not None else load_model(config.model)
-        parts = build_parts(config, loaded, tiers, clock, draft)
+        parts = build_parts(config, loaded, tiers, clock, draft, timer)
+        self._timer = timer
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_config = parts.model_config
@@ -201,13 +203,13 @@ class LLMEngine:
         try:
             if drafts and self.speculator is not None:
                 self.speculator.fill(out)       # a model proposer drafts into the scheduled chunks
-            start = time.perf_counter()
+            start = self._timer()
             result = self.runner.execute(out)
         except Exception as e:
             # not attributable to one request: fail the step's requests, keep the engine going
             log.exception("step %d failed; failing its %d requests", self.num_steps, len(out.chunks))
             return [self._fail(c.request, f"the model step failed: {type(e).__name__}: {e}") for c in out.chunks]
-        self._observe_step(out, time.perf_counter() - start)
+        self._observe_step(out, self._timer() - start)
         self.scheduler.update(out)
         for rid, lps in result.prompt_logprobs.items():
             req = self._requests[rid]

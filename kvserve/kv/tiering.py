@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -212,8 +212,10 @@ class NoTiering(Tiering):
 class OffloadTiering(Tiering):
     """Blocks between the device (through ``mover``) and the tiers of ``store``."""
 
-    def __init__(self, store: TieredStore, mover: BlockMover, block_size: int, write_through: bool = False) -> None:
+    def __init__(self, store: TieredStore, mover: BlockMover, block_size: int, write_through: bool = False,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
         super().__init__()
+        self._timer = timer
         self.store = store
         self.mover = mover
         self.block_size = block_size
@@ -307,7 +309,7 @@ class OffloadTiering(Tiering):
         return PendingLoad(self.store.submit_fetch(run), block_ids)
 
     def _write(self, pending: PendingLoad) -> Promotion:
-        start = time.perf_counter()
+        start = self._timer()
         payloads = pending.fetch.result()
         self.cost.observe_tiers(self.store.stats())      # the reads just made
         # a payload of the wrong size cannot come from a block with this key and format
@@ -315,7 +317,7 @@ class OffloadTiering(Tiering):
         if n:
             self.mover.write(pending.block_ids[:n], payloads[:n])
         by_tier = pending.fetch.run.blocks_by_tier(self.store.num_tiers, n)
-        seconds = time.perf_counter() - start
+        seconds = self._timer() - start
         for t, count in enumerate(by_tier):
             self._loaded_blocks[t] += count
             if n:
@@ -347,16 +349,17 @@ class OffloadTiering(Tiering):
 
 
 def make_tiering(transports: Sequence[Transport], mover: BlockMover, extra_key: bytes, block_size: int,
-                 write_through: bool = False) -> Tiering:
+                 write_through: bool = False, timer: Callable[[], float] = time.perf_counter) -> Tiering:
     """Tiering over ``transports`` in lookup order (``NoTiering`` when there are none).
 
     Blocks are tagged with the extra key (model, format, dtype, salt) as the store's format
     tag, so engines that cannot use each other's blocks never read them. ``write_through``:
     computed full blocks also go to the shared tiers at once (ValueError without one).
+    ``timer`` times the reads and loads (the cost model's measurements).
     """
     if not transports:
         if write_through:
             raise ValueError("write_through needs a shared offload tier (such as Redis, --redis-url)")
         return NoTiering()
-    return OffloadTiering(make_tiered_store(transports, extra_key.hex(), write_through), mover, block_size,
-                          write_through)
+    return OffloadTiering(make_tiered_store(transports, extra_key.hex(), write_through, timer), mover, block_size,
+                          write_through, timer)

@@ -14,6 +14,11 @@ tiers; "free" by default, so that an unknown tier gets measured by its first use
 A run is cut at the tier boundary that minimizes load time of the part kept plus
 recompute time of the rest; the blocks cut are computed like misses.
 
+A tier that is never read is never measured again: one slow read (a page fault, the
+machine busy for a moment) would rule it out for good. So the ``reprobe_after``-th run
+that would be cut from a tier since its last read is loaded whole instead (a probe), and
+the tier's fit follows what its reads cost now.
+
     run      | host host host | disk disk | redis |
     cuts     0                3           5       6      cost(k) = load(run[:k]) + recompute(run[k:])
 """
@@ -65,6 +70,7 @@ class CostSnapshot:
     runs_loaded: int           # runs kept whole
     runs_cut: int              # runs cut short (part or all recomputed)
     blocks_recomputed: int     # blocks of runs the model chose to recompute
+    runs_probed: int = 0       # runs loaded whole to measure a tier again (not in runs_loaded)
 
 
 class _Fit:
@@ -102,11 +108,14 @@ class CostModel:
     """Estimates and decisions; fed by the engine thread (steps) and by tier counters.
 
     ``priors``: one per tier in lookup order (``prior_cost(transport)``), the estimate
-    used until the tier's reads are measured.
+    used until the tier's reads are measured. ``reprobe_after``: the ``reprobe_after``-th run in a
+    row that would be cut from an unread tier is loaded whole, to measure the tier again.
     """
 
     def __init__(self, priors: Sequence[TierCost], block_size: int, block_nbytes: int,
-                 decay: float = 0.9, prefill_alpha: float = 0.2) -> None:
+                 decay: float = 0.9, prefill_alpha: float = 0.2, reprobe_after: int = 16) -> None:
+        if reprobe_after < 1:
+            raise ValueError(f"reprobe_after must be at least 1, not {reprobe_after}")
         self.priors = tuple(priors)
         self.tier_names = tuple(p.tier for p in self.priors)
         self.block_size = block_size
@@ -115,7 +124,9 @@ class CostModel:
         self.prefill_tokens_per_s: float | None = None
         self._fits = [_Fit(decay) for _ in self.tier_names]
         self._seen = [TierStats(tier=name) for name in self.tier_names]
-        self.runs_loaded = self.runs_cut = self.blocks_recomputed = 0
+        self.reprobe_after = reprobe_after
+        self._cut_unread = [0] * len(self.tier_names)     # runs cut from each tier since its last read
+        self.runs_loaded = self.runs_cut = self.blocks_recomputed = self.runs_probed = 0
 
     # -- measurements ----------------------------------------------------------
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
@@ -133,6 +144,7 @@ class CostModel:
             calls, nbytes = s.read_calls - seen.read_calls, s.bytes_read - seen.bytes_read
             if calls > 0 and nbytes > 0:
                 self._fits[i].add(calls, nbytes, s.read_seconds - seen.read_seconds)
+                self._cut_unread[i] = 0
             self._seen[i] = s
 
     def tier_cost(self, t: int) -> TierCost:
@@ -160,7 +172,21 @@ class CostModel:
         per_block = recompute / n
         costs = {k: self.load_seconds(tiers[:k]) + (n - k) * per_block for k in cuts}
         best = min(cuts, key=lambda k: (costs[k], -k))
+        if best < n and self._probes(set(tiers[best:])):
+            self.runs_probed += 1
+            log.debug("tier run of %d blocks: loaded whole to measure its tiers again", n)
+            return Decision(n, n, self.load_seconds(tiers), recompute)
         return self._count(Decision(n, best, self.load_seconds(tiers[:best]), recompute))
+
+    def _probes(self, cut: set[int]) -> bool:
+        """Count a run cut from tiers ``cut``; whether one of them is due to be measured again."""
+        for t in cut:
+            self._cut_unread[t] += 1
+        if all(self._cut_unread[t] < self.reprobe_after for t in cut):
+            return False
+        for t in cut:                   # the probe reads them all: each count starts again
+            self._cut_unread[t] = 0
+        return True
 
     def should_swap(self, num_blocks: int, tier: int = 0) -> bool:
         """Whether writing ``num_blocks`` to tier ``tier`` and loading them back beats recomputing."""
@@ -179,4 +205,4 @@ class CostModel:
 
     def snapshot(self) -> CostSnapshot:
         return CostSnapshot(self.prefill_tokens_per_s, tuple(self.tier_cost(t) for t in range(len(self.tier_names))),
-                            self.runs_loaded, self.runs_cut, self.blocks_recomputed)
+                            self.runs_loaded, self.runs_cut, self.blocks_recomputed, self.runs_probed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvserve.offload.base import Transport
@@ -67,8 +67,11 @@ class BlockStore:
     soon as it returns.
     """
 
-    def __init__(self, transport: Transport, fmt_tag: bytes | str) -> None:
+    def __init__(self, transport: Transport, fmt_tag: bytes | str,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
+        """``timer``: seconds, for the read and write times counted (tests tick a fake one)."""
         self.transport = transport
+        self._timer = timer
         self.fmt_tag = fmt_tag
         self._lock = threading.Lock()
         self._stats = TierStats(tier=transport.name)  # guarded by _lock; replaced, never mutated
@@ -83,7 +86,7 @@ class BlockStore:
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Verified payload of each key, or None (absent, unreadable, or corrupt and now removed)."""
-        start = time.perf_counter()
+        start = self._timer()
         values = self.transport.get_many(keys)
         out: list[bytes | None] = []
         corrupt: list[bytes] = []
@@ -102,12 +105,12 @@ class BlockStore:
         with self._lock:
             self._stats = _plus(self._stats, hits=hits, misses=len(keys) - hits, corrupt=len(corrupt), read_calls=1,
                                bytes_read=sum(len(p) for p in out if p is not None),
-                               read_seconds=time.perf_counter() - start)
+                               read_seconds=self._timer() - start)
         return out
 
     def put(self, items: Sequence[tuple[bytes, Payload]]) -> int:
         """Store each (key, payload); returns how many the tier took (the rest are dropped, and counted)."""
-        start = time.perf_counter()
+        start = self._timer()
         encoded = [(key, encode_block(key, self.fmt_tag, payload)) for key, payload in items]
         stored = self.transport.put_many(encoded)
         # a transport reports a count, not which ones: bytes assume blocks of one size
@@ -115,7 +118,7 @@ class BlockStore:
         with self._lock:
             self._stats = _plus(self._stats, blocks_written=stored, puts_dropped=len(items) - stored, write_calls=1,
                                bytes_written=round(stored * mean_nbytes),
-                               write_seconds=time.perf_counter() - start)
+                               write_seconds=self._timer() - start)
         return stored
 
     def remove(self, keys: Sequence[bytes]) -> None:

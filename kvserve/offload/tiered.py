@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvserve.config import RedisConfig, TierConfig
@@ -178,11 +179,13 @@ def open_transports(tiers: Sequence[TierConfig], namespace: str) -> list[Transpo
     return opened
 
 
-def make_tiered_store(transports: Sequence[Transport], fmt_tag: str, write_through: bool = False) -> TieredStore:
+def make_tiered_store(transports: Sequence[Transport], fmt_tag: str, write_through: bool = False,
+                      timer: Callable[[], float] = time.perf_counter) -> TieredStore:
     """Tiers over ``transports`` (in lookup order) for blocks tagged ``fmt_tag``. With
     ``write_through`` the shared tiers are written once per key: a put skips keys the server
-    already holds, so engines writing the same blocks send each over the wire once."""
+    already holds, so engines writing the same blocks send each over the wire once. ``timer``
+    times each store's calls (BlockStore)."""
     def write_once(t: Transport) -> bool:
         return t.is_write_once or (write_through and t.is_shared)
-    return TieredStore([AsyncTier((_WriteOnceStore if write_once(t) else BlockStore)(t, fmt_tag))
+    return TieredStore([AsyncTier((_WriteOnceStore if write_once(t) else BlockStore)(t, fmt_tag, timer))
                         for t in transports])

@@ -240,6 +240,7 @@ def _cost_metrics(c: CostSnapshot) -> Iterator[Metric]:
     runs = CounterMetricFamily("kvserve_offload_runs", "Runs of tier hits, by decision", labels=["decision"])
     runs.add_metric(["load"], c.runs_loaded)
     runs.add_metric(["cut"], c.runs_cut)
+    runs.add_metric(["probe"], c.runs_probed)
     yield from (latency, bandwidth, runs)
     yield CounterMetricFamily("kvserve_offload_recomputed_blocks",
                               "Tier hits recomputed because loading them was estimated slower", c.blocks_recomputed)

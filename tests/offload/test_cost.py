@@ -102,3 +102,27 @@ def test_an_unmeasured_tier_costs_its_transport_class_prior():
     m = CostModel([host], block_size=16, block_nbytes=BLOCK)
     assert m.tier_cost(0) == host
     assert (Transport.prior_read_latency_s, Transport.prior_read_bytes_per_s) == (0.0, float("inf"))  # unknown: free
+
+
+def test_a_tier_ruled_out_is_loaded_again_after_reprobe_after_cut_runs():
+    m = CostModel(PRIORS, block_size=16, block_nbytes=BLOCK, reprobe_after=3)
+    m.observe_prefill(1600, 0.1)                              # 16k tokens/s: a block recomputes in 1 ms
+    feed(m, HOST, latency_s=0.0001, bytes_per_s=2e9)
+    feed(m, DISK, latency_s=0.050, bytes_per_s=100e6)         # one bad moment: disk looks slow
+    run = [HOST] * 2 + [DISK] * 4
+    assert [m.choose(run).num_load_blocks for _ in range(2)] == [2, 2]
+    probe = m.choose(run)                                     # the third cut run from disk is a probe
+    assert (probe.num_blocks, probe.num_load_blocks) == (6, 6)
+    assert m.choose(run).num_load_blocks == 2                 # the count starts again at a probe
+    assert m.choose([HOST] * 3).num_load_blocks == 3          # host runs never cut: no probe of host
+    s = m.snapshot()
+    assert (s.runs_loaded, s.runs_cut, s.runs_probed, s.blocks_recomputed) == (1, 3, 1, 12)
+    stats = [TierStats(tier=name) for name in m.tier_names]
+    stats[DISK] = TierStats(tier="disk", read_calls=7, bytes_read=46 * BLOCK, read_seconds=1.0)
+    m.observe_tiers(stats)                                     # a read of disk: its count starts again
+    assert [m.choose(run).num_load_blocks for _ in range(3)] == [2, 2, 6]
+
+
+def test_reprobe_after_must_be_positive():
+    with pytest.raises(ValueError, match="reprobe_after"):
+        CostModel(PRIORS, block_size=16, block_nbytes=BLOCK, reprobe_after=0)

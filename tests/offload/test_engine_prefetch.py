@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Sequence
 
 import pytest
-from tiers_util import GREEDY, MIB, POOL, PROMPT, PROMPT_HIT, cold_batch, cold_tokens, evict_everything, offload
+from tiers_util import (
+    GREEDY,
+    MIB,
+    POOL,
+    PROMPT,
+    PROMPT_HIT,
+    TickTimer,
+    cold_batch,
+    cold_tokens,
+    evict_everything,
+    offload,
+)
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
@@ -41,19 +51,21 @@ class GatedTier(HostTransport):
 
 
 class SlowTier(HostTransport):
-    """A memory tier with 0.2 s of latency on every read: prefetched, and unknown to the
-    cost model until its first read is measured."""
+    """A memory tier whose every read ticks ``timer`` 20 times (20 ms on a TickTimer):
+    prefetched, and unknown to the cost model until its first read is measured."""
 
     name = "slow"
     loads_synchronously = False
     prior_read_latency_s = 0.0
     prior_read_bytes_per_s = math.inf
 
-    def __init__(self) -> None:
+    def __init__(self, timer: TickTimer) -> None:
         super().__init__(HostConfig(capacity_bytes=1 << 24))
+        self.timer = timer
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        time.sleep(0.2)
+        for _ in range(20):
+            self.timer()
         return super().get_many(keys)
 
 
@@ -89,31 +101,39 @@ def test_a_request_waits_for_its_own_blocks_while_others_run(loaded):
         engine.check_integrity()
 
 
+# Steps of at most 16 tokens, each timed one tick by a TickTimer: four blocks recompute in
+# four ticks; a host read (no ticks inside) loads them in one, the slow tier in 21.
+TIMED = {"num_kv_blocks": POOL, "max_num_batched_tokens": 16}
+
+
 def test_a_slow_tier_is_measured_then_not_used(loaded):
-    with LLM(loaded=loaded, num_kv_blocks=POOL, tiers=[SlowTier()]) as llm:
+    timer = TickTimer()
+    with LLM(loaded=loaded, tiers=[SlowTier(timer)], timer=timer, **TIMED) as llm:
         llm.generate(PROMPT, GREEDY)
         evict_everything(llm, seed=1)
         first = llm.generate(PROMPT, GREEDY)[0]
         assert first.num_cached_tokens == PROMPT_HIT        # unmeasured: loaded, and so measured
         evict_everything(llm, seed=2)
         again = llm.generate(PROMPT, GREEDY)[0]
-        assert again.num_cached_tokens == 0                   # 0.2 s to load vs a few ms to compute
+        assert again.num_cached_tokens == 0                   # 21 ticks to load vs 4 to compute
         assert again.token_ids == first.token_ids == cold_tokens(loaded)
         cost = llm.engine.stats().cost
         assert cost is not None and cost.prefill_tokens_per_s is not None
         (slow,) = cost.tiers
-        assert slow.is_measured and slow.load_seconds(4, block_nbytes(llm.engine.runner.cache.block_tensors())) > 0.1
+        assert slow.is_measured and slow.load_seconds(4, block_nbytes(llm.engine.runner.cache.block_tensors())) == (
+            pytest.approx(0.021))
         assert (cost.runs_loaded, cost.runs_cut, cost.blocks_recomputed) == (1, 1, 4)
 
 
 def test_a_fast_host_tier_stays_in_use(loaded):
-    with LLM(loaded=loaded, num_kv_blocks=POOL, host_cache_gb=MIB) as llm:
+    with LLM(loaded=loaded, host_cache_gb=MIB, timer=TickTimer(), **TIMED) as llm:
         for seed in range(3):
             llm.generate(PROMPT, GREEDY)
             evict_everything(llm, seed=seed)
         assert llm.generate(PROMPT, GREEDY)[0].num_cached_tokens == PROMPT_HIT
         cost = llm.engine.stats().cost
-        assert cost is not None and cost.runs_cut == 0 and cost.tiers[0].is_measured
+        assert cost is not None and (cost.runs_loaded, cost.runs_cut) == (3, 0) and cost.tiers[0].is_measured
+        assert cost.prefill_tokens_per_s == pytest.approx(16_000)          # 16 tokens a tick
 
 
 def test_swap_preemption_demotes_the_victim_and_it_comes_back(loaded):
@@ -143,5 +163,6 @@ def test_tier_figures_reach_the_server_metrics(loaded):
     assert f'kvserve_prefix_cache_hit_tokens_total{{tier="host"}} {PROMPT_HIT}.0' in text
     assert f'kvserve_offload_loaded_tokens_total{{tier="host"}} {PROMPT_HIT}.0' in text
     assert 'kvserve_offload_runs_total{decision="load"} 1.0' in text
+    assert 'kvserve_offload_runs_total{decision="probe"} 0.0' in text
     assert 'kvserve_offload_tier_latency_seconds{measured="true",tier="host"}' in text
     assert "kvserve_offload_prefill_tokens_per_second " in text

@@ -7,6 +7,7 @@ before is evicted (and demoted).
 from __future__ import annotations
 
 import random
+import threading
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.tiering import OffloadTiering
@@ -19,6 +20,21 @@ PROMPT_HIT = 64     # a hit covers the 4 full blocks (the last token is always c
 MIB = 1 / 1024      # in GiB
 
 _cold: dict[tuple, list[int]] = {}
+
+
+class TickTimer:
+    """A timer for the cost model's measurements that reads no clock: each call on a thread
+    moves that thread's time on by one tick, so a span timed on one thread lasts one tick
+    more than the calls made inside it on that thread. A model step (no calls inside) is one
+    tick, a tier read one tick plus whatever its transport ticks: the same on any machine."""
+
+    def __init__(self, tick_s: float = 1e-3) -> None:
+        self.tick_s = tick_s
+        self._local = threading.local()
+
+    def __call__(self) -> float:
+        self._local.now = getattr(self._local, "now", 0.0) + self.tick_s
+        return self._local.now
 
 
 def cold_tokens(loaded, kv_format: str = "native", prompt: list[int] = PROMPT) -> list[int]:
