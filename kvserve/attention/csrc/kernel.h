@@ -149,13 +149,16 @@ inline void queue(Prefetcher& pf, const HalfView& K, const HalfView& V, const Ba
   }
 }
 
-// Bytes of one block of both halves, all heads.
+// Bytes of one block of a half, all heads; where the half has a finer format, the larger of
+// the two (a prefetch distance must fit either: a zip block read from int8 is 2.4x its KIVI-2 base).
 inline int64_t block_bytes(const HalfView& v) {
   int64_t params = 0;
   if (v.kind == INT8 || v.kind == FP8) params = v.B * v.H;
   if (v.kind == ASYM_TOKEN) params = v.B * v.H * (v.D / v.group);
   if (v.kind == ASYM_CHANNEL) params = v.H * v.D;
-  return v.B * v.H * (v.row_bytes + 2 * v.num_outliers) + 2 * params * (v.zero ? 2 : 1) + v.H * v.num_outliers;
+  const int64_t bytes = v.B * v.H * (v.row_bytes + 2 * v.num_outliers) + 2 * params * (v.zero ? 2 : 1) +
+                        v.H * v.num_outliers;
+  return v.fine != nullptr ? std::max(bytes, block_bytes(*v.fine)) : bytes;
 }
 
 // How far ahead to prefetch: about this many bytes (more evicts L1 lines before their use).
@@ -311,7 +314,13 @@ inline void add_scores(const Batch& b, const Plan& plan, const ScoreTask& task, 
       const int64_t r = hh * rows + rr, visible = visible_keys(b, s, n, len, i);
       const float* lg = logits + g.lg + r * g.nkeys;
       const float mx = logits[g.norm + 2 * r], inv = 1.0f / logits[g.norm + 2 * r + 1];
-      for (int64_t j = 0; j < visible; ++j) out[j] += std::exp2(lg[j] - mx) * inv;
+      int64_t j = 0;
+#ifdef KVS_SIMD
+      // the softmax's own exponential (attend.h): lg[j] - mx <= 0, -inf where a key is masked
+      const vf vmx = vset1(mx), vinv = vset1(inv);
+      for (; j + W <= visible; j += W) vstore(out + j, vfma(vexp2_neg(vsub(vload(lg + j), vmx)), vinv, vload(out + j)));
+#endif
+      for (; j < visible; ++j) out[j] += std::exp2(lg[j] - mx) * inv;
     }
   }
 }
