@@ -76,8 +76,9 @@ inline float fp8_to_f32(uint8_t x) {
 }
 
 // In-place orthonormal fast Walsh-Hadamard transform of n floats (n a power of two), the
-// same add/subtract stages and final 1/sqrt(n) scaling as kv/codecs/transforms.py.
-inline void fwht(float* x, int n) {
+// same add/subtract stages and final 1/sqrt(n) scaling as kv/codecs/transforms.py. `fwht`
+// (below) runs the stages in vectors where it can, with the same sums.
+inline void fwht_scalar(float* x, int n) {
   for (int h = 1; h < n; h *= 2) {
     for (int i = 0; i < n; i += 2 * h) {
       for (int k = i; k < i + h; ++k) {
@@ -267,5 +268,58 @@ inline vf vexp2_neg(vf x) {
 #endif
 }
 #endif
+
+#ifdef KVS_SIMD
+// Lane l of v replaced by lane l ^ h (h < W, a power of two), and the butterfly's sign: +1 in
+// the lanes whose bit h is clear (they take a + b), -1 where it is set (a - b).
+#if KVS_W == 16
+inline vf vswap_lanes(vf v, int h) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_permutexvar_ps(_mm512_xor_si512(lane, _mm512_set1_epi32(h)), v);
+}
+inline vf vbutterfly_sign(int h) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_mask_blend_ps(_mm512_test_epi32_mask(lane, _mm512_set1_epi32(h)), vset1(1.0f), vset1(-1.0f));
+}
+#else
+inline vf vswap_lanes(vf v, int h) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_permutevar8x32_ps(v, _mm256_xor_si256(lane, _mm256_set1_epi32(h)));
+}
+inline vf vbutterfly_sign(int h) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i clear = _mm256_cmpeq_epi32(_mm256_and_si256(lane, _mm256_set1_epi32(h)), _mm256_setzero_si256());
+  return _mm256_blendv_ps(vset1(-1.0f), vset1(1.0f), _mm256_castsi256_ps(clear));
+}
+#endif
+#endif
+
+// fwht_scalar's transform, bit for bit: the stages of stride h < W inside each vector (lane l
+// takes lane l ^ h: x[l] + x[l ^ h] where bit h of l is clear, x[l ^ h] - x[l] where it is set;
+// times +-1 and one rounded add, the scalar sums exactly), the wider ones between vectors.
+inline void fwht(float* x, int n) {
+#ifdef KVS_SIMD
+  if (n >= W && n % W == 0) {
+    for (int i = 0; i < n; i += W) {
+      vf v = vload(x + i);
+      for (int h = 1; h < W; h *= 2) v = vfma(v, vbutterfly_sign(h), vswap_lanes(v, h));
+      vstore(x + i, v);
+    }
+    for (int h = W; h < n; h *= 2) {
+      for (int i = 0; i < n; i += 2 * h) {
+        for (int k = i; k < i + h; k += W) {
+          const vf a = vload(x + k), b = vload(x + k + h);
+          vstore(x + k, vadd(a, b));
+          vstore(x + k + h, vsub(a, b));
+        }
+      }
+    }
+    const vf s = vset1(static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
+    for (int k = 0; k < n; k += W) vstore(x + k, vmul(vload(x + k), s));
+    return;
+  }
+#endif
+  fwht_scalar(x, n);
+}
 
 }  // namespace kvs

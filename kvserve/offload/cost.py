@@ -108,8 +108,8 @@ class CostModel:
     """Estimates and decisions; fed by the engine thread (steps) and by tier counters.
 
     ``priors``: one per tier in lookup order (``prior_cost(transport)``), the estimate
-    used until the tier's reads are measured. ``reprobe_after``: the ``reprobe_after``-th run in a
-    row that would be cut from an unread tier is loaded whole, to measure the tier again.
+    used until the tier's reads are measured. ``reprobe_after``: the ``reprobe_after``-th run that
+    would be cut from a tier since its last read is loaded whole, to measure the tier again.
     """
 
     def __init__(self, priors: Sequence[TierCost], block_size: int, block_nbytes: int,
