@@ -123,7 +123,7 @@ def summary(p: Play, baseline: Play | None) -> dict[str, Any]:
     if s.cost is not None:
         c = s.cost
         out["prefill_tokens_per_s"] = c.prefill_tokens_per_s
-        out["runs_loaded"], out["runs_cut"] = c.runs_loaded, c.runs_cut
+        out["runs_loaded"], out["runs_cut"], out["runs_probed"] = c.runs_loaded, c.runs_cut, c.runs_probed
         out["tiers"] = [{"tier": t.tier, "measured": t.is_measured, "latency_ms": t.latency_s * 1e3,
                          "read_mb_per_s": t.bytes_per_s / 1e6,
                          "break_even_blocks": break_even_blocks(t, c, p.block_size, p.block_nbytes)}
@@ -149,11 +149,11 @@ def tables(results: list[dict[str, Any]]) -> str:
             cost_rows.append([r["config"], t["tier"], "yes" if t["measured"] else "prior",
                               f"{t['latency_ms']:.2f}", f"{t['read_mb_per_s']:.0f}",
                               f"{r['prefill_tokens_per_s']:.0f}" if r.get("prefill_tokens_per_s") else "-",
-                              be_text, f"{r['runs_loaded']}/{r['runs_cut']}"])
+                              be_text, f"{r['runs_loaded']}/{r['runs_cut']}/{r['runs_probed']}"])
     if not cost_rows:
         return main
     return main + "\n\n" + table(["config", "tier", "measured", "latency ms", "read MB/s", "prefill tok/s",
-                                  "break-even blocks", "runs loaded/cut"], cost_rows)
+                                  "break-even blocks", "runs loaded/cut/probed"], cost_rows)
 
 
 def engine_options(args: argparse.Namespace, scratch: str, redis_url: str | None) -> dict[str, dict[str, Any]]:

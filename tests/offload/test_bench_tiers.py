@@ -31,7 +31,7 @@ def test_bench_tiers_serves_evicted_histories_from_host(tmp_path, capsys):
                  "--max-tokens", "4", "--kv-cache-gb", "0.01", "--tiers", "host", "--text", str(text),
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "recompute only" in text and "break-even blocks" in text
+    assert "recompute only" in text and "break-even blocks" in text and "runs loaded/cut/probed" in text
     results = json.loads(out.read_text())["results"]
     assert [r["config"] for r in results] == ["recompute only", "host"]
     base, host = results
