@@ -153,8 +153,10 @@ class CacheConfig:
     kv_policy: str = field(default="streaming", metadata=opt(
         "what a budgeted request keeps", registry="kv budget policies"))
     budget_host_bytes: int = field(default=4 << 30, metadata=opt(
-        "host memory in GiB for the blocks arkvale moves off the device; least recently stashed go first "
-        "when full (docs/budgets.md)", name="kv_budget_host_gb", flag="--kv-budget-host-gb", unit="GiB"))
+        "host memory in GiB for the blocks arkvale moves off the device, least recently stashed going first "
+        "when full (docs/budgets.md); under a zip: KV format, for the finer copies a prompt's chunks drop "
+        "until the whole prompt ranks them again (docs/kv_formats.md)",
+        name="kv_budget_host_gb", flag="--kv-budget-host-gb", unit="GiB"))
 
     blend_cost_model: bool = field(default=True, metadata=opt(
         "blend a segmented prompt only when loading plus the partial recompute is estimated to beat a full "

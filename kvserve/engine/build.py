@@ -282,7 +282,7 @@ def _make_budgets(config: EngineConfig, storage: KVStorage, kv_format: KVFormat,
         if cc.kv_budget is not None:
             raise ValueError(f"a KV budget cannot run under the KV format {kv_format.spec}: {ZIP_NO_BUDGETS}; "
                              f"give another --kv-format")
-        return SaliencyPrecision(storage, mc.num_kv_heads)
+        return SaliencyPrecision(storage, mc.num_kv_heads, cc.budget_host_bytes)
     return KVBudgets(storage, mc.num_kv_heads, cc.kv_budget, cc.kv_policy, HostBlockStore(cc.budget_host_bytes))
 
 

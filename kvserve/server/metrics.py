@@ -63,10 +63,11 @@ class _StatsCollector(Collector):
         b = s.budgets
         yield CounterMetricFamily("kvserve_kv_budget_compactions", "Compactions of budgeted requests' KV",
                                   b.num_compactions)
-        yield GaugeMetricFamily("kvserve_kv_budget_host_bytes", "Bytes of blocks arkvale holds in host memory",
-                                b.host_nbytes)
+        yield GaugeMetricFamily("kvserve_kv_budget_host_bytes",
+                                "Bytes of blocks arkvale (or a zip format's prompts) holds in host memory", b.host_nbytes)
         yield CounterMetricFamily("kvserve_kv_budget_host_evicted_blocks",
-                                  "Blocks arkvale's host store dropped for room (no longer recallable)",
+                                  "Blocks arkvale's host store dropped for room (no longer recallable), or finer "
+                                  "copies a zip format's prompt dropped with no room to hold them",
                                   b.num_host_evictions)
         yield from _pin_metrics(s)
         yield from _blend_metrics(s)

@@ -105,3 +105,37 @@ def test_saliency_is_the_normalized_attention_of_the_probe_queries():
         a = a[0, :, probes].float()                                       # [heads, probes, n]
         ref = a.view(TINY.num_kv_heads, group, len(probes), n).sum(dim=(1, 2)) / seen_by
         torch.testing.assert_close(state.saliency(layer), ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [32, 48])
+def test_a_zip_prompts_question_is_the_normalized_attention_of_its_last_window(chunk):
+    """Precision by saliency ranks a whole prompt again with ``question`` added (kv/budget/precision.py):
+    per token, the weights of the probes scored from the step holding the prompt's last window's
+    first row (the window, 32 positions, and a stride probe that shared that step), divided by
+    how many of those probes could see it, summed over KV heads, averaged over layers. A
+    lossless zip format, so the engine's attention is transformers'."""
+    weights = random_weights(TINY, seed=4)
+    loaded = tiny_model(TINY, seed=4)
+    model = hf_model(TINY, weights)
+    model.set_attn_implementation("eager")
+    prompt = [(i * 29) % 128 for i in range(100)]
+    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=chunk, enable_prefix_caching=False,
+              kv_format="zip:hi=fp32,lo=fp32,salient=0.25")
+    engine = llm.engine
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    req = engine._requests[rid]
+    while req.num_computed_tokens < len(prompt):
+        engine.step()
+    state = engine.kv.budgets.get(rid)
+    assert state is not None and state.regraded and state.question is not None
+    # steps of 32: [64, 96) holds the window's first row (68): probes 68 ... 99 (79 and 95 among them);
+    # steps of 48: [48, 96) does, with the stride probe 63 before 68 (47, before that step, is not counted)
+    probes = ([63] if chunk == 48 else []) + list(range(68, 100))
+    assert state.probes == [15, 31, 47, 63, *range(68, 100)]
+    with torch.inference_mode():
+        attentions = model(torch.tensor([prompt]), output_attentions=True).attentions
+    group = TINY.num_heads // TINY.num_kv_heads
+    seen_by = torch.tensor([max(1, sum(1 for p in probes if p >= j)) for j in range(100)], dtype=torch.float32)
+    ref = torch.stack([a[0, :, probes].float().view(TINY.num_kv_heads, group, len(probes), 100).sum(dim=(1, 2))
+                       for a in attentions]) / seen_by
+    torch.testing.assert_close(state.question, ref.sum(dim=1).mean(dim=0), atol=1e-5, rtol=1e-4)

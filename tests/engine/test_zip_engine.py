@@ -30,9 +30,11 @@ def test_the_engine_keeps_the_finer_copies_of_each_requests_most_salient_blocks(
     llm = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
     e = llm.engine
     assert e.runner.backend.name == "cpu"
-    rid = e.add_request(_prompts()[3], GREEDY)
+    prompt = _prompts()[3]
+    rid = e.add_request(prompt, GREEDY)
     refined_before: set[int] = set()
-    num_full_before, checked = 0, 0
+    held: set[int] = set()          # dropped while the prompt's chunks ran: held aside, by block index
+    num_full_before, checked, regraded = 0, 0, False
     while e.has_unfinished:
         e.step()
         state = e.kv.budgets.get(rid)
@@ -43,17 +45,49 @@ def test_the_engine_keeps_the_finer_copies_of_each_requests_most_salient_blocks(
         score = e.kv.budgets.block_saliency(rid, num_full)
         top = set(sorted(range(num_full), key=lambda i: (-float(score[i]), i))[:math.ceil(0.25 * num_full)])
         refined = {i for i in range(num_full) if e.kv.residual.refined.slot(table[i]) is not None}
-        if num_full == num_full_before:         # settled only when a block fills
+        regrade = state.num_recorded >= len(prompt) and not regraded
+        if num_full == num_full_before and not regrade:     # settled only when a block fills
             assert refined == refined_before
             continue
-        # a block keeps its finer copy while it ranks in the top quarter; one that lost it never gets it back
-        assert refined == (refined_before | set(range(num_full_before, num_full))) & top
+        had = refined_before | set(range(num_full_before, num_full))
+        if regrade:
+            # the whole prompt seen: the top quarter get back the copies its chunks dropped
+            assert refined == (had | held) & top and refined & held
+            held, regraded = set(), True
+        else:
+            # a block keeps its finer copy while it ranks in the top quarter; once the prompt is
+            # whole, one that lost it never gets it back
+            assert refined == had & top
+            if state.num_recorded < len(prompt):
+                held |= had - refined
+        assert e.kv.budgets.held_nbytes == len(held) * e.kv.budgets.copy_nbytes
+        e.check_integrity()
         refined_before, num_full_before = refined, num_full
         checked += 1
-    # full blocks 4, 8, 12, 16 (prefill chunks of 16 of the 66 prompt tokens), then 17, 18, 19 in decode
-    assert checked == 7 and num_full_before == (66 + 12 - 1) // 4
-    assert e.kv.budgets.num_dropped > 0
+    # full blocks 4, 8, 12, 16 (prefill chunks of 16 of the 66 prompt tokens), the prompt whole
+    # (its last chunk of 2 fills none), then 17, 18, 19 in decode
+    assert (regraded, checked, num_full_before) == (True, 8, (66 + 12 - 1) // 4)
+    assert e.kv.budgets.num_dropped > 0 and e.kv.budgets.num_restored > 0 and e.kv.budgets.held_nbytes == 0
     e.check_integrity()
+
+
+def test_a_prompt_holds_no_copies_beyond_the_host_room(loaded):
+    # room for one held copy (per request, all layers' key and value parts of one block)
+    probe = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=64, block_size=4)
+    one = probe.engine.kv.budgets.copy_nbytes
+    assert one == probe.engine.kv_format.refined_nbytes_per_block(4, 2, 16) > 0     # the tiny model: 2 heads of 16
+    llm = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
+              kv_budget_host_gb=one / 2**30)
+    b = llm.engine.kv.budgets
+    assert b.host_bytes == one
+    seen = 0
+    rid = llm.engine.add_request(_prompts()[3], GREEDY)
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+        seen = max(seen, b.held_nbytes)
+        assert b.held_nbytes <= one
+    assert seen == one and b.num_unheld > 0 and b.stats().num_host_evictions == b.num_unheld
+    assert b.get(rid) is None and b.held_nbytes == 0
 
 
 def test_rank_recent_keeps_the_first_block_and_the_newest(loaded):

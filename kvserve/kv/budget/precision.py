@@ -7,10 +7,22 @@ that filled one of its blocks (``settle``) the request keeps the finer copies of
 salient full blocks, ``ceil(salient x full blocks)`` of them; the others lose theirs, unless
 another running request counts the block among its own most salient (a shared block's
 precision is the most any of its readers asks for). A block's saliency is its most salient token's: per token, ZipCache's
-normalized attention summed over KV heads and averaged over layers. A block that loses its
-finer copy never gets it back (the full-precision values are gone): precision only falls, as
-the context grows and saliency settles. ``rank=recent`` (the control: no saliency, and no
-probe scored) ranks the first block (the attention sink) first, then the newest.
+normalized attention summed over KV heads and averaged over layers. ``rank=recent`` (the
+control: no saliency, and no probe scored) ranks the first block (the attention sink) first,
+then the newest.
+
+A prompt is ranked again once it is whole. While its chunks run, the finer copies its settles
+drop are held aside in host memory (bytes, ``ZipKVCache.finer_copies``), up to ``host_bytes``
+for all requests (beyond that a dropped copy is gone); at the first settle after its last
+chunk the prompt is ranked with its question added to every token's saliency
+(``ProbeObserver.question``: the normalized attention of the probes of the prompt's last
+window alone, the question in a chat, which is what the answer reads; from then on in every
+settle), the blocks then ranked most salient get their held copies back, into free side
+slots, and the rest are released. So which blocks keep their finer copy is decided with the whole prompt seen, as
+ZipCache quantizes after the prefill: a fact early in a long prompt is not ranked by the
+filler after it alone (docs/kv_formats.md, the passkeys). The prompt's own logits are those
+of the precision it had while its chunks ran. After that a block that loses its finer copy
+never gets it back: precision only falls, as the context grows and saliency settles.
 
 KV budgets that evict are not available here (the blocks are quantized: nothing can be
 compacted), so this is the engine's ``Budgets`` under such a format.
@@ -24,7 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.kv.block_pool import Block
-from kvserve.kv.budget.budgets import BudgetStep, NoBudgets
+from kvserve.kv.budget.budgets import BudgetStats, BudgetStep, NoBudgets
 from kvserve.kv.budget.policies import PROBE_STRIDE, SNAPKV_WINDOW, get_policy
 from kvserve.kv.budget.state import BudgetState
 from kvserve.kv.storage.zip import ZipKVCache
@@ -56,10 +68,42 @@ class ProbeObserver(BudgetState):
 
     def saliency_of_layers(self, num_slots: int) -> torch.Tensor:
         """[layers, heads, num_slots] the saliency of the first ``num_slots`` slots in every layer."""
-        probes = torch.tensor(self.probes, dtype=torch.long, device=self.device)
-        seen_by = len(self.probes) - torch.searchsorted(probes, torch.arange(num_slots, device=self.device))
         assert self._all_score is not None
-        return self._all_score[..., :num_slots] / seen_by.clamp(min=1)
+        return self._all_score[..., :num_slots] / _seen_by(self.probes, num_slots, self.device)
+
+    # -- the question: the probes of the prompt's last window ------------------
+    _before_question: tuple[torch.Tensor, int] | None = None
+    question: torch.Tensor | None = None
+    regraded = False        # ranked with the whole prompt seen (``SaliencyPrecision.settle``)
+
+    def begin_question(self) -> None:
+        """The next step scores the first probes of the prompt's last window: what the scores
+        hold now is not the question's (once: a window's steps after its first add to it)."""
+        assert self._all_score is not None
+        if self._before_question is not None or self.question is not None:
+            return
+        self._before_question = (self._all_score[..., :self.num_recorded].clone(), len(self.probes))
+
+    def end_question(self) -> None:
+        """The prompt is whole: ``question`` is per token the normalized attention that the probes
+        scored since ``begin_question`` gave it (summed over KV heads, averaged over layers): the
+        prompt's last window, and the stride probes that shared a step with its first rows."""
+        if self._before_question is None or self.question is not None:
+            return
+        assert self._all_score is not None
+        before, first_probe = self._before_question
+        n = self.num_recorded
+        added = self._all_score[..., :n].clone()
+        added[..., :before.shape[-1]] -= before
+        added /= _seen_by(self.probes[first_probe:], n, self.device)
+        self.question = added.sum(dim=1).mean(dim=0)
+        self._before_question = None
+
+
+def _seen_by(probes: list[int], num_slots: int, device: torch.device) -> torch.Tensor:
+    """[num_slots] how many of ``probes`` (ascending positions) could see each slot (at least 1)."""
+    at = torch.tensor(probes, dtype=torch.long, device=device)
+    return (len(probes) - torch.searchsorted(at, torch.arange(num_slots, device=device))).clamp(min=1)
 
 
 #: why a ``zip:`` format runs no KV budgets
@@ -72,7 +116,9 @@ class SaliencyPrecision(NoBudgets):
     #: tokens would not be those of plain decoding
     takes_drafts = False
 
-    def __init__(self, storage: ZipKVCache, num_kv_heads: int) -> None:
+    def __init__(self, storage: ZipKVCache, num_kv_heads: int, host_bytes: int) -> None:
+        if host_bytes < 0:
+            raise ValueError(f"host memory for held finer copies must be >= 0 bytes, got {host_bytes}")
         assert storage.format.refine is not None
         super().__init__(f"KV format {storage.format.spec}: {ZIP_NO_BUDGETS}")
         self.storage = storage
@@ -85,6 +131,11 @@ class SaliencyPrecision(NoBudgets):
         self._wanted: dict[str, set[int]] = {}      # per request, the blocks it keeps refined
         self._settled: dict[str, int] = {}          # per request, its full blocks when it last settled
         self.num_dropped = 0                        # finer copies dropped by ``settle``, all requests
+        self.host_bytes = host_bytes
+        self.copy_nbytes = storage.finer_nbytes
+        self._held: dict[str, dict[int, torch.Tensor]] = {}   # per request, its prompt's dropped copies
+        self.num_unheld = 0         # copies a prompt dropped with no host room to hold them
+        self.num_restored = 0       # held copies given back when their prompt was whole
 
     def start(self, request: Request) -> None:
         if request.request_id not in self._states:
@@ -107,6 +158,8 @@ class SaliencyPrecision(NoBudgets):
         rows = () if self.rank != "saliency" else tuple(
             r for r in range(num_new)
             if prompt - state.window <= first_pos + r < prompt or (first_pos + r + 1) % PROBE_STRIDE == 0)
+        if any(prompt - state.window <= first_pos + r < prompt for r in rows):
+            state.begin_question()
         state.record_probes(first_pos, rows)
         return BudgetStep(state, first_pos, 0, False, bool(rows), rows)
 
@@ -114,18 +167,38 @@ class SaliencyPrecision(NoBudgets):
         self._states.pop(request_id, None)
         self._wanted.pop(request_id, None)
         self._settled.pop(request_id, None)
+        self._held.pop(request_id, None)
+
+    @property
+    def held_nbytes(self) -> int:
+        return self.copy_nbytes * sum(len(h) for h in self._held.values())
+
+    def stats(self) -> BudgetStats:
+        return BudgetStats(0, self.held_nbytes, self.host_bytes, self.num_unheld)
 
     def block_saliency(self, request_id: str, num_blocks: int) -> torch.Tensor:
         """[num_blocks] the saliency of the request's first ``num_blocks`` blocks (module docstring)."""
-        per_token = self._states[request_id].saliency_of_layers(num_blocks * self.block_size).sum(dim=1).mean(dim=0)
+        state = self._states[request_id]
+        num_slots = num_blocks * self.block_size
+        per_token = state.saliency_of_layers(num_slots).sum(dim=1).mean(dim=0)
+        if state.question is not None:
+            n = min(num_slots, state.question.shape[0])
+            per_token[:n] += state.question[:n]
         return per_token.view(num_blocks, self.block_size).amax(dim=1)
 
     def settle(self, request: Request, table: Sequence[Block]) -> None:
         rid = request.request_id
         state = self._states.get(rid)
-        num_full = min(request.num_computed_tokens, 0 if state is None else state.num_recorded) // self.block_size
-        if state is None or num_full == self._settled.get(rid, 0):
+        if state is None:
             return
+        num_full = min(request.num_computed_tokens, state.num_recorded) // self.block_size
+        prompt_whole = request.num_computed_tokens >= request.num_prompt_tokens
+        regrade = prompt_whole and not state.regraded      # the first settle with the whole prompt
+        if num_full == self._settled.get(rid, 0) and not regrade:
+            return
+        if regrade:
+            state.end_question()
+            state.regraded = True
         self._settled[rid] = num_full
         block_ids = [b.block_id for b in table[:num_full]]
         score = (self.block_saliency(rid, num_full) if self.rank == "saliency" else _recency(num_full)).tolist()
@@ -135,8 +208,34 @@ class SaliencyPrecision(NoBudgets):
         wanted = {block_ids[i] for i in order[:keep]}
         self._wanted[rid] = wanted
         others = set().union(*(w for r, w in self._wanted.items() if r != rid))
-        dropped = self.storage.refined.drop(b for b in block_ids if b not in wanted and b not in others)
+        losing = [b for b in block_ids if b not in wanted and b not in others]
+        if not prompt_whole:
+            self._hold(rid, losing)
+        dropped = self.storage.refined.drop(losing)
         self.num_dropped += len(dropped)
+        held = self._held.pop(rid, {}) if regrade else {}
+        back = [block_ids[i] for i in order[:keep]
+                if block_ids[i] in held and self.storage.refined.slot(block_ids[i]) is None]
+        if back:
+            self.num_restored += len(self.storage.restore_finer(back, torch.stack([held[b] for b in back])))
+
+    def check_integrity(self) -> None:
+        assert self._held.keys() <= self._states.keys(), "held finer copies of a request with no state"
+        assert self.held_nbytes <= self.host_bytes, "held finer copies over the host room"
+        refined = self.storage.refined
+        assert all(refined.slot(b) is None for held in self._held.values() for b in held), (
+            "a held finer copy of a block that holds one")
+
+    def _hold(self, request_id: str, block_ids: list[int]) -> None:
+        """Hold aside the finer copies of those of ``block_ids`` that have one, while the host
+        room lasts (module docstring)."""
+        refined = [b for b in block_ids if self.storage.refined.slot(b) is not None]
+        room = (self.host_bytes - self.held_nbytes) // self.copy_nbytes if self.copy_nbytes else 0
+        taken = refined[:max(room, 0)]
+        self.num_unheld += len(refined) - len(taken)
+        if taken:
+            held = self._held.setdefault(request_id, {})
+            held.update(zip(taken, self.storage.finer_copies(taken)))
 
 
 def _recency(num_blocks: int) -> torch.Tensor:

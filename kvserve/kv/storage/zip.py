@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.kv.block_io import block_nbytes, read_blocks, write_blocks
 from kvserve.kv.residual import ResidualRows
 from kvserve.kv.storage.base import Overlay, StepWrites, WritePlanner
 from kvserve.kv.storage.layout import HalfLayout, HalfStore, MakeRowWriter, RefinedHalf
@@ -135,6 +136,8 @@ class ZipKVCache(QuantizedKVCache):
                        RefinedHalf(HalfLayout.from_codec(lf.value), self.side_value_parts[i], side)))
             for i, lf in enumerate(self.refine_layers)]
         self._writer = make_writer(device, self._refined_halves, d) if make_writer is not None else None
+        self._side_tensors = [t for store in self.side_key_parts + self.side_value_parts for t in store.values()]
+        self.finer_nbytes = block_nbytes(self._side_tensors)     # one block's finer copy, every layer
 
     def make_residual(self, num_rows: int) -> ResidualRows:
         return RefinedRows(num_rows, self.refined)
@@ -199,6 +202,28 @@ class ZipKVCache(QuantizedKVCache):
             blocks = x.view(-1, self.block_size, *x.shape[2:])    # (a fresh decode: written in place)
             blocks[at] = codec.decode({name: t.index_select(0, slots) for name, t in store.items()}, self.dtype)
         return keys, values
+
+    def finer_copies(self, block_ids: list[int]) -> torch.Tensor:
+        """The finer copies of ``block_ids`` (each holds one) as bytes, one CPU uint8 row per block
+        (every layer's key parts, then every layer's value parts): what ``restore_finer`` takes back."""
+        slots = [self.refined.slot(b) for b in block_ids]
+        assert all(s is not None for s in slots), "a block without a finer copy"
+        return read_blocks(self._side_tensors, [s for s in slots if s is not None])
+
+    def restore_finer(self, block_ids: list[int], copies: torch.Tensor) -> list[int]:
+        """Give ``block_ids`` (none holds a finer copy) their finer copies back from ``copies``
+        (``finer_copies``' rows, in the same order), each into a free side slot while one is free;
+        returns the blocks that got theirs."""
+        assert all(self.refined.slot(b) is None for b in block_ids), "a block already holds a finer copy"
+        slots = []
+        for block_id in block_ids:
+            slot = self.refined.assign(block_id)
+            if slot is None:
+                break
+            slots.append(slot)
+        if slots:
+            write_blocks(self._side_tensors, slots, copies[:len(slots)])
+        return block_ids[:len(slots)]
 
     @property
     def mixes_rotation_domains(self) -> bool:
