@@ -64,7 +64,8 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("kvserve_kv_budget_compactions", "Compactions of budgeted requests' KV",
                                   b.num_compactions)
         yield GaugeMetricFamily("kvserve_kv_budget_host_bytes",
-                                "Bytes of blocks arkvale (or a zip format's prompts) holds in host memory", b.host_nbytes)
+                                "Bytes of blocks arkvale (or a zip format's prompts) holds in host memory",
+                                b.host_nbytes)
         yield CounterMetricFamily("kvserve_kv_budget_host_evicted_blocks",
                                   "Blocks arkvale's host store dropped for room (no longer recallable), or finer "
                                   "copies a zip format's prompt dropped with no room to hold them",

@@ -18,9 +18,9 @@ chunk the prompt is ranked with its question added to every token's saliency
 (``ProbeObserver.question``: the normalized attention of the probes of the prompt's last
 window alone, the question in a chat, which is what the answer reads; from then on in every
 settle), the blocks then ranked most salient get their held copies back, into free side
-slots, and the rest are released. So which blocks keep their finer copy is decided with the whole prompt seen, as
-ZipCache quantizes after the prefill: a fact early in a long prompt is not ranked by the
-filler after it alone (docs/kv_formats.md, the passkeys). The prompt's own logits are those
+slots, and the rest are released. So which blocks keep their finer copy is decided with the
+whole prompt seen, as ZipCache quantizes after the prefill: a fact early in a long prompt is
+not ranked by the filler after it alone (docs/kv_formats.md, the passkeys). The prompt's own logits are those
 of the precision it had while its chunks ran. After that a block that loses its finer copy
 never gets it back: precision only falls, as the context grows and saliency settles.
 
@@ -38,7 +38,7 @@ import torch
 from kvserve.kv.block_pool import Block
 from kvserve.kv.budget.budgets import BudgetStats, BudgetStep, NoBudgets
 from kvserve.kv.budget.policies import PROBE_STRIDE, SNAPKV_WINDOW, get_policy
-from kvserve.kv.budget.state import BudgetState
+from kvserve.kv.budget.state import BudgetState, seen_by
 from kvserve.kv.storage.zip import ZipKVCache
 from kvserve.request import Request
 
@@ -54,6 +54,10 @@ class ProbeObserver(BudgetState):
     def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, device: torch.device) -> None:
         super().__init__(get_policy("saliency"), _OBSERVED_BUDGET, [_OBSERVED_BUDGET] * num_layers, num_kv_heads,
                          block_size, device)
+        # the question: the probes of the prompt's last window (``begin_question``, ``end_question``)
+        self._before_question: tuple[torch.Tensor, int] | None = None
+        self.question: torch.Tensor | None = None
+        self.regraded = False       # ranked with the whole prompt seen (``SaliencyPrecision.settle``)
 
     def prepare(self, slot_start: int, first_pos: int, num_new: int) -> None:
         assert slot_start == first_pos, "an observer's slots are its positions"
@@ -69,18 +73,13 @@ class ProbeObserver(BudgetState):
     def saliency_of_layers(self, num_slots: int) -> torch.Tensor:
         """[layers, heads, num_slots] the saliency of the first ``num_slots`` slots in every layer."""
         assert self._all_score is not None
-        return self._all_score[..., :num_slots] / _seen_by(self.probes, num_slots, self.device)
-
-    # -- the question: the probes of the prompt's last window ------------------
-    _before_question: tuple[torch.Tensor, int] | None = None
-    question: torch.Tensor | None = None
-    regraded = False        # ranked with the whole prompt seen (``SaliencyPrecision.settle``)
+        return self._all_score[..., :num_slots] / seen_by(self.probes, torch.arange(num_slots, device=self.device))
 
     def begin_question(self) -> None:
         """The next step scores the first probes of the prompt's last window: what the scores
         hold now is not the question's (once: a window's steps after its first add to it)."""
         assert self._all_score is not None
-        if self._before_question is not None or self.question is not None:
+        if self._before_question is not None:
             return
         self._before_question = (self._all_score[..., :self.num_recorded].clone(), len(self.probes))
 
@@ -88,22 +87,16 @@ class ProbeObserver(BudgetState):
         """The prompt is whole: ``question`` is per token the normalized attention that the probes
         scored since ``begin_question`` gave it (summed over KV heads, averaged over layers): the
         prompt's last window, and the stride probes that shared a step with its first rows."""
-        if self._before_question is None or self.question is not None:
+        if self._before_question is None:        # no probe scored (rank=recent)
             return
         assert self._all_score is not None
         before, first_probe = self._before_question
         n = self.num_recorded
         added = self._all_score[..., :n].clone()
         added[..., :before.shape[-1]] -= before
-        added /= _seen_by(self.probes[first_probe:], n, self.device)
+        added /= seen_by(self.probes[first_probe:], torch.arange(n, device=self.device))
         self.question = added.sum(dim=1).mean(dim=0)
         self._before_question = None
-
-
-def _seen_by(probes: list[int], num_slots: int, device: torch.device) -> torch.Tensor:
-    """[num_slots] how many of ``probes`` (ascending positions) could see each slot (at least 1)."""
-    at = torch.tensor(probes, dtype=torch.long, device=device)
-    return (len(probes) - torch.searchsorted(at, torch.arange(num_slots, device=device))).clamp(min=1)
 
 
 #: why a ``zip:`` format runs no KV budgets
@@ -155,10 +148,10 @@ class SaliencyPrecision(NoBudgets):
         # 16th too (the last token of each block, the step that fills it and settles), so 15 decode
         # steps in 16 score nothing
         prompt = request.num_prompt_tokens
+        window = range(prompt - state.window, prompt)
         rows = () if self.rank != "saliency" else tuple(
-            r for r in range(num_new)
-            if prompt - state.window <= first_pos + r < prompt or (first_pos + r + 1) % PROBE_STRIDE == 0)
-        if any(prompt - state.window <= first_pos + r < prompt for r in rows):
+            r for r in range(num_new) if first_pos + r in window or (first_pos + r + 1) % PROBE_STRIDE == 0)
+        if any(first_pos + r in window for r in rows):
             state.begin_question()
         state.record_probes(first_pos, rows)
         return BudgetStep(state, first_pos, 0, False, bool(rows), rows)

@@ -207,10 +207,7 @@ class BudgetState:
         assert self.score is not None and self.policy.weights == "probe"
         if slots is None:
             slots = torch.arange(self.num_recorded, device=self.device)
-        pos = self.pos[layer][:, slots]
-        probes = torch.tensor(self.probes, dtype=torch.long, device=self.device)
-        seen_by = len(self.probes) - torch.searchsorted(probes, pos.contiguous())
-        return self.score[layer][:, slots] / seen_by.clamp(min=1)
+        return self.score[layer][:, slots] / seen_by(self.probes, self.pos[layer][:, slots])
 
     def key_mask(self, layer: int, num_slots: int) -> torch.Tensor:
         """[num_slots] True where the layer's slot holds an entry."""
@@ -316,6 +313,13 @@ class BudgetState:
             None if self._all_score is None else list(self._all_score.unbind(0)))
         self.weight: list[torch.Tensor] | None = (
             None if self._all_weight is None else list(self._all_weight.unbind(0)))
+
+
+def seen_by(probes: list[int], positions: torch.Tensor) -> torch.Tensor:
+    """How many of ``probes`` (ascending positions) could see each of ``positions``: those at or
+    after it, at least 1 (the divisor of ZipCache's normalized attention)."""
+    at = torch.tensor(probes, dtype=torch.long, device=positions.device)
+    return (len(probes) - torch.searchsorted(at, positions.contiguous())).clamp(min=1)
 
 
 def _evicted(valid_idx: torch.Tensor, keep: torch.Tensor, num_slots: int) -> torch.Tensor | None:
