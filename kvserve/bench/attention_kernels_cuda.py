@@ -188,10 +188,11 @@ def host_time(fn: Callable[[], object], cuda: bool, calls: int = 200) -> float:
     return elapsed / calls
 
 
-def measure(kernels: ModuleType, c: Cache, scale: float, timer: Timer, repeats: int
+def measure(kernels: ModuleType, c: Cache, scale: float, timer: Timer, repeats: int, host_calls: int = 200
             ) -> tuple[list[float], list[float], float, tuple[float, float, float]]:
     """(triton times, paged times, max |triton - paged|, host seconds per triton call through
-    the backend and unprepared, and of ``prepare``) of one cache's decode step."""
+    the backend and unprepared, and of ``prepare``, each from ``host_calls`` calls) of one cache's
+    decode step."""
     from kvserve.attention.backends import TritonBackend
 
     out = torch.empty_like(c.q)
@@ -199,14 +200,15 @@ def measure(kernels: ModuleType, c: Cache, scale: float, timer: Timer, repeats: 
     unprepared = partial(kernels.paged_attention, c.q, c.key, c.value, c.batch, scale, out=out)
     paged_call = partial(torch_paged, c, scale)
     err = (triton_call().float() - paged_call().float()).abs().max().item()
-    host = (host_time(triton_call, timer.cuda), host_time(unprepared, timer.cuda))
+    host = (host_time(triton_call, timer.cuda, host_calls), host_time(unprepared, timer.cuda, host_calls))
     prepare = partial(kernels.prepare, c.key, c.value, c.q.shape[2], c.batch.block_size)
-    prepared = statistics.median(host_time(prepare, False, calls=1) for _ in range(200))
+    prepared = statistics.median(host_time(prepare, False, calls=1) for _ in range(host_calls))
     return timer.times(triton_call, repeats), timer.times(paged_call, repeats), err, (*host, prepared)
 
 
 def run(kernels: ModuleType, formats: list[str], shapes: list[str], workloads: dict[str, list[int]],
-        block_size: int, dtype: torch.dtype, device: str, repeats: int, copy_bytes: int) -> str:
+        block_size: int, dtype: torch.dtype, device: str, repeats: int, copy_bytes: int,
+        host_calls: int = 200) -> str:
     bandwidth = copy_bandwidth(device, copy_bytes, max(5, repeats // 5))
     timer = Timer(device, warmup=3 if device == "cuda" else 1)
     med = statistics.median
@@ -218,7 +220,7 @@ def run(kernels: ModuleType, formats: list[str], shapes: list[str], workloads: d
             sdpa: list[float] = []
             for fmt in formats:
                 c = build(fmt, lens, shape, block_size, dtype, device)
-                t_triton, t_paged, err, host = measure(kernels, c, scale, timer, repeats)
+                t_triton, t_paged, err, host = measure(kernels, c, scale, timer, repeats, host_calls)
                 sdpa = sdpa or timer.times(partial(contiguous_sdpa, c, scale), repeats)
                 rate = (c.kv_nbytes + 2 * c.q.numel() * c.q.element_size()) / med(t_triton)
                 splits = kernels.launch_config(c.q, c.batch, shape[0]).num_splits
@@ -267,15 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     kernels = load_kernels(args.interpret)
     workloads = {w: WORKLOADS[w] for w in args.workloads.split(",")}
     device = "cuda"
-    copy_bytes = int(args.copy_gib * (1 << 30))
+    copy_bytes, host_calls = int(args.copy_gib * (1 << 30)), 200
     if args.interpret:
-        device, copy_bytes = "cpu", 16 << 20
+        device, copy_bytes, host_calls = "cpu", 16 << 20, 2
         workloads = {"2x40": [40, 40], "1x64": [64]}
         args.repeats = min(args.repeats, 2)
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: pass --interpret to check the benchmark on CPU")
     print(run(kernels, args.formats.split(","), args.shapes.split(","), workloads, args.block_size,
-              DTYPES[args.dtype], device, args.repeats, copy_bytes))
+              DTYPES[args.dtype], device, args.repeats, copy_bytes, host_calls))
     return 0
 
 

@@ -437,12 +437,13 @@ def test_is_available_and_the_default_cut() -> None:
 
 def test_the_benchmark_runs_in_the_interpreter() -> None:
     """kvserve.bench.attention_kernels_cuda end to end on a tiny shape (its numbers mean
-    nothing here: it exists for a GPU)."""
+    nothing here: it exists for a GPU), timing the host's side over 2 calls instead of 200."""
     if DEVICE != "cpu":
         pytest.skip("the benchmark itself runs on the GPU")
     from kvserve.bench import attention_kernels_cuda as bench
 
-    text = bench.run(tk, ["int8", "kivi2"], ["smollm2-135m"], {"1x40": [40]}, 16, torch.bfloat16, "cpu", 2, 1 << 20)
+    text = bench.run(tk, ["int8", "kivi2"], ["smollm2-135m"], {"1x40": [40]}, 16, torch.bfloat16, "cpu", 2, 1 << 20,
+                     host_calls=2)
     lines = text.splitlines()
     assert lines[0].startswith("device cpu") and len(lines) == 2 + 2 + 3
     assert all("x |" in line for line in lines[-3:-1])
@@ -641,7 +642,7 @@ def test_budgeted_requests_on_the_triton_backend_give_the_torch_paths_tokens(pol
     monkeypatch.setattr(paged, "_score", counted)
     loaded = tiny_model()
     prompt = [(7 * i) % 120 + 1 for i in range(100)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, kv_budget=32, kv_policy=policy)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, kv_budget=32, kv_policy=policy)
     outs, scored = {}, {}
     for backend in ("torch", "triton"):
         torch_scored.clear()
@@ -651,7 +652,7 @@ def test_budgeted_requests_on_the_triton_backend_give_the_torch_paths_tokens(pol
         scored[backend] = list(torch_scored)
         assert llm.engine.kv.budgets.num_compactions == 2
         llm.engine.check_integrity()
-    assert outs["triton"] == outs["torch"] and len(outs["torch"]) == 24
+    assert outs["triton"] == outs["torch"] and len(outs["torch"]) == 20
     assert scored["torch"] and 1 in scored["torch"] and 1 not in scored["triton"]   # decodes: in the kernel
 
 
@@ -666,7 +667,7 @@ def test_a_zip_format_on_the_triton_backend_gives_the_torch_paths_tokens(spec: s
 
     loaded = tiny_model()
     prompts = [[(7 * i) % 120 + 1 for i in range(90)], list(range(5, 45))]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)     # 8: a copy dropped in decode too
     outs, dropped = {}, {}
     for backend in ("torch", "triton"):
         llm = LLM(loaded=loaded, kv_format=spec, num_kv_blocks=48, max_num_batched_tokens=32, device=DEVICE,
