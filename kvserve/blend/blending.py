@@ -245,7 +245,7 @@ def _ask(ctx: _Context, runs: list[tuple[int, int]], selection: str, blend_fract
     first, every reused token as cached; where its queries attend picks what to recompute, in
     every layer (read at one layer, the pass stops there: the layers above it would change
     nothing read). The reused positions picked."""
-    asked = yield from ctx.run(~ctx.is_reused, question_from=runs[-1][0] + runs[-1][1], question_layer=query_layer,
+    asked = yield from ctx.run(~ctx.is_reused, question_from=ctx.question_from, question_layer=query_layer,
                                last_layer=query_layer)
     assert asked.attention is not None
     if selection == "query":
@@ -293,11 +293,15 @@ class _Context:
 
     def __init__(self, model: LlamaModel, token_ids: list[int], num_known: int, known: SegmentKV | None,
                  reused: torch.Tensor, is_reused: torch.Tensor, cached_keys: list[torch.Tensor],
-                 cached_values: list[torch.Tensor]) -> None:
+                 cached_values: list[torch.Tensor], question_from: int) -> None:
         self.model, self.token_ids, self.num_known, self.known = model, token_ids, num_known, known
         self.reused, self.is_reused = reused, is_reused
         self.cached_keys, self.cached_values = cached_keys, cached_values
         self.n = len(token_ids)
+        # the question: the text after the last segment, not after the last reused run (a
+        # segment stored in whole blocks leaves its tail to be computed, and that tail's rows
+        # attend to the tokens just before them, not to what the question asks for)
+        self.question_from = question_from
 
     @classmethod
     def of(cls, model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
@@ -310,7 +314,9 @@ class _Context:
                               dtype=torch.long, device=dev)
         is_reused = torch.zeros(n, dtype=torch.bool, device=dev)
         is_reused[reused] = True
-        ctx = cls(model, list(prompt.token_ids), num_known, known, reused, is_reused, cached_keys, cached_values)
+        last = prompt.spans[-1][0] + prompt.spans[-1][1] if prompt.spans else n - 1
+        ctx = cls(model, list(prompt.token_ids), num_known, known, reused, is_reused, cached_keys, cached_values,
+                  min(last, n - 1))
         return ctx, runs
 
     def run(self, computed: torch.Tensor, choose_at: tuple[int, ...] = (),
@@ -516,7 +522,7 @@ def segment_peaks_by_layer(model: LlamaModel, rope: RopeTables, prompt: BlendPro
         raise ValueError("every segment's standalone KV is needed, whole")
     _check(model, prompt, cached, 0.0, 1, None, "query-segments", 0, None)
     ctx, runs = _Context.of(model, rope, prompt, cached, None)
-    passes = ctx.run(~ctx.is_reused, question_from=runs[-1][0] + runs[-1][1])     # one first pass, every layer read
+    passes = ctx.run(~ctx.is_reused, question_from=ctx.question_from)     # one first pass, every layer read
     while True:
         try:
             next(passes)

@@ -126,21 +126,25 @@ def test_sink_tokens_are_always_among_the_recomputed(setup):
 
 
 def _question_attention_reference(model: LlamaModel, rope: RopeTables, prefix, segment, question,
-                                  only_layer: int | None = None) -> torch.Tensor:
+                                  only_layer: int | None = None, cached_tokens: int | None = None) -> torch.Tensor:
     """The query selection's score, written out for one segment: the prefix and the question
     computed layer by layer over the segment's cached KV (moved to its place), and the softmax
     weights of the question's queries summed per position over the queries, heads and layers
-    (``only_layer``: that layer's alone)."""
+    (``only_layer``: that layer's alone). ``cached_tokens``: only the segment's leading tokens
+    are cached (a store in whole blocks); its tail is computed with the question, but its rows
+    are not the question's."""
+    c = len(segment) if cached_tokens is None else cached_tokens
     n0, n1 = len(prefix), len(prefix) + len(segment)
-    ids = torch.tensor([*prefix, *question])
-    rows = torch.tensor([*range(n0), *range(n1, n1 + len(question))])
-    cached = compute_kv(model, segment).moved_to(n0, rope)
+    ids = torch.tensor([*prefix, *segment[c:], *question])
+    rows = torch.tensor([*range(n0), *range(n0 + c, n1 + len(question))])
+    cached = compute_kv(model, segment[:c]).moved_to(n0, rope)
     n = n1 + len(question)
+    asking = len(ids) - len(question)
     h = model.embed(ids)
     total = torch.zeros(n)
     for layer in range(model.config.num_layers):
         q, k, v = model.layer_qkv(layer, h, model.rope.angles(rows))
-        keys = torch.cat([k[:n0], cached.keys[layer], k[n0:]])
+        keys = torch.cat([k[:n0], cached.keys[layer], k[n0:]])     # k's rows: prefix, the tail, the question
         vals = torch.cat([v[:n0], cached.values[layer], v[n0:]])
         group = q.shape[1] // keys.shape[1]
         kq, vq = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)     # [n, H, D]
@@ -148,7 +152,7 @@ def _question_attention_reference(model: LlamaModel, rope: RopeTables, prefix, s
         logits = logits.masked_fill(torch.arange(n)[None, None, :] > rows[None, :, None], float("-inf"))
         weights = logits.softmax(-1)
         if only_layer in (None, layer):
-            total += weights[:, n0:].sum((0, 1))        # the question's rows only
+            total += weights[:, asking:].sum((0, 1))    # the question's rows only
         attended = torch.einsum("hrn,nhd->rhd", weights, vq)
         h = model.layer_output(layer, h, attended)
     return total
@@ -188,6 +192,25 @@ def test_the_query_selection_reads_one_layer_when_told(setup):
         assert blended.selected.tolist() == sorted(ranked[:count]), count
     with pytest.raises(ValueError, match="query_layer must be in"):
         blend_prefill(model, rope, prompt, standalone(model, prompt), selection="query", query_layer=last + 1)
+
+
+def test_the_question_is_the_text_after_the_last_segment_when_its_tail_is_not_cached(setup):
+    """A segment stored in whole blocks is reused up to its last whole block and its tail is
+    computed; the tail's rows are not the question's: their attention (mostly on the tokens
+    just before them) is not part of the score. (It was, until 2026-11-28, and pulled the
+    windows of ``query-segments`` to the end of the last document.)"""
+    _, model, rope = setup
+    prefix, segment, question = tokens(9, 51), tokens(60, 52), tokens(7, 53)
+    prompt = BlendPrompt.join(prefix, segments=(segment,), suffix=question)
+    cached = [compute_kv(model, segment[:48])]                  # three blocks of 16; 12 tokens left out
+    score = _question_attention_reference(model, rope, prefix, segment, question, cached_tokens=48)[9:57]
+    ranked = [int(i) + 9 for i in torch.argsort(score, descending=True)]
+    with_tail = _question_attention_reference(model, rope, prefix, segment[:48], [*segment[48:], *question])
+    assert not torch.equal(torch.argsort(score, descending=True),
+                           torch.argsort(with_tail[9:57], descending=True))     # the two readings differ here
+    for count in range(4, 48, 4):
+        blended = blend_prefill(model, rope, prompt, cached, blend_fraction=count / 48, selection="query")
+        assert blended.selected.tolist() == sorted(ranked[:count]), count
 
 
 def test_segments_are_ranked_by_their_peak_past_the_sink_span_and_give_windows_around_it():
