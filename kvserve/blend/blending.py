@@ -245,7 +245,7 @@ def _ask(ctx: _Context, runs: list[tuple[int, int]], selection: str, blend_fract
     first, every reused token as cached; where its queries attend picks what to recompute, in
     every layer (read at one layer, the pass stops there: the layers above it would change
     nothing read). The reused positions picked."""
-    asked = yield from ctx.run(~ctx.is_reused, question_from=ctx.question_from, question_layer=query_layer,
+    asked = yield from ctx.run(~ctx.is_reused, read_question=True, question_layer=query_layer,
                                last_layer=query_layer)
     assert asked.attention is not None
     if selection == "query":
@@ -284,7 +284,7 @@ class _Pass(NamedTuple):
     values: list[torch.Tensor]
     logits: torch.Tensor            # after the prompt's last token
     selected: torch.Tensor          # the reused positions ``choose`` named (none without it)
-    attention: torch.Tensor | None  # [n]: with ``question_from``, the attention those queries gave each position
+    attention: torch.Tensor | None  # [n]: with ``read_question``, the attention the question gave each position
     layer_attention: tuple[torch.Tensor, ...]   # the same per layer read (every layer without ``question_layer``)
 
 
@@ -321,15 +321,15 @@ class _Context:
 
     def run(self, computed: torch.Tensor, choose_at: tuple[int, ...] = (),
             choose: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-            question_from: int | None = None, question_layer: int | None = None,
+            read_question: bool = False, question_layer: int | None = None,
             last_layer: int | None = None) -> Generator[tuple[int, int], None, _Pass]:
         """Every layer (yielding the rows it computed and the keys they attended, causally) for
         the positions ``computed`` ([n] bool; from num_known on, the prompt's last among them);
         the others' KV known or cached. At each layer of ``choose_at``, ``choose(layer, rows,
         k, v)`` (the positions computed so far and that layer's fresh keys and values of them;
         at the first, every position from num_known on) names the reused positions computed
-        from there on with the ones not reused: a subset of ``rows``. With ``question_from``:
-        also the attention the computed positions from there on give each position, summed
+        from there on with the ones not reused: a subset of ``rows``. With ``read_question``:
+        also the attention the question's positions (``question_from`` on) give each position, summed
         over them, the heads and the layers (only layer ``question_layer`` where given). With
         ``last_layer``, the pass ends after that layer: its keys and values for the layers run,
         no logits (an empty tensor)."""
@@ -338,7 +338,7 @@ class _Context:
         rows = torch.arange(n, device=dev)[num_known:][computed[num_known:]]   # the positions ``h`` holds
         h = model.embed(torch.tensor(self.token_ids, dtype=torch.long, device=dev)[rows])
         selected = reused[:0]
-        attention = torch.zeros(n, device=dev) if question_from is not None else None
+        attention = torch.zeros(n, device=dev) if read_question else None
         layer_attention: list[torch.Tensor] = []
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -362,8 +362,8 @@ class _Context:
                     k_all[reused], v_all[reused] = self.cached_keys[layer], self.cached_values[layer]
                 k_all[rows], v_all[rows] = k, v
                 k, v = k_all, v_all
-            if attention is not None and question_from is not None and question_layer in (None, layer):
-                asking = rows >= question_from
+            if attention is not None and question_layer in (None, layer):
+                asking = rows >= self.question_from
                 layer_attention.append(_query_attention(q[asking], k, rows[asking], model.scale))
                 attention += layer_attention[-1]
             keys.append(k)
@@ -522,7 +522,7 @@ def segment_peaks_by_layer(model: LlamaModel, rope: RopeTables, prompt: BlendPro
         raise ValueError("every segment's standalone KV is needed, whole")
     _check(model, prompt, cached, 0.0, 1, None, "query-segments", 0, None)
     ctx, runs = _Context.of(model, rope, prompt, cached, None)
-    passes = ctx.run(~ctx.is_reused, question_from=ctx.question_from)     # one first pass, every layer read
+    passes = ctx.run(~ctx.is_reused, read_question=True)     # one first pass, every layer read
     while True:
         try:
             next(passes)
