@@ -55,11 +55,12 @@ BLEND_SELECTIONS = ("deviation", "narrowing", "query", "query-segments")
 QUERY_SELECTIONS = ("query", "query-segments")     # those that compute the question first, to choose
 
 
-def check_blend_selection(selection: str, sink_tokens: int) -> None:
+def check_blend_selection(selection: str, sink_tokens: int, last_segments: int = 0) -> None:
     if selection not in BLEND_SELECTIONS:
         raise ValueError(f"unknown blend selection {selection!r}; choose one of {', '.join(BLEND_SELECTIONS)}")
-    if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
-        raise ValueError(f"blend_sink_tokens must be an integer >= 0, got {sink_tokens!r}")
+    for name, value in (("blend_sink_tokens", sink_tokens), ("blend_last_segments", last_segments)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 
 def _positive(name: str, value: float) -> None:
@@ -172,6 +173,9 @@ class CacheConfig:
         choices=BLEND_SELECTIONS))
     blend_sink_tokens: int = field(default=0, metadata=opt(
         "each reused segment's first tokens always recomputed (its spurious attention sink; docs/blend.md)"))
+    blend_last_segments: int = field(default=0, metadata=opt(
+        "the last segments of a prompt (nearest the question after them) recomputed whole, whatever the "
+        "selection; blend_fraction is then taken of the others (docs/blend.md)"))
     blend_query_layer: int | None = field(default=None, metadata=opt(
         "the layer whose attention the query selections read (calibrated per model: 18 for SmolLM2-135M; "
         "docs/blend.md)", default_text="every layer, summed"))
@@ -204,7 +208,7 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.blend_select_layer < 1:
             raise ValueError(f"blend_select_layer must be >= 1, got {self.blend_select_layer}")
-        check_blend_selection(self.blend_selection, self.blend_sink_tokens)
+        check_blend_selection(self.blend_selection, self.blend_sink_tokens, self.blend_last_segments)
         if self.blend_preamble is not None and not self.blend_preamble:
             raise ValueError("blend_preamble must be a non-empty text (None: no preamble)")
         if self.blend_query_layer is not None and self.blend_query_layer < 0:

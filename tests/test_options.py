@@ -38,6 +38,7 @@ SAMPLES = {
     "blend_select_layer": (["3"], 3, 3),
     "blend_selection": (["query"], "query", "query"),
     "blend_sink_tokens": (["32"], 32, 32),
+    "blend_last_segments": (["1"], 1, 1),
     "blend_query_layer": (["18"], 18, 18),
     "blend_preamble": (["You are a helpful assistant."], "You are a helpful assistant.", "You are a helpful assistant."),
     "blend_in_steps": ([], False, False),
@@ -133,7 +134,7 @@ def test_names_from_before_keep_working():
 
 
 def test_unknown_option_and_tier_option_without_its_tier():
-    with pytest.raises(ValueError, match="unknown engine option 'num_blocks'; known options: attention_backend, blend_cost_model, blend_in_batch, blend_in_steps, blend_preamble, blend_query_layer, blend_select_layer, blend_selection, blend_sink_tokens"):
+    with pytest.raises(ValueError, match="unknown engine option 'num_blocks'; known options: attention_backend, blend_cost_model, blend_in_batch, blend_in_steps, blend_last_segments, blend_preamble, blend_query_layer, blend_select_layer, blend_selection, blend_sink_tokens"):
         engine_config(None, num_blocks=4)
     with pytest.raises(ValueError, match="disk_cache_gb given without disk_cache_dir"):
         engine_config(None, disk_cache_gb=4)

@@ -336,6 +336,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 else f"{len(tokenizer.encode(cache.blend_preamble))} tokens"
                 + (" (the prompts' head)" if args.preamble_head else ""))
     print(f"blend selection: {cache.blend_selection}, {cache.blend_sink_tokens} sink tokens per segment, "
+          f"last {cache.blend_last_segments} segments whole, "
           f"query layer {'all' if cache.blend_query_layer is None else cache.blend_query_layer}, "
           f"segments stored after a preamble: {preamble}")
     for line in goal_lines(results, args.k, loaded.config.num_layers, cache.blend_select_layer,
@@ -405,5 +406,5 @@ def add_rag_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentPa
                    help="store every document after the prompts' own head (the chat template's system turn and "
                         "the user turn's start), as --blend-preamble with that text (docs/blend.md)")
     add_engine_args(r, ("blend_cost_model", "blend_select_layer", "blend_selection", "blend_sink_tokens",
-                        "blend_query_layer", "blend_preamble", "blend_in_batch"))
+                        "blend_last_segments", "blend_query_layer", "blend_preamble", "blend_in_batch"))
     r.set_defaults(run=run_bench)

@@ -28,8 +28,8 @@ Cost, in prefill-token equivalents (a token through every layer = 1):
     blend  = (1 + r) * computed + reused * f + load_s * prefill_tokens_per_s                (query, query-segments)
 
 with L layers, s = ``select_layer`` (layers below it run for every token), f the share of
-the reused tokens recomputed (the blend fraction, or the segments' sink tokens where they
-are more), ``computed`` the tokens not reused (the query selections compute them twice: once
+the reused tokens recomputed (the blend fraction of the segments not recomputed whole, or
+their sink tokens where they are more, plus the last ``last_segments`` segments' tokens), ``computed`` the tokens not reused (the query selections compute them twice: once
 to choose, up to the layer read, ``r = (query_layer + 1) / L``, or every layer, ``r = 1``,
 and once over the blend), ``load_s`` the tiers' estimate for the segment blocks they hold
 (kv/tiering.py, measured figures) and the engine's measured prefill speed. Attention's
@@ -108,12 +108,14 @@ class BlendOutcome:
 
 def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: int, num_layers: int,
                selection: str = "deviation", num_sink_tokens: int = 0, query_layer: int | None = None,
-               in_batch: bool = False) -> float:
+               in_batch: bool = False, num_whole: int = 0) -> float:
     """Prefill-token equivalents a blend computes for ``num_tokens`` tokens of which
-    ``num_reused`` come from stored segments, ``num_sink_tokens`` of them always recomputed
-    (module docstring). ``in_batch`` (the rows computed by the steps): the deviation
+    ``num_reused`` come from stored segments, ``num_sink_tokens`` of them always recomputed,
+    and ``num_whole`` more (the last segments', ``blend_last_segments``), the fraction taken of
+    the others (module docstring). ``in_batch`` (the rows computed by the steps): the deviation
     selections' rows also run again through the layers up to the last that chooses."""
-    recomputed = min(num_reused, max(fraction * num_reused, num_sink_tokens))
+    rest = num_reused - num_whole
+    recomputed = num_whole + min(rest, max(fraction * rest, num_sink_tokens))
     computed = num_tokens - num_reused
     if selection in QUERY_SELECTIONS:    # the question computed twice (first up to the layer read)
         first = 1.0 if query_layer is None else (query_layer + 1) / num_layers
@@ -122,7 +124,7 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
     fractions = narrowing_fractions(fraction, num_layers - select_layer) if selection == "narrowing" else (fraction,)
     again = (computed + recomputed) * (select_layer + len(fractions)) / num_layers if in_batch else 0.0
     # wider for the first layers of the narrowing
-    wider = sum(min(num_reused, max(f * num_reused, num_sink_tokens)) - recomputed for f in fractions[:-1]) / num_layers
+    wider = sum(num_whole + min(rest, max(f * rest, num_sink_tokens)) - recomputed for f in fractions[:-1]) / num_layers
     return computed + num_reused * below + recomputed * (1.0 - below) + wider + again
 
 
@@ -130,20 +132,22 @@ class Blender:
     def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, tiering: Tiering,
                  select_layer: int = 1, use_cost_model: bool = True, selection: str = "deviation",
                  sink_tokens: int = 0, query_layer: int | None = None, preamble: Sequence[int] = (),
-                 in_batch: bool = False) -> None:
+                 in_batch: bool = False, last_segments: int = 0) -> None:
         """``use_cost_model`` False: blend whenever a segment's KV can be reused; ``selection``,
-        ``sink_tokens`` and ``query_layer``: how the recomputed tokens are picked (``blend_prefill``);
+        ``sink_tokens``, ``query_layer`` and ``last_segments``: how the recomputed tokens are
+        picked (``blend_prefill``);
         ``preamble``: the tokens every segment is computed after before it is stored
         (``compute_kv``; part of the segments' keys); ``in_batch``: the engine's steps compute
         the rows a blend chooses (``start``), as its cost model counts them."""
         if not 1 <= select_layer < model.config.num_layers:
             raise ValueError(f"blend_select_layer must be in 1..{model.config.num_layers - 1} for this model, "
                              f"got {select_layer}")
-        check_blend_selection(selection, sink_tokens)
+        check_blend_selection(selection, sink_tokens, last_segments)
         if query_layer is not None and not 0 <= query_layer < model.config.num_layers:
             raise ValueError(f"blend_query_layer must be in 0..{model.config.num_layers - 1} for this model, "
                              f"got {query_layer}")
         self.selection, self.sink_tokens, self.query_layer = selection, sink_tokens, query_layer
+        self.last_segments = last_segments
         self.in_batch = in_batch
         self.model = model
         self.use_cost_model = use_cost_model
@@ -181,9 +185,10 @@ class Blender:
         stored first, whatever the verdict."""
         spec = _spec(req)
         n = req.num_prompt_tokens - num_known
-        load_s, num_reused, num_sinks = 0.0, 0, 0
+        load_s, num_reused, num_sinks, num_whole = 0.0, 0, 0, 0
+        whole_from = len(spec.spans) - self.last_segments       # the first segment recomputed whole
         fresh: list[SegmentKV | None] = []
-        for start, length in spec.spans:
+        for i, (start, length) in enumerate(spec.spans):
             segment = None
             if start + length > num_known:
                 ids = req.prompt_token_ids[start:start + length]
@@ -198,11 +203,14 @@ class Blender:
                 # known tokens are not reused, nor is the prompt's last token
                 run = max(0, min(start + usable, req.num_prompt_tokens - 1) - max(start, num_known))
                 num_reused += run
-                num_sinks += min(run, self.sink_tokens)
+                if i >= whole_from:
+                    num_whole += run
+                else:
+                    num_sinks += min(run, self.sink_tokens)
             fresh.append(segment)
         tps = self.tiering.prefill_tokens_per_s
         work = blend_work(n, num_reused, spec.fraction, self.select_layer, self.model.config.num_layers,
-                          self.selection, num_sinks, self.query_layer, self.in_batch)
+                          self.selection, num_sinks, self.query_layer, self.in_batch, num_whole)
         cost = work + (load_s * tps if tps else 0.0)
         log.debug("request %s: blend %.0f token-equivalents (%d reused, loads %.2f ms) vs prefill %d",
                   req.request_id, cost, num_reused, load_s * 1e3, n)
@@ -223,7 +231,8 @@ class Blender:
         known = read_tokens(self.storage, block_ids, req.prompt_token_ids[:num_known]) if num_known else None
         prompt = BlendPrompt(tuple(req.prompt_token_ids), spec.spans)
         job = BlendJob(self.model, self.rope, prompt, cached, spec.fraction, self.select_layer, known,
-                       self.selection, self.sink_tokens, self.query_layer, rows_only=self.in_batch)
+                       self.selection, self.sink_tokens, self.query_layer, rows_only=self.in_batch,
+                       last_segments=self.last_segments)
         return BlendTask(req, job, block_ids, num_known)
 
     def finish(self, task: BlendTask) -> BlendOutcome:

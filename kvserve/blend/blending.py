@@ -88,15 +88,18 @@ class Blended:
 @torch.inference_mode()
 def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
                   blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1, known: SegmentKV | None = None,
-                  selection: str = "deviation", sink_tokens: int = 0, query_layer: int | None = None) -> Blended:
+                  selection: str = "deviation", sink_tokens: int = 0, query_layer: int | None = None,
+                  last_segments: int = 0) -> Blended:
     """The prompt's KV and next-token logits from ``cached[i]``, the standalone KV of segment
     i's leading tokens (None: computed in full), recomputing ``blend_fraction`` of them, chosen
     by ``selection`` (``config.BLEND_SELECTIONS``), each segment's first ``sink_tokens`` always among them;
     the query selections read the question's attention at ``query_layer`` (None: every layer, summed).
+    The last ``last_segments`` segments (nearest the question) are recomputed whole, the fraction
+    taken of the others.
     ``known``: the exact KV of the prompt's first tokens (a prefix-cache hit), taken as is;
     segment tokens it covers are not reused."""
     job = BlendJob(model, rope, prompt, cached, blend_fraction, select_layer, known, selection, sink_tokens,
-                   query_layer)
+                   query_layer, last_segments=last_segments)
     done = job.advance(math.inf)
     assert isinstance(done, Blended)
     return done
@@ -109,13 +112,18 @@ class BlendJob:
     def __init__(self, model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
                  blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1,
                  known: SegmentKV | None = None, selection: str = "deviation", sink_tokens: int = 0,
-                 query_layer: int | None = None, rows_only: bool = False) -> None:
+                 query_layer: int | None = None, rows_only: bool = False, last_segments: int = 0) -> None:
         """``rows_only``: stop once the recomputed tokens are chosen, the result a ``BlendRows``
         for the engine's steps to compute (``blend_in_batch``) instead of a ``Blended``."""
-        _check(model, prompt, cached, blend_fraction, select_layer, known, selection, sink_tokens, query_layer)
-        steps = _rows_steps if rows_only else _blend_steps
-        self._steps: Generator[tuple[int, int], None, Blended | BlendRows] = steps(
-            model, rope, prompt, cached, blend_fraction, select_layer, known, selection, sink_tokens, query_layer)
+        _check(model, prompt, cached, blend_fraction, select_layer, known, selection, sink_tokens, query_layer,
+               last_segments)
+        body = _rows_steps if rows_only else _blend_steps
+
+        def steps() -> Generator[tuple[int, int], None, Blended | BlendRows]:
+            ctx, runs = _Context.of(model, rope, prompt, cached, known, last_segments)
+            return (yield from body(ctx, runs, blend_fraction, select_layer, selection, sink_tokens, query_layer))
+
+        self._steps = steps()
         self.keys_per_row = attention_keys_per_row(model.config)
         self.num_row_layers = 0         # rows computed so far, summed over the layers
         self.num_key_layers = 0         # keys those rows attended, summed over the layers
@@ -152,10 +160,10 @@ def attention_keys_per_row(config: ModelConfig) -> float:
 
 def _check(model: LlamaModel, prompt: BlendPrompt, cached: Sequence[SegmentKV | None], blend_fraction: float,
            select_layer: int, known: SegmentKV | None, selection: str, sink_tokens: int,
-           query_layer: int | None) -> None:
+           query_layer: int | None, last_segments: int) -> None:
     num_layers = model.config.num_layers
     check_blend_fraction(blend_fraction)
-    check_blend_selection(selection, sink_tokens)
+    check_blend_selection(selection, sink_tokens, last_segments)
     if not 1 <= select_layer < num_layers:
         raise ValueError(f"select_layer must be in 1..{num_layers - 1}, got {select_layer}")
     if query_layer is not None and not 0 <= query_layer < num_layers:
@@ -168,13 +176,12 @@ def _check(model: LlamaModel, prompt: BlendPrompt, cached: Sequence[SegmentKV | 
         raise ValueError("known KV must be an exact computation of fewer than all of the prompt's leading tokens")
 
 
-def _blend_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
-                 blend_fraction: float, select_layer: int, known: SegmentKV | None, selection: str,
-                 sink_tokens: int, query_layer: int | None) -> Generator[tuple[int, int], None, Blended]:
+def _blend_steps(ctx: _Context, runs: list[tuple[int, int]], blend_fraction: float, select_layer: int,
+                 selection: str, sink_tokens: int,
+                 query_layer: int | None) -> Generator[tuple[int, int], None, Blended]:
     """``blend_prefill``'s body (arguments checked): yields per layer the rows computed and
     the keys they attended."""
-    ctx, runs = _Context.of(model, rope, prompt, cached, known)
-    n, num_known, is_reused = ctx.n, ctx.num_known, ctx.is_reused
+    model, n, num_known, is_reused = ctx.model, ctx.n, ctx.num_known, ctx.is_reused
     num_reused = int(ctx.reused.numel())
     everything = torch.ones(n, dtype=torch.bool, device=model.device)
     if selection in QUERY_SELECTIONS and num_reused:
@@ -191,14 +198,13 @@ def _blend_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cache
                    n - num_known - num_reused)
 
 
-def _rows_steps(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
-                blend_fraction: float, select_layer: int, known: SegmentKV | None, selection: str,
-                sink_tokens: int, query_layer: int | None) -> Generator[tuple[int, int], None, BlendRows]:
+def _rows_steps(ctx: _Context, runs: list[tuple[int, int]], blend_fraction: float, select_layer: int,
+                selection: str, sink_tokens: int,
+                query_layer: int | None) -> Generator[tuple[int, int], None, BlendRows]:
     """``blend_prefill``'s choice alone (arguments checked), what the engine's steps then compute
     (``BlendRows``): the query selections' first pass, or the deviation selections' pass over
     every token up to the last layer that chooses. Yields per layer as ``_blend_steps``."""
-    ctx, runs = _Context.of(model, rope, prompt, cached, known)
-    n, num_known, reused, is_reused = ctx.n, ctx.num_known, ctx.reused, ctx.is_reused
+    model, n, num_known, reused, is_reused = ctx.model, ctx.n, ctx.num_known, ctx.reused, ctx.is_reused
     # per layer up to the choosing pass's last, the KV of every position as that pass had it
     passed_keys: list[torch.Tensor] = []
     passed_values: list[torch.Tensor] = []
@@ -248,9 +254,9 @@ def _ask(ctx: _Context, runs: list[tuple[int, int]], selection: str, blend_fract
     asked = yield from ctx.run(~ctx.is_reused, read_question=True, question_layer=query_layer,
                                last_layer=query_layer)
     assert asked.attention is not None
-    if selection == "query":
-        return _pick(asked.attention[ctx.reused], runs, blend_fraction, sink_tokens)
-    return _pick_segments(asked.attention[ctx.reused], runs, blend_fraction, sink_tokens)
+    pick = _pick if selection == "query" else _pick_segments
+    return ctx.pick(asked.attention[ctx.reused], runs, lambda score, some: pick(score, some, blend_fraction,
+                                                                                 sink_tokens))
 
 
 Choose = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -274,7 +280,7 @@ def _deviation_choice(ctx: _Context, runs: list[tuple[int, int]], blend_fraction
         at = index[rows[current]]
         score = torch.full((num_reused,), -math.inf, device=dev)
         score[at] = _deviation(k[current], v[current], ctx.cached_keys[layer][at], ctx.cached_values[layer][at])
-        return _pick(score, runs, share[layer], sink_tokens)
+        return ctx.pick(score, runs, lambda score, some: _pick(score, some, share[layer], sink_tokens))
 
     return tuple(share), choose
 
@@ -293,7 +299,7 @@ class _Context:
 
     def __init__(self, model: LlamaModel, token_ids: list[int], num_known: int, known: SegmentKV | None,
                  reused: torch.Tensor, is_reused: torch.Tensor, cached_keys: list[torch.Tensor],
-                 cached_values: list[torch.Tensor], question_from: int) -> None:
+                 cached_values: list[torch.Tensor], question_from: int, whole_from: int) -> None:
         self.model, self.token_ids, self.num_known, self.known = model, token_ids, num_known, known
         self.reused, self.is_reused = reused, is_reused
         self.cached_keys, self.cached_values = cached_keys, cached_values
@@ -302,11 +308,13 @@ class _Context:
         # segment stored in whole blocks leaves its tail to be computed, and that tail's rows
         # attend to the tokens just before them, not to what the question asks for)
         self.question_from = question_from
+        self.whole = reused[reused >= whole_from]      # the reused positions always recomputed
 
     @classmethod
     def of(cls, model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
-           known: SegmentKV | None) -> tuple[_Context, list[tuple[int, int]]]:
-        """The context of ``prompt`` (arguments checked) and its reused runs (``_place``)."""
+           known: SegmentKV | None, last_segments: int = 0) -> tuple[_Context, list[tuple[int, int]]]:
+        """The context of ``prompt`` (arguments checked) and its reused runs (``_place``); the
+        reused tokens of its last ``last_segments`` segments always recomputed."""
         num_known = 0 if known is None else known.num_tokens
         runs, cached_keys, cached_values = _place(prompt, cached, rope, num_known)
         dev, n = model.device, len(prompt.token_ids)
@@ -315,9 +323,23 @@ class _Context:
         is_reused = torch.zeros(n, dtype=torch.bool, device=dev)
         is_reused[reused] = True
         last = prompt.spans[-1][0] + prompt.spans[-1][1] if prompt.spans else n - 1
+        whole_from = prompt.spans[-last_segments][0] if 0 < last_segments <= len(prompt.spans) else (
+            0 if last_segments else n)
         ctx = cls(model, list(prompt.token_ids), num_known, known, reused, is_reused, cached_keys, cached_values,
-                  min(last, n - 1))
+                  min(last, n - 1), whole_from)
         return ctx, runs
+
+    def pick(self, score: torch.Tensor, runs: list[tuple[int, int]],
+             choose: Callable[[torch.Tensor, list[tuple[int, int]]], torch.Tensor]) -> torch.Tensor:
+        """The reused positions recomputed, sorted: ``choose(score, runs)`` over the runs before
+        the segments recomputed whole (``score`` [num_reused], the runs' tokens in order), and
+        those segments' tokens."""
+        some = [(start, length) for start, length in runs if start + length <= int(self.whole[0])] \
+            if self.whole.numel() else runs
+        if not some:
+            return self.whole
+        chosen = choose(score[:sum(length for _, length in some)], some)
+        return torch.unique(torch.cat([chosen, self.whole]))
 
     def run(self, computed: torch.Tensor, choose_at: tuple[int, ...] = (),
             choose: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -520,7 +542,7 @@ def segment_peaks_by_layer(model: LlamaModel, rope: RopeTables, prompt: BlendPro
     ``kvserve eval-blend-layer`` calibrates the layer from. Every segment must be cached whole."""
     if len(cached) != len(prompt.spans) or any(c.num_tokens != n for c, (_, n) in zip(cached, prompt.spans)):
         raise ValueError("every segment's standalone KV is needed, whole")
-    _check(model, prompt, cached, 0.0, 1, None, "query-segments", 0, None)
+    _check(model, prompt, cached, 0.0, 1, None, "query-segments", 0, None, 0)
     ctx, runs = _Context.of(model, rope, prompt, cached, None)
     passes = ctx.run(~ctx.is_reused, read_question=True)     # one first pass, every layer read
     while True:

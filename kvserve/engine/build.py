@@ -162,7 +162,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     tokenizer_json = loaded.tokenizer.to_tokenizer_json() if loaded.tokenizer is not None else None
     scheduler = Scheduler(config.scheduler, kv, tiering)
     blender = Blender(model, storage, kv, tiering, cc.blend_select_layer, cc.blend_cost_model, cc.blend_selection,
-                      cc.blend_sink_tokens, cc.blend_query_layer, preamble, cc.blend_in_batch)
+                      cc.blend_sink_tokens, cc.blend_query_layer, preamble, cc.blend_in_batch,
+                      cc.blend_last_segments)
     grammars = GrammarCompiler(tokenizer_json, mc.vocab_size, eos)
     parts = EngineParts(
         model_config=mc, device=device, dtype=dtype, max_model_len=max_model_len, model=model,

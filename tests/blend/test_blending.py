@@ -125,6 +125,39 @@ def test_sink_tokens_are_always_among_the_recomputed(setup):
         blend_prefill(model, rope, prompt, cached, selection="lru")
 
 
+def test_the_last_segments_are_recomputed_whole_and_the_fraction_taken_of_the_others(setup):
+    _, model, rope = setup
+    prompt = rag_prompt(7)          # segments at 11 (40 tokens), 51 (33), 84 (48); the question from 132
+    cached = standalone(model, prompt)
+    last = list(range(84, 132))
+    for selection in ("deviation", "narrowing", "query"):
+        plain = blend_prefill(model, rope, prompt, cached, 0.15, selection=selection, sink_tokens=2).selected.tolist()
+        whole = blend_prefill(model, rope, prompt, cached, 0.15, selection=selection, sink_tokens=2,
+                              last_segments=1).selected.tolist()
+        # the other segments' picks are the plain blend's (the same scores, chosen per segment)
+        assert whole == [p for p in plain if p < 84] + last, selection
+    # query-segments: its count, ceil(0.15 x 73), among the first two segments only
+    windows = blend_prefill(model, rope, prompt, cached, 0.15, selection="query-segments",
+                            last_segments=1).selected.tolist()
+    assert windows[-48:] == last and len(windows) == 11 + 48 and max(windows[:-48]) < 84
+    # the deviation pass with the last segment recomputed whole is the blend without its cached KV
+    ref = blend_prefill(model, rope, prompt, cached[:2] + [None], 0.15)
+    got = blend_prefill(model, rope, prompt, cached, 0.15, last_segments=1)
+    assert got.num_reused_tokens == 121 and ref.num_reused_tokens == 73
+    for layer in range(model.config.num_layers):
+        torch.testing.assert_close(got.keys[layer], ref.keys[layer], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.values[layer], ref.values[layer], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=0)
+    # every segment (or more than there are) whole: the full prefill's KV at any fraction
+    full = compute_kv(model, prompt.token_ids)
+    for count in (3, 7):
+        every = blend_prefill(model, rope, prompt, cached, 0.0, selection="query-segments", last_segments=count)
+        assert every.selected.tolist() == list(range(11, 132))
+        torch.testing.assert_close(every.keys[-1], full.keys[-1], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="blend_last_segments must be an integer >= 0, got -1"):
+        blend_prefill(model, rope, prompt, cached, last_segments=-1)
+
+
 def _question_attention_reference(model: LlamaModel, rope: RopeTables, prefix, segment, question,
                                   only_layer: int | None = None, cached_tokens: int | None = None) -> torch.Tensor:
     """The query selection's score, written out for one segment: the prefix and the question

@@ -151,6 +151,31 @@ def test_a_cached_prefix_stays_exact_and_is_not_reused(loaded):
     assert out.num_cached_tokens == 64 and out.num_reused_tokens == 33 and out.token_ids == want.token_ids
 
 
+@pytest.mark.parametrize("in_batch", [True, False])
+def test_the_engine_recomputes_the_last_segments_whole_as_blend_prefill_does(loaded, in_batch):
+    from kvserve.blend.blending import BlendPrompt, blend_prefill, greedy_tokens
+    from kvserve.blend.rope import RopeTables
+    from kvserve.blend.segment import compute_kv
+
+    llm = LLM(loaded=loaded, num_kv_blocks=64, blend_cost_model=False, blend_selection="query-segments",
+              blend_sink_tokens=4, blend_query_layer=1, blend_last_segments=1, enable_prefix_caching=False,
+              blend_in_batch=in_batch)
+    prompt = rag([2, 0, 1], 0.15)
+    out = llm.generate([prompt], GREEDY)[0]
+    model = llm.engine.model
+    blend = BlendPrompt(tuple(plain(prompt)), ((11, 48), (60, 40), (101, 33)))
+    cached = [compute_kv(model, DOCS[i]) for i in (2, 0, 1)]
+    ref = blend_prefill(model, RopeTables(model.config), blend, cached, 0.15, 1, None, "query-segments", 4, 1,
+                        last_segments=1)
+    # document 1 (33 tokens) whole; ceil(0.15 x 88) = 14 in a window past the others' 4 sinks each
+    assert (out.num_reused_tokens, out.num_recomputed_tokens) == (121, 33 + 14 + 2 * 4)
+    assert ref.num_recomputed_tokens == 33 + 14 + 2 * 4 and set(range(101, 134)) <= set(ref.selected.tolist())
+    assert out.token_ids == greedy_tokens(model, ref, 6)
+    llm.engine.check_integrity()
+    with pytest.raises(ValueError, match="blend_last_segments must be an integer >= 0, got -1"):
+        LLM(loaded=loaded, num_kv_blocks=16, blend_last_segments=-1)
+
+
 def test_the_cost_model_sends_unprofitable_blends_to_a_full_prefill(loaded):
     llm = LLM(loaded=loaded, num_kv_blocks=48)
     short = SegmentedPrompt([tokens(30, 5), Segment(tokens(10, 6)), tokens(5, 7)], 0.15)
@@ -161,6 +186,10 @@ def test_the_cost_model_sends_unprofitable_blends_to_a_full_prefill(loaded):
     # at fraction 1.0 with 2 layers, select layer 1: 0.5 + 0.5 = 1 per reused token: no gain
     assert blend_work(100, 60, 1.0, 1, 2) == 100
     assert blend_work(100, 60, 0.0, 1, 30) == pytest.approx(40 + 2)
+    # the last segments' 20 reused tokens whole, the fraction of the other 40, sinks among those
+    assert blend_work(100, 60, 0.1, 1, 30, "query", 0, num_whole=20) == pytest.approx(2 * 40 + 20 + 4)
+    assert blend_work(100, 60, 0.0, 1, 30, num_sink_tokens=12, num_whole=20) == pytest.approx(
+        40 + 2 + 32 * 29 / 30)
     # sinks recompute at least their tokens; the query selection computes the others twice
     assert blend_work(100, 60, 0.0, 1, 30, num_sink_tokens=12) == pytest.approx(40 + 2 + 12 * 29 / 30)
     assert blend_work(100, 60, 0.1, 1, 30, "query") == pytest.approx(2 * 40 + 6)
