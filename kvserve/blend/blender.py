@@ -29,8 +29,9 @@ Cost, in prefill-token equivalents (a token through every layer = 1):
 
 with L layers, s = ``select_layer`` (layers below it run for every token), f the share of
 the reused tokens recomputed (the blend fraction of the segments not recomputed whole, or
-their sink tokens where they are more, plus the last ``last_segments`` segments' tokens), ``computed`` the tokens not reused (the query selections compute them twice: once
-to choose, up to the layer read, ``r = (query_layer + 1) / L``, or every layer, ``r = 1``,
+their sink tokens where they are more, plus the last ``last_segments`` segments' tokens),
+``computed`` the tokens not reused (the query selections compute them twice: once to
+choose, up to the layer read, ``r = (query_layer + 1) / L``, or every layer, ``r = 1``,
 and once over the blend), ``load_s`` the tiers' estimate for the segment blocks they hold
 (kv/tiering.py, measured figures) and the engine's measured prefill speed. Attention's
 quadratic share is left out of both sides. A segment computed standalone for storing is paid
