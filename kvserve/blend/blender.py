@@ -116,7 +116,8 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
     the others (module docstring). ``in_batch`` (the rows computed by the steps): the deviation
     selections' rows also run again through the layers up to the last that chooses."""
     rest = num_reused - num_whole
-    recomputed = num_whole + min(rest, max(fraction * rest, num_sink_tokens))
+    recomputed_at = lambda f: num_whole + min(rest, max(f * rest, num_sink_tokens))   # tokens recomputed at f
+    recomputed = recomputed_at(fraction)
     computed = num_tokens - num_reused
     if selection in QUERY_SELECTIONS:    # the question computed twice (first up to the layer read)
         first = 1.0 if query_layer is None else (query_layer + 1) / num_layers
@@ -125,7 +126,7 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
     fractions = narrowing_fractions(fraction, num_layers - select_layer) if selection == "narrowing" else (fraction,)
     again = (computed + recomputed) * (select_layer + len(fractions)) / num_layers if in_batch else 0.0
     # wider for the first layers of the narrowing
-    wider = sum(num_whole + min(rest, max(f * rest, num_sink_tokens)) - recomputed for f in fractions[:-1]) / num_layers
+    wider = sum(recomputed_at(f) - recomputed for f in fractions[:-1]) / num_layers
     return computed + num_reused * below + recomputed * (1.0 - below) + wider + again
 
 

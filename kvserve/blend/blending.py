@@ -308,6 +308,7 @@ class _Context:
         # segment stored in whole blocks leaves its tail to be computed, and that tail's rows
         # attend to the tokens just before them, not to what the question asks for)
         self.question_from = question_from
+        self.whole_from = whole_from                    # the first position of the segments recomputed whole
         self.whole = reused[reused >= whole_from]      # the reused positions always recomputed
 
     @classmethod
@@ -323,10 +324,9 @@ class _Context:
         is_reused = torch.zeros(n, dtype=torch.bool, device=dev)
         is_reused[reused] = True
         last = prompt.spans[-1][0] + prompt.spans[-1][1] if prompt.spans else n - 1
-        whole_from = prompt.spans[-last_segments][0] if 0 < last_segments <= len(prompt.spans) else (
-            0 if last_segments else n)
+        whole = prompt.spans[max(0, len(prompt.spans) - last_segments):] if last_segments else ()
         ctx = cls(model, list(prompt.token_ids), num_known, known, reused, is_reused, cached_keys, cached_values,
-                  min(last, n - 1), whole_from)
+                  min(last, n - 1), whole[0][0] if whole else n)
         return ctx, runs
 
     def pick(self, score: torch.Tensor, runs: list[tuple[int, int]],
@@ -334,8 +334,7 @@ class _Context:
         """The reused positions recomputed, sorted: ``choose(score, runs)`` over the runs before
         the segments recomputed whole (``score`` [num_reused], the runs' tokens in order), and
         those segments' tokens."""
-        some = [(start, length) for start, length in runs if start + length <= int(self.whole[0])] \
-            if self.whole.numel() else runs
+        some = [(start, length) for start, length in runs if start + length <= self.whole_from]
         if not some:
             return self.whole
         chosen = choose(score[:sum(length for _, length in some)], some)
