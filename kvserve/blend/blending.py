@@ -38,9 +38,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention import cpu as cpu_attention
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV
 from kvserve.config import QUERY_SELECTIONS, ModelConfig, check_blend_selection
+from kvserve.kv.storage.layout import CodecKind, HalfLayout, HalfStore, PagedBatch
 from kvserve.model.llama import LlamaModel
 from kvserve.request import DEFAULT_BLEND_FRACTION, BlendRows, check_blend_fraction
 
@@ -375,7 +377,8 @@ class _Context:
                 q, k, v, h = q[keep], k[keep], v[keep], h[keep]
             if rows.numel() < n:
                 # the layer's KV: known, cached where reused, fresh where computed (selected tokens included)
-                k_all = torch.empty((n, *k.shape[1:]), dtype=k.dtype, device=dev)
+                # padded: the CPU kernel reads it in place (``_attend``); the pass keeps [:n]
+                k_all = torch.empty((padded_rows(n), *k.shape[1:]), dtype=k.dtype, device=dev)
                 v_all = torch.empty_like(k_all)
                 if known is not None:
                     k_all[:num_known], v_all[:num_known] = known.keys[layer], known.values[layer]
@@ -385,11 +388,12 @@ class _Context:
                 k, v = k_all, v_all
             if attention is not None and question_layer in (None, layer):
                 asking = rows >= self.question_from
-                layer_attention.append(_query_attention(q[asking], k, rows[asking], model.scale))
+                layer_attention.append(_query_attention(q[asking], k[:n], rows[asking], model.scale))
                 attention += layer_attention[-1]
-            keys.append(k)
-            values.append(v)
-            h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
+            keys.append(k[:n])
+            values.append(v[:n])
+            if layer < num_layers - 1 or last_layer is None:    # a last layer's output is never read
+                h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
             yield int(rows.numel()), int(rows.sum()) + int(rows.numel())     # position p attends p + 1 keys
         if last_layer is not None:
             return _Pass(keys, values, h.new_empty(0), selected, attention, tuple(layer_attention))
@@ -508,18 +512,56 @@ def _pick(score: torch.Tensor, runs: list[tuple[int, int]], fraction: float, sin
 
 
 ROWS_PER_CALL = 64      # selected rows attended per call: each call reads keys up to its last row only
+KERNEL_BLOCK = 16       # tokens per block of the dense KV as the CPU kernel reads it (``_attend_kernel``)
+_PLAIN_F32 = HalfLayout(CodecKind.PLAIN, plain_dtype=torch.float32)
+
+
+def padded_rows(n: int) -> int:
+    """Rows to allocate for a dense KV of ``n`` positions so the CPU kernel reads it without a copy."""
+    return -(-n // KERNEL_BLOCK) * KERNEL_BLOCK
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
-    """Queries ``q`` [r, H, D] at positions ``rows`` (ascending) over keys and values [n, Hkv, D]
-    of positions 0..n-1, causally. Every position computed: the plain causal prefill. Some:
-    in groups of ``ROWS_PER_CALL`` rows, each over the keys up to its last row, so the keys
-    past a group are never read (half the work of one masked call over all keys)."""
-    group = q.shape[1] // k.shape[1]
-    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.to(q.dtype), v.to(q.dtype)))
+    """Queries ``q`` [r, H, D] at positions ``rows`` (ascending, the last one the last key's)
+    over keys and values [n, Hkv, D] of positions 0..n-1 (rows past the last query's position,
+    padding, are never read), causally. Every position computed: the plain causal prefill.
+    Some: float32 on the CPU, the paged kernel (each row over the keys up to its own position);
+    else masked calls of ``_attend_groups``."""
     if rows.numel() == k.shape[0]:
+        group = q.shape[1] // k.shape[1]
+        qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.to(q.dtype), v.to(q.dtype)))
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
         return out[0].transpose(0, 1)
+    if k.device.type == "cpu" and k.dtype == v.dtype == torch.float32 and cpu_attention.is_available():
+        return _attend_kernel(q, k, v, rows, scale)
+    return _attend_groups(q, k, v, rows, scale)
+
+
+def _attend_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``_attend``'s rows through the CPU kernel: the dense KV seen as blocks of KERNEL_BLOCK
+    tokens in order (a copy only where it is not ``padded_rows`` long), the rows as a prefill
+    with gaps (query positions). 2.5-3x faster than the masked calls at a blend's shapes."""
+    n = int(rows[-1]) + 1
+    size = padded_rows(n)
+    halves = []
+    for x in (k, v):
+        x = x[:size] if x.shape[0] >= size else torch.cat([x[:n], x.new_zeros((size - n, *x.shape[1:]))])
+        halves.append(HalfStore(_PLAIN_F32, {"data": x.contiguous().view(-1, KERNEL_BLOCK, *x.shape[1:])}))
+    nb = size // KERNEL_BLOCK
+    batch = PagedBatch(torch.arange(nb, dtype=torch.int32)[None], torch.tensor([n], dtype=torch.int32),
+                       torch.tensor([0, rows.numel()], dtype=torch.int32), torch.tensor([-1], dtype=torch.int32),
+                       KERNEL_BLOCK, rows.numel(), n, rows.to(torch.int32))
+    return cpu_attention.paged_attention(q, halves[0], halves[1], batch, scale)
+
+
+def _attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``_attend``'s rows in groups of ``ROWS_PER_CALL``, each a masked call over the keys up to
+    its last row, so the keys past a group are never read (half the work of one masked call
+    over all keys)."""
+    group = q.shape[1] // k.shape[1]
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.to(q.dtype), v.to(q.dtype)))
     outs = []
     positions = rows.tolist()
     for first in range(0, len(positions), ROWS_PER_CALL):

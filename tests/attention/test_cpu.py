@@ -98,6 +98,30 @@ def test_queries_at_given_positions_match_the_reference(spec: str) -> None:
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("spec", ["fp32", "int8"])
+def test_runs_of_queries_far_apart_get_the_bits_of_each_run_alone(spec: str) -> None:
+    """Runs of queries more than kTileGap positions apart (a blend's rows: a few at each
+    document's start and end; the kernel tiles them apart, so no row computes the keys between
+    runs for nothing): each row's output is the reference's, and bit for bit what it gets when
+    its run alone is the call (a row's arithmetic does not depend on the tile it shares). Formats
+    without residual rows: a call ending inside a block would read that block's residual row."""
+    from dataclasses import replace
+    runs = [list(range(10)), list(range(100, 110)), list(range(300, 333)), list(range(550, 600))]
+    positions = [p for run in runs for p in run]
+    case = with_positions(make_case(spec, lens=[600], num_queries=[len(positions)], group=3, seed=6), [positions])
+    check(case)
+    ext = load_extension()
+    got = cpu.run(ext, case.q, case.key, case.value, case.batch, case.scale)
+    first = 0
+    for run in runs:
+        alone = replace(case.batch, context_lens=torch.tensor([run[-1] + 1], dtype=torch.int32),
+                        query_starts=torch.tensor([0, len(run)], dtype=torch.int32), max_query_len=len(run),
+                        max_context_len=run[-1] + 1, query_positions=torch.tensor(run, dtype=torch.int32))
+        want = cpu.run(ext, case.q[first:first + len(run)], case.key, case.value, alone, case.scale)
+        assert torch.equal(got[first:first + len(run)], want)
+        first += len(run)
+
+
 def test_bad_query_positions_raise() -> None:
     case = make_case("fp32", lens=[40], num_queries=[3], seed=1)
     for positions, match in (([[3, 10, 38]], "last query must sit at its last context position"),

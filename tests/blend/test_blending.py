@@ -321,18 +321,25 @@ def test_bad_blends_are_refused(setup):
         blend_prefill(model, rope, prompt, [cached[0].moved_to(3, rope), None, None])
 
 
-def test_selected_rows_attend_in_groups_as_in_one_masked_call():
-    from kvserve.blend.blending import ROWS_PER_CALL, _attend
+@pytest.mark.parametrize("padding", [0, 5])
+def test_selected_rows_attend_through_the_kernel_and_in_groups_as_in_one_masked_call(padding):
+    """Rows at gaps (the last at the last key): the CPU kernel's route and the groups of masked
+    calls (the route elsewhere) give one masked call's output; rows of padding past the last
+    key, filled with garbage, are never read."""
+    from kvserve.blend.blending import ROWS_PER_CALL, _attend, _attend_groups, _attend_kernel
     gen = torch.Generator().manual_seed(0)
     n, heads, kv_heads, dim = 300, 6, 2, 16
-    rows = torch.sort(torch.randperm(n, generator=gen)[:2 * ROWS_PER_CALL + 9]).values
+    rows = torch.sort(torch.randperm(n - 1, generator=gen)[:2 * ROWS_PER_CALL + 8]).values
+    rows = torch.cat([rows, torch.tensor([n - 1])])
     q = torch.randn(rows.numel(), heads, dim, generator=gen)
     k, v = torch.randn(n, kv_heads, dim, generator=gen), torch.randn(n, kv_heads, dim, generator=gen)
     mask = torch.arange(n)[None, :] <= rows[:, None]
     want = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=0.25,
         enable_gqa=True)[0].transpose(0, 1)
-    torch.testing.assert_close(_attend(q, k, v, rows, 0.25), want, atol=1e-6, rtol=1e-5)
+    k, v = (torch.cat([x, torch.full((padding, kv_heads, dim), 1e4)]) for x in (k, v))
+    for attend in (_attend, _attend_kernel, _attend_groups):
+        torch.testing.assert_close(attend(q, k, v, rows, 0.25), want, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("selection", ["deviation", "query", "query-segments"])

@@ -40,6 +40,11 @@ constexpr int kMaxRows = 128;         // query rows per item (acc + q: 2 x 64 Ki
 // hit gives exactly the cold run's output; quantized weights, which round activations to int8,
 // would otherwise turn last-bit differences into different tokens).
 constexpr int64_t kSplitKeys = 256;
+// With query positions, a tile ends where the next query lies more than kTileGap positions
+// past the one before it: every row of a tile attends to the keys up to its last row (the rest
+// masked), so a tile spanning a gap would compute its first rows over the gap's keys for nothing
+// (a blend's rows: a few at each document's start and end, hundreds of positions apart).
+constexpr int64_t kTileGap = 32;
 
 // Throws std::invalid_argument (pybind11 raises ValueError); the message is only built on failure.
 #define KVS_REQUIRE(ok, msg)                                  \
@@ -238,8 +243,15 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
     // as many queries per item as fit, so each decoded block serves many rows.
     const int64_t heads_per_group = std::max<int64_t>(1, std::min<int64_t>(H, kMaxRows / (n * b.group)));
     const int64_t tile_queries = std::max<int64_t>(1, std::min<int64_t>(n, kMaxRows / (b.group * heads_per_group)));
-    for (int64_t q0 = 0; q0 < n; q0 += tile_queries) {
-      const int64_t q1 = std::min(n, q0 + tile_queries), nkeys = visible_keys(b, s, n, len, q1 - 1);
+    for (int64_t q0 = 0, q1 = 0; q0 < n; q0 = q1) {
+      q1 = std::min(n, q0 + tile_queries);
+      if (b.qpos != nullptr) {
+        const int32_t* p = b.qpos + b.starts[s];
+        for (int64_t i = q0 + 1; i < q1; ++i) {
+          if (p[i] - p[i - 1] > kTileGap) q1 = i;
+        }
+      }
+      const int64_t nkeys = visible_keys(b, s, n, len, q1 - 1);
       const int64_t nb = (nkeys + B - 1) / B;
       for (int64_t h0 = 0; h0 < H; h0 += heads_per_group) {
         const int64_t h1 = std::min(H, h0 + heads_per_group);
