@@ -109,19 +109,21 @@ class BlendOutcome:
 
 def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: int, num_layers: int,
                selection: str = "deviation", num_sink_tokens: int = 0, query_layer: int | None = None,
-               in_batch: bool = False, num_whole: int = 0) -> float:
+               in_batch: bool = False, num_whole: int = 0, num_asking: int | None = None) -> float:
     """Prefill-token equivalents a blend computes for ``num_tokens`` tokens of which
     ``num_reused`` come from stored segments, ``num_sink_tokens`` of them always recomputed,
     and ``num_whole`` more (the last segments', ``blend_last_segments``), the fraction taken of
     the others (module docstring). ``in_batch`` (the rows computed by the steps): the deviation
-    selections' rows also run again through the layers up to the last that chooses."""
+    selections' rows also run again through the layers up to the last that chooses.
+    ``num_asking``: the query selections' first pass's rows (the text before the first
+    segment and the question, ``_Context.asking``; default: every token not reused)."""
     rest = num_reused - num_whole
     recomputed_at = lambda f: num_whole + min(rest, max(f * rest, num_sink_tokens))   # tokens recomputed at f
     recomputed = recomputed_at(fraction)
     computed = num_tokens - num_reused
     if selection in QUERY_SELECTIONS:    # the question computed twice (first up to the layer read)
         first = 1.0 if query_layer is None else (query_layer + 1) / num_layers
-        return (1 + first) * computed + recomputed
+        return computed + first * (computed if num_asking is None else num_asking) + recomputed
     below = select_layer / num_layers
     fractions = narrowing_fractions(fraction, num_layers - select_layer) if selection == "narrowing" else (fraction,)
     again = (computed + recomputed) * (select_layer + len(fractions)) / num_layers if in_batch else 0.0
@@ -211,8 +213,10 @@ class Blender:
                     num_sinks += min(run, self.sink_tokens)
             fresh.append(segment)
         tps = self.tiering.prefill_tokens_per_s
+        last = spec.spans[-1][0] + spec.spans[-1][1]
+        asking = max(0, spec.spans[0][0] - num_known) + req.num_prompt_tokens - max(last, num_known)
         work = blend_work(n, num_reused, spec.fraction, self.select_layer, self.model.config.num_layers,
-                          self.selection, num_sinks, self.query_layer, self.in_batch, num_whole)
+                          self.selection, num_sinks, self.query_layer, self.in_batch, num_whole, asking)
         cost = work + (load_s * tps if tps else 0.0)
         log.debug("request %s: blend %.0f token-equivalents (%d reused, loads %.2f ms) vs prefill %d",
                   req.request_id, cost, num_reused, load_s * 1e3, n)

@@ -250,10 +250,10 @@ def _rows_steps(ctx: _Context, runs: list[tuple[int, int]], blend_fraction: floa
 def _ask(ctx: _Context, runs: list[tuple[int, int]], selection: str, blend_fraction: float, sink_tokens: int,
          query_layer: int | None) -> Generator[tuple[int, int], None, torch.Tensor]:
     """The query selections' choice: the text after the last segment (the question) computed
-    first, every reused token as cached; where its queries attend picks what to recompute, in
-    every layer (read at one layer, the pass stops there: the layers above it would change
-    nothing read). The reused positions picked."""
-    asked = yield from ctx.run(~ctx.is_reused, read_question=True, question_layer=query_layer,
+    first, every reused token as cached (``_Context.asking``); where its queries attend picks
+    what to recompute, in every layer (read at one layer, the pass stops there: the layers above
+    it would change nothing read). The reused positions picked."""
+    asked = yield from ctx.run(ctx.asking(), read_question=True, question_layer=query_layer,
                                last_layer=query_layer)
     assert asked.attention is not None
     pick = _pick if selection == "query" else _pick_segments
@@ -288,7 +288,7 @@ def _deviation_choice(ctx: _Context, runs: list[tuple[int, int]], blend_fraction
 
 
 class _Pass(NamedTuple):
-    keys: list[torch.Tensor]        # per layer [n, kv_heads, head_dim]
+    keys: list[torch.Tensor]        # per layer [n, kv_heads, head_dim] (the present positions' where some are left out)
     values: list[torch.Tensor]
     logits: torch.Tensor            # after the prompt's last token
     selected: torch.Tensor          # the reused positions ``choose`` named (none without it)
@@ -342,13 +342,25 @@ class _Context:
         chosen = choose(score[:sum(length for _, length in some)], some)
         return torch.unique(torch.cat([chosen, self.whole]))
 
+    def asking(self) -> torch.Tensor:
+        """What the query selections' first pass computes ([n] bool): the text before the first
+        reused token and the question. The text between them that is not reused (the
+        separators, the tails of segments stored in whole blocks) is left out of that pass:
+        the question reads the prefix, the segments as cached and itself, and the pass costs
+        the question's rows, not every separator's (at k = 8 documents, ~50 rows of ~190)."""
+        asking = ~self.is_reused
+        if self.reused.numel():
+            asking[int(self.reused[0]):self.question_from] = False
+        return asking
+
     def run(self, computed: torch.Tensor, choose_at: tuple[int, ...] = (),
             choose: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
             read_question: bool = False, question_layer: int | None = None,
             last_layer: int | None = None) -> Generator[tuple[int, int], None, _Pass]:
         """Every layer (yielding the rows it computed and the keys they attended, causally) for
         the positions ``computed`` ([n] bool; from num_known on, the prompt's last among them);
-        the others' KV known or cached. At each layer of ``choose_at``, ``choose(layer, rows,
+        the others' KV known or cached, and a position neither known, reused nor computed left
+        out (no row attends to it; the pass's KV holds the others, in order). At each layer of ``choose_at``, ``choose(layer, rows,
         k, v)`` (the positions computed so far and that layer's fresh keys and values of them;
         at the first, every position from num_known on) names the reused positions computed
         from there on with the ones not reused: a subset of ``rows``. With ``read_question``:
@@ -359,6 +371,13 @@ class _Context:
         model, num_known, known, reused, n = self.model, self.num_known, self.known, self.reused, self.n
         dev = model.device
         rows = torch.arange(n, device=dev)[num_known:][computed[num_known:]]   # the positions ``h`` holds
+        present = computed.clone()
+        present[:num_known] = True
+        present[reused] = True
+        size = int(present.sum())                       # positions in the pass's KV
+        kept = torch.nonzero(present).flatten()
+        slot = torch.cumsum(present, 0) - 1             # position -> its row of the pass's KV (where present)
+        reused_at = slot[reused]
         h = model.embed(torch.tensor(self.token_ids, dtype=torch.long, device=dev)[rows])
         selected = reused[:0]
         attention = torch.zeros(n, device=dev) if read_question else None
@@ -375,26 +394,29 @@ class _Context:
                 keep = keep[rows]
                 rows = rows[keep]
                 q, k, v, h = q[keep], k[keep], v[keep], h[keep]
-            if rows.numel() < n:
+            at = slot[rows]                              # the rows' places in the pass's KV
+            if rows.numel() < size:
                 # the layer's KV: known, cached where reused, fresh where computed (selected tokens included)
-                # padded: the CPU kernel reads it in place (``_attend``); the pass keeps [:n]
-                k_all = torch.empty((padded_rows(n), *k.shape[1:]), dtype=k.dtype, device=dev)
+                # padded: the CPU kernel reads it in place (``_attend``); the pass keeps [:size]
+                k_all = torch.empty((padded_rows(size), *k.shape[1:]), dtype=k.dtype, device=dev)
                 v_all = torch.empty_like(k_all)
                 if known is not None:
                     k_all[:num_known], v_all[:num_known] = known.keys[layer], known.values[layer]
                 if reused.numel():
-                    k_all[reused], v_all[reused] = self.cached_keys[layer], self.cached_values[layer]
-                k_all[rows], v_all[rows] = k, v
+                    k_all[reused_at], v_all[reused_at] = self.cached_keys[layer], self.cached_values[layer]
+                k_all[at], v_all[at] = k, v
                 k, v = k_all, v_all
             if attention is not None and question_layer in (None, layer):
                 asking = rows >= self.question_from
-                layer_attention.append(_query_attention(q[asking], k[:n], rows[asking], model.scale))
-                attention += layer_attention[-1]
-            keys.append(k[:n])
-            values.append(v[:n])
+                read = torch.zeros(n, device=dev)
+                read[kept] = _query_attention(q[asking], k[:size], at[asking], model.scale)
+                layer_attention.append(read)
+                attention += read
+            keys.append(k[:size])
+            values.append(v[:size])
             if layer < num_layers - 1 or last_layer is None:    # a last layer's output is never read
-                h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
-            yield int(rows.numel()), int(rows.sum()) + int(rows.numel())     # position p attends p + 1 keys
+                h = model.layer_output(layer, h, _attend(q, k, v, at, model.scale))
+            yield int(rows.numel()), int(at.sum()) + int(rows.numel())     # row i of the KV attends i + 1 keys
         if last_layer is not None:
             return _Pass(keys, values, h.new_empty(0), selected, attention, tuple(layer_attention))
         logits = model.compute_logits(model.final_norm_of(h[-1:]))[0]
@@ -585,7 +607,7 @@ def segment_peaks_by_layer(model: LlamaModel, rope: RopeTables, prompt: BlendPro
         raise ValueError("every segment's standalone KV is needed, whole")
     _check(model, prompt, cached, 0.0, 1, None, "query-segments", 0, None, 0)
     ctx, runs = _Context.of(model, rope, prompt, cached, None)
-    passes = ctx.run(~ctx.is_reused, read_question=True)     # one first pass, every layer read
+    passes = ctx.run(ctx.asking(), read_question=True)     # one first pass, every layer read
     while True:
         try:
             next(passes)

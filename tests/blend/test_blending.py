@@ -13,6 +13,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.blend.blending import (
     BlendJob,
     BlendPrompt,
+    _Context,
     attention_keys_per_row,
     blend_prefill,
     greedy_tokens,
@@ -164,31 +165,58 @@ def _question_attention_reference(model: LlamaModel, rope: RopeTables, prefix, s
     computed layer by layer over the segment's cached KV (moved to its place), and the softmax
     weights of the question's queries summed per position over the queries, heads and layers
     (``only_layer``: that layer's alone). ``cached_tokens``: only the segment's leading tokens
-    are cached (a store in whole blocks); its tail is computed with the question, but its rows
-    are not the question's."""
+    are cached (a store in whole blocks); its tail, between the reused tokens and the question,
+    is left out of this pass (no row attends to it, its score 0)."""
     c = len(segment) if cached_tokens is None else cached_tokens
     n0, n1 = len(prefix), len(prefix) + len(segment)
-    ids = torch.tensor([*prefix, *segment[c:], *question])
-    rows = torch.tensor([*range(n0), *range(n0 + c, n1 + len(question))])
+    ids = torch.tensor([*prefix, *question])
+    rows = torch.tensor([*range(n0), *range(n1, n1 + len(question))])      # positions, for RoPE
     cached = compute_kv(model, segment[:c]).moved_to(n0, rope)
-    n = n1 + len(question)
-    asking = len(ids) - len(question)
+    present = [*range(n0 + c), *range(n1, n1 + len(question))]            # the positions the KV holds
+    m = len(present)
+    slots = torch.tensor([*range(n0), *range(n0 + c, m)])                # the rows' places in it
     h = model.embed(ids)
-    total = torch.zeros(n)
+    total = torch.zeros(m)
     for layer in range(model.config.num_layers):
         q, k, v = model.layer_qkv(layer, h, model.rope.angles(rows))
-        keys = torch.cat([k[:n0], cached.keys[layer], k[n0:]])     # k's rows: prefix, the tail, the question
+        keys = torch.cat([k[:n0], cached.keys[layer], k[n0:]])     # prefix, the cached tokens, the question
         vals = torch.cat([v[:n0], cached.values[layer], v[n0:]])
         group = q.shape[1] // keys.shape[1]
-        kq, vq = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)     # [n, H, D]
+        kq, vq = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)     # [m, H, D]
         logits = torch.einsum("rhd,nhd->hrn", q, kq) * model.scale
-        logits = logits.masked_fill(torch.arange(n)[None, None, :] > rows[None, :, None], float("-inf"))
+        logits = logits.masked_fill(torch.arange(m)[None, None, :] > slots[None, :, None], float("-inf"))
         weights = logits.softmax(-1)
         if only_layer in (None, layer):
-            total += weights[:, asking:].sum((0, 1))    # the question's rows only
+            total += weights[:, n0:].sum((0, 1))    # the question's rows only
         attended = torch.einsum("hrn,nhd->rhd", weights, vq)
         h = model.layer_output(layer, h, attended)
-    return total
+    out = torch.zeros(n1 + len(question))
+    out[present] = total
+    return out
+
+
+def test_the_first_pass_computes_the_prefix_and_the_question_and_leaves_out_the_rest(setup):
+    """``_Context.asking``: the text before the first reused token and the question. A
+    separator between segments and a segment's uncached tail are left out of the first pass:
+    its KV holds every other position, in order, and the question's attention on them is 0."""
+    _, model, rope = setup
+    a, b = tokens(20, 61), tokens(32, 62)
+    prompt = BlendPrompt((*tokens(5, 60), *a, *tokens(3, 63), *b, *tokens(6, 64)), ((5, 20), (28, 32)))
+    ctx, runs = _Context.of(model, rope, prompt, [compute_kv(model, a[:16]), compute_kv(model, b)], None)
+    assert runs == [(5, 16), (28, 32)]                     # a's last 4 tokens (21..24) not cached
+    assert torch.nonzero(ctx.asking()).flatten().tolist() == [*range(5), *range(60, 66)]
+    passes = ctx.run(ctx.asking(), read_question=True)
+    rows = []
+    while True:
+        try:
+            rows.append(next(passes)[0])
+        except StopIteration as stop:
+            asked = stop.value
+            break
+    assert rows == [11] * model.config.num_layers
+    assert asked.attention is not None and asked.keys[0].shape[0] == 66 - 7
+    assert (asked.attention[21:28] == 0).all()
+    assert (asked.attention[:21] > 0).all() and (asked.attention[28:] > 0).all()
 
 
 def test_the_query_selection_picks_the_rows_its_reference_picks(setup):
@@ -229,9 +257,10 @@ def test_the_query_selection_reads_one_layer_when_told(setup):
 
 def test_the_question_is_the_text_after_the_last_segment_when_its_tail_is_not_cached(setup):
     """A segment stored in whole blocks is reused up to its last whole block and its tail is
-    computed; the tail's rows are not the question's: their attention (mostly on the tokens
-    just before them) is not part of the score. (It was, until 2026-11-28, and pulled the
-    windows of ``query-segments`` to the end of the last document.)"""
+    computed by the blend, but left out of the first pass: the tail's rows are not the
+    question's, and their attention (mostly on the tokens just before them) is not part of the
+    score. (It was, until 2026-11-28, and pulled the windows of ``query-segments`` to the end of
+    the last document.)"""
     _, model, rope = setup
     prefix, segment, question = tokens(9, 51), tokens(60, 52), tokens(7, 53)
     prompt = BlendPrompt.join(prefix, segments=(segment,), suffix=question)

@@ -197,6 +197,9 @@ def test_the_cost_model_sends_unprofitable_blends_to_a_full_prefill(loaded):
     assert blend_work(100, 60, 0.1, 1, 30, "query-segments", 12) == pytest.approx(2 * 40 + 12)
     # read at layer 14 of 30, the first pass stops there: 15 of its 30 layers
     assert blend_work(100, 60, 0.1, 1, 30, "query-segments", 12, query_layer=14) == pytest.approx(1.5 * 40 + 12)
+    # ... and computes only the text before the first segment and the question (25 of the 40)
+    assert blend_work(100, 60, 0.1, 1, 30, "query-segments", 12, query_layer=14, num_asking=25) == pytest.approx(
+        40 + 0.5 * 25 + 12)
     # narrowing: layer 1 computes 12 of the 60 (2f), layer 2 9 (1.5f), then 6 (f) on
     assert blend_work(100, 60, 0.1, 1, 30, "narrowing") == pytest.approx(40 + 2 + 6 * 29 / 30 + (6 + 3) / 30)
     # in the batch, the rows kept run again through the choosing pass's layers (0-1; narrowing 0-3);
