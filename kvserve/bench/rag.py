@@ -111,6 +111,9 @@ class Answer(NamedTuple):
     num_reused_tokens: int          # from cached segments (those recomputed included)
     num_recomputed_tokens: int
     num_restored_tokens: int        # segment tokens stored again before the query (evicted since)
+    # the query selections' first pass: the text before the first segment (past the prefix
+    # cache's) and the question after the last (blending._Context.asking)
+    num_asking_tokens: int = 0
 
 
 def ask(llm: LLM, method: Method, documents: Sequence[Document], query: Query,
@@ -128,9 +131,14 @@ def ask(llm: LLM, method: Method, documents: Sequence[Document], query: Query,
     out = llm.generate([prompt], params)[0]
     if out.ttft is None:
         raise RuntimeError(f"{method.name}: the request finished without a first token ({out.finish_reason})")
+    asking = 0
+    if isinstance(prompt, SegmentedPrompt):
+        ids, spec = prompt.encode(tokenizer)
+        (first, _), (last, length) = spec.spans[0], spec.spans[-1]
+        asking = max(0, first - out.num_cached_tokens) + len(ids) - (last + length)
     return Answer(out.ttft, tuple(out.token_ids), out.text, is_correct(out.text, documents[query.target].number),
                   out.num_prompt_tokens, out.num_cached_tokens, out.num_reused_tokens,
-                  out.num_recomputed_tokens, restored)
+                  out.num_recomputed_tokens, restored, asking)
 
 
 def run_round(make_llm: Callable[[Method], LLM], chosen: Sequence[Method], documents: Sequence[Document],
@@ -191,16 +199,21 @@ class RagResult:
         """The mean over answers of an ``Answer`` field, e.g. ``num_reused_tokens``."""
         return statistics.fmean(getattr(a, field) for a in self.answers)
 
-    def mean_layer_tokens(self, num_layers: int, select_layer: int, selection: str = "deviation") -> float:
+    def mean_layer_tokens(self, num_layers: int, select_layer: int, selection: str = "deviation",
+                          query_layer: int | None = None) -> float:
         """Tokens per prompt computed, counted in passes through every layer: a token computed
         in full is one; under the deviation selection a reused token ``select_layer / num_layers``
         (the layers that choose what to recompute), a recomputed one that plus
         ``(num_layers - select_layer) / num_layers``; under the query selections a computed token
-        two (once to choose, once over the blend), a recomputed one one, another reused none."""
+        one, a recomputed one one, another reused none, and the first pass's tokens
+        (``num_asking_tokens``) once more through the layers up to ``query_layer`` (every layer
+        when None)."""
+        first = 1.0 if query_layer is None else (query_layer + 1) / num_layers
+
         def one(a: Answer) -> float:
             computed = a.num_prompt_tokens - a.num_cached_tokens - a.num_reused_tokens
             if selection != "deviation" and a.num_reused_tokens:
-                return 2 * computed + a.num_recomputed_tokens
+                return computed + first * a.num_asking_tokens + a.num_recomputed_tokens
             return computed + (a.num_reused_tokens * select_layer
                                + a.num_recomputed_tokens * (num_layers - select_layer)) / num_layers
         return statistics.fmean(one(a) for a in self.answers)
@@ -235,7 +248,7 @@ def render(results: Sequence[RagResult]) -> str:
 
 
 def goal_lines(results: Sequence[RagResult], k: int, num_layers: int, select_layer: int,
-               selection: str = "deviation") -> list[str]:
+               selection: str = "deviation", query_layer: int | None = None) -> list[str]:
     """Per blending method: the two goals of issue 14, and the bound the token counts put on
     the TTFT ratio (attention's growth with length and fixed costs ignored)."""
     by_name = {r.method: r for r in results}
@@ -253,7 +266,7 @@ def goal_lines(results: Sequence[RagResult], k: int, num_layers: int, select_lay
             f"{share:.1%} {'MET' if share >= 0.95 else 'MISSED'}")
         lines.append(f"goal accuracy >= 95% of full prefill's ({r.method}): {r.num_correct}/{r.num_answers} vs "
                      f"{full.num_correct}/{full.num_answers} = {verdict}")
-        layer_tokens = r.mean_layer_tokens(num_layers, select_layer, selection)
+        layer_tokens = r.mean_layer_tokens(num_layers, select_layer, selection, query_layer)
         lines.append(f"limit ({r.method}): computes {layer_tokens:.0f} of {r.mean('num_prompt_tokens'):.0f} prompt "
                      f"tokens per query in whole-model passes, so TTFT at most {prefix_tokens / layer_tokens:.1f}x "
                      f"lower than prefix caching ({prefix_tokens:.0f} computed), "
@@ -340,7 +353,7 @@ def run_bench(args: argparse.Namespace) -> int:
           f"query layer {'all' if cache.blend_query_layer is None else cache.blend_query_layer}, "
           f"segments stored after a preamble: {preamble}")
     for line in goal_lines(results, args.k, loaded.config.num_layers, cache.blend_select_layer,
-                           cache.blend_selection):
+                           cache.blend_selection, cache.blend_query_layer):
         print(line)
     if args.decoders:
         decoder_blocks = args.decoders * -(-(DECODE_PROMPT_TOKENS + DECODE_TOKENS) // cache.block_size)

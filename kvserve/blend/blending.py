@@ -288,7 +288,7 @@ def _deviation_choice(ctx: _Context, runs: list[tuple[int, int]], blend_fraction
 
 
 class _Pass(NamedTuple):
-    keys: list[torch.Tensor]        # per layer [n, kv_heads, head_dim] (the present positions' where some are left out)
+    keys: list[torch.Tensor]        # per layer [n, kv_heads, head_dim] (the present positions')
     values: list[torch.Tensor]
     logits: torch.Tensor            # after the prompt's last token
     selected: torch.Tensor          # the reused positions ``choose`` named (none without it)
@@ -360,12 +360,13 @@ class _Context:
         """Every layer (yielding the rows it computed and the keys they attended, causally) for
         the positions ``computed`` ([n] bool; from num_known on, the prompt's last among them);
         the others' KV known or cached, and a position neither known, reused nor computed left
-        out (no row attends to it; the pass's KV holds the others, in order). At each layer of ``choose_at``, ``choose(layer, rows,
-        k, v)`` (the positions computed so far and that layer's fresh keys and values of them;
-        at the first, every position from num_known on) names the reused positions computed
-        from there on with the ones not reused: a subset of ``rows``. With ``read_question``:
-        also the attention the question's positions (``question_from`` on) give each position, summed
-        over them, the heads and the layers (only layer ``question_layer`` where given). With
+        out (no row attends to it; the pass's KV holds the others, in order). At each layer of
+        ``choose_at``, ``choose(layer, rows, k, v)`` (the positions computed so far and that
+        layer's fresh keys and values of them; at the first, every position from num_known on)
+        names the reused positions computed from there on with the ones not reused: a subset of
+        ``rows``. With ``read_question``: also the attention the question's positions
+        (``question_from`` on) give each position, summed over them, the heads and the layers
+        (only layer ``question_layer`` where given). With
         ``last_layer``, the pass ends after that layer: its keys and values for the layers run,
         no logits (an empty tensor)."""
         model, num_known, known, reused, n = self.model, self.num_known, self.known, self.reused, self.n
@@ -563,7 +564,7 @@ def _attend_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
                    scale: float) -> torch.Tensor:
     """``_attend``'s rows through the CPU kernel: the dense KV seen as blocks of KERNEL_BLOCK
     tokens in order (a copy only where it is not ``padded_rows`` long), the rows as a prefill
-    with gaps (query positions). 2.5-3x faster than the masked calls at a blend's shapes."""
+    with gaps (query positions): each row reads the keys up to its own position only."""
     n = int(rows[-1]) + 1
     size = padded_rows(n)
     halves = []

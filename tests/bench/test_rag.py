@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
 import pytest
@@ -166,6 +167,10 @@ def test_results_compare_each_answer_with_full_prefills_in_its_round():
     assert full.median_ttft_s == pytest.approx(1.15)
     # 100 computed in full, 800 reused through 1 of 30 layers, 80 of them through 29 more
     assert blend.mean_layer_tokens(num_layers=30, select_layer=1) == pytest.approx(100 + (800 + 80 * 29) / 30)
+    # the query selections: 100 computed, 80 recomputed, the first pass's 40 through 15 of 30 layers
+    asked = dataclasses.replace(blend, answers=tuple(a._replace(num_asking_tokens=40) for a in blend.answers))
+    assert asked.mean_layer_tokens(30, 1, "query-segments", query_layer=14) == pytest.approx(100 + 40 * 15 / 30 + 80)
+    assert asked.mean_layer_tokens(30, 1, "query") == pytest.approx(100 + 40 + 80)
 
 
 def test_goal_lines_say_met_or_missed_with_the_bound():
@@ -218,11 +223,17 @@ def test_a_tiny_run_end_to_end(default_model, text):
     assert full.agreements == (1.0,) * 4 and full.num_identical == 4
     assert all(a.num_cached_tokens == 0 and a.num_reused_tokens == 0 for a in full.answers)
     assert all(a.num_cached_tokens > 0 for a in prefix.answers)          # the template's head, from the warm-up
+    assert all(a.num_asking_tokens == 0 for a in full.answers + prefix.answers)
     for a, q in zip(blend.answers, queries * 2):
         doc_tokens = sum(documents[i].num_tokens for i in q.doc_ids)
         assert 0 < a.num_reused_tokens <= doc_tokens
         assert a.num_recomputed_tokens <= a.num_reused_tokens
         assert a.num_restored_tokens == 0
+        # the first pass's: the text before the first document (past the cached) and after the last
+        text = prompt_text(tokenizer, documents, q)
+        first, last = documents[q.doc_ids[0]].text, documents[q.doc_ids[-1]].text
+        before, after = text[:text.find(first)], text[text.rfind(last) + len(last):]
+        assert a.num_asking_tokens == len(tokenizer.encode(before)) - a.num_cached_tokens + len(tokenizer.encode(after))
 
 
 def test_decoders_beside_the_queries_get_a_token_every_step(default_model, text):
