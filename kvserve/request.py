@@ -85,6 +85,8 @@ class BlendSpec:
 
     def __post_init__(self) -> None:
         check_blend_fraction(self.fraction)
+        if not self.spans:
+            raise ValueError("a blended prompt needs at least one segment span")
         end = 0
         for start, length in self.spans:
             if start < end or length < 1:

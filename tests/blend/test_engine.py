@@ -9,6 +9,7 @@ from tiny import random_tokens as tokens
 from kvserve import LLM, SamplingParams
 from kvserve.blend.blender import blend_work
 from kvserve.blend.prompt import Segment, SegmentedPrompt
+from kvserve.request import BlendSpec
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -243,6 +244,8 @@ def test_bad_segmented_prompts_are_refused(loaded):
     llm = LLM(loaded=loaded, num_kv_blocks=32)
     with pytest.raises(ValueError, match="at least one Segment"):
         SegmentedPrompt([tokens(5, 1)])
+    with pytest.raises(ValueError, match="at least one segment span"):     # what a front end hands the engine
+        BlendSpec((), 0.1)
     with pytest.raises(ValueError, match="blend_fraction"):
         SegmentedPrompt([Segment(tokens(5, 1))], blend_fraction=1.5)
     with pytest.raises(ValueError, match="prompt_logprobs"):
