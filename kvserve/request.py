@@ -93,6 +93,13 @@ class BlendSpec:
                 raise ValueError(f"segment spans must be non-empty, in order and disjoint: {self.spans}")
             end = start + length
 
+    def num_asking_tokens(self, num_tokens: int, num_known: int) -> int:
+        """Tokens the query selections' first pass computes in a prompt of ``num_tokens`` whose
+        first ``num_known`` are an exact prefix hit: those before the first segment and the
+        question after the last (kvserve/blend/blending.py, ``_Context.asking``)."""
+        (first, _), (last, length) = self.spans[0], self.spans[-1]
+        return max(0, first - num_known) + num_tokens - max(last + length, num_known)
+
 
 @dataclass(frozen=True)
 class BlendRows:

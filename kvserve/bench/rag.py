@@ -134,8 +134,7 @@ def ask(llm: LLM, method: Method, documents: Sequence[Document], query: Query,
     asking = 0
     if isinstance(prompt, SegmentedPrompt):
         ids, spec = prompt.encode(tokenizer)
-        (first, _), (last, length) = spec.spans[0], spec.spans[-1]
-        asking = max(0, first - out.num_cached_tokens) + len(ids) - (last + length)
+        asking = spec.num_asking_tokens(len(ids), out.num_cached_tokens)
     return Answer(out.ttft, tuple(out.token_ids), out.text, is_correct(out.text, documents[query.target].number),
                   out.num_prompt_tokens, out.num_cached_tokens, out.num_reused_tokens,
                   out.num_recomputed_tokens, restored, asking)

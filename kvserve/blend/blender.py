@@ -213,10 +213,9 @@ class Blender:
                     num_sinks += min(run, self.sink_tokens)
             fresh.append(segment)
         tps = self.tiering.prefill_tokens_per_s
-        last = spec.spans[-1][0] + spec.spans[-1][1]
-        asking = max(0, spec.spans[0][0] - num_known) + req.num_prompt_tokens - max(last, num_known)
         work = blend_work(n, num_reused, spec.fraction, self.select_layer, self.model.config.num_layers,
-                          self.selection, num_sinks, self.query_layer, self.in_batch, num_whole, asking)
+                          self.selection, num_sinks, self.query_layer, self.in_batch, num_whole,
+                          spec.num_asking_tokens(req.num_prompt_tokens, num_known))
         cost = work + (load_s * tps if tps else 0.0)
         log.debug("request %s: blend %.0f token-equivalents (%d reused, loads %.2f ms) vs prefill %d",
                   req.request_id, cost, num_reused, load_s * 1e3, n)

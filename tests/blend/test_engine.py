@@ -201,6 +201,9 @@ def test_the_cost_model_sends_unprofitable_blends_to_a_full_prefill(loaded):
     # ... and computes only the text before the first segment and the question (25 of the 40)
     assert blend_work(100, 60, 0.1, 1, 30, "query-segments", 12, query_layer=14, num_asking=25) == pytest.approx(
         40 + 0.5 * 25 + 12)
+    # those rows: before the first segment (past an exact hit) and after the last
+    spec = BlendSpec(((5, 20), (28, 32)), 0.1)
+    assert [spec.num_asking_tokens(66, known) for known in (0, 4, 8, 64)] == [11, 7, 6, 2]
     # narrowing: layer 1 computes 12 of the 60 (2f), layer 2 9 (1.5f), then 6 (f) on
     assert blend_work(100, 60, 0.1, 1, 30, "narrowing") == pytest.approx(40 + 2 + 6 * 29 / 30 + (6 + 3) / 30)
     # in the batch, the rows kept run again through the choosing pass's layers (0-1; narrowing 0-3);

@@ -248,7 +248,10 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
       if (b.qpos != nullptr) {
         const int32_t* p = b.qpos + b.starts[s];
         for (int64_t i = q0 + 1; i < q1; ++i) {
-          if (p[i] - p[i - 1] > kTileGap) q1 = i;
+          if (p[i] - p[i - 1] > kTileGap) {
+            q1 = i;
+            break;
+          }
         }
       }
       const int64_t nkeys = visible_keys(b, s, n, len, q1 - 1);
