@@ -301,9 +301,10 @@ class _Context:
 
     def __init__(self, model: LlamaModel, token_ids: list[int], num_known: int, known: SegmentKV | None,
                  reused: torch.Tensor, is_reused: torch.Tensor, cached_keys: list[torch.Tensor],
-                 cached_values: list[torch.Tensor], question_from: int, whole_from: int) -> None:
+                 cached_values: list[torch.Tensor], question_from: int, whole_from: int, first_reused: int) -> None:
         self.model, self.token_ids, self.num_known, self.known = model, token_ids, num_known, known
         self.reused, self.is_reused = reused, is_reused
+        self.first_reused = first_reused                # the first reused position (n where none is)
         self.cached_keys, self.cached_values = cached_keys, cached_values
         self.n = len(token_ids)
         # the question: the text after the last segment, not after the last reused run (a
@@ -328,7 +329,7 @@ class _Context:
         last = prompt.spans[-1][0] + prompt.spans[-1][1] if prompt.spans else n - 1
         whole = prompt.spans[max(0, len(prompt.spans) - last_segments):] if last_segments else ()
         ctx = cls(model, list(prompt.token_ids), num_known, known, reused, is_reused, cached_keys, cached_values,
-                  min(last, n - 1), whole[0][0] if whole else n)
+                  min(last, n - 1), whole[0][0] if whole else n, runs[0][0] if runs else n)
         return ctx, runs
 
     def pick(self, score: torch.Tensor, runs: list[tuple[int, int]],
@@ -349,8 +350,7 @@ class _Context:
         the question reads the prefix, the segments as cached and itself, and the pass costs
         the question's rows, not every separator's (at k = 8 documents, ~50 rows of ~190)."""
         asking = ~self.is_reused
-        if self.reused.numel():
-            asking[int(self.reused[0]):self.question_from] = False
+        asking[self.first_reused:self.question_from] = False
         return asking
 
     def run(self, computed: torch.Tensor, choose_at: tuple[int, ...] = (),
