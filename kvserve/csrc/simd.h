@@ -224,8 +224,18 @@ inline vf vload_u4(const uint8_t* p) {
   const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(15)));
 }
-// 8 channels of 2-bit codes from 2 bytes.
-inline vf vload_u2(const uint8_t* p) {
+// 8 channels of 2-bit codes: the first (`upper` false) or the second 8 of the 16 the 32-bit
+// word at p holds. The whole word is broadcast straight from memory, one load, where 16 bits
+// would pass through a general register first (three operations, one of them a shuffle).
+inline vf vload_u2(const uint8_t* p, bool upper) {
+  const __m256i w = _mm256_set1_epi32(static_cast<int>(load_u32(p)));
+  const __m256i sh = upper ? _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30)
+                           : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(3)));
+}
+// The same from the 2 bytes at p alone (a row's last 8 channels where its width is not a
+// multiple of 16: a word would read past the row).
+inline vf vload_u2_short(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   const __m256i w = _mm256_set1_epi32(h);

@@ -236,6 +236,20 @@ def test_narrower_builds_match_the_reference(isa: str, spec: str) -> None:
         torch.testing.assert_close(got, case.reference(), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("head_dim", [24, 40])
+@pytest.mark.parametrize("spec", ["kivi2g8", "int2g8"])
+def test_2_bit_rows_whose_width_is_not_a_multiple_of_16(spec: str, head_dim: int) -> None:
+    """Where vectors are 8 channels wide, the kernel reads two vectors' 2-bit codes from one
+    32-bit word; a row's last 8 channels after the last whole word are read from their own 2
+    bytes (not past the row). Every build this CPU runs."""
+    for isa in supported_isas():
+        ext = load_extension(isa)
+        assert ext is not None
+        case = make_case(spec, lens=LENS, num_queries=QUERIES, group=3, head_dim=head_dim, seed=head_dim)
+        got = cpu.run(ext, case.q, case.key, case.value, case.batch, case.scale)
+        torch.testing.assert_close(got, case.reference(), atol=ATOL, rtol=RTOL)
+
+
 # ---- layouts and inputs the kernel must refuse ----
 
 def small_case() -> Case:

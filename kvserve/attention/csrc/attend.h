@@ -46,6 +46,10 @@ constexpr int kValueVectors = 4;
 constexpr int logit_rows(int nv) { return fast_width(nv) ? (W == 16 ? (nv == 4 ? 3 : 4) : 3) : 0; }
 constexpr int value_rows(int nv) { return fast_width(nv) ? (W == 16 ? 4 : 3) : 0; }
 
+// The end of the pair of vectors v belongs to: the fast widths are an even number of vectors,
+// so a pair never passes the row's end (vcodes reads a pair's 2-bit codes in one word).
+constexpr int pair_end(int v) { return (v / 2 + 1) * 2 * W; }
+
 // Vector v (channels v*W ..) of key / value row j (at `row`), dequantized but for scale[j].
 // Group codes: VPG vectors per group when known at compile time (then the group's scale
 // and zero are loaded once per row), else `g` is v's group index.
@@ -62,10 +66,10 @@ inline vf load_row(const Rows& s, const uint8_t* row, int v, int j, int64_t g) {
   } else if constexpr (CODE == C_FP8) {
     return vload_fp8_div256(row + v * W);
   } else if constexpr (CODE == C_U4C || CODE == C_U2C) {
-    return vfma(vcodes<CODE == C_U4C ? 4 : 2>(row, v * W), vload(s.cs + v * W), vload(s.cz + v * W));
+    return vfma(vcodes<CODE == C_U4C ? 4 : 2>(row, v * W, pair_end(v)), vload(s.cs + v * W), vload(s.cz + v * W));
   } else {
     const int64_t at = j * s.gstride + (VPG ? v / (VPG ? VPG : 1) : g);
-    return vfma(vcodes<CODE == C_U4G ? 4 : 2>(row, v * W), vset1(s.gs[at]), vset1(s.gz[at]));
+    return vfma(vcodes<CODE == C_U4G ? 4 : 2>(row, v * W, pair_end(v)), vset1(s.gs[at]), vset1(s.gz[at]));
   }
 }
 

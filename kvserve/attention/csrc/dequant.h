@@ -228,13 +228,21 @@ inline int code_at(const uint8_t* c, int bits, int d) {
 }
 
 #ifdef KVS_SIMD
-// W channels of packed BITS-bit codes starting at channel d (a multiple of W).
+// W channels of packed BITS-bit codes starting at channel d (a multiple of W) of a row of D.
 template <int BITS>
-inline vf vcodes(const uint8_t* c, int d) {
+inline vf vcodes(const uint8_t* c, int d, int D) {
   if constexpr (BITS == 4) {
     return vload_u4(c + d / 2);
   } else {
+#if KVS_W == 8
+    // two vectors' codes per 32-bit word (d is a constant where the kernels unroll)
+    if (d % 16) return vload_u2(c + (d - 8) / 4, true);
+    if (d + 16 <= D) return vload_u2(c + d / 4, false);
+    return vload_u2_short(c + d / 4);
+#else
+    (void)D;
     return vload_u2(c + d / 4);
+#endif
   }
 }
 #endif
@@ -244,7 +252,7 @@ template <int BITS>
 inline void asym_row_channels(const uint8_t* c, const float* sc, const float* zr, int D, float* dst) {
   int d = 0;
 #ifdef KVS_SIMD
-  for (; d + W <= D; d += W) vstore(dst + d, vfma(vcodes<BITS>(c, d), vload(sc + d), vload(zr + d)));
+  for (; d + W <= D; d += W) vstore(dst + d, vfma(vcodes<BITS>(c, d, D), vload(sc + d), vload(zr + d)));
 #endif
   for (; d < D; ++d) dst[d] = std::fma(static_cast<float>(code_at(c, BITS, d)), sc[d], zr[d]);
 }
@@ -257,7 +265,7 @@ inline void asym_row_groups(const uint8_t* c, const uint16_t* scale, const uint1
     const int end = (g + 1) * G;
 #ifdef KVS_SIMD
     const vf vs = vset1(s), vz = vset1(z);
-    for (; d < end; d += W) vstore(dst + d, vfma(vcodes<BITS>(c, d), vs, vz));
+    for (; d < end; d += W) vstore(dst + d, vfma(vcodes<BITS>(c, d, D), vs, vz));
 #endif
     for (; d < end; ++d) dst[d] = std::fma(static_cast<float>(code_at(c, BITS, d)), s, z);
   }
