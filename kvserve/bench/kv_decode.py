@@ -5,7 +5,11 @@ Workload: ``--seqs`` requests with distinct contexts of ``--context`` tokens (sl
 text at distinct offsets) decode ``--steps`` tokens each, all at once. Only pure decode steps
 are timed (every request got one token): prefill is not part of the figure. Each repeat
 submits the same prompts again, so their prefill is a prefix-cache hit and the next decode
-starts at once; the figure is the median over repeats, with the spread.
+starts at once; the figure is the median over repeats, with the spread. With ``--interleave``
+the repeats are played in rounds, every configuration once a round (all engines held at once),
+so a box whose load drifts during the run slows every row alike; each row then also gets its
+rate over the first row's in the same round (median and spread over the rounds), the figure
+to compare formats by on a shared machine.
 
 The limit: a decode step reads every weight once and every request's KV once, so
 
@@ -52,6 +56,7 @@ class DecodeResult:
     attention_ms: float | None = None   # of which in the backend's attend (None: the torch path, not timed apart)
     products_ms: float = 0.0      # of which in the weight products (every layer's and the LM head's)
     weight_format: str = ""
+    vs_first: list[float] | None = None   # with --interleave: tok/s over the first row's, per round
 
     @property
     def rest_ms(self) -> float | None:
@@ -129,20 +134,30 @@ class StepTimes(NamedTuple):
     products_s: list[float]    # of which in the products
 
 
-def run_one(llm: LLM, prompts: list[list[int]], steps: int, repeats: int) -> StepTimes:
-    """Decode tok/s per repeat, and every timed step's wall time, time in ``attend`` and in the
-    products."""
-    engine = llm.engine
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    timer = StepTimer(llm)
-    out = StepTimes([], [], [], [])
-    for _ in range(repeats + 1):            # the first play prefills the cache (not counted)
+class Player:
+    """One configuration's engine: the prompts played once at the start to fill its cache (not
+    counted); each ``play`` submits them again (a prefix-cache hit) and records the decode tok/s
+    and every pure decode step's wall time, time in ``attend`` and in the products."""
+
+    def __init__(self, llm: LLM, prompts: list[list[int]], steps: int) -> None:
+        self.llm, self.prompts = llm, prompts
+        self.params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        self.timer = StepTimer(llm)
+        self.times = StepTimes([], [], [], [])
+        self._play(StepTimes([], [], [], []))
+
+    def play(self) -> float:
+        """One repeat; its decode tok/s."""
+        return self._play(self.times)
+
+    def _play(self, out: StepTimes) -> float:
+        engine, prompts = self.llm.engine, self.prompts
         for p in prompts:
-            engine.add_request(p, params)
+            engine.add_request(p, self.params)
         decode_time, decode_tokens = 0.0, 0
         while engine.has_unfinished:
             before = engine.stats()
-            timer.reset()
+            self.timer.reset()
             t = time.perf_counter()
             outputs = engine.step()
             dt = time.perf_counter() - t
@@ -150,41 +165,73 @@ def run_one(llm: LLM, prompts: list[list[int]], steps: int, repeats: int) -> Ste
                 decode_time += dt
                 decode_tokens += len(outputs)
                 out.step_s.append(dt)
-                out.attend_s.append(timer.attend_s)
-                out.products_s.append(timer.products_s)
+                out.attend_s.append(self.timer.attend_s)
+                out.products_s.append(self.timer.products_s)
         out.rates.append(decode_tokens / decode_time if decode_time else 0.0)
         engine.check_integrity()
-    return StepTimes(out.rates[1:], out.step_s, out.attend_s, out.products_s)
+        return out.rates[-1]
 
 
 def run(loaded: LoadedModel, text_ids: list[int], formats: list[str], backends: list[str], num_seqs: int,
         context: int, steps: int, repeats: int, kv_cache_gb: float, log=print,
-        engine_options: dict[str, Any] | None = None) -> list[DecodeResult]:
-    """``engine_options``: further ``LLM(...)`` keywords (device, dtype, weight_format)."""
+        engine_options: dict[str, Any] | None = None, interleave: bool = False) -> list[DecodeResult]:
+    """``engine_options``: further ``LLM(...)`` keywords (device, dtype, weight_format). With
+    ``interleave``: every engine is built first, then the repeats run in rounds."""
     prompts = distinct_prompts(text_ids, num_seqs, context, seed=0)
+    configs = [(fmt, backend) for fmt in formats for backend in backends]
+
+    def engine(fmt: str, backend: str) -> LLM:
+        return LLM(loaded=loaded, kv_format=fmt, attention_backend=backend, kv_cache_memory_gb=kv_cache_gb,
+                   max_num_seqs=max(8, num_seqs), max_num_batched_tokens=512, **(engine_options or {}))
+
+    def result(fmt: str, player: Player, vs_first: list[float] | None = None) -> DecodeResult:
+        llm, times = player.llm, player.times
+        timed_attention = bool(times.attend_s) and llm.engine.runner.backend.reads_in_place
+
+        def median_ms(xs: list[float]) -> float:
+            return statistics.median(xs) * 1e3 if xs else 0.0
+
+        return DecodeResult(fmt, llm.engine.runner.backend.name, kv_bytes_per_step(llm, context + steps // 2, num_seqs),
+                            weight_bytes(llm), times.rates, median_ms(times.step_s),
+                            median_ms(times.attend_s) if timed_attention else None,
+                            median_ms(times.products_s), llm.engine.weight_format, vs_first)
+
+    def rates(r: DecodeResult) -> str:
+        return f"{r.median:.2f} tok/s ({', '.join(f'{x:.2f}' for x in r.tok_s)})"
+
     results = []
-    for fmt in formats:
-        for backend in backends:
-            llm = LLM(loaded=loaded, kv_format=fmt, attention_backend=backend, kv_cache_memory_gb=kv_cache_gb,
-                      max_num_seqs=max(8, num_seqs), max_num_batched_tokens=512, **(engine_options or {}))
-            times = run_one(llm, prompts, steps, repeats)
-            timed_attention = bool(times.attend_s) and llm.engine.runner.backend.reads_in_place
-
-            def median_ms(xs: list[float]) -> float:
-                return statistics.median(xs) * 1e3 if xs else 0.0
-
-            result = DecodeResult(fmt, llm.engine.runner.backend.name, kv_bytes_per_step(llm, context + steps // 2, num_seqs),
-                                  weight_bytes(llm), times.rates, median_ms(times.step_s),
-                                  median_ms(times.attend_s) if timed_attention else None,
-                                  median_ms(times.products_s), llm.engine.weight_format)
-            log(f"{fmt} / {result.backend}: {result.median:.2f} tok/s ({', '.join(f'{r:.2f}' for r in times.rates)})")
-            results.append(result)
-            del llm
+    if not interleave:
+        for fmt, backend in configs:
+            player = Player(engine(fmt, backend), prompts, steps)
+            for _ in range(repeats):
+                player.play()
+            results.append(result(fmt, player))
+            log(f"{fmt} / {results[-1].backend}: {rates(results[-1])}")
+            del player
+        return results
+    players = [Player(engine(fmt, backend), prompts, steps) for fmt, backend in configs]
+    for i in range(repeats):
+        for (fmt, _), player in zip(configs, players):
+            player.play()
+        log(f"round {i + 1}: " + ", ".join(f"{fmt} / {p.llm.engine.runner.backend.name} {p.times.rates[-1]:.2f}"
+                                           for (fmt, _), p in zip(configs, players)))
+    first = players[0].times.rates
+    for (fmt, _), player in zip(configs, players):
+        results.append(result(fmt, player, [r / f for r, f in zip(player.times.rates, first)]))
+        log(f"{fmt} / {results[-1].backend}: {rates(results[-1])}")
     return results
+
+
+def ratios(xs: list[float] | None) -> str:
+    """Per-round ratios as their median and spread (\"-\" without any)."""
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.3f}x ({min(xs):.3f}-{max(xs):.3f})"
 
 
 def render(results: list[DecodeResult], num_seqs: int, bandwidth: float) -> str:
     by = {(r.kv_format, r.backend): r for r in results}
+    interleaved = any(r.vs_first is not None for r in results)
     rows = []
     for r in results:
         native = by.get(("native", r.backend))
@@ -196,10 +243,11 @@ def render(results: list[DecodeResult], num_seqs: int, bandwidth: float) -> str:
                      "-" if r.rest_ms is None else f"{r.rest_ms:.2f}",
                      f"{r.median / native.median:.2f}x" if native else "-",
                      f"{r.median / reference.median:.2f}x" if reference and reference is not r else "-",
-                     f"{limit:.2f}", f"{r.median / limit:.0%}"])
+                     f"{limit:.2f}", f"{r.median / limit:.0%}"] + ([ratios(r.vs_first)] if interleaved else []))
     return table(["format", "attention", "KV MiB/step", "tok/s (median)", "spread", "step ms", "products ms",
                   "attend ms", "rest ms", "vs native",
-                  "vs torch path", "limit tok/s", "of limit"], rows)
+                  "vs torch path", "limit tok/s", "of limit"] + (["vs first row, per round"] if interleaved else []),
+                 rows)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -208,12 +256,13 @@ def run_bench(args: argparse.Namespace) -> int:
     bandwidth = read_bandwidth()
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
     results = run(loaded, text_ids, args.format or list(DEFAULT_FORMATS), args.backend or list(DEFAULT_BACKENDS),
-                  args.seqs, args.context, args.steps, args.repeats, args.kv_cache_gb, log, engine_options(args))
+                  args.seqs, args.context, args.steps, args.repeats, args.kv_cache_gb, log, engine_options(args),
+                  args.interleave)
     bandwidth = max(bandwidth, read_bandwidth())      # measured again after the runs: the box may have warmed
     w = results[0].weight_bytes if results else 0
     weights = results[0].weight_format if results else "-"
     print(f"decode, {args.seqs} requests x {args.context} context tokens, {args.steps} steps, median of "
-          f"{args.repeats}; {loaded.source}, weights {weights} ({w / 2**20:,.0f} MiB read per step), "
+          f"{args.repeats}{' (in rounds)' if args.interleave else ''}; {loaded.source}, weights {weights} ({w / 2**20:,.0f} MiB read per step), "
           f"{torch.get_num_threads()} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over 1 GiB); "
           f"a step = products (every layer's and the LM head's) + attend (the backend's calls) + rest (norms' and "
           f"RoPE's remains, KV writes, per-layer Python, scheduling, sampling)")
@@ -246,6 +295,9 @@ def add_kv_decode_parser(bsub: argparse._SubParsersAction, common: argparse.Argu
     d.add_argument("--steps", type=int, default=32, help="decode steps per request")
     d.add_argument("--repeats", type=int, default=3)
     d.add_argument("--kv-cache-gb", type=float, default=1.0)
+    d.add_argument("--interleave", action="store_true",
+                   help="play the repeats in rounds, every configuration once a round (all engines held at once: "
+                        "configurations x --kv-cache-gb), and give each row's tok/s over the first row's per round")
     d.add_argument("--text", default=None, help="prompt text (default: the shipped botchan.txt)")
     d.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add_engine_args(d, ("weight_format",))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from tiny import random_tokens, tiny_model
 
@@ -30,12 +31,34 @@ def test_a_decode_step_is_taken_apart_into_products_attention_and_the_rest():
     assert "| products ms | attend ms | rest ms |" in table
 
 
+def test_interleaved_repeats_run_in_rounds_and_give_each_row_over_the_first_per_round():
+    loaded = tiny_model()
+    text = random_tokens(400, seed=0, vocab_size=loaded.config.vocab_size)
+    logged: list[str] = []
+    results = kv_decode.run(loaded, text, ["native", "int8", "kivi2g8"], ["auto"], num_seqs=2, context=40, steps=5,
+                            repeats=3, kv_cache_gb=0.01, log=logged.append, interleave=True)
+    assert [r.kv_format for r in results] == ["native", "int8", "kivi2g8"]
+    rounds = [m for m in logged if m.startswith("round ")]
+    assert [m.split(":")[0] for m in rounds] == ["round 1", "round 2", "round 3"]
+    assert all(m.count(" / cpu ") == 3 for m in rounds)
+    first = results[0].tok_s
+    for r in results:
+        assert len(r.tok_s) == 3 and r.vs_first == [x / f for x, f in zip(r.tok_s, first)]
+    assert results[0].vs_first == [1.0, 1.0, 1.0]
+    table = kv_decode.render(results, 2, bandwidth=30e9)
+    assert "| vs first row, per round |" in table and "1.000x (1.000-1.000)" in table
+    plain = kv_decode.render([replace(r, vs_first=None) for r in results], 2, bandwidth=30e9)
+    assert "per round" not in plain
+
+
 def test_kv_decode_takes_json_plot_and_the_weight_format(tmp_path):
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "kv-decode", "--json", str(tmp_path / "r.json"), "--plot",
                               str(tmp_path / "r.png"), "--weight-format", "native"])
     assert (args.json, args.plot, args.weight_format) == (str(tmp_path / "r.json"), str(tmp_path / "r.png"), "native")
+    assert not args.interleave
+    assert parser.parse_args(["bench", "kv-decode", "--interleave"]).interleave
 
 
 def test_json_rows_carry_the_derived_figures_and_draw_the_plot(tmp_path):
@@ -46,7 +69,7 @@ def test_json_rows_carry_the_derived_figures_and_draw_the_plot(tmp_path):
     rows = kv_decode.result_rows(results)
     assert rows[0] == {"kv_format": "native", "backend": "cpu", "kv_bytes_per_step": 1 << 20,
                        "weight_bytes": 1 << 26, "tok_s": [90.0, 100.0, 95.0], "step_ms": 40.0, "attention_ms": 30.0,
-                       "products_ms": 5.0, "weight_format": "gguf", "median": 95.0, "rest_ms": 5.0}
+                       "products_ms": 5.0, "weight_format": "gguf", "vs_first": None, "median": 95.0, "rest_ms": 5.0}
     assert (rows[1]["median"], rows[1]["rest_ms"]) == (150.0, None)
     path = tmp_path / "kv.png"
     assert plots.PLOTS["kv-decode"](rows, path) == path
