@@ -146,11 +146,11 @@ class Player:
         self.times = StepTimes([], [], [], [])
         self._play(StepTimes([], [], [], []))
 
-    def play(self) -> float:
-        """One repeat; its decode tok/s."""
-        return self._play(self.times)
+    def play(self) -> None:
+        """One repeat, recorded."""
+        self._play(self.times)
 
-    def _play(self, out: StepTimes) -> float:
+    def _play(self, out: StepTimes) -> None:
         engine, prompts = self.llm.engine, self.prompts
         for p in prompts:
             engine.add_request(p, self.params)
@@ -169,7 +169,6 @@ class Player:
                 out.products_s.append(self.timer.products_s)
         out.rates.append(decode_tokens / decode_time if decode_time else 0.0)
         engine.check_integrity()
-        return out.rates[-1]
 
 
 def run(loaded: LoadedModel, text_ids: list[int], formats: list[str], backends: list[str], num_seqs: int,
@@ -217,7 +216,7 @@ def run(loaded: LoadedModel, text_ids: list[int], formats: list[str], backends: 
                                            for (fmt, _), p in zip(configs, players)))
     first = players[0].times.rates
     for (fmt, _), player in zip(configs, players):
-        results.append(result(fmt, player, [r / f for r, f in zip(player.times.rates, first)]))
+        results.append(result(fmt, player, [r / f if f else 0.0 for r, f in zip(player.times.rates, first)]))
         log(f"{fmt} / {results[-1].backend}: {rates(results[-1])}")
     return results
 
