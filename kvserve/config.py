@@ -53,11 +53,15 @@ def opt(help: str, **kw: Any) -> dict[str, Option]:
 #: question's peak in the segments it attends to most, best segment first, recomputed)
 BLEND_SELECTIONS = ("deviation", "narrowing", "query", "query-segments")
 QUERY_SELECTIONS = ("query", "query-segments")     # those that compute the question first, to choose
+#: the engine option also takes "auto": query-segments where the model's query layer is known,
+#: else deviation (kvserve/blend/calibrated.py)
+BLEND_SELECTION_CHOICES = ("auto", *BLEND_SELECTIONS)
 
 
-def check_blend_selection(selection: str, sink_tokens: int, last_segments: int = 0) -> None:
-    if selection not in BLEND_SELECTIONS:
-        raise ValueError(f"unknown blend selection {selection!r}; choose one of {', '.join(BLEND_SELECTIONS)}")
+def check_blend_selection(selection: str, sink_tokens: int, last_segments: int = 0,
+                          choices: tuple[str, ...] = BLEND_SELECTIONS) -> None:
+    if selection not in choices:
+        raise ValueError(f"unknown blend selection {selection!r}; choose one of {', '.join(choices)}")
     for name, value in (("blend_sink_tokens", sink_tokens), ("blend_last_segments", last_segments)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
@@ -165,12 +169,14 @@ class CacheConfig:
     blend_select_layer: int = field(default=1, metadata=opt(
         "the layer where blending compares fresh and cached KV to pick the tokens it recomputes; layers "
         "below it run for every token (docs/blend.md)"))
-    blend_selection: str = field(default="deviation", metadata=opt(
-        "how blending picks the reused tokens it recomputes: deviation (CacheBlend: fresh vs cached KV at "
+    blend_selection: str = field(default="auto", metadata=opt(
+        "how blending picks the reused tokens it recomputes: auto (query-segments where the model's "
+        "blend_query_layer is known, given or calibrated: SmolLM2-135M's 18; else deviation), deviation "
+        "(CacheBlend: fresh vs cached KV at "
         "blend_select_layer), narrowing (the same, narrowed layer by layer: 2f, 1.5f, then f), query (the text after the last segment computed first; the tokens its queries "
         "attend to most, recomputed in every layer), query-segments (the same first pass; windows around the "
         "question's peak, best segment first) (docs/blend.md)",
-        choices=BLEND_SELECTIONS))
+        choices=BLEND_SELECTION_CHOICES))
     blend_sink_tokens: int = field(default=0, metadata=opt(
         "each reused segment's first tokens always recomputed (its spurious attention sink; docs/blend.md)"))
     blend_last_segments: int = field(default=0, metadata=opt(
@@ -178,7 +184,7 @@ class CacheConfig:
         "selection; blend_fraction is then taken of the others (docs/blend.md)"))
     blend_query_layer: int | None = field(default=None, metadata=opt(
         "the layer whose attention the query selections read (calibrated per model: 18 for SmolLM2-135M; "
-        "docs/blend.md)", default_text="every layer, summed"))
+        "docs/blend.md)", default_text="every layer, summed (auto: the model's calibrated layer)"))
     blend_preamble: str | None = field(default=None, metadata=opt(
         "text every segment is computed after before it is stored (a system prompt, say), so a document's "
         "stored KV has seen the start of a prompt instead of starting one; part of the segments' keys "
@@ -208,7 +214,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.blend_select_layer < 1:
             raise ValueError(f"blend_select_layer must be >= 1, got {self.blend_select_layer}")
-        check_blend_selection(self.blend_selection, self.blend_sink_tokens, self.blend_last_segments)
+        check_blend_selection(self.blend_selection, self.blend_sink_tokens, self.blend_last_segments,
+                              BLEND_SELECTION_CHOICES)
         if self.blend_preamble is not None and not self.blend_preamble:
             raise ValueError("blend_preamble must be a non-empty text (None: no preamble)")
         if self.blend_query_layer is not None and self.blend_query_layer < 0:

@@ -74,6 +74,7 @@ from kvserve.bench.rag_workload import (
     segmented_prompt,
     template_head,
 )
+from kvserve.blend.calibrated import resolve_selection
 from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.llm import LLM
 from kvserve.options import add_engine_args
@@ -347,12 +348,14 @@ def run_bench(args: argparse.Namespace) -> int:
     preamble = ("none" if cache.blend_preamble is None
                 else f"{len(tokenizer.encode(cache.blend_preamble))} tokens"
                 + (" (the prompts' head)" if args.preamble_head else ""))
-    print(f"blend selection: {cache.blend_selection}, {cache.blend_sink_tokens} sink tokens per segment, "
+    selection, query_layer = resolve_selection(cache.blend_selection, cache.blend_query_layer, loaded.fingerprint)
+    chose = f" (from {cache.blend_selection})" if selection != cache.blend_selection else ""
+    print(f"blend selection: {selection}{chose}, {cache.blend_sink_tokens} sink tokens per segment, "
           f"last {cache.blend_last_segments} segments whole, "
-          f"query layer {'all' if cache.blend_query_layer is None else cache.blend_query_layer}, "
+          f"query layer {'all' if query_layer is None else query_layer}, "
           f"segments stored after a preamble: {preamble}")
     for line in goal_lines(results, args.k, loaded.config.num_layers, cache.blend_select_layer,
-                           cache.blend_selection, cache.blend_query_layer):
+                           selection, query_layer):
         print(line)
     if args.decoders:
         decoder_blocks = args.decoders * -(-(DECODE_PROMPT_TOKENS + DECODE_TOKENS) // cache.block_size)

@@ -24,6 +24,7 @@ from kvserve.attention.backends import AttentionBackend, make_attention_backend
 from kvserve.attention.cpu_writes import CpuWrites
 from kvserve.blend.admission import BlendAdmission
 from kvserve.blend.blender import Blender
+from kvserve.blend.calibrated import resolve_selection
 from kvserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from kvserve.engine.checks import RequestChecks
 from kvserve.engine.model_card import ModelCard
@@ -161,9 +162,9 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     eos = sorted(mc.eos_token_ids)
     tokenizer_json = loaded.tokenizer.to_tokenizer_json() if loaded.tokenizer is not None else None
     scheduler = Scheduler(config.scheduler, kv, tiering)
-    blender = Blender(model, storage, kv, tiering, cc.blend_select_layer, cc.blend_cost_model, cc.blend_selection,
-                      cc.blend_sink_tokens, cc.blend_query_layer, preamble, cc.blend_in_batch,
-                      cc.blend_last_segments)
+    selection, query_layer = resolve_selection(cc.blend_selection, cc.blend_query_layer, loaded.fingerprint)
+    blender = Blender(model, storage, kv, tiering, cc.blend_select_layer, cc.blend_cost_model, selection,
+                      cc.blend_sink_tokens, query_layer, preamble, cc.blend_in_batch, cc.blend_last_segments)
     grammars = GrammarCompiler(tokenizer_json, mc.vocab_size, eos)
     parts = EngineParts(
         model_config=mc, device=device, dtype=dtype, max_model_len=max_model_len, model=model,
