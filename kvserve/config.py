@@ -169,7 +169,7 @@ class CacheConfig:
     blend_select_layer: int = field(default=1, metadata=opt(
         "the layer where blending compares fresh and cached KV to pick the tokens it recomputes; layers "
         "below it run for every token (docs/blend.md)"))
-    blend_selection: str = field(default="auto", metadata=opt(
+    blend_selection: str = field(default="deviation", metadata=opt(
         "how blending picks the reused tokens it recomputes: auto (query-segments where the model's "
         "blend_query_layer is known, given or calibrated: SmolLM2-135M's 18; else deviation), deviation "
         "(CacheBlend: fresh vs cached KV at "

