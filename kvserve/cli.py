@@ -96,7 +96,7 @@ def cmd_build_extensions(args: argparse.Namespace, out: TextIO) -> int:
         print(f"{r.status:7} {r.isa:11} {took:>6}  {r.title}: {r.path.name}", file=out)
     failed = sum(r.status == "failed" for r in results)
     print(f"{len(results) - failed} of {len(results)} ready in {cache_dir()}"
-          + (f"; {failed} failed (kvserve falls back to torch for those; the warnings above say why)" if failed else ""),
+          + (f"; {failed} failed (the warnings above say why, and what kvserve does without them)" if failed else ""),
           file=out)
     return 1 if failed else 0
 

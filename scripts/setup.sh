@@ -29,5 +29,5 @@ command -v redis-server >/dev/null 2>&1 || { [ "$(id -u)" = 0 ] && command -v ap
   && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } >/dev/null 2>&1; } \
   || echo "note: redis-server is not installed; the Redis offload tier tests will skip"
 kvserve build-extensions $EVERY_ISA \
-  || echo "note: a C++ kernel did not build (above); kvserve runs its torch fallback for it"
+  || echo "note: a C++ kernel did not build (the warnings above say why); kvserve runs without it"
 python -c "import kvserve; print('kvserve', kvserve.__version__, 'ready in .venv')"
