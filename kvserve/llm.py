@@ -78,10 +78,11 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              cache: CacheControl | None = None, segments: Sequence[str] | None = None,
-             blend_fraction: float = DEFAULT_BLEND_FRACTION) -> list[RequestOutput]:
+             blend_fraction: float = DEFAULT_BLEND_FRACTION, blend_selection: str | None = None,
+             blend_sink_tokens: int | None = None, blend_last_segments: int | None = None) -> list[RequestOutput]:
         """Apply the model's chat template (with the generation prompt) and generate.
         ``segments``: texts (documents) in every conversation whose KV is reused by blending
-        (``SegmentedPrompt.from_text``; lossy, opt-in)."""
+        (``SegmentedPrompt.from_text``, with the ``blend_*`` arguments; lossy, opt-in)."""
         if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         if messages and isinstance(messages[0], dict):
@@ -92,7 +93,8 @@ class LLM:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         texts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         prompts: list[Prompt] = list(texts) if segments is None else \
-            [SegmentedPrompt.from_text(t, segments, blend_fraction) for t in texts]
+            [SegmentedPrompt.from_text(t, segments, blend_fraction, blend_selection, blend_sink_tokens,
+                                       blend_last_segments) for t in texts]
         return self.generate(prompts, params, cache=cache)
 
     def cache_segments(self, segments: Sequence[str | Sequence[int]], salt: str = "") -> int:

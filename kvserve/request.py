@@ -82,6 +82,11 @@ class BlendSpec:
 
     spans: tuple[tuple[int, int], ...]      # (first token, num_tokens) per segment, in order, disjoint
     fraction: float                         # blend_fraction: 0.0 reuses all, 1.0 recomputes all
+    # this prompt's blend_selection, blend_sink_tokens and blend_last_segments; None: the engine's
+    # (checked by SegmentedPrompt, which makes this spec)
+    selection: str | None = None
+    sink_tokens: int | None = None
+    last_segments: int | None = None
 
     def __post_init__(self) -> None:
         check_blend_fraction(self.fraction)

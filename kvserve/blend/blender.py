@@ -41,12 +41,14 @@ either way, so it counts as reused.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvserve.blend.blending import Blended, BlendJob, BlendPrompt, narrowing_fractions
+from kvserve.blend.calibrated import resolve_selection
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV, compute_kv
 from kvserve.blend.store import SegmentStore, read_tokens, write_tokens
@@ -59,6 +61,15 @@ from kvserve.model.llama import LlamaModel
 from kvserve.request import BlendRows, BlendSpec, Request
 
 log = logging.getLogger(__name__)
+
+
+class Selection(NamedTuple):
+    """How one prompt's recomputed tokens are picked (``Blender.how``)."""
+
+    selection: str
+    query_layer: int | None
+    sink_tokens: int
+    last_segments: int
 
 
 @dataclass
@@ -136,10 +147,14 @@ class Blender:
     def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, tiering: Tiering,
                  select_layer: int = 1, use_cost_model: bool = True, selection: str = "deviation",
                  sink_tokens: int = 0, query_layer: int | None = None, preamble: Sequence[int] = (),
-                 in_batch: bool = False, last_segments: int = 0) -> None:
+                 in_batch: bool = False, last_segments: int = 0,
+                 resolve: Callable[[str], tuple[str, int | None]] | None = None) -> None:
         """``use_cost_model`` False: blend whenever a segment's KV can be reused; ``selection``,
         ``sink_tokens``, ``query_layer`` and ``last_segments``: how the recomputed tokens are
-        picked (``blend_prefill``);
+        picked (``blend_prefill``), unless a prompt names its own (``BlendSpec``); ``resolve``: a
+        prompt's selection name to the selection and query layer it runs with (the engine's
+        ``calibrated.resolve_selection`` with its options and model; default: ``auto`` by
+        ``query_layer`` alone);
         ``preamble``: the tokens every segment is computed after before it is stored
         (``compute_kv``; part of the segments' keys); ``in_batch``: the engine's steps compute
         the rows a blend chooses (``start``), as its cost model counts them."""
@@ -152,6 +167,7 @@ class Blender:
                              f"got {query_layer}")
         self.selection, self.sink_tokens, self.query_layer = selection, sink_tokens, query_layer
         self.last_segments = last_segments
+        self._resolve = resolve or (lambda name: resolve_selection(name, query_layer, ""))
         self.in_batch = in_batch
         self.model = model
         self.use_cost_model = use_cost_model
@@ -169,6 +185,14 @@ class Blender:
     @property
     def num_layers(self) -> int:
         return self.model.config.num_layers
+
+    def how(self, spec: BlendSpec) -> Selection:
+        """How a prompt's recomputed tokens are picked: what its spec names, else the engine's."""
+        selection, query_layer = ((self.selection, self.query_layer) if spec.selection is None
+                                  else self._resolve(spec.selection))
+        return Selection(selection, query_layer,
+                         self.sink_tokens if spec.sink_tokens is None else spec.sink_tokens,
+                         self.last_segments if spec.last_segments is None else spec.last_segments)
 
     def store(self, token_ids: list[int], salt: str = "") -> int:
         """Compute a segment standalone and store its full blocks unless the device or the
@@ -188,9 +212,10 @@ class Blender:
         when a full prefill is cheaper; the segments not stored anywhere are computed and
         stored first, whatever the verdict."""
         spec = _spec(req)
+        how = self.how(spec)
         n = req.num_prompt_tokens - num_known
         load_s, num_reused, num_sinks, num_whole = 0.0, 0, 0, 0
-        whole_from = len(spec.spans) - self.last_segments       # the first segment recomputed whole
+        whole_from = len(spec.spans) - how.last_segments       # the first segment recomputed whole
         fresh: list[SegmentKV | None] = []
         for i, (start, length) in enumerate(spec.spans):
             segment = None
@@ -210,11 +235,11 @@ class Blender:
                 if i >= whole_from:
                     num_whole += run
                 else:
-                    num_sinks += min(run, self.sink_tokens)
+                    num_sinks += min(run, how.sink_tokens)
             fresh.append(segment)
         tps = self.tiering.prefill_tokens_per_s
         work = blend_work(n, num_reused, spec.fraction, self.select_layer, self.model.config.num_layers,
-                          self.selection, num_sinks, self.query_layer, self.in_batch, num_whole,
+                          how.selection, num_sinks, how.query_layer, self.in_batch, num_whole,
                           spec.num_asking_tokens(req.num_prompt_tokens, num_known))
         cost = work + (load_s * tps if tps else 0.0)
         log.debug("request %s: blend %.0f token-equivalents (%d reused, loads %.2f ms) vs prefill %d",
@@ -235,9 +260,10 @@ class Blender:
                   for (start, length), fresh in zip(spec.spans, plan.fresh)]
         known = read_tokens(self.storage, block_ids, req.prompt_token_ids[:num_known]) if num_known else None
         prompt = BlendPrompt(tuple(req.prompt_token_ids), spec.spans)
+        how = self.how(spec)
         job = BlendJob(self.model, self.rope, prompt, cached, spec.fraction, self.select_layer, known,
-                       self.selection, self.sink_tokens, self.query_layer, rows_only=self.in_batch,
-                       last_segments=self.last_segments)
+                       how.selection, how.sink_tokens, how.query_layer, rows_only=self.in_batch,
+                       last_segments=how.last_segments)
         return BlendTask(req, job, block_ids, num_known)
 
     def finish(self, task: BlendTask) -> BlendOutcome:

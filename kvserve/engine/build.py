@@ -164,7 +164,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     scheduler = Scheduler(config.scheduler, kv, tiering)
     selection, query_layer = resolve_selection(cc.blend_selection, cc.blend_query_layer, loaded.fingerprint)
     blender = Blender(model, storage, kv, tiering, cc.blend_select_layer, cc.blend_cost_model, selection,
-                      cc.blend_sink_tokens, query_layer, preamble, cc.blend_in_batch, cc.blend_last_segments)
+                      cc.blend_sink_tokens, query_layer, preamble, cc.blend_in_batch, cc.blend_last_segments,
+                      lambda name: resolve_selection(name, cc.blend_query_layer, loaded.fingerprint))
     grammars = GrammarCompiler(tokenizer_json, mc.vocab_size, eos)
     parts = EngineParts(
         model_config=mc, device=device, dtype=dtype, max_model_len=max_model_len, model=model,

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.cache_control import MAX_SALT_CHARS
+from kvserve.config import BLEND_SELECTION_CHOICES, check_blend_selection
 from kvserve.request import DEFAULT_BLEND_FRACTION, check_blend_fraction
 from kvserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
@@ -113,6 +114,10 @@ class GenerationFields(_Body):
     # computation, wherever they appear, recomputing blend_fraction of them (lossy; docs/blend.md)
     segments: list[str] | None = Field(None, max_length=MAX_SEGMENTS)
     blend_fraction: float | None = None
+    # and how this prompt's recomputed tokens are picked (None: the engine's options)
+    blend_selection: str | None = None
+    blend_sink_tokens: int | None = None
+    blend_last_segments: int | None = None
     # OpenAI fields that do not change the output: accepted, ignored
     user: str | None = None
     service_tier: str | None = None
@@ -125,8 +130,9 @@ class GenerationFields(_Body):
         """``text`` cut at the request's segments (None without any); APIError(400) when one does
         not occur in it (in order) or blending cannot apply."""
         if self.segments is None:
-            if self.blend_fraction is not None:
-                raise bad_request("blend_fraction applies to segments; none were given", "blend_fraction")
+            for name in ("blend_fraction", "blend_selection", "blend_sink_tokens", "blend_last_segments"):
+                if getattr(self, name) is not None:
+                    raise bad_request(f"{name} applies to segments; none were given", name)
             return None
         if not self.segments:
             raise bad_request("segments must hold at least one text", "segments")
@@ -135,7 +141,17 @@ class GenerationFields(_Body):
         except ValueError as e:
             raise bad_request(str(e), "blend_fraction") from None
         try:
-            return SegmentedPrompt.from_text(text, self.segments, fraction)
+            check_blend_selection("auto" if self.blend_selection is None else self.blend_selection,
+                                  0 if self.blend_sink_tokens is None else self.blend_sink_tokens,
+                                  0 if self.blend_last_segments is None else self.blend_last_segments,
+                                  BLEND_SELECTION_CHOICES)
+        except ValueError as e:
+            field = next((name for name in ("blend_sink_tokens", "blend_last_segments") if name in str(e)),
+                         "blend_selection")
+            raise bad_request(str(e), field) from None
+        try:
+            return SegmentedPrompt.from_text(text, self.segments, fraction, self.blend_selection,
+                                             self.blend_sink_tokens, self.blend_last_segments)
         except ValueError as e:
             raise bad_request(f"segments: {e} ({param})", "segments") from None
 

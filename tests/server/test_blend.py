@@ -1,4 +1,5 @@
-"""Segments over HTTP: the ``segments`` and ``blend_fraction`` fields on completions and chat,
+"""Segments over HTTP: the ``segments``, ``blend_fraction`` and per-prompt selection fields on
+completions and chat,
 their errors, the blend metrics. The default model, blending always on (no cost model) so
 every segmented request takes the blend path."""
 
@@ -61,6 +62,10 @@ def test_chat_with_segments(server, http):
     ({"prompt": "abc", "segments": []}, "segments", "at least one"),
     ({"prompt": "abc", "segments": ["abc"], "blend_fraction": 1.5}, "blend_fraction", ""),
     ({"prompt": "abc", "segments": ["b"], "echo": True, "logprobs": 1}, "segments", "echo"),
+    ({"prompt": "abc", "blend_selection": "query"}, "blend_selection", "none were given"),
+    ({"prompt": "abc", "segments": ["b"], "blend_selection": "best"}, "blend_selection", "unknown blend selection"),
+    ({"prompt": "abc", "segments": ["b"], "blend_sink_tokens": -2}, "blend_sink_tokens", "got -2"),
+    ({"prompt": "abc", "segments": ["b"], "blend_last_segments": -1}, "blend_last_segments", "got -1"),
 ])
 def test_bad_segments_get_a_400(http, body, param, words):
     r = http.post(CMPL, json={"model": MODEL, "max_tokens": 1, **body})
@@ -69,3 +74,22 @@ def test_bad_segments_get_a_400(http, body, param, words):
     assert err["param"] == param and words in err["message"]
     ok = http.post(CMPL, json={"model": MODEL, "prompt": "Hello", "max_tokens": 1})
     assert ok.status_code == 200
+
+
+def test_a_prompts_own_selection_acts(server, http):
+    """``blend_last_segments`` covering every segment recomputes every reused token, where the
+    engine's options (none whole) at the same fraction recompute a share of them."""
+    prompt = f"Notes:\n{DOC_B}\n{DOC_A}\nQuestion: what did the keeper record? Answer:"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "segments": [DOC_B, DOC_A],
+            "blend_fraction": 0.1}
+    deltas = []
+    for extra in ({}, {"blend_last_segments": 2, "blend_selection": "query-segments", "blend_sink_tokens": 4}):
+        reused = server.metric("kvserve_blend_reused_tokens_total")
+        recomputed = server.metric("kvserve_blend_recomputed_tokens_total")
+        r = http.post(CMPL, json={**body, **extra})
+        assert r.status_code == 200, r.text
+        deltas.append((server.metric("kvserve_blend_reused_tokens_total") - reused,
+                       server.metric("kvserve_blend_recomputed_tokens_total") - recomputed))
+    (reused, recomputed), (reused_whole, recomputed_whole) = deltas
+    assert reused == reused_whole > 0
+    assert 0 < recomputed < reused and recomputed_whole == reused_whole
