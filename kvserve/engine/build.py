@@ -12,6 +12,7 @@ attributes. Names are checked first, so a typo costs no model load and opens no 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -162,10 +163,13 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     eos = sorted(mc.eos_token_ids)
     tokenizer_json = loaded.tokenizer.to_tokenizer_json() if loaded.tokenizer is not None else None
     scheduler = Scheduler(config.scheduler, kv, tiering)
-    selection, query_layer = resolve_selection(cc.blend_selection, cc.blend_query_layer, loaded.fingerprint)
+    # a prompt's own selection resolves as the option does (the closure holds the fingerprint,
+    # not the loaded model's weights)
+    resolve = functools.partial(resolve_selection, query_layer=cc.blend_query_layer, fingerprint=loaded.fingerprint)
+    selection, query_layer = resolve(cc.blend_selection)
     blender = Blender(model, storage, kv, tiering, cc.blend_select_layer, cc.blend_cost_model, selection,
                       cc.blend_sink_tokens, query_layer, preamble, cc.blend_in_batch, cc.blend_last_segments,
-                      lambda name: resolve_selection(name, cc.blend_query_layer, loaded.fingerprint))
+                      resolve)
     grammars = GrammarCompiler(tokenizer_json, mc.vocab_size, eos)
     parts = EngineParts(
         model_config=mc, device=device, dtype=dtype, max_model_len=max_model_len, model=model,
