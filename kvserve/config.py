@@ -58,13 +58,25 @@ QUERY_SELECTIONS = ("query", "query-segments")     # those that compute the ques
 BLEND_SELECTION_CHOICES = ("auto", *BLEND_SELECTIONS)
 
 
+class BlendOptionError(ValueError):
+    """A bad blend selection option; ``option`` names it (the server's 400 ``param``)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+    def __reduce__(self) -> tuple[type[BlendOptionError], tuple[str, str]]:     # crosses processes (Ray) whole
+        return type(self), (self.option, str(self))
+
+
 def check_blend_selection(selection: str, sink_tokens: int, last_segments: int = 0,
                           choices: tuple[str, ...] = BLEND_SELECTIONS) -> None:
     if selection not in choices:
-        raise ValueError(f"unknown blend selection {selection!r}; choose one of {', '.join(choices)}")
+        raise BlendOptionError("blend_selection",
+                               f"unknown blend selection {selection!r}; choose one of {', '.join(choices)}")
     for name, value in (("blend_sink_tokens", sink_tokens), ("blend_last_segments", last_segments)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            raise BlendOptionError(name, f"{name} must be an integer >= 0, got {value!r}")
 
 
 def _positive(name: str, value: float) -> None:

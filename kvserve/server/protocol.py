@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.cache_control import MAX_SALT_CHARS
-from kvserve.config import BLEND_SELECTION_CHOICES, check_blend_selection
+from kvserve.config import BlendOptionError
 from kvserve.request import DEFAULT_BLEND_FRACTION, check_blend_fraction
 from kvserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
@@ -141,17 +141,10 @@ class GenerationFields(_Body):
         except ValueError as e:
             raise bad_request(str(e), "blend_fraction") from None
         try:
-            check_blend_selection("auto" if self.blend_selection is None else self.blend_selection,
-                                  0 if self.blend_sink_tokens is None else self.blend_sink_tokens,
-                                  0 if self.blend_last_segments is None else self.blend_last_segments,
-                                  BLEND_SELECTION_CHOICES)
-        except ValueError as e:
-            field = next((name for name in ("blend_sink_tokens", "blend_last_segments") if name in str(e)),
-                         "blend_selection")
-            raise bad_request(str(e), field) from None
-        try:
             return SegmentedPrompt.from_text(text, self.segments, fraction, self.blend_selection,
                                              self.blend_sink_tokens, self.blend_last_segments)
+        except BlendOptionError as e:
+            raise bad_request(str(e), e.option) from None
         except ValueError as e:
             raise bad_request(f"segments: {e} ({param})", "segments") from None
 

@@ -4,12 +4,14 @@ as an engine given those options would, beside prompts that take the engine's.""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 from test_engine import DOCS, GREEDY, rag
 
 from kvserve import LLM, SegmentedPrompt
 from kvserve.blend.prompt import Segment
+from kvserve.config import BlendOptionError
 
 HOW = [("query-segments", 4, 1), ("narrowing", 0, 0), ("query", 2, 0), ("deviation", 0, 1), ("auto", 0, 0)]
 
@@ -62,7 +64,11 @@ def test_prompts_with_and_without_their_own_selection_share_an_engine(loaded):
     ({"blend_last_segments": 1.5}, "blend_last_segments must be an integer >= 0, got 1.5"),
 ])
 def test_bad_per_prompt_options_are_refused_when_the_prompt_is_made(kwargs, message):
+    """The error names the option (the server's 400 ``param``), also after a trip through pickle
+    (a Ray replica's error reaches the driver that way)."""
     with pytest.raises(ValueError, match=message):
         SegmentedPrompt(["a", Segment("b")], **kwargs)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(BlendOptionError, match=message) as raised:
         SegmentedPrompt.from_text("a b", ["b"], **kwargs)
+    again = pickle.loads(pickle.dumps(raised.value))
+    assert (type(again), again.option, str(again)) == (BlendOptionError, next(iter(kwargs)), str(raised.value))
