@@ -116,13 +116,18 @@ def extension_name(ext: CppExtension, isa: str) -> str:
     return f"{ext.prefix}_{isa}_{h.hexdigest()[:16]}"
 
 
+def library_path(ext: CppExtension, isa: str) -> tuple[str, Path]:
+    """The module name of ``ext``'s build for ``isa`` and where that library is cached."""
+    name = extension_name(ext, isa)
+    return name, cache_dir() / f"{name}.so"
+
+
 def load(ext: CppExtension, isa: str | None = None) -> ModuleType | None:
     """The compiled module, building it if needed; None (after one log line saying why) when
     it cannot be built or loaded, so callers fall back to their torch path. Not cached: each
     extension's module keeps its own ``functools.cache`` around this."""
     isa = isa or detect_isa(ext)
-    name = extension_name(ext, isa)
-    target = cache_dir() / f"{name}.so"
+    name, target = library_path(ext, isa)
     try:
         return _import(name, target) if target.is_file() else _build(ext, name, isa, target)
     except _BUILD_ERRORS as e:  # a compiler error, a missing compiler or header, a broken cached file
@@ -189,29 +194,23 @@ def build_ahead(named: Sequence[str], every_isa: bool = False, jobs: int = 1) ->
     an extension's MappingProxyType fields do not pickle to a worker."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    wanted = []
+    wanted = []             # (name given, extension, instruction set, cached library)
     for spec in named:
         ext = _named_extension(spec)
         isas = supported_isas(ext) if every_isa else [detect_isa(ext)]
-        wanted += [(spec, ext, isa) for isa in isas]
-    results: dict[int, Built] = {}
-    pending = []
-    for i, (spec, ext, isa) in enumerate(wanted):
-        target = cache_dir() / f"{extension_name(ext, isa)}.so"
-        if target.is_file():
-            results[i] = Built(ext.title, isa, "cached", 0.0, target)
-        else:
-            pending.append(i)
+        wanted += [(spec, ext, isa, library_path(ext, isa)[1]) for isa in isas]
+    results = [Built(ext.title, isa, "cached", 0.0, target) if target.is_file() else None
+               for spec, ext, isa, target in wanted]
+    pending = [i for i, r in enumerate(results) if r is None]
     if pending:
         # spawn: a forked child would inherit this process's torch and OpenMP state
         with ProcessPoolExecutor(max_workers=min(jobs, len(pending)), mp_context=get_context("spawn")) as pool:
             futures = {i: pool.submit(_build_named, wanted[i][0], wanted[i][2]) for i in pending}
             for i, future in futures.items():
                 ok, seconds = future.result()
-                ext, isa = wanted[i][1], wanted[i][2]
-                results[i] = Built(ext.title, isa, "built" if ok else "failed", seconds,
-                                   cache_dir() / f"{extension_name(ext, isa)}.so")
-    return [results[i] for i in range(len(wanted))]
+                _, ext, isa, target = wanted[i]
+                results[i] = Built(ext.title, isa, "built" if ok else "failed", seconds, target)
+    return [r for r in results if r is not None]
 
 
 def _named_extension(spec: str) -> CppExtension:
