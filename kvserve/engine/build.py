@@ -36,7 +36,7 @@ from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.budget.budgets import Budgets, KVBudgets
 from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import check_budget, get_policy
-from kvserve.kv.budget.precision import ZIP_NO_BUDGETS, SaliencyPrecision
+from kvserve.kv.budget.precision import SaliencyPrecision
 from kvserve.kv.codecs import KVFormat, parse_kv_format
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import Clock, Pins
@@ -286,10 +286,7 @@ def _attention_backend(name: str, device: torch.device, kv_format: KVFormat, mix
 def _make_budgets(config: EngineConfig, storage: KVStorage, kv_format: KVFormat, mc: ModelConfig) -> Budgets:
     cc = config.cache
     if isinstance(storage, ZipKVCache):
-        if cc.kv_budget is not None:
-            raise ValueError(f"a KV budget cannot run under the KV format {kv_format.spec}: {ZIP_NO_BUDGETS}; "
-                             f"give another --kv-format")
-        return SaliencyPrecision(storage, mc.num_kv_heads, cc.budget_host_bytes)
+        return SaliencyPrecision(storage, mc.num_kv_heads, cc.budget_host_bytes, cc.kv_budget, cc.kv_policy)
     return KVBudgets(storage, mc.num_kv_heads, cc.kv_budget, cc.kv_policy, HostBlockStore(cc.budget_host_bytes))
 
 

@@ -34,7 +34,7 @@ are never altered) and frees the tail; from then on its blocks are never cached.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from kvserve.cache_control import PrefixPin
@@ -238,6 +238,14 @@ class KVCacheManager:
             self.pool.cache(table[i], keys[i], tuple(tokens[i * bs:(i + 1) * bs]))
         self._num_cached_blocks[request.request_id] = end
 
+    def _free_blocks(self, blocks: Iterable[Block]) -> None:
+        """``pool.free``; a block left with no reader and no content key can never be found
+        again: what the storage keeps for its content goes now rather than when it is handed out
+        again (``renew``: a zip storage's finer copy, whose side slot the next full block takes)."""
+        blocks = list(blocks)
+        self.pool.free(blocks)
+        self.residual.renew(b.block_id for b in blocks if b.ref_count == 0 and not b.is_cached)
+
     def _allocate(self, num_blocks: int, retention: int) -> list[Block]:
         """Take free blocks, demoting to the tiers the cached ones this evicts first."""
         evicted = self.pool.peek_evictions(num_blocks)
@@ -281,11 +289,11 @@ class KVCacheManager:
             return False
         plan = self.budgets.plan(request, [b.block_id for b in table], fresh)
         self.residual.release(b.block_id for b in tail)       # (the open block is among them)
-        self.pool.free(reversed(tail))
+        self._free_blocks(reversed(tail))
         del table[num_kept:]
         for i in sorted(fresh):     # the blocks the plan was told it rewrites, exactly
             table[i] = self._allocate(1, request.retention_class)[0]
-            self.pool.free([head[i]])
+            self._free_blocks([head[i]])
         self._num_cached_blocks.pop(rid, None)
         self.budgets.apply(request, plan, [b.block_id for b in table])
         return True
@@ -304,7 +312,7 @@ class KVCacheManager:
         self.budgets.drop(rid)
         table = self._blocks.pop(rid, [])
         self.residual.release(b.block_id for b in table)
-        self.pool.free(reversed(table))
+        self._free_blocks(reversed(table))
         self._num_cached_blocks.pop(rid, None)
 
     def release_unused_blocks(self, request: Request, since: int = 0) -> None:
@@ -320,7 +328,7 @@ class KVCacheManager:
             unused = table[keep:]
             del table[keep:]
             self.residual.release(b.block_id for b in unused)
-            self.pool.free(reversed(unused))
+            self._free_blocks(reversed(unused))
 
     def forget(self, request: Request) -> None:
         """Drop per-request state of a finished request."""

@@ -680,6 +680,30 @@ def test_a_zip_format_on_the_triton_backend_gives_the_torch_paths_tokens(spec: s
     assert dropped["triton"] == dropped["torch"] > 0
 
 
+def test_a_saliency_budget_under_a_zip_format_on_the_triton_backend_gives_the_torch_paths_tokens() -> None:
+    """A KV budget under precision by saliency: compactions write whole blocks, base and finer
+    copy, and the kernels read the compacted slots of mixed blocks in place. Same tokens and the
+    same copies dropped as the torch backend."""
+    from tiny import tiny_model
+
+    from kvserve import LLM, SamplingParams
+
+    loaded = tiny_model()
+    prompt = [(7 * i) % 120 + 1 for i in range(100)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, kv_budget=32, kv_policy="saliency")
+    outs, dropped = {}, {}
+    for backend in ("torch", "triton"):
+        llm = LLM(loaded=loaded, kv_format="zip:hi=int8,lo=kivi2g8,salient=0.3", num_kv_blocks=32,
+                  max_num_batched_tokens=64, device=DEVICE, dtype="float32", attention_backend=backend)
+        outs[backend] = llm.generate(prompt, params)[0].token_ids
+        budgets = llm.engine.kv.budgets
+        assert budgets.num_compactions == 2
+        dropped[backend] = budgets.num_dropped
+        llm.engine.check_integrity()
+    assert outs["triton"] == outs["torch"] and len(outs["torch"]) == 20
+    assert dropped["triton"] == dropped["torch"] > 0
+
+
 @pytest.mark.parametrize("fmt", ["native", "kivi2g8"])
 def test_a_blend_in_the_batch_on_the_triton_backend_gives_the_torch_paths_tokens(fmt: str) -> None:
     """A blend's rows as chunks of the steps (``blend_in_batch``): one query sequence per run of

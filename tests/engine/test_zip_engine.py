@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+import torch
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
@@ -119,14 +120,18 @@ def test_the_cpu_kernel_gives_the_torch_paths_tokens(loaded, spec):
 
 
 def test_what_a_zip_format_cannot_do_is_refused(loaded):
-    with pytest.raises(ValueError, match="a KV budget cannot run under the KV format zip:.*a compaction would move"):
+    # a budget of any policy but saliency, the engine's or a request's
+    with pytest.raises(ValueError, match="KV policy 'streaming' cannot run under the KV format zip:.*one measure "
+                                         "ranks both.*give kv_policy saliency"):
         LLM(loaded=loaded, kv_format=SPEC, kv_budget=64)
     with pytest.raises(ValueError, match="triton attention backend cannot read zip:hi=int8,lo=kivi2g8\\+had.*"
                                          "Hadamard domain only"):
         LLM(loaded=loaded, kv_format="zip:hi=int8,lo=kivi2g8+had,salient=0.2", attention_backend="triton")
     llm = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=32)
-    with pytest.raises(ValueError, match="KV budgets are not available here: KV format zip:.*finer copy"):
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, kv_budget=32, kv_policy="snapkv"))
+    for policy in ("snapkv", "arkvale", None):      # None: the engine's (streaming)
+        with pytest.raises(ValueError, match=f"KV policy '{policy or 'streaming'}' cannot run under the KV format "
+                                             "zip:hi=int8,lo=kivi2g8,salient=0.25"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, kv_budget=32, kv_policy=policy))
     assert llm.generate([[1, 2, 3]], GREEDY)[0].finished       # and nothing else is harmed
 
 
@@ -163,3 +168,109 @@ def test_requests_under_a_zip_format_do_not_draft(loaded):
     plain = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=64, block_size=4)
     assert spec.generate(prompt, GREEDY)[0].token_ids == plain.generate(prompt, GREEDY)[0].token_ids
     assert spec.engine.speculator.stats.num_drafts == 0
+
+
+# -- a KV budget under a zip format: one measure for what is kept and at which precision ------
+BUDGETED = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, kv_budget=48, kv_policy="saliency")
+
+
+def _long_prompt() -> list[int]:
+    rng = random.Random(5)
+    return [rng.randrange(128) for _ in range(200)]
+
+
+def _run_budgeted(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """Generate under ``BUDGETED``, checking the engine's books after every step."""
+    e = llm.engine
+    ids = [e.add_request(p, BUDGETED) for p in prompts]
+    tokens: dict[str, list[int]] = {}
+    while e.has_unfinished:
+        for out in e.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        e.check_integrity()
+    return [tokens[rid] for rid in ids]
+
+
+@pytest.mark.parametrize("spec", [SPEC, "zip:hi=int8+had,lo=int4g8+had,salient=0.5"])
+def test_a_saliency_budget_runs_under_a_zip_format_on_every_path(loaded, spec, monkeypatch):
+    """Compactions under a zip format (the prompt's, then in decode), two requests in one batch:
+    the cpu kernel, the torch path and the masked reference give the same tokens; every block, row
+    and side slot comes back."""
+    from kvserve.kv.budget.state import BudgetState
+
+    prompts = [_long_prompt(), _long_prompt()[:150] + [9] * 30]
+    got = {}
+    for backend in ("torch", "cpu", "reference"):
+        if backend == "reference":
+            monkeypatch.setattr(BudgetState, "is_dense", property(lambda self: False))
+        llm = LLM(loaded=loaded, kv_format=spec, num_kv_blocks=96, max_num_batched_tokens=64,
+                  attention_backend="torch" if backend == "reference" else backend)
+        got[backend] = _run_budgeted(llm, prompts)
+        kv = llm.engine.kv
+        assert kv.budgets.num_compactions >= 6 and kv.budgets.num_dropped > 0
+        assert kv.pool.num_free_blocks == kv.pool.num_blocks
+        assert kv.residual.num_free_rows == kv.residual.num_rows
+        # the prompts' cached blocks lost their copies when the requests left them, the compacted
+        # blocks (never cached) theirs when they were freed
+        assert kv.residual.refined.num_free_slots == kv.residual.refined.num_slots
+    assert got["torch"] == got["cpu"] == got["reference"]
+    assert all(len(t) == 40 for t in got["cpu"])
+
+
+def test_a_saliency_budget_under_a_zip_format_of_one_precision_gives_that_formats_tokens(loaded):
+    """With the same format as base and finer copy, which blocks keep a finer copy changes no
+    value: the tokens are those of the same budget under that format alone (whose compaction
+    encodes the kept entries as the zip storage does)."""
+    plain = _run_budgeted(LLM(loaded=loaded, kv_format="int8", num_kv_blocks=64, max_num_batched_tokens=64),
+                          [_long_prompt()])
+    llm = LLM(loaded=loaded, kv_format="zip:hi=int8,lo=int8,salient=0.25", num_kv_blocks=64,
+              max_num_batched_tokens=64)
+    assert _run_budgeted(llm, [_long_prompt()]) == plain
+    assert llm.engine.kv.budgets.num_compactions == 3
+
+
+def test_a_compaction_keeps_the_finer_copies_of_the_most_salient_kept_blocks(loaded, monkeypatch):
+    """Right after a compaction (48 of 200 tokens kept, blocks of 16: three whole blocks): the
+    blocks the request left hold no finer copy; of its three, the ceil(0.25 x 3) = 1 most salient
+    by its slots' saliency holds one; each block reads back as its format encodes the kept
+    entries: the finer format where it holds a copy, the base one elsewhere."""
+    from kvserve.kv.budget.precision import SaliencyPrecision
+
+    seen = []
+    apply = SaliencyPrecision.apply
+
+    def recording(self, request, plan, block_ids):
+        before = list(self._before[request.request_id])
+        apply(self, request, plan, block_ids)
+        seen.append((plan, list(block_ids), before))
+
+    monkeypatch.setattr(SaliencyPrecision, "apply", recording)
+    llm = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=64, max_num_batched_tokens=64)
+    e = llm.engine
+    rid = e.add_request(_long_prompt(), BUDGETED)
+    while not seen:
+        e.step()
+    plan, table, before = seen[0]
+    storage, budgets = e.kv.budgets.storage, e.kv.budgets
+    refined = storage.refined
+    assert plan.num_slots == 48 and len(table) == 3
+    assert [b for b in before if b not in table and refined.slot(b) is not None] == []
+    score = budgets.block_saliency(rid, 3).tolist()
+    top = max(range(3), key=lambda i: (score[i], -i))
+    assert [refined.slot(b) is not None for b in table] == [i == top for i in range(3)]
+    bs = storage.block_size
+    for layer in range(storage.num_layers):
+        k, v = storage.gather(layer, torch.tensor([table]))
+        base, fine = storage.format.layers[layer], storage.refine_layers[layer]
+        for got, kept, lo, hi in ((k[0], plan.keys[layer], base.key, fine.key),
+                                  (v[0], plan.values[layer], base.value, fine.value)):
+            blocks = kept.reshape(3, bs, *kept.shape[1:])
+            for i in range(3):
+                codec = hi if i == top else lo
+                want = codec.decode(codec.encode(blocks[i:i + 1]), torch.float32)[0]
+                assert torch.equal(got[i * bs:(i + 1) * bs], want)
+            assert not torch.equal(got, kept)       # encoded again: not a vacuous check
+    while e.has_unfinished:
+        e.step()
+        e.check_integrity()

@@ -15,7 +15,8 @@ never a state's fields:
 
 A request's budget is ``params.kv_budget`` or else the engine's ``kv_budget``; its
 policy is ``params.kv_policy`` or else the engine's ``kv_policy``. ``KVBudgets`` runs
-them; ``NoBudgets`` stands in where the storage cannot (``zip:`` KV formats).
+them (and ``SaliencyPrecision``, kv/budget/precision.py, under a ``zip:`` KV format);
+``NoBudgets`` stands in where an engine's parts are built without budgets.
 """
 
 from __future__ import annotations
@@ -121,8 +122,7 @@ class Budgets(ABC):
 
 
 class NoBudgets(Budgets):
-    """The null object for engines that run no budgets (a ``zip:`` KV format, an engine's parts
-    built without them)."""
+    """The null object for engines that run no budgets (an engine's parts built without them)."""
 
     def __init__(self, reason: str = "") -> None:
         self.reason = reason
@@ -206,7 +206,13 @@ class KVBudgets(Budgets):
             return None
         budget, name = resolved
         top = max(get_policy(name).layer_budgets(budget, self.num_layers, self.block_size))
-        return max(-(-(num_prompt_tokens + 1) // self.block_size), top // self.block_size + 3)
+        extra = self.compaction_stride(budget) // self.block_size
+        return max(-(-(num_prompt_tokens + 1) // self.block_size), top // self.block_size + extra + 2)
+
+    def compaction_stride(self, budget: int) -> int:
+        """Tokens a budgeted request holds past its budget before it compacts: a block, so it
+        never holds more than the budget, a block and the open one."""
+        return self.block_size
 
     def start(self, request: Request) -> None:
         rid = request.request_id
@@ -262,7 +268,7 @@ class KVBudgets(Budgets):
     # -- compaction ----------------------------------------------------------
     def target_slots(self, request: Request) -> int | None:
         """None when its context fits the budget, it is mid-prefill under a policy that waits
-        for the end of the prefill, or compacting would not free a whole block."""
+        for the end of the prefill, or it holds fewer than ``compaction_stride`` slots past it."""
         state = self._states.get(request.request_id)
         if state is None:
             return None
@@ -273,7 +279,7 @@ class KVBudgets(Budgets):
             return None
         num_slots = num_computed - state.num_evicted
         target = state.target_slots(num_computed)
-        if num_slots - target < self.block_size:
+        if num_slots - target < self.compaction_stride(state.budget):
             return None
         return target
 

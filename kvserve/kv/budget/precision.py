@@ -24,8 +24,16 @@ not ranked by the filler after it alone (docs/kv_formats.md, the passkeys). The 
 of the precision it had while its chunks ran. After that a block that loses its finer copy
 never gets it back: precision only falls, as the context grows and saliency settles.
 
-KV budgets that evict are not available here (the blocks are quantized: nothing can be
-compacted), so this is the engine's ``Budgets`` under such a format.
+This is the engine's ``Budgets`` under such a format, and it runs KV budgets too, of the
+``saliency`` policy alone: one measure then decides both which entries a request keeps and which
+of its blocks keep their finer copy. A budgeted request's state is its observer with a budget
+(slots are then no longer positions once it compacts: saliency and the question are read at
+each slot's position). A compaction drops the finer copies of the blocks leaving the request's
+table (but those another running request keeps among its own), writes the kept entries into
+whole blocks, each encoded into its base and, while side slots are free, its finer format
+(``ZipKVCache.write_slots``: from the entries as read, the finer copy's values where their block
+held one), and ranks the request's blocks again at once. Other policies are refused
+(``ZIP_POLICY``).
 """
 
 from __future__ import annotations
@@ -36,34 +44,46 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.kv.block_pool import Block
-from kvserve.kv.budget.budgets import BudgetStats, BudgetStep, NoBudgets
+from kvserve.kv.budget.budgets import BudgetStats, BudgetStep, KVBudgets
+from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import PROBE_STRIDE, SNAPKV_WINDOW, get_policy
-from kvserve.kv.budget.state import BudgetState, seen_by
+from kvserve.kv.budget.state import BudgetState, TokenPlan, seen_by
 from kvserve.kv.storage.zip import ZipKVCache
 from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 
 # the saliency policy's state with this budget has the budget policy's probe window (32 positions)
 _OBSERVED_BUDGET = 2 * SNAPKV_WINDOW
 
 
 class ProbeObserver(BudgetState):
-    """The ``saliency`` policy's state without a budget, for the attention path to score into:
-    nothing is ever evicted, so a slot is its position. ``saliency`` is
-    ``BudgetState.saliency``'s, read for every layer at once (``saliency_of_layers``; tested equal)."""
+    """The ``saliency`` policy's state, for the attention path to score into. Without a budget
+    (``bounded`` false) nothing is ever evicted, so a slot is its position; with one it is that
+    policy's budget state (module docstring). ``saliency`` is ``BudgetState.saliency``'s, read for
+    every layer at once (``saliency_of_layers``; tested equal)."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, device: torch.device) -> None:
-        super().__init__(get_policy("saliency"), _OBSERVED_BUDGET, [_OBSERVED_BUDGET] * num_layers, num_kv_heads,
-                         block_size, device)
+    def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, device: torch.device,
+                 budget: int | None = None) -> None:
+        policy = get_policy("saliency")
+        self.bounded = budget is not None
+        if budget is None:
+            super().__init__(policy, _OBSERVED_BUDGET, [_OBSERVED_BUDGET] * num_layers, num_kv_heads, block_size,
+                             device)
+        else:
+            super().__init__(policy, budget, policy.layer_budgets(budget, num_layers, block_size), num_kv_heads,
+                             block_size, device)
         # the question: the probes of the prompt's last window (``begin_question``, ``end_question``)
         self._before_question: tuple[torch.Tensor, int] | None = None
         self.question: torch.Tensor | None = None
         self.regraded = False       # ranked with the whole prompt seen (``SaliencyPrecision.settle``)
 
     def prepare(self, slot_start: int, first_pos: int, num_new: int) -> None:
-        assert slot_start == first_pos, "an observer's slots are its positions"
+        assert self.bounded or slot_start == first_pos, "an observer's slots are its positions"
         super().prepare(slot_start, first_pos, num_new)
 
     def key_mask(self, layer: int, num_slots: int) -> torch.Tensor:
+        if self.bounded:
+            return super().key_mask(layer, num_slots)
         return torch.ones(num_slots, dtype=torch.bool, device=self.device)
 
     def saliency(self, layer: int, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,7 +93,17 @@ class ProbeObserver(BudgetState):
     def saliency_of_layers(self, num_slots: int) -> torch.Tensor:
         """[layers, heads, num_slots] the saliency of the first ``num_slots`` slots in every layer."""
         assert self._all_score is not None
-        return self._all_score[..., :num_slots] / seen_by(self.probes, torch.arange(num_slots, device=self.device))
+        return self._all_score[..., :num_slots] / seen_by(self.probes, self._all_pos[..., :num_slots])
+
+    def question_at(self, num_slots: int) -> torch.Tensor | None:
+        """[num_slots] the question's attention to what the first ``num_slots`` slots hold: per slot
+        its position's, averaged over layers and KV heads (which hold other positions there once
+        a budget has compacted; before, every slot is its position). None before the prompt is whole."""
+        if self.question is None:
+            return None
+        pos = self._all_pos[..., :num_slots]
+        known = pos < self.question.shape[0]
+        return (self.question[pos.clamp(max=self.question.shape[0] - 1)] * known).mean(dim=(0, 1))
 
     def begin_question(self) -> None:
         """The next step scores the first probes of the prompt's last window: what the scores
@@ -89,7 +119,7 @@ class ProbeObserver(BudgetState):
         prompt's last window, and the stride probes that shared a step with its first rows."""
         if self._before_question is None:        # no probe scored (rank=recent)
             return
-        assert self._all_score is not None
+        assert self._all_score is not None and not self.is_compacted, "a question ranked after a compaction"
         before, first_probe = self._before_question
         n = self.num_recorded
         added = self._all_score[..., :n].clone()
@@ -99,30 +129,32 @@ class ProbeObserver(BudgetState):
         self._before_question = None
 
 
-#: why a ``zip:`` format runs no KV budgets
-ZIP_NO_BUDGETS = ("which blocks keep a finer copy follows the slots of the requests reading them, and a compaction "
-                  "would move them")
+#: why a ``zip:`` format runs KV budgets of one policy alone
+ZIP_POLICY = ("one measure ranks both what a budget keeps and which blocks keep their finer copy: the saliency "
+              "policy's (the others score other queries, or stash blocks without their finer copies)")
 
 
-class SaliencyPrecision(NoBudgets):
+class SaliencyPrecision(KVBudgets):
     #: which blocks keep their finer copy follows the steps a request took: a drafting request's
     #: tokens would not be those of plain decoding
     takes_drafts = False
 
-    def __init__(self, storage: ZipKVCache, num_kv_heads: int, host_bytes: int) -> None:
+    def __init__(self, storage: ZipKVCache, num_kv_heads: int, host_bytes: int,
+                 default_budget: int | None = None, default_policy: str = "saliency") -> None:
         if host_bytes < 0:
             raise ValueError(f"host memory for held finer copies must be >= 0 bytes, got {host_bytes}")
         assert storage.format.refine is not None
-        super().__init__(f"KV format {storage.format.spec}: {ZIP_NO_BUDGETS}")
-        self.storage = storage
+        self.spec = storage.format.spec
+        if default_budget is not None:
+            self._check_policy(default_policy)
+        super().__init__(storage, num_kv_heads, default_budget, default_policy, HostBlockStore(0))
+        self.storage: ZipKVCache = storage
         self.salient = storage.format.refine.salient
         self.rank = storage.format.refine.rank
-        self.num_layers = storage.num_layers
-        self.num_kv_heads = num_kv_heads
-        self.block_size = storage.block_size
-        self._states: dict[str, ProbeObserver] = {}
+        self._states: dict[str, BudgetState] = {}   # ProbeObserver each: ``_observer``
         self._wanted: dict[str, set[int]] = {}      # per request, the blocks it keeps refined
         self._settled: dict[str, int] = {}          # per request, its full blocks when it last settled
+        self._before: dict[str, list[int]] = {}     # per compacting request, its table when planned
         self.num_dropped = 0                        # finer copies dropped by ``settle``, all requests
         self.host_bytes = host_bytes
         self.copy_nbytes = storage.finer_nbytes
@@ -130,61 +162,113 @@ class SaliencyPrecision(NoBudgets):
         self.num_unheld = 0         # copies a prompt dropped with no host room to hold them
         self.num_restored = 0       # held copies given back when their prompt was whole
 
-    def start(self, request: Request) -> None:
-        if request.request_id not in self._states:
-            self._states[request.request_id] = ProbeObserver(self.num_layers, self.num_kv_heads, self.block_size,
-                                                             self.storage.device)
+    def compaction_stride(self, budget: int) -> int:
+        """An eighth of the budget, in whole blocks (at least one): a compaction here reads every
+        kept entry back through its codecs and encodes it again, base and finer copy, so a request
+        compacts every ``budget / 8`` tokens rather than every block, holding up to that many more."""
+        bs = self.block_size
+        return max(bs, budget // 8 // bs * bs)
 
-    def get(self, request_id: str) -> BudgetState | None:
-        return self._states.get(request_id)
+    def _check_policy(self, name: str) -> None:
+        if name != "saliency":
+            raise ValueError(f"KV policy {name!r} cannot run under the KV format {self.spec}: {ZIP_POLICY}; "
+                             "give kv_policy saliency")
+
+    def check(self, params: SamplingParams) -> None:
+        super().check(params)
+        resolved = self.resolve(params)
+        if resolved is not None:
+            self._check_policy(resolved[1])
+
+    def start(self, request: Request) -> None:
+        rid = request.request_id
+        if rid not in self._states:
+            resolved = self.resolve(request.params)
+            self._states[rid] = ProbeObserver(self.num_layers, self.num_kv_heads, self.block_size,
+                                              self.storage.device, None if resolved is None else resolved[0])
+
+    def _observer(self, request_id: str) -> ProbeObserver | None:
+        state = self._states.get(request_id)
+        assert state is None or isinstance(state, ProbeObserver)
+        return state
 
     def begin_step(self, request: Request, num_new: int) -> BudgetStep | None:
-        state = self._states.get(request.request_id)
+        state = self._observer(request.request_id)
         if state is None:
             return None
         first_pos = request.num_computed_tokens
-        state.prepare(first_pos, first_pos, num_new)
-        # probes by position: every 16th and the prompt's last window; decode queries only every
-        # 16th too (the last token of each block, the step that fills it and settles), so 15 decode
-        # steps in 16 score nothing
+        slot_start = first_pos - state.num_evicted
+        state.prepare(slot_start, first_pos, num_new)
         prompt = request.num_prompt_tokens
         window = range(prompt - state.window, prompt)
-        rows = () if self.rank != "saliency" else tuple(
-            r for r in range(num_new) if first_pos + r in window or (first_pos + r + 1) % PROBE_STRIDE == 0)
+        if state.bounded:
+            # the saliency budget's probes (every decode query among them): eviction reads them
+            rows = state.probe_rows(first_pos, num_new, request.num_tokens)
+        else:
+            # probes by position: every 16th and the prompt's last window; decode queries only every
+            # 16th too (the last token of each block, the step that fills it and settles), so 15
+            # decode steps in 16 score nothing
+            rows = () if self.rank != "saliency" else tuple(
+                r for r in range(num_new) if first_pos + r in window or (first_pos + r + 1) % PROBE_STRIDE == 0)
         if any(first_pos + r in window for r in rows):
             state.begin_question()
         state.record_probes(first_pos, rows)
-        return BudgetStep(state, first_pos, 0, False, bool(rows), rows)
+        return BudgetStep(state, slot_start, 0, state.is_compacted, bool(rows) or state.is_compacted, rows)
+
+    def target_slots(self, request: Request) -> int | None:
+        state = self._observer(request.request_id)
+        return None if state is None or not state.bounded else super().target_slots(request)
+
+    def plan(self, request: Request, block_ids: list[int], rewritten: frozenset[int] = frozenset()) -> TokenPlan:
+        self._before[request.request_id] = list(block_ids)
+        return super().plan(request, block_ids, rewritten)
+
+    def apply(self, request: Request, plan: TokenPlan, block_ids: list[int]) -> None:
+        """The compaction (module docstring): the copies of the blocks leaving the table go first,
+        so that the kept entries' whole blocks find side slots; then the request is ranked again."""
+        rid = request.request_id
+        now = set(block_ids)
+        self._wanted.pop(rid, None)
+        others = self._wanted_by_others(rid)
+        self.num_dropped += len(self.storage.refined.drop(
+            b for b in self._before.pop(rid) if b not in now and b not in others))
+        super().apply(request, plan, block_ids)
+        self._settled.pop(rid, None)
+        self._rank(request, block_ids, plan.num_slots // self.block_size, regrade=False)
 
     def drop(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        super().drop(request_id)
         self._wanted.pop(request_id, None)
         self._settled.pop(request_id, None)
         self._held.pop(request_id, None)
+        self._before.pop(request_id, None)
 
     @property
     def held_nbytes(self) -> int:
         return self.copy_nbytes * sum(len(h) for h in self._held.values())
 
     def stats(self) -> BudgetStats:
-        return BudgetStats(0, self.held_nbytes, self.host_bytes, self.num_unheld)
+        return BudgetStats(self._num_compactions, self.held_nbytes, self.host_bytes, self.num_unheld)
 
     def block_saliency(self, request_id: str, num_blocks: int) -> torch.Tensor:
-        """[num_blocks] the saliency of the request's first ``num_blocks`` blocks (module docstring)."""
-        state = self._states[request_id]
+        """[num_blocks] the saliency of the request's first ``num_blocks`` blocks of slots (module
+        docstring): per slot, its saliency summed over KV heads and averaged over layers, plus the
+        question's attention to it; per block, its most salient slot's."""
+        state = self._observer(request_id)
+        assert state is not None
         num_slots = num_blocks * self.block_size
         per_token = state.saliency_of_layers(num_slots).sum(dim=1).mean(dim=0)
-        if state.question is not None:
-            n = min(num_slots, state.question.shape[0])
-            per_token[:n] += state.question[:n]
+        question = state.question_at(num_slots)
+        if question is not None:
+            per_token += question
         return per_token.view(num_blocks, self.block_size).amax(dim=1)
 
     def settle(self, request: Request, table: Sequence[Block]) -> None:
         rid = request.request_id
-        state = self._states.get(rid)
+        state = self._observer(rid)
         if state is None:
             return
-        num_full = min(request.num_computed_tokens, state.num_recorded) // self.block_size
+        num_full = min(request.num_computed_tokens - state.num_evicted, state.num_recorded) // self.block_size
         prompt_whole = request.num_computed_tokens >= request.num_prompt_tokens
         regrade = prompt_whole and not state.regraded      # the first settle with the whole prompt
         if num_full == self._settled.get(rid, 0) and not regrade:
@@ -192,15 +276,25 @@ class SaliencyPrecision(NoBudgets):
         if regrade:
             state.end_question()
             state.regraded = True
+        self._rank(request, [b.block_id for b in table[:num_full]], num_full, regrade)
+
+    def _wanted_by_others(self, request_id: str) -> set[int]:
+        return set().union(*(w for r, w in self._wanted.items() if r != request_id))
+
+    def _rank(self, request: Request, table: Sequence[int], num_full: int, regrade: bool) -> None:
+        """Keep the finer copies of the request's ``ceil(salient x num_full)`` most salient full
+        blocks (of ``table``, its block ids); drop the others' (module docstring)."""
+        rid = request.request_id
+        prompt_whole = request.num_computed_tokens >= request.num_prompt_tokens
         self._settled[rid] = num_full
-        block_ids = [b.block_id for b in table[:num_full]]
+        block_ids = list(table[:num_full])
         score = (self.block_saliency(rid, num_full) if self.rank == "saliency" else _recency(num_full)).tolist()
         keep = math.ceil(self.salient * num_full)
         # most salient first; ties go to the earlier block
         order = sorted(range(num_full), key=lambda i: (-score[i], i))
         wanted = {block_ids[i] for i in order[:keep]}
         self._wanted[rid] = wanted
-        others = set().union(*(w for r, w in self._wanted.items() if r != rid))
+        others = self._wanted_by_others(rid)
         losing = [b for b in block_ids if b not in wanted and b not in others]
         if not prompt_whole:
             self._hold(rid, losing)
@@ -213,6 +307,7 @@ class SaliencyPrecision(NoBudgets):
             self.num_restored += len(self.storage.restore_finer(back, torch.stack([held[b] for b in back])))
 
     def check_integrity(self) -> None:
+        super().check_integrity()
         assert self._held.keys() <= self._states.keys(), "held finer copies of a request with no state"
         assert self.held_nbytes <= self.host_bytes, "held finer copies over the host room"
         refined = self.storage.refined
