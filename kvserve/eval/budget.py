@@ -16,7 +16,14 @@ For each context length C (tokens):
 Prefills are shared where that is exact: policies that change nothing before the end of
 the prefill (the full cache, snapkv, pyramid, arkvale) reuse, from the prefix cache, a
 warm-up of all but the last ``WARM_GAP`` prompt tokens (so snapkv's 32-token window is
-computed); policies that evict during the prefill (streaming, h2o, merge) run cold.
+computed); policies that evict during the prefill (streaming, h2o, merge) run cold. Under a
+``zip:`` KV format every row runs cold: which blocks a prompt keeps refined depends on the
+request that ranked them (a warm-up would rank them by its own last window), and the only
+policy there is ``saliency`` (docs/budgets.md, "Budgets under precision by saliency").
+
+``bits/el`` is the KV held during decode per element of the context at its longest (the
+context and the scored tokens; an element is one layer's key or value of one head and
+channel): a token evicted counts as 0 bits, one kept as its format's bits.
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ class BudgetEvalSettings:
     def __post_init__(self) -> None:
         for name in self.policies:
             get_policy(name)
+        if self.kv_format.startswith("zip:") and set(self.policies) - {"saliency"}:
+            raise ValueError(f"under a zip: KV format the only budget policy is saliency (docs/budgets.md), got "
+                             f"{', '.join(self.policies)}")
         if not all(0 < f < 1 for f in self.fractions):
             raise ValueError(f"budget fractions must be in (0, 1), got {self.fractions}")
         if min(self.contexts) <= PROMPT_OVERHEAD + WARM_GAP:
@@ -175,11 +185,13 @@ def evaluate_context(llm: LLM, context: int, text_ids: list[int], text: str, set
     ppl_prompt = text_ids[:context]
     ppl_targets = text_ids[context:context + settings.ppl_tokens]
     prompts = [(c.token_ids, c) for c in cases] + [(ppl_prompt, None)]
+    shares = engine.kv_format.refine is None        # (module docstring)
     for ids, case in prompts:
         llm.reset_prefix_cache()
-        llm.generate(ids[:len(ids) - WARM_GAP], SamplingParams(max_tokens=1))   # the shared warm-up
+        if shares:
+            llm.generate(ids[:len(ids) - WARM_GAP], SamplingParams(max_tokens=1))   # the shared warm-up
         for config in sorted(configs, key=lambda c: not c.reuses_prefill):
-            if not config.reuses_prefill:
+            if not config.reuses_prefill or not shares:
                 llm.reset_prefix_cache()
             row = rows[config]
             t0 = time.perf_counter()
@@ -214,10 +226,12 @@ def speed_lines(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
-def render(rows: Sequence[Row], block_nbytes: int) -> str:
+def render(rows: Sequence[Row], block_nbytes: int, elements_per_token: int, scored_tokens: int) -> str:
+    """The table; ``bits/el`` over ``elements_per_token`` per token of the context and the
+    ``scored_tokens`` after it (module docstring)."""
     full = {r.context: r for r in rows if r.config.policy is None}
     headers = ["context", "policy", "budget", "passkey", "vs full", "perplexity", "Δ ppl",
-               "peak KV MiB", "decode KV MiB", "host MiB", "decode tok/s"]
+               "peak KV MiB", "decode KV MiB", "bits/el", "host MiB", "decode tok/s"]
     body = []
     for r in rows:
         f = full.get(r.context)
@@ -227,7 +241,9 @@ def render(rows: Sequence[Row], block_nbytes: int) -> str:
         tps = r.decode_tokens / r.decode_seconds if r.decode_seconds else float("nan")
         body.append([r.context, r.config.policy or "full", r.config.budget or "—", f"{ok}/{n}", vs,
                      f"{r.perplexity:.3f}", dppl, f"{r.peak_blocks * block_nbytes / 2**20:.1f}",
-                     f"{r.decode_blocks * block_nbytes / 2**20:.1f}", f"{r.host_nbytes / 2**20:.1f}",
+                     f"{r.decode_blocks * block_nbytes / 2**20:.1f}",
+                     f"{8 * r.decode_blocks * block_nbytes / ((r.context + scored_tokens) * elements_per_token):.2f}",
+                     f"{r.host_nbytes / 2**20:.1f}",
                      f"{tps:.1f}"])
     return table(headers, body)
 

@@ -150,7 +150,7 @@ def run_eval_budget(args: argparse.Namespace) -> int:
           f"{settings.answer_tokens} greedy tokens; perplexity: {settings.ppl_tokens} tokens after the first "
           f"<context> tokens of the text, fed one per decode step; budgets {', '.join(f'{f:g}' for f in settings.fractions)}"
           f" x context; KV format {settings.kv_format}")
-    print(render(rows, block_nbytes))
+    print(render(rows, block_nbytes, 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim, settings.ppl_tokens))
     for line in goal_lines(rows, settings):
         print(f"goal: {line}")
     for line in speed_lines(rows):
@@ -173,7 +173,8 @@ def add_eval_budget_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
     e.add_argument("--kv-cache-gb", type=float, default=0.5)
     e.add_argument("--kv-format", default="native",
-                   help="KV format of every row, the full cache's too (docs/kv_formats.md; not zip:)")
+                   help="KV format of every row, the full cache's too (docs/kv_formats.md; under zip: the only policy is "
+                        "saliency)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     e.set_defaults(run=run_eval_budget)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch
 from tiny import tiny_model
 
@@ -47,9 +48,16 @@ def test_goal_line_and_table():
     s = BudgetEvalSettings(contexts=(256,))
     assert goal_lines([full, ark, stream], s) == [
         "256 tokens, budget 32 (1/8): arkvale passkey 2/3 vs full 2/3: met (needs >= 1.8); streaming 1/3"]
-    text = render([full, ark, stream], 1 << 20)
+    # bits/el: 3 blocks of 1 MiB over 256 + 64 tokens of 1,024 elements
+    text = render([full, ark, stream], 1 << 20, 1024, 64)
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()]
-    assert cells[3][:8] == ["256", "arkvale", "32", "2/3", "100%", "3.004", "+10.5%", "16.0"]
+    assert cells[3][:10] == ["256", "arkvale", "32", "2/3", "100%", "3.004", "+10.5%", "16.0", "3.0", "76.80"]
+
+
+def test_under_a_zip_format_the_only_policy_is_saliency():
+    BudgetEvalSettings(policies=("saliency",), kv_format="zip:hi=int8,lo=kivi2,salient=0.2")
+    with pytest.raises(ValueError, match="under a zip: KV format the only budget policy is saliency.*snapkv"):
+        BudgetEvalSettings(policies=("saliency", "snapkv"), kv_format="zip:hi=int8,lo=kivi2,salient=0.2")
 
 
 def test_speed_lines_give_each_budget_as_a_multiple_of_the_full_cache():
