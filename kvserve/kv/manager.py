@@ -268,13 +268,14 @@ class KVCacheManager:
     def apply_budget(self, request: Request) -> bool:
         """Compact a budgeted request whose context outgrew its budget (kv/budget/budgets.py).
 
-        Its table keeps as many blocks as the kept slots need; a block there that another
-        request holds or that has a content key is replaced by a fresh one (the kept
-        entries were gathered first), so shared and cached blocks are never altered and
-        stay prefix-cache hits; the blocks after them are freed, tail first. A rewritten
-        block never gets a key (the request caches nothing once compacted). Returns
-        False, changing nothing, when no compaction is due or the pool lacks the fresh
-        blocks (it is tried again after the next step).
+        Where the budgets keep whole blocks (``kept_blocks``: a ``zip:`` format) the table keeps
+        those and frees the rest (``_keep_blocks``). Else its table keeps as many blocks as the
+        kept slots need; a block there that another request holds or that has a content key is
+        replaced by a fresh one (the kept entries were gathered first), so shared and cached
+        blocks are never altered and stay prefix-cache hits; the blocks after them are freed,
+        tail first. A rewritten block never gets a key (the request caches nothing once
+        compacted). Returns False, changing nothing, when no compaction is due or the pool lacks
+        the fresh blocks (it is tried again after the next step).
         """
         rid = request.request_id
         self.budgets.settle(request, self._blocks[rid])
@@ -282,6 +283,10 @@ class KVCacheManager:
         if target is None:
             return False
         table = self._blocks[rid]
+        kept = self.budgets.kept_blocks(request, [b.block_id for b in table])
+        if kept is not None:
+            self._keep_blocks(request, kept)
+            return True
         num_kept = self.num_blocks_needed(target)
         head, tail = table[:num_kept], table[num_kept:]
         fresh = frozenset(i for i, b in enumerate(head) if b.ref_count > 1 or b.is_cached)
@@ -297,6 +302,20 @@ class KVCacheManager:
         self._num_cached_blocks.pop(rid, None)
         self.budgets.apply(request, plan, [b.block_id for b in table])
         return True
+
+    def _keep_blocks(self, request: Request, kept: list[int]) -> None:
+        """A compaction that keeps whole blocks (``Budgets.kept_blocks``): the table keeps the
+        blocks at ``kept``, in that order, and frees the others, tail first; nothing is written,
+        so a kept block another request holds or the prefix cache knows stays as it is."""
+        rid = request.request_id
+        table = self._blocks[rid]
+        keep = set(kept)
+        dropped = [b for i, b in enumerate(table) if i not in keep]
+        assert all(self.residual.row_of(b.block_id) is None for b in dropped), "an open block dropped"
+        table[:] = [table[i] for i in kept]
+        self._free_blocks(reversed(dropped))
+        self._num_cached_blocks.pop(rid, None)
+        self.budgets.apply_blocks(request, kept, [b.block_id for b in table])
 
     def mark_lossy(self, request: Request, num_exact_tokens: int = 0) -> None:
         """The request's KV from token ``num_exact_tokens`` on was not produced by an exact

@@ -218,59 +218,58 @@ def test_a_saliency_budget_runs_under_a_zip_format_on_every_path(loaded, spec, m
     assert all(len(t) == 40 for t in got["cpu"])
 
 
-def test_a_saliency_budget_under_a_zip_format_of_one_precision_gives_that_formats_tokens(loaded):
-    """With the same format as base and finer copy, which blocks keep a finer copy changes no
-    value: the tokens are those of the same budget under that format alone (whose compaction
-    encodes the kept entries as the zip storage does)."""
-    plain = _run_budgeted(LLM(loaded=loaded, kv_format="int8", num_kv_blocks=64, max_num_batched_tokens=64),
-                          [_long_prompt()])
-    llm = LLM(loaded=loaded, kv_format="zip:hi=int8,lo=int8,salient=0.25", num_kv_blocks=64,
-              max_num_batched_tokens=64)
-    assert _run_budgeted(llm, [_long_prompt()]) == plain
-    assert llm.engine.kv.budgets.num_compactions == 3
-
-
-def test_a_compaction_keeps_the_finer_copies_of_the_most_salient_kept_blocks(loaded, monkeypatch):
-    """Right after a compaction (48 of 200 tokens kept, blocks of 16: three whole blocks): the
-    blocks the request left hold no finer copy; of its three, the ceil(0.25 x 3) = 1 most salient
-    by its slots' saliency holds one; each block reads back as its format encodes the kept
-    entries: the finer format where it holds a copy, the base one elsewhere."""
+def test_a_compaction_keeps_whole_blocks_and_their_finer_copies_by_one_measure(loaded, monkeypatch):
+    """Each compaction (budget 48, blocks of 16: three full blocks kept): the sink block, the last
+    window's two blocks (the saliency budget's window is 24 tokens) and the most salient of the
+    rest by ``block_saliency``, up to three (so here the sink and the window's), then the open
+    block; the table is those blocks in order, read back as they were (nothing is written); the
+    blocks that left hold no finer copy, and of the kept full blocks the ceil(0.25 x 3) = 1 most
+    salient holds one."""
     from kvserve.kv.budget.precision import SaliencyPrecision
 
     seen = []
-    apply = SaliencyPrecision.apply
+    kept_blocks, apply_blocks = SaliencyPrecision.kept_blocks, SaliencyPrecision.apply_blocks
 
-    def recording(self, request, plan, block_ids):
-        before = list(self._before[request.request_id])
-        apply(self, request, plan, block_ids)
-        seen.append((plan, list(block_ids), before))
+    def choosing(self, request, block_ids):
+        state = self.get(request.request_id)
+        full = (request.num_computed_tokens - state.num_evicted) // 16
+        score = self.block_saliency(request.request_id, full).tolist()
+        window = list(range(full - 2, full))
+        rest = sorted((i for i in range(full) if i not in window and i != 0), key=lambda i: (-score[i], i))
+        want = sorted([0, *window, *rest][:3])
+        before = [self.storage.gather(layer, torch.tensor([block_ids]), self.storage.open_overlay(block_ids))
+                  for layer in range(self.num_layers)]
+        had = {b for b in block_ids if self.storage.refined.slot(b) is not None}
+        kept = kept_blocks(self, request, block_ids)
+        assert kept[:3] == want and len(kept) in (3, 4)
+        seen.append((list(block_ids), kept, (before, had)))
+        return kept
 
-    monkeypatch.setattr(SaliencyPrecision, "apply", recording)
+    def applying(self, request, kept, block_ids):
+        apply_blocks(self, request, kept, block_ids)
+        old, _, (before, had) = seen[-1]
+        refined = self.storage.refined
+        assert block_ids == [old[i] for i in kept]
+        assert [b for b in old if b not in block_ids and refined.slot(b) is not None] == []
+        score = self.block_saliency(request.request_id, 3).tolist()
+        top = max(range(3), key=lambda i: (score[i], -i))
+        assert [refined.slot(b) is not None for b in block_ids[:3]] == [i == top for i in range(3)]
+        n = 16 * len(kept)
+        index = torch.cat([torch.arange(16 * i, 16 * i + 16) for i in kept])
+        for layer in range(self.num_layers):
+            k, v = self.storage.gather(layer, torch.tensor([block_ids]), self.storage.open_overlay(block_ids))
+            # a kept block reads as it read before unless it lost its finer copy now (base precision)
+            same = [i for i, b in enumerate(block_ids) if b not in had or refined.slot(b) is not None]
+            assert len(same) >= len(kept) - 1
+            for got, was in ((k[0], before[layer][0][0]), (v[0], before[layer][1][0])):
+                assert got.shape[0] == n
+                for i in same:
+                    assert torch.equal(got[16 * i:16 * i + 16], was[index[16 * i:16 * i + 16]])
+
+    monkeypatch.setattr(SaliencyPrecision, "kept_blocks", choosing)
+    monkeypatch.setattr(SaliencyPrecision, "apply_blocks", applying)
     llm = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=64, max_num_batched_tokens=64)
-    e = llm.engine
-    rid = e.add_request(_long_prompt(), BUDGETED)
-    while not seen:
-        e.step()
-    plan, table, before = seen[0]
-    storage, budgets = e.kv.budgets.storage, e.kv.budgets
-    refined = storage.refined
-    assert plan.num_slots == 48 and len(table) == 3
-    assert [b for b in before if b not in table and refined.slot(b) is not None] == []
-    score = budgets.block_saliency(rid, 3).tolist()
-    top = max(range(3), key=lambda i: (score[i], -i))
-    assert [refined.slot(b) is not None for b in table] == [i == top for i in range(3)]
-    bs = storage.block_size
-    for layer in range(storage.num_layers):
-        k, v = storage.gather(layer, torch.tensor([table]))
-        base, fine = storage.format.layers[layer], storage.refine_layers[layer]
-        for got, kept, lo, hi in ((k[0], plan.keys[layer], base.key, fine.key),
-                                  (v[0], plan.values[layer], base.value, fine.value)):
-            blocks = kept.reshape(3, bs, *kept.shape[1:])
-            for i in range(3):
-                codec = hi if i == top else lo
-                want = codec.decode(codec.encode(blocks[i:i + 1]), torch.float32)[0]
-                assert torch.equal(got[i * bs:(i + 1) * bs], want)
-            assert not torch.equal(got, kept)       # encoded again: not a vacuous check
-    while e.has_unfinished:
-        e.step()
-        e.check_integrity()
+    assert len(_run_budgeted(llm, [_long_prompt()])[0]) == 40
+    # the prompt's (200 tokens: 3 full blocks and the open one's 8), then at 64 slots (after 8
+    # and 24 of the 39 decode steps)
+    assert len(seen) == 3 and [len(k) for _, k, _ in seen] == [4, 3, 3]

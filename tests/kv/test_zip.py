@@ -161,35 +161,3 @@ def test_the_probe_observer_scores_as_the_saliency_budgets_state():
 def test_a_storage_says_whether_its_formats_mix_rotation_domains(spec, mixes):
     assert zip_storage(spec=spec).mixes_rotation_domains is mixes
 
-
-@pytest.mark.parametrize("spec", [SPEC, "zip:hi=int8+had,lo=int4g4+had,salient=0.25"])
-def test_a_compactions_rewrite_is_the_same_bytes_through_the_cpu_writer_and_the_torch_path(spec):
-    """``write_slots`` (a KV budget's compaction): two closed blocks written whole, base and finer
-    copy (the first has a side slot, the second takes the last free one), and the front of an open
-    block into its row; the C++ writer (rows borrowed for the closed blocks) stores the bytes the
-    codecs' torch path stores. A closed block written in part is refused."""
-    from kvserve.attention.cpu_writes import CpuWrites
-
-    fmt = parse_kv_format(spec, TINY.num_layers, F32, head_dim=TINY.head_dim)
-    caches = [ZipKVCache(TINY, 8, 4, fmt, 4, F32, CPU, num_side_slots=2, make_writer=w)
-              for w in (None, CpuWrites.for_storage)]
-    if caches[1]._writer is None:
-        pytest.skip("the C++ extension is not built here")
-    g = torch.Generator().manual_seed(3)
-    key, value = (torch.randn(10, TINY.num_kv_heads, TINY.head_dim, generator=g) for _ in range(2))
-    slots = torch.tensor([4, 5, 6, 7, 12, 13, 14, 15, 20, 21])     # blocks 1 and 3 whole, block 5's front
-    for cache in caches:
-        cache.refined.assign(1)
-        cache.reopen(5)
-        for layer in range(TINY.num_layers):
-            cache.write_slots(layer, key, value, slots)
-        assert cache.refined.block_ids == [1, 3] and cache.residual.num_free_rows == 3
-    torch_path, cpu = caches
-    for a, b in zip(torch_path.block_tensors() + torch_path._side_tensors, cpu.block_tensors() + cpu._side_tensors):
-        assert torch.equal(a, b)
-    for a, b in zip(torch_path.key_residual + torch_path.value_residual, cpu.key_residual + cpu.value_residual):
-        assert a is not None and b is not None and torch.equal(a[:1], b[:1])       # block 5's row
-    keys, _ = torch_path.gather(0, torch.tensor([[1, 3]]))
-    assert not torch.equal(keys[0], key[:8])            # encoded (block 1 at int8, block 3 at the base)
-    with pytest.raises(ValueError, match="rewrites closed blocks whole"):
-        torch_path.write_slots(0, key[:2], value[:2], torch.tensor([8, 9]))

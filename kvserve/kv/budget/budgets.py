@@ -15,8 +15,9 @@ never a state's fields:
 
 A request's budget is ``params.kv_budget`` or else the engine's ``kv_budget``; its
 policy is ``params.kv_policy`` or else the engine's ``kv_policy``. ``KVBudgets`` runs
-them (and ``SaliencyPrecision``, kv/budget/precision.py, under a ``zip:`` KV format);
-``NoBudgets`` stands in where an engine's parts are built without budgets.
+them (and ``SaliencyPrecision``, kv/budget/precision.py, under a ``zip:`` KV format, whose
+compactions keep whole blocks: ``kept_blocks``); ``NoBudgets`` stands in where an engine's parts
+are built without budgets.
 """
 
 from __future__ import annotations
@@ -95,6 +96,16 @@ class Budgets(ABC):
     @abstractmethod
     def apply(self, request: Request, plan: TokenPlan, block_ids: list[int]) -> None: ...
 
+    def kept_blocks(self, request: Request, block_ids: list[int]) -> list[int] | None:
+        """A compaction that keeps whole blocks: the indexes in ``block_ids`` (the request's table)
+        of the blocks it keeps, ascending, the open one last; the others leave the table and no
+        entry moves (``apply_blocks``). None (here): the compaction moves entries (``plan``)."""
+        return None
+
+    def apply_blocks(self, request: Request, kept: list[int], block_ids: list[int]) -> None:
+        """The table is now ``block_ids``: the blocks ``kept_blocks`` named, in that order."""
+        raise RuntimeError("this engine's budgets move entries")
+
     @abstractmethod
     def drop(self, request_id: str) -> None: ...
 
@@ -168,9 +179,12 @@ class NoBudgets(Budgets):
 class KVBudgets(Budgets):
     """``storage`` must support budgets; ``host_store`` takes ArkVale's blocks off the device."""
 
+    #: compactions write entries into slots (``plan``, ``apply``): the storage must support it
+    rewrites_entries: ClassVar[bool] = True
+
     def __init__(self, storage: KVStorage, num_kv_heads: int, default_budget: int | None,
                  default_policy: str, host_store: HostBlockStore) -> None:
-        if not storage.supports_budgets:
+        if self.rewrites_entries and not storage.supports_budgets:
             raise ValueError(f"{type(storage).__name__} cannot run KV budgets")
         self.storage = storage
         self.num_layers = storage.num_layers
@@ -206,13 +220,7 @@ class KVBudgets(Budgets):
             return None
         budget, name = resolved
         top = max(get_policy(name).layer_budgets(budget, self.num_layers, self.block_size))
-        extra = self.compaction_stride(budget) // self.block_size
-        return max(-(-(num_prompt_tokens + 1) // self.block_size), top // self.block_size + extra + 2)
-
-    def compaction_stride(self, budget: int) -> int:
-        """Tokens a budgeted request holds past its budget before it compacts: a block, so it
-        never holds more than the budget, a block and the open one."""
-        return self.block_size
+        return max(-(-(num_prompt_tokens + 1) // self.block_size), top // self.block_size + 3)
 
     def start(self, request: Request) -> None:
         rid = request.request_id
@@ -268,7 +276,7 @@ class KVBudgets(Budgets):
     # -- compaction ----------------------------------------------------------
     def target_slots(self, request: Request) -> int | None:
         """None when its context fits the budget, it is mid-prefill under a policy that waits
-        for the end of the prefill, or it holds fewer than ``compaction_stride`` slots past it."""
+        for the end of the prefill, or compacting would not free a whole block."""
         state = self._states.get(request.request_id)
         if state is None:
             return None
@@ -279,7 +287,7 @@ class KVBudgets(Budgets):
             return None
         num_slots = num_computed - state.num_evicted
         target = state.target_slots(num_computed)
-        if num_slots - target < self.compaction_stride(state.budget):
+        if num_slots - target < self.block_size:
             return None
         return target
 

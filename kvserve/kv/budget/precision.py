@@ -25,15 +25,21 @@ of the precision it had while its chunks ran. After that a block that loses its 
 never gets it back: precision only falls, as the context grows and saliency settles.
 
 This is the engine's ``Budgets`` under such a format, and it runs KV budgets too, of the
-``saliency`` policy alone: one measure then decides both which entries a request keeps and which
-of its blocks keep their finer copy. A budgeted request's state is its observer with a budget
-(slots are then no longer positions once it compacts: saliency and the question are read at
-each slot's position). A compaction drops the finer copies of the blocks leaving the request's
-table (but those another running request keeps among its own), writes the kept entries into
-whole blocks, each encoded into its base and, while side slots are free, its finer format
-(``ZipKVCache.write_slots``: from the entries as read, the finer copy's values where their block
-held one), and ranks the request's blocks again at once. Other policies are refused
-(``ZIP_POLICY``).
+``saliency`` policy alone, over whole blocks: one measure, ``block_saliency``, then decides both
+which blocks a request keeps and which of those keep their finer copy. A budgeted request's
+state is its observer with a budget (its probes are the saliency budget's: every decode query
+among them). Once the prompt is whole and its full blocks pass ``budget // block_size``, a
+compaction (``kept_blocks``) keeps that many: the first (the attention sink), those of the
+last window (the saliency budget's, up to 32 tokens) and the most salient of the rest, then
+the open block; the table is those blocks in order, and the others are freed. No entry is
+written: a kept block keeps its base parts and its finer copy as they are, so a compaction
+costs a ranking, a shared or cached block stays as it is, and the kept KV is never encoded a
+second time (a compaction that moves single entries would encode every block it touches again,
+from values already rounded: with a 2-bit base that lost needles; docs/budgets.md). The
+blocks leaving the table lose their finer copies (but those another running request keeps
+among its own), and the request is ranked again at once over what it kept (slots are no
+longer positions then: saliency and the question are read at each slot's position). Other
+policies are refused (``ZIP_POLICY``).
 """
 
 from __future__ import annotations
@@ -130,14 +136,17 @@ class ProbeObserver(BudgetState):
 
 
 #: why a ``zip:`` format runs KV budgets of one policy alone
-ZIP_POLICY = ("one measure ranks both what a budget keeps and which blocks keep their finer copy: the saliency "
-              "policy's (the others score other queries, or stash blocks without their finer copies)")
+ZIP_POLICY = ("one measure ranks both which blocks a budget keeps and which keep their finer copy: the saliency "
+              "policy's, over whole blocks (the others keep single entries, whose moves would encode the kept "
+              "blocks again, or stash blocks without their finer copies)")
 
 
 class SaliencyPrecision(KVBudgets):
     #: which blocks keep their finer copy follows the steps a request took: a drafting request's
     #: tokens would not be those of plain decoding
     takes_drafts = False
+    #: compactions keep whole blocks: no entry is written again
+    rewrites_entries = False
 
     def __init__(self, storage: ZipKVCache, num_kv_heads: int, host_bytes: int,
                  default_budget: int | None = None, default_policy: str = "saliency") -> None:
@@ -161,13 +170,6 @@ class SaliencyPrecision(KVBudgets):
         self._held: dict[str, dict[int, torch.Tensor]] = {}   # per request, its prompt's dropped copies
         self.num_unheld = 0         # copies a prompt dropped with no host room to hold them
         self.num_restored = 0       # held copies given back when their prompt was whole
-
-    def compaction_stride(self, budget: int) -> int:
-        """An eighth of the budget, in whole blocks (at least one): a compaction here reads every
-        kept entry back through its codecs and encodes it again, base and finer copy, so a request
-        compacts every ``budget / 8`` tokens rather than every block, holding up to that many more."""
-        bs = self.block_size
-        return max(bs, budget // 8 // bs * bs)
 
     def _check_policy(self, name: str) -> None:
         if name != "saliency":
@@ -219,22 +221,47 @@ class SaliencyPrecision(KVBudgets):
         state = self._observer(request.request_id)
         return None if state is None or not state.bounded else super().target_slots(request)
 
-    def plan(self, request: Request, block_ids: list[int], rewritten: frozenset[int] = frozenset()) -> TokenPlan:
-        self._before[request.request_id] = list(block_ids)
-        return super().plan(request, block_ids, rewritten)
-
-    def apply(self, request: Request, plan: TokenPlan, block_ids: list[int]) -> None:
-        """The compaction (module docstring): the copies of the blocks leaving the table go first,
-        so that the kept entries' whole blocks find side slots; then the request is ranked again."""
+    def kept_blocks(self, request: Request, block_ids: list[int]) -> list[int] | None:
+        """The saliency budget here keeps whole blocks (module docstring): ``budget // block_size``
+        full blocks, the first (the attention sink) and those of the last window among them, the
+        rest the most salient by ``block_saliency`` (ties to the earlier), then the open block."""
         rid = request.request_id
+        state = self._observer(rid)
+        assert state is not None and state.bounded
+        bs = self.block_size
+        num_slots = request.num_computed_tokens - state.num_evicted
+        full, tail = divmod(num_slots, bs)
+        assert len(block_ids) == full + (1 if tail else 0), "a table holding more than its slots"
+        keep = min(full, state.budget // bs)
+        window = range(max(full - -(-state.window // bs), 0), full)
+        forced = sorted({0, *window}, key=lambda i: (i == 0, -i))[:keep]      # the window first, then the sink
+        score = self.block_saliency(rid, full).tolist()
+        rest = sorted((i for i in range(full) if i not in forced), key=lambda i: (-score[i], i))
+        kept = sorted([*forced, *rest[:keep - len(forced)]])
+        self._before[rid] = list(block_ids)
+        return kept + [full] if tail else kept
+
+    def apply_blocks(self, request: Request, kept: list[int], block_ids: list[int]) -> None:
+        """The blocks leaving the table lose their finer copies (but those another running
+        request keeps among its own); the request is ranked again over what it kept."""
+        rid = request.request_id
+        state = self._observer(rid)
+        assert state is not None
+        num_slots = request.num_computed_tokens - state.num_evicted
+        state.keep_blocks(kept, num_slots, request.num_computed_tokens)
+        self._num_compactions += 1
         now = set(block_ids)
         self._wanted.pop(rid, None)
         others = self._wanted_by_others(rid)
         self.num_dropped += len(self.storage.refined.drop(
             b for b in self._before.pop(rid) if b not in now and b not in others))
-        super().apply(request, plan, block_ids)
-        self._settled.pop(rid, None)
-        self._rank(request, block_ids, plan.num_slots // self.block_size, regrade=False)
+        self._rank(request, block_ids, state.num_recorded // self.block_size, regrade=False)
+
+    def plan(self, request: Request, block_ids: list[int], rewritten: frozenset[int] = frozenset()) -> TokenPlan:
+        raise RuntimeError("a zip: format's budgets keep whole blocks (kept_blocks)")
+
+    def apply(self, request: Request, plan: TokenPlan, block_ids: list[int]) -> None:
+        raise RuntimeError("a zip: format's budgets keep whole blocks (kept_blocks)")
 
     def drop(self, request_id: str) -> None:
         super().drop(request_id)

@@ -288,6 +288,30 @@ class BudgetState:
         self.num_recorded = plan.num_slots
         self.num_compactions += 1
 
+    def keep_blocks(self, kept: list[int], num_slots: int, num_computed: int) -> None:
+        """A compaction that kept whole slot blocks ``kept`` (ascending; the one holding slot
+        ``num_slots`` last where that block is open) and dropped the others: slot ``i * bs + r``
+        now holds what slot ``kept[i] * bs + r`` held, in every layer and head."""
+        bs = self.block_size
+        tail = num_slots % bs
+        assert not tail or kept[-1] == num_slots // bs, "the open block is kept last"
+        old = torch.tensor(kept, dtype=torch.long, device=self.device)
+        index = (old[:, None] * bs + torch.arange(bs, device=self.device)).flatten()
+        n = index.numel()
+        self._all_pos[..., :n] = self._all_pos[..., index]
+        self._all_valid[..., :n] = self._all_valid[..., index]
+        self._all_valid[..., n:] = False
+        if self._all_score is not None:
+            self._all_score[..., :n] = self._all_score[..., index]
+            self._all_score[..., n:] = 0
+        if self._all_weight is not None:
+            self._all_weight[..., :n] = self._all_weight[..., index]
+        self.num_recorded = n - (bs - tail if tail else 0)
+        self.num_evicted = num_computed - self.num_recorded
+        full = len(kept) - (1 if tail else 0)
+        self._block_holes = ((full, full),) * len(self.layer_budgets)      # no hole in any layer
+        self.num_compactions += 1
+
     def _grow(self, capacity: int) -> None:
         if capacity <= self._capacity:
             return

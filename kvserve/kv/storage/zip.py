@@ -112,10 +112,9 @@ class ZipKVCache(QuantizedKVCache):
     path; ``half_stores`` hands the C++ kernel each half with its finer copies and side map
     (``HalfStore.refined``), which it reads in place."""
 
-    #: KV budgets of the ``saliency`` policy alone (kv/budget/precision.py): a compaction
-    #: rewrites whole blocks, base and finer copy (``write_slots``); ArkVale's stashes would
-    #: carry the base parts alone
-    supports_budgets = True
+    #: no entry is written again at another slot: the budgets here keep whole blocks
+    #: (kv/budget/precision.py, ``SaliencyPrecision.kept_blocks``)
+    supports_budgets = False
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat,
                  num_residual_rows: int, dtype: torch.dtype, device: torch.device, *, num_side_slots: int,
@@ -203,94 +202,6 @@ class ZipKVCache(QuantizedKVCache):
             blocks = x.view(-1, self.block_size, *x.shape[2:])    # (a fresh decode: written in place)
             blocks[at] = codec.decode({name: t.index_select(0, slots) for name, t in store.items()}, self.dtype)
         return keys, values
-
-    def write_slots(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        """A compaction's rewrite (kv/budget/precision.py): entries of an open block (one with a
-        residual row: ``reopen``) go to its row, and every closed block the slots touch must be
-        written whole; each is encoded into its base parts and, where it holds a side slot or one
-        is free, into its finer parts too, both from the entries themselves (what the compaction
-        read: the finer copy's values where the block it came from held one). ValueError for a
-        closed block written in part, whose other tokens this storage does not keep at one
-        precision to lay the entries over. Through the C++ writer where the storage has one (the
-        closed blocks in free residual rows borrowed for the write, as many a call as are free),
-        else the codecs' torch path."""
-        bs = self.block_size
-        blocks, index = (slots // bs).unique(return_inverse=True)
-        rows = [self.residual.row_of(b) for b in blocks.tolist()]
-        closed = [i for i, r in enumerate(rows) if r is None]
-        counts = torch.bincount(index, minlength=blocks.numel()).tolist()
-        if any(counts[i] != bs for i in closed):
-            raise ValueError("a zip KV storage rewrites closed blocks whole")
-        side = {i: self.refined.assign(int(blocks[i])) for i in closed}
-        if self._writer is not None:
-            lent = self.residual.borrow(len(closed))
-            if lent or not closed:
-                try:
-                    self._write_slots_through(layer, key, value, slots, blocks, index, rows, closed, side, lent)
-                finally:
-                    self.residual.give_back(lent)
-                return
-        self._write_slots_torch(layer, key, value, slots, blocks, index, rows, closed, side)
-
-    def _write_slots_through(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-                             blocks: torch.Tensor, index: torch.Tensor, rows: list[int | None], closed: list[int],
-                             side: dict[int, int | None], lent: list[int]) -> None:
-        """``write_slots`` through the C++ writer: one call per group of closed blocks (as many as
-        rows were lent), each block's entries into its borrowed row, encoded from there into its
-        parts and, where it has one, its side slot; the first call also writes the open blocks'
-        entries into their rows."""
-        assert self._writer is not None
-        bs = self.block_size
-        groups = [closed[i:i + len(lent)] for i in range(0, len(closed), len(lent))] if closed else [[]]
-        for n, group in enumerate(groups):
-            block_row = torch.tensor([r if r is not None and n == 0 else -1 for r in rows], dtype=torch.long)
-            block_row[group] = torch.tensor(lent[:len(group)], dtype=torch.long)
-            mine = block_row[index] >= 0
-            at = block_row[index[mine]] * bs + slots[mine] % bs
-            refined = [i for i in group if side[i] is not None]
-            self._writer.write(layer, key[mine], value[mine], slots[mine], at, block_row[group], blocks[group],
-                               block_row[refined], torch.tensor([side[i] for i in refined], dtype=torch.long))
-
-    def _write_slots_torch(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-                           blocks: torch.Tensor, index: torch.Tensor, rows: list[int | None], closed: list[int],
-                           side: dict[int, int | None]) -> None:
-        """``write_slots`` through the codecs (the reference)."""
-        bs = self.block_size
-        device = slots.device
-        is_open = torch.tensor([r is not None for r in rows], dtype=torch.bool, device=device)
-        in_row = is_open[index]
-        place = torch.cumsum(~is_open, 0) - 1       # each closed block's place among them
-        at_closed = place[index[~in_row]] * bs + slots[~in_row] % bs
-        block_row = torch.tensor([-1 if r is None else r for r in rows], dtype=torch.long, device=device)
-        at_row = block_row[index[in_row]] * bs + slots[in_row] % bs
-        closed_ids = blocks[torch.tensor(closed, dtype=torch.long, device=device)]
-        refined = torch.tensor([n for n, i in enumerate(closed) if side[i] is not None], dtype=torch.long,
-                               device=device)
-        side_slots = torch.tensor([side[i] for i in closed if side[i] is not None], dtype=torch.long, device=device)
-        lf, fine = self.format.layers[layer], self.refine_layers[layer]
-        for x, residual, codec, store, finer, side_store in (
-                (key, self.key_residual[layer], lf.key, self.key_parts[layer], fine.key, self.side_key_parts[layer]),
-                (value, self.value_residual[layer], lf.value, self.value_parts[layer], fine.value,
-                 self.side_value_parts[layer])):
-            assert residual is not None, "every half of a zip storage keeps rows"
-            x = x.to(self.dtype)
-            if bool(in_row.any()):
-                residual.view(-1, *x.shape[1:]).index_copy_(0, at_row, x[in_row])
-            if not closed:
-                continue
-            content = x.new_empty(len(closed), bs, *x.shape[1:])
-            content.view(-1, *x.shape[1:]).index_copy_(0, at_closed, x[~in_row])
-            for name, part in codec.encode(content).items():
-                store[name].index_copy_(0, closed_ids, part)
-            if refined.numel():
-                for name, part in finer.encode(content.index_select(0, refined)).items():
-                    side_store[name].index_copy_(0, side_slots, part)
-
-    def reopen(self, block_id: int) -> None:
-        """The block's entries go to a row until it fills again; the finer copy of what it held
-        before is dropped (it gets one again when it is encoded, as a step's fill does)."""
-        super().reopen(block_id)
-        self.refined.drop([block_id])
 
     def finer_copies(self, block_ids: list[int]) -> torch.Tensor:
         """The finer copies of ``block_ids`` (each holds one) as bytes, one CPU uint8 row per block
