@@ -133,6 +133,11 @@ def test_what_a_zip_format_cannot_do_is_refused(loaded):
                                              "zip:hi=int8,lo=kivi2g8,salient=0.25"):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, kv_budget=32, kv_policy=policy))
     assert llm.generate([[1, 2, 3]], GREEDY)[0].finished       # and nothing else is harmed
+    # the engine's saliency budget runs: every request compacts under it
+    engine_wide = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=64, kv_budget=48, kv_policy="saliency")
+    out = engine_wide.generate([_long_prompt()], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 20 and engine_wide.engine.kv.budgets.num_compactions == 2
+    engine_wide.engine.check_integrity()
 
 
 def test_a_block_back_from_a_tier_is_read_at_its_base_precision(loaded):
