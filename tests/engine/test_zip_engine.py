@@ -278,3 +278,27 @@ def test_a_compaction_keeps_whole_blocks_and_their_finer_copies_by_one_measure(l
     # the prompt's (200 tokens: 3 full blocks and the open one's 8), then at 64 slots (after 8
     # and 24 of the 39 decode steps)
     assert len(seen) == 3 and [len(k) for _, k, _ in seen] == [4, 3, 3]
+
+
+def test_saliency_budgets_under_a_zip_format_survive_preemption(loaded):
+    """Four budgeted requests in a pool too small for them all: requests are preempted mid-prompt
+    (their states dropped: they start again from scratch), every request finishes and compacts,
+    the books hold after every step, and at the end every block is free and the only finer
+    copies left are those of blocks the prefix cache still knows."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(128) for _ in range(n)] for n in (120, 150, 90, 130)]
+    llm = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=16, max_num_batched_tokens=64, block_size=16)
+    e = llm.engine
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, kv_budget=48, kv_policy="saliency")
+    ids = [e.add_request(p, params) for p in prompts]
+    done: dict[str, int] = {}
+    while e.has_unfinished:
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = len(out.token_ids)
+        e.check_integrity()
+    assert done == {rid: 60 for rid in ids}
+    assert e.scheduler.num_preemptions > 0 and e.kv.budgets.num_compactions > 0
+    assert e.kv.pool.num_free_blocks == 16
+    refined = e.kv.residual.refined
+    assert all(e.kv.pool.blocks[b].is_cached for b in refined.block_ids)
