@@ -19,7 +19,7 @@ warm-up of all but the last ``WARM_GAP`` prompt tokens (so snapkv's 32-token win
 computed); policies that evict during the prefill (streaming, h2o, merge) run cold. Under a
 ``zip:`` KV format every row runs cold: which blocks a prompt keeps refined depends on the
 request that ranked them (a warm-up would rank them by its own last window), and the only
-policy there is ``saliency`` (docs/budgets.md, "Budgets under precision by saliency").
+policy there is ``saliency-blocks`` (docs/budgets.md, "Budgets under precision by saliency").
 
 ``bits/el`` is the KV held during decode per element of the context at its longest (the
 context and the scored tokens; an element is one layer's key or value of one head and
@@ -66,8 +66,8 @@ class BudgetEvalSettings:
     def __post_init__(self) -> None:
         for name in self.policies:
             get_policy(name)
-        if self.kv_format.startswith("zip:") and set(self.policies) - {"saliency"}:
-            raise ValueError(f"under a zip: KV format the only budget policy is saliency (docs/budgets.md), got "
+        if self.kv_format.startswith("zip:") and set(self.policies) - {"saliency-blocks"}:
+            raise ValueError(f"under a zip: KV format the only budget policy is saliency-blocks (docs/budgets.md), got "
                              f"{', '.join(self.policies)}")
         if not all(0 < f < 1 for f in self.fractions):
             raise ValueError(f"budget fractions must be in (0, 1), got {self.fractions}")

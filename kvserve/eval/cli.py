@@ -174,7 +174,7 @@ def add_eval_budget_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--kv-cache-gb", type=float, default=0.5)
     e.add_argument("--kv-format", default="native",
                    help="KV format of every row, the full cache's too (docs/kv_formats.md; under zip: the only policy is "
-                        "saliency)")
+                        "saliency-blocks)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     e.set_defaults(run=run_eval_budget)

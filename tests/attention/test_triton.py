@@ -616,7 +616,7 @@ def test_the_engine_on_the_triton_backend_gives_the_torch_paths_tokens(fmt: str)
 
 
 @pytest.mark.parametrize("fmt", ["native", "int8", "kivi2g8"])
-@pytest.mark.parametrize("policy", ["snapkv", "pyramid"])
+@pytest.mark.parametrize("policy", ["snapkv", "pyramid", "saliency-blocks"])
 def test_budgeted_requests_on_the_triton_backend_give_the_torch_paths_tokens(policy: str, fmt: str,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A compacted request reads in place on the triton backend too: snapkv's slots as one plain
@@ -690,7 +690,7 @@ def test_a_saliency_budget_under_a_zip_format_on_the_triton_backend_gives_the_to
 
     loaded = tiny_model()
     prompt = [(7 * i) % 120 + 1 for i in range(100)]
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, kv_budget=32, kv_policy="saliency")
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, kv_budget=32, kv_policy="saliency-blocks")
     outs, dropped = {}, {}
     for backend in ("torch", "triton"):
         llm = LLM(loaded=loaded, kv_format="zip:hi=int8,lo=kivi2g8,salient=0.3", num_kv_blocks=32,

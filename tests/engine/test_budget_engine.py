@@ -56,7 +56,8 @@ def run_prefill(llm: LLM, prompt: list[int], params: SamplingParams) -> str:
 
 
 EXPECTED_KEPT = {"streaming": [64, 64], "h2o": [64, 64], "snapkv": [64, 64], "pyramid": [96, 32],
-                 "merge": [64, 64], "saliency": [64, 64], "arkvale": [64 + 150 % BLOCK] * 2, "arkvale-bound": [64 + 150 % BLOCK] * 2}
+                 "merge": [64, 64], "saliency": [64, 64], "saliency-blocks": [64 + 150 % BLOCK] * 2,
+                 "arkvale": [64 + 150 % BLOCK] * 2, "arkvale-bound": [64 + 150 % BLOCK] * 2}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -77,6 +78,13 @@ def test_each_policy_keeps_exactly_its_budget_per_layer_and_frees_blocks(loaded,
     assert state.num_evicted == 150 - num_slots
     if policy == "streaming":
         assert state.pos[0][:, :64].tolist() == [[0, 1, 2, 3, *range(90, 150)]] * 2
+    if policy == "saliency-blocks":
+        # whole blocks in every layer and head: the first, one more, the window's two (blocks 7 and
+        # 8) and the open block's 6 tokens
+        third = state.pos[0][0, 16]
+        assert int(third) % BLOCK == 0 and 16 <= int(third) <= 96
+        want = [*range(16), *range(int(third), int(third) + 16), *range(112, 150)]
+        assert all(state.pos[layer][:, :70].tolist() == [want] * 2 for layer in range(2))
     if policy.startswith("arkvale"):
         assert isinstance(state, ArkValeState)
         assert [len(r) for r in state.resident] == [4, 4] and [len(h) for h in state.host] == [5, 5]

@@ -120,21 +120,21 @@ def test_the_cpu_kernel_gives_the_torch_paths_tokens(loaded, spec):
 
 
 def test_what_a_zip_format_cannot_do_is_refused(loaded):
-    # a budget of any policy but saliency, the engine's or a request's
+    # a budget of any policy but saliency-blocks, the engine's or a request's
     with pytest.raises(ValueError, match="KV policy 'streaming' cannot run under the KV format zip:.*one measure "
-                                         "ranks both.*give kv_policy saliency"):
+                                         "ranks both.*give kv_policy saliency-blocks"):
         LLM(loaded=loaded, kv_format=SPEC, kv_budget=64)
     with pytest.raises(ValueError, match="triton attention backend cannot read zip:hi=int8,lo=kivi2g8\\+had.*"
                                          "Hadamard domain only"):
         LLM(loaded=loaded, kv_format="zip:hi=int8,lo=kivi2g8+had,salient=0.2", attention_backend="triton")
     llm = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=32)
-    for policy in ("snapkv", "arkvale", None):      # None: the engine's (streaming)
+    for policy in ("snapkv", "saliency", "arkvale", None):      # None: the engine's (streaming)
         with pytest.raises(ValueError, match=f"KV policy '{policy or 'streaming'}' cannot run under the KV format "
                                              "zip:hi=int8,lo=kivi2g8,salient=0.25"):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, kv_budget=32, kv_policy=policy))
     assert llm.generate([[1, 2, 3]], GREEDY)[0].finished       # and nothing else is harmed
     # the engine's saliency budget runs: every request compacts under it
-    engine_wide = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=64, kv_budget=48, kv_policy="saliency")
+    engine_wide = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=64, kv_budget=48, kv_policy="saliency-blocks")
     out = engine_wide.generate([_long_prompt()], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 20 and engine_wide.engine.kv.budgets.num_compactions == 2
     engine_wide.engine.check_integrity()
@@ -176,7 +176,7 @@ def test_requests_under_a_zip_format_do_not_draft(loaded):
 
 
 # -- a KV budget under a zip format: one measure for what is kept and at which precision ------
-BUDGETED = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, kv_budget=48, kv_policy="saliency")
+BUDGETED = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, kv_budget=48, kv_policy="saliency-blocks")
 
 
 def _long_prompt() -> list[int]:
@@ -289,7 +289,7 @@ def test_saliency_budgets_under_a_zip_format_survive_preemption(loaded):
     prompts = [[rng.randrange(128) for _ in range(n)] for n in (120, 150, 90, 130)]
     llm = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=16, max_num_batched_tokens=64, block_size=16)
     e = llm.engine
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, kv_budget=48, kv_policy="saliency")
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, kv_budget=48, kv_policy="saliency-blocks")
     ids = [e.add_request(p, params) for p in prompts]
     done: dict[str, int] = {}
     while e.has_unfinished:

@@ -54,10 +54,10 @@ def test_goal_line_and_table():
     assert cells[3][:10] == ["256", "arkvale", "32", "2/3", "100%", "3.004", "+10.5%", "16.0", "3.0", "76.80"]
 
 
-def test_under_a_zip_format_the_only_policy_is_saliency():
-    BudgetEvalSettings(policies=("saliency",), kv_format="zip:hi=int8,lo=kivi2,salient=0.2")
-    with pytest.raises(ValueError, match="under a zip: KV format the only budget policy is saliency.*snapkv"):
-        BudgetEvalSettings(policies=("saliency", "snapkv"), kv_format="zip:hi=int8,lo=kivi2,salient=0.2")
+def test_under_a_zip_format_the_only_policy_is_saliency_blocks():
+    BudgetEvalSettings(policies=("saliency-blocks",), kv_format="zip:hi=int8,lo=kivi2,salient=0.2")
+    with pytest.raises(ValueError, match="under a zip: KV format the only budget policy is saliency-blocks.*snapkv"):
+        BudgetEvalSettings(policies=("saliency-blocks", "snapkv"), kv_format="zip:hi=int8,lo=kivi2,salient=0.2")
 
 
 def test_speed_lines_give_each_budget_as_a_multiple_of_the_full_cache():

@@ -18,8 +18,8 @@ CPU = torch.device("cpu")
 
 
 def test_registry_names_and_bad_names():
-    assert list(POLICIES) == ["streaming", "h2o", "snapkv", "pyramid", "merge", "saliency", "arkvale",
-                             "arkvale-bound"]
+    assert list(POLICIES) == ["streaming", "h2o", "snapkv", "pyramid", "merge", "saliency", "saliency-blocks",
+                             "arkvale", "arkvale-bound"]
     with pytest.raises(ValueError, match="unknown KV budget policy 'lru'; choose one of streaming, h2o"):
         get_policy("lru")
     with pytest.raises(ValueError, match="below the minimum of 32 tokens"):
@@ -126,6 +126,30 @@ def test_saliency_normalizes_by_the_probes_that_saw_each_entry():
         st.add_scores(layer, torch.tensor([[1.2, 0.9, 0.9, 0.3]] * 2))
     torch.testing.assert_close(st.saliency(0), torch.tensor([[0.4, 0.3, 0.45, 0.3]] * 2))
     torch.testing.assert_close(st.saliency(1, torch.tensor([3, 0])), torch.tensor([[0.3, 0.4]] * 2))
+
+
+def test_saliency_blocks_keeps_the_sink_the_window_and_the_most_salient_blocks_whole():
+    """Budget 8 of blocks of 2 (window min(32, 8 // 2) = 4: two blocks): 13 slots are six full
+    blocks and an open one; kept: block 0, the window's blocks 4 and 5, and the most salient of
+    blocks 1-3 by its best slot's saliency (summed over the two heads, averaged over the two
+    layers), then the open block 6. Keeping them moves each slot's position, score and validity
+    with its block."""
+    st = _state("saliency-blocks", budget=8, block_size=2)
+    st.prepare(0, 0, 13)
+    st.record_probes(0, (12,))          # one probe, which saw every position
+    scores = torch.zeros(2, 13)
+    scores[:, 3], scores[:, 4], scores[:, 5] = 0.2, 0.5, 0.1      # block 1's best 0.2, block 2's 0.5
+    st.add_scores(0, scores)
+    st.add_scores(1, scores / 5)
+    torch.testing.assert_close(st.block_saliency(6), torch.tensor([0.0, 0.24, 0.6, 0.0, 0.0, 0.0]))
+    kept = st.choose_blocks(13)
+    assert kept == [0, 2, 4, 5, 6]
+    st.keep_blocks(kept, 13, 13)
+    assert st.pos[0][0, :9].tolist() == [0, 1, 4, 5, 8, 9, 10, 11, 12]
+    assert st.valid[1][:10].tolist() == [True] * 9 + [False]
+    torch.testing.assert_close(st.score[0][0, :4], torch.tensor([0.0, 0.0, 0.5, 0.1]))
+    assert (st.num_recorded, st.num_evicted, st.block_holes) == (9, 4, ((4, 4), (4, 4)))
+    assert _state("saliency-blocks", budget=4, block_size=2).window == 2
 
 
 def test_saliency_keeps_the_highest_normalized_scores_pooled_over_neighbours():

@@ -269,6 +269,19 @@ class KVBudgets(Budgets):
         store = self.host_store
         return BudgetStats(self._num_compactions, store.nbytes, store.capacity_bytes, store.num_evicted)
 
+    def kept_blocks(self, request: Request, block_ids: list[int]) -> list[int] | None:
+        state = self._states[request.request_id]
+        if not state.policy.keeps_blocks:
+            return None
+        num_slots = request.num_computed_tokens - state.num_evicted
+        assert len(block_ids) >= -(-num_slots // self.block_size), "a table short of its slots"
+        return state.choose_blocks(num_slots)
+
+    def apply_blocks(self, request: Request, kept: list[int], block_ids: list[int]) -> None:
+        state = self._states[request.request_id]
+        state.keep_blocks(kept, request.num_computed_tokens - state.num_evicted, request.num_computed_tokens)
+        self._num_compactions += 1
+
     def check_integrity(self) -> None:
         self.host_store.check_integrity()
         assert self.host_store.owners() <= self._states.keys(), "stashed blocks of a request with no budget state"

@@ -12,6 +12,8 @@ keep; ``arkvale`` works on whole blocks (see ``arkvale.py``).
                 (the same total, rounded down to a block)
     merge       h2o's choice; evicted entries merged into their most similar kept entry
     saliency    top pooled saliency (ZipCache's normalized attention) + the window   attention of probe queries
+    saliency-blocks  whole blocks: the first, the window's and the most salient, budget/block_size in all;
+                a compaction moves no entry                                        attention of probe queries
     arkvale     the top budget/block_size blocks by their key digests, the rest in host memory
     arkvale-bound  arkvale, ranking blocks by the digest's upper bound on q.k
     arkvale-wW  arkvale with bound weight W (0: box centres, 1: the bound; arkvale is W = 0.5)
@@ -48,6 +50,7 @@ class BudgetPolicy:
     evicts_in_prefill: bool = False
     is_paged: bool = False
     merges: bool = False
+    keeps_blocks: bool = False      # compactions keep whole blocks and write nothing (``BudgetState.choose_blocks``)
 
     def layer_budgets(self, budget: int, num_layers: int, block_size: int) -> list[int]:
         return [budget] * num_layers
@@ -138,6 +141,15 @@ class Saliency(SnapKV):
     window. ``score`` arrives normalized (``BudgetState.plan``)."""
 
 
+class SaliencyBlocks(Saliency):
+    """Saliency over whole blocks (``BudgetState.choose_blocks``): a block scores its most salient
+    slot's saliency, summed over KV heads and averaged over layers; a compaction keeps the first
+    block (the sinks), the blocks of the window and the most salient of the rest, ``budget //
+    block_size`` in all, and frees the others. No entry moves, so no codec encodes kept KV a second
+    time and a shared or cached block stays shared and cached; the choice is one per block for
+    every layer and head, coarser than ``saliency``'s per entry."""
+
+
 @dataclass(frozen=True)
 class ArkVale(BudgetPolicy):
     """``bound_weight``: how much of a block's key spread counts in its score; ``recall_margin``:
@@ -158,6 +170,7 @@ POLICIES: dict[str, BudgetPolicy] = {p.name: p for p in (
     Pyramid("pyramid", weights="window"),
     Merge("merge", weights="all", evicts_in_prefill=True, merges=True),
     Saliency("saliency", weights="probe"),
+    SaliencyBlocks("saliency-blocks", weights="probe", keeps_blocks=True),
     ArkVale("arkvale", is_paged=True),
     ArkVale("arkvale-bound", is_paged=True, bound_weight=1.0),
 )}

@@ -25,21 +25,21 @@ of the precision it had while its chunks ran. After that a block that loses its 
 never gets it back: precision only falls, as the context grows and saliency settles.
 
 This is the engine's ``Budgets`` under such a format, and it runs KV budgets too, of the
-``saliency`` policy alone, over whole blocks: one measure, ``block_saliency``, then decides both
-which blocks a request keeps and which of those keep their finer copy. A budgeted request's
-state is its observer with a budget (its probes are the saliency budget's: every decode query
-among them). Once the prompt is whole and its full blocks pass ``budget // block_size``, a
-compaction (``kept_blocks``) keeps that many: the first (the attention sink), those of the
-last window (the saliency budget's, up to 32 tokens) and the most salient of the rest, then
-the open block; the table is those blocks in order, and the others are freed. No entry is
-written: a kept block keeps its base parts and its finer copy as they are, so a compaction
-costs a ranking, a shared or cached block stays as it is, and the kept KV is never encoded a
-second time (a compaction that moves single entries would encode every block it touches again,
-from values already rounded: with a 2-bit base that lost needles; docs/budgets.md). The
-blocks leaving the table lose their finer copies (but those another running request keeps
-among its own), and the request is ranked again at once over what it kept (slots are no
-longer positions then: saliency and the question are read at each slot's position). Other
-policies are refused (``ZIP_POLICY``).
+``saliency-blocks`` policy alone: one measure, ``block_saliency`` (the question's attention
+included), then decides both which blocks a request keeps and which of those keep their finer
+copy. A budgeted request's state is its observer with that budget (its probes are the saliency
+budgets': every decode query among them). Once the prompt is whole and its full blocks pass
+``budget // block_size``, a compaction keeps that many (``BudgetState.choose_blocks``: the
+first, the attention sink; those of the last window, up to 32 tokens; the most salient of the
+rest), then the open block; the table is those blocks in order, and the others are freed. No
+entry is written: a kept block keeps its base parts and its finer copy as they are, so a
+compaction costs a ranking, a shared or cached block stays as it is, and the kept KV is never
+encoded a second time (a compaction that moves single entries would encode every block it
+touches again, from values already rounded: with a 2-bit base that lost needles;
+docs/budgets.md). The blocks leaving the table lose their finer copies (but those another
+running request keeps among its own), and the request is ranked again at once over what it
+kept (slots are no longer positions then: saliency and the question are read at each slot's
+position). Other policies are refused (``ZIP_POLICY``).
 """
 
 from __future__ import annotations
@@ -64,13 +64,13 @@ _OBSERVED_BUDGET = 2 * SNAPKV_WINDOW
 
 class ProbeObserver(BudgetState):
     """The ``saliency`` policy's state, for the attention path to score into. Without a budget
-    (``bounded`` false) nothing is ever evicted, so a slot is its position; with one it is that
-    policy's budget state (module docstring). ``saliency`` is ``BudgetState.saliency``'s, read for
+    (``bounded`` false) nothing is ever evicted, so a slot is its position; with one it is the
+    ``saliency-blocks`` budget's state (module docstring). ``saliency`` is ``BudgetState.saliency``'s, read for
     every layer at once (``saliency_of_layers``; tested equal)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, device: torch.device,
                  budget: int | None = None) -> None:
-        policy = get_policy("saliency")
+        policy = get_policy("saliency-blocks" if budget is not None else "saliency")
         self.bounded = budget is not None
         if budget is None:
             super().__init__(policy, _OBSERVED_BUDGET, [_OBSERVED_BUDGET] * num_layers, num_kv_heads, block_size,
@@ -96,10 +96,15 @@ class ProbeObserver(BudgetState):
         every = self.saliency_of_layers(self.num_recorded)[layer]
         return every if slots is None else every[:, slots]
 
-    def saliency_of_layers(self, num_slots: int) -> torch.Tensor:
-        """[layers, heads, num_slots] the saliency of the first ``num_slots`` slots in every layer."""
-        assert self._all_score is not None
-        return self._all_score[..., :num_slots] / seen_by(self.probes, self._all_pos[..., :num_slots])
+    def block_saliency(self, num_blocks: int) -> torch.Tensor:
+        """``BudgetState.block_saliency`` with the question's attention added to every slot's
+        once the prompt is whole (module docstring)."""
+        bs = self.block_size
+        per_token = self.saliency_of_layers(num_blocks * bs).sum(dim=1).mean(dim=0)
+        question = self.question_at(num_blocks * bs)
+        if question is not None:
+            per_token += question
+        return per_token.view(num_blocks, bs).amax(dim=1)
 
     def question_at(self, num_slots: int) -> torch.Tensor | None:
         """[num_slots] the question's attention to what the first ``num_slots`` slots hold: per slot
@@ -136,9 +141,9 @@ class ProbeObserver(BudgetState):
 
 
 #: why a ``zip:`` format runs KV budgets of one policy alone
-ZIP_POLICY = ("one measure ranks both which blocks a budget keeps and which keep their finer copy: the saliency "
-              "policy's, over whole blocks (the others keep single entries, whose moves would encode the kept "
-              "blocks again, or stash blocks without their finer copies)")
+ZIP_POLICY = ("one measure ranks both which blocks a budget keeps and which keep their finer copy: "
+              "saliency-blocks' (the others keep single entries, whose moves would encode the kept blocks again, "
+              "or stash blocks without their finer copies)")
 
 
 class SaliencyPrecision(KVBudgets):
@@ -149,7 +154,7 @@ class SaliencyPrecision(KVBudgets):
     rewrites_entries = False
 
     def __init__(self, storage: ZipKVCache, num_kv_heads: int, host_bytes: int,
-                 default_budget: int | None = None, default_policy: str = "saliency") -> None:
+                 default_budget: int | None = None, default_policy: str = "saliency-blocks") -> None:
         if host_bytes < 0:
             raise ValueError(f"host memory for held finer copies must be >= 0 bytes, got {host_bytes}")
         assert storage.format.refine is not None
@@ -172,9 +177,9 @@ class SaliencyPrecision(KVBudgets):
         self.num_restored = 0       # held copies given back when their prompt was whole
 
     def _check_policy(self, name: str) -> None:
-        if name != "saliency":
+        if name != "saliency-blocks":
             raise ValueError(f"KV policy {name!r} cannot run under the KV format {self.spec}: {ZIP_POLICY}; "
-                             "give kv_policy saliency")
+                             "give kv_policy saliency-blocks")
 
     def check(self, params: SamplingParams) -> None:
         super().check(params)
@@ -204,7 +209,7 @@ class SaliencyPrecision(KVBudgets):
         prompt = request.num_prompt_tokens
         window = range(prompt - state.window, prompt)
         if state.bounded:
-            # the saliency budget's probes (every decode query among them): eviction reads them
+            # the saliency budgets' probes (every decode query among them): eviction reads them
             rows = state.probe_rows(first_pos, num_new, request.num_tokens)
         else:
             # probes by position: every 16th and the prompt's last window; decode queries only every
@@ -222,25 +227,11 @@ class SaliencyPrecision(KVBudgets):
         return None if state is None or not state.bounded else super().target_slots(request)
 
     def kept_blocks(self, request: Request, block_ids: list[int]) -> list[int] | None:
-        """The saliency budget here keeps whole blocks (module docstring): ``budget // block_size``
-        full blocks, the first (the attention sink) and those of the last window among them, the
-        rest the most salient by ``block_saliency`` (ties to the earlier), then the open block (any
-        block past it holds nothing yet and leaves)."""
-        rid = request.request_id
-        state = self._observer(rid)
-        assert state is not None and state.bounded
-        bs = self.block_size
-        num_slots = request.num_computed_tokens - state.num_evicted
-        full, tail = divmod(num_slots, bs)
-        assert len(block_ids) >= full + (1 if tail else 0), "a table short of its slots"
-        keep = min(full, state.budget // bs)
-        window = range(max(full - -(-state.window // bs), 0), full)
-        forced = sorted({0, *window}, key=lambda i: (i == 0, -i))[:keep]      # the window first, then the sink
-        score = self.block_saliency(rid, full).tolist()
-        rest = sorted((i for i in range(full) if i not in forced), key=lambda i: (-score[i], i))
-        kept = sorted([*forced, *rest[:keep - len(forced)]])
-        self._before[rid] = list(block_ids)
-        return kept + [full] if tail else kept
+        """``saliency-blocks``' choice (``BudgetState.choose_blocks``), ranked by ``block_saliency``
+        (the question's attention included); the table is remembered for ``apply_blocks``."""
+        kept = super().kept_blocks(request, block_ids)
+        self._before[request.request_id] = list(block_ids)
+        return kept
 
     def apply_blocks(self, request: Request, kept: list[int], block_ids: list[int]) -> None:
         """The blocks leaving the table lose their finer copies (but those another running
@@ -248,9 +239,7 @@ class SaliencyPrecision(KVBudgets):
         rid = request.request_id
         state = self._observer(rid)
         assert state is not None
-        num_slots = request.num_computed_tokens - state.num_evicted
-        state.keep_blocks(kept, num_slots, request.num_computed_tokens)
-        self._num_compactions += 1
+        super().apply_blocks(request, kept, block_ids)
         now = set(block_ids)
         self._wanted.pop(rid, None)
         others = self._wanted_by_others(rid)
@@ -284,12 +273,7 @@ class SaliencyPrecision(KVBudgets):
         question's attention to it; per block, its most salient slot's."""
         state = self._observer(request_id)
         assert state is not None
-        num_slots = num_blocks * self.block_size
-        per_token = state.saliency_of_layers(num_slots).sum(dim=1).mean(dim=0)
-        question = state.question_at(num_slots)
-        if question is not None:
-            per_token += question
-        return per_token.view(num_blocks, self.block_size).amax(dim=1)
+        return state.block_saliency(num_blocks)
 
     def settle(self, request: Request, table: Sequence[Block]) -> None:
         rid = request.request_id

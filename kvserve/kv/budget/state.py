@@ -209,6 +209,33 @@ class BudgetState:
             slots = torch.arange(self.num_recorded, device=self.device)
         return self.score[layer][:, slots] / seen_by(self.probes, self.pos[layer][:, slots])
 
+    def saliency_of_layers(self, num_slots: int) -> torch.Tensor:
+        """[layers, heads, num_slots] ``saliency`` of the first ``num_slots`` slots in every layer."""
+        assert self._all_score is not None and self.policy.weights == "probe"
+        return self._all_score[..., :num_slots] / seen_by(self.probes, self._all_pos[..., :num_slots])
+
+    def block_saliency(self, num_blocks: int) -> torch.Tensor:
+        """[num_blocks] per block of slots, its most salient slot's saliency summed over KV heads
+        and averaged over layers."""
+        bs = self.block_size
+        per_slot = self.saliency_of_layers(num_blocks * bs).sum(dim=1).mean(dim=0)
+        return per_slot.view(num_blocks, bs).amax(dim=1)
+
+    def choose_blocks(self, num_slots: int) -> list[int]:
+        """The slot blocks a compaction over whole blocks keeps (``policy.keeps_blocks``), of the
+        ``num_slots`` slots now held: ``budget // block_size`` full blocks, the first (the sinks)
+        and those of the window among them, the rest the most salient (``block_saliency``; ties to
+        the earlier), ascending, then the open block where the slots end inside one."""
+        bs = self.block_size
+        full, tail = divmod(num_slots, bs)
+        keep = min(full, self.budget // bs)
+        window = range(max(full - -(-self.window // bs), 0), full)
+        forced = sorted({0, *window}, key=lambda i: (i == 0, -i))[:keep]      # the window first, then the sink
+        score = self.block_saliency(full).tolist()
+        rest = sorted((i for i in range(full) if i not in forced), key=lambda i: (-score[i], i))
+        kept = sorted([*forced, *rest[:keep - len(forced)]])
+        return kept + [full] if tail else kept
+
     def key_mask(self, layer: int, num_slots: int) -> torch.Tensor:
         """[num_slots] True where the layer's slot holds an entry."""
         self._grow(num_slots)
