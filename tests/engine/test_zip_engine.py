@@ -184,10 +184,10 @@ def _long_prompt() -> list[int]:
     return [rng.randrange(128) for _ in range(200)]
 
 
-def _run_budgeted(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    """Generate under ``BUDGETED``, checking the engine's books after every step."""
+def _run_budgeted(llm: LLM, prompts: list[list[int]], params: SamplingParams = BUDGETED) -> list[list[int]]:
+    """Generate under ``params``, checking the engine's books after every step."""
     e = llm.engine
-    ids = [e.add_request(p, BUDGETED) for p in prompts]
+    ids = [e.add_request(p, params) for p in prompts]
     tokens: dict[str, list[int]] = {}
     while e.has_unfinished:
         for out in e.step():
@@ -290,14 +290,7 @@ def test_saliency_budgets_under_a_zip_format_survive_preemption(loaded):
     llm = LLM(loaded=loaded, kv_format=SPEC, num_kv_blocks=16, max_num_batched_tokens=64, block_size=16)
     e = llm.engine
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, kv_budget=48, kv_policy="saliency-blocks")
-    ids = [e.add_request(p, params) for p in prompts]
-    done: dict[str, int] = {}
-    while e.has_unfinished:
-        for out in e.step():
-            if out.finished:
-                done[out.request_id] = len(out.token_ids)
-        e.check_integrity()
-    assert done == {rid: 60 for rid in ids}
+    assert [len(t) for t in _run_budgeted(llm, prompts, params)] == [60] * 4
     assert e.scheduler.num_preemptions > 0 and e.kv.budgets.num_compactions > 0
     assert e.kv.pool.num_free_blocks == 16
     refined = e.kv.residual.refined
