@@ -169,7 +169,7 @@ class SaliencyPrecision(KVBudgets):
         self._wanted: dict[str, set[int]] = {}      # per request, the blocks it keeps refined
         self._settled: dict[str, int] = {}          # per request, its full blocks when it last settled
         self._before: dict[str, list[int]] = {}     # per compacting request, its table when planned
-        self.num_dropped = 0                        # finer copies dropped by ``settle``, all requests
+        self.num_dropped = 0                        # finer copies dropped by ``settle`` and compactions, all requests
         self.host_bytes = host_bytes
         self.copy_nbytes = storage.finer_nbytes
         self._held: dict[str, dict[int, torch.Tensor]] = {}   # per request, its prompt's dropped copies
