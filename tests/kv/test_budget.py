@@ -144,7 +144,7 @@ def test_saliency_blocks_keeps_the_sink_the_window_and_the_most_salient_blocks_w
     torch.testing.assert_close(st.block_saliency(6), torch.tensor([0.0, 0.24, 0.6, 0.0, 0.0, 0.0]))
     kept = st.choose_blocks(13)
     assert kept == [0, 2, 4, 5, 6]
-    st.keep_blocks(kept, 13, 13)
+    st.keep_blocks(kept, 13)
     assert st.pos[0][0, :9].tolist() == [0, 1, 4, 5, 8, 9, 10, 11, 12]
     assert st.valid[1][:10].tolist() == [True] * 9 + [False]
     torch.testing.assert_close(st.score[0][0, :4], torch.tensor([0.0, 0.0, 0.5, 0.1]))

@@ -148,9 +148,11 @@ def test_the_probe_observer_scores_as_the_saliency_budgets_state():
             scores = torch.rand(2, start + n, generator=g)
             observer.add_scores(layer, scores)
             state.add_scores(layer, scores)
+    every = observer.saliency_of_layers(20)
+    assert every.shape == (2, 2, 20)
     for layer in range(2):
         assert torch.allclose(observer.saliency(layer), state.saliency(layer), rtol=0, atol=1e-7)
-    assert observer.saliency_of_layers(20).shape == (2, 2, 20)
+        assert torch.equal(every[layer], observer.saliency(layer))      # all layers at once: the same
 
 
 @pytest.mark.parametrize("spec, mixes", [

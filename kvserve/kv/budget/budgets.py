@@ -279,7 +279,7 @@ class KVBudgets(Budgets):
 
     def apply_blocks(self, request: Request, kept: list[int], block_ids: list[int]) -> None:
         state = self._states[request.request_id]
-        state.keep_blocks(kept, request.num_computed_tokens - state.num_evicted, request.num_computed_tokens)
+        state.keep_blocks(kept, request.num_computed_tokens)
         self._num_compactions += 1
 
     def check_integrity(self) -> None:

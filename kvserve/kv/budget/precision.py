@@ -65,8 +65,8 @@ _OBSERVED_BUDGET = 2 * SNAPKV_WINDOW
 class ProbeObserver(BudgetState):
     """The ``saliency`` policy's state, for the attention path to score into. Without a budget
     (``bounded`` false) nothing is ever evicted, so a slot is its position; with one it is the
-    ``saliency-blocks`` budget's state (module docstring). ``saliency`` is ``BudgetState.saliency``'s, read for
-    every layer at once (``saliency_of_layers``; tested equal)."""
+    ``saliency-blocks`` budget's state (module docstring). A slot's saliency adds the question's
+    attention once the prompt is whole (``slot_saliency``)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, device: torch.device,
                  budget: int | None = None) -> None:
@@ -92,19 +92,12 @@ class ProbeObserver(BudgetState):
             return super().key_mask(layer, num_slots)
         return torch.ones(num_slots, dtype=torch.bool, device=self.device)
 
-    def saliency(self, layer: int, slots: torch.Tensor | None = None) -> torch.Tensor:
-        every = self.saliency_of_layers(self.num_recorded)[layer]
-        return every if slots is None else every[:, slots]
-
-    def block_saliency(self, num_blocks: int) -> torch.Tensor:
-        """``BudgetState.block_saliency`` with the question's attention added to every slot's
-        once the prompt is whole (module docstring)."""
-        bs = self.block_size
-        per_token = self.saliency_of_layers(num_blocks * bs).sum(dim=1).mean(dim=0)
-        question = self.question_at(num_blocks * bs)
-        if question is not None:
-            per_token += question
-        return per_token.view(num_blocks, bs).amax(dim=1)
+    def slot_saliency(self, num_slots: int) -> torch.Tensor:
+        """``BudgetState.slot_saliency`` with the question's attention added to every slot's once
+        the prompt is whole (module docstring)."""
+        per_slot = super().slot_saliency(num_slots)
+        question = self.question_at(num_slots)
+        return per_slot if question is None else per_slot + question
 
     def question_at(self, num_slots: int) -> torch.Tensor | None:
         """[num_slots] the question's attention to what the first ``num_slots`` slots hold: per slot

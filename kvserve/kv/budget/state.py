@@ -214,12 +214,14 @@ class BudgetState:
         assert self._all_score is not None and self.policy.weights == "probe"
         return self._all_score[..., :num_slots] / seen_by(self.probes, self._all_pos[..., :num_slots])
 
+    def slot_saliency(self, num_slots: int) -> torch.Tensor:
+        """[num_slots] each slot's saliency summed over KV heads and averaged over layers."""
+        return self.saliency_of_layers(num_slots).sum(dim=1).mean(dim=0)
+
     def block_saliency(self, num_blocks: int) -> torch.Tensor:
-        """[num_blocks] per block of slots, its most salient slot's saliency summed over KV heads
-        and averaged over layers."""
+        """[num_blocks] per block of slots, its most salient slot's ``slot_saliency``."""
         bs = self.block_size
-        per_slot = self.saliency_of_layers(num_blocks * bs).sum(dim=1).mean(dim=0)
-        return per_slot.view(num_blocks, bs).amax(dim=1)
+        return self.slot_saliency(num_blocks * bs).view(num_blocks, bs).amax(dim=1)
 
     def choose_blocks(self, num_slots: int) -> list[int]:
         """The slot blocks a compaction over whole blocks keeps (``policy.keeps_blocks``), of the
@@ -315,11 +317,13 @@ class BudgetState:
         self.num_recorded = plan.num_slots
         self.num_compactions += 1
 
-    def keep_blocks(self, kept: list[int], num_slots: int, num_computed: int) -> None:
-        """A compaction that kept whole slot blocks ``kept`` (ascending; the one holding slot
-        ``num_slots`` last where that block is open) and dropped the others: slot ``i * bs + r``
-        now holds what slot ``kept[i] * bs + r`` held, in every layer and head."""
+    def keep_blocks(self, kept: list[int], num_computed: int) -> None:
+        """A compaction of a request with ``num_computed`` tokens computed kept whole slot blocks
+        ``kept`` (ascending; the open block last where its slots end inside one) and dropped the
+        others: slot ``i * bs + r`` now holds what slot ``kept[i] * bs + r`` held, in every layer
+        and head."""
         bs = self.block_size
+        num_slots = num_computed - self.num_evicted
         tail = num_slots % bs
         assert not tail or kept[-1] == num_slots // bs, "the open block is kept last"
         old = torch.tensor(kept, dtype=torch.long, device=self.device)
