@@ -13,7 +13,7 @@ the engine builds the part or admits the request.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -95,8 +95,43 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LayerSpec:
+    """What one decoder layer's attention is: its kind (full, or sliding: each query sees the
+    ``sliding_window`` positions up to and including its own) and its RoPE (base and scaling).
+    Attention, the batch and the KV manager read it; ``ModelConfig.layer_specs`` gives one per layer."""
+
+    sliding_window: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (None: full attention), got {self.sliding_window}")
+        _positive("rope_theta", self.rope_theta)
+
+    @property
+    def attention_kind(self) -> str:
+        """``full`` or ``sliding``: the layer groups of a model are its layers of one kind and window."""
+        return "full" if self.sliding_window is None else "sliding"
+
+
+#: the MLP activations a family may gate with: SiLU (SwiGLU: Llama, Qwen2, Mistral) or GELU with
+#: the tanh approximation (GeGLU: Gemma)
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama, SmolLM, Qwen2, Mistral)."""
+    """Shape of a decoder of one of the registered families (kvserve/model/families.py).
+
+    The fields after ``rope_scaling`` are what families other than Llama's differ in (their
+    defaults are Llama's): ``layers`` (one ``LayerSpec`` per layer where layers differ: Gemma 3's
+    sliding and full layers with their two RoPE bases; empty: every layer full attention with
+    ``rope_theta`` / ``rope_scaling``), ``activation`` (of the gated MLP), ``qk_norm`` (RMSNorm of
+    each head's query and key before RoPE), ``sandwich_norms`` (norms after attention and after
+    the MLP as well as before each), ``embedding_multiplier`` (the embedding's rows scaled by it),
+    ``query_pre_attn_scalar`` (attention scores scaled by its -1/2 power instead of head_dim's) and
+    ``final_logit_softcapping`` (logits squashed to +-cap by cap * tanh(logits / cap))."""
 
     architecture: str
     vocab_size: int
@@ -115,8 +150,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     rope_scaling: RopeScaling | None = None
+    layers: tuple[LayerSpec, ...] = ()
+    activation: str = "silu"
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    embedding_multiplier: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
+        if self.layers and len(self.layers) != self.num_layers:
+            raise ValueError(f"ModelConfig.layers has {len(self.layers)} specs for {self.num_layers} layers")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        for name in ("embedding_multiplier", "query_pre_attn_scalar", "final_logit_softcapping"):
+            if getattr(self, name) is not None:
+                _positive(f"ModelConfig.{name}", getattr(self, name))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -138,6 +187,41 @@ class ModelConfig:
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes of K and V for one token across all layers."""
         return 2 * self.num_layers * self.kv_size * element_size
+
+    @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """One spec per layer (``layers``, or every layer full with the model's RoPE)."""
+        if self.layers:
+            return self.layers
+        return (LayerSpec(None, self.rope_theta, self.rope_scaling),) * self.num_layers
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's window (None: full attention)."""
+        return tuple(spec.sliding_window for spec in self.layer_specs)
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(w is not None for w in self.sliding_windows)
+
+    @property
+    def query_scale(self) -> float:
+        """What attention scores are multiplied by: 1 / sqrt(query_pre_attn_scalar or head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values (the weights cache keeps configs so); ``from_dict`` reads them back."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        def scaling(s: dict[str, Any] | None) -> RopeScaling | None:
+            return RopeScaling(**s) if s else None
+
+        layers = tuple(LayerSpec(**(spec | {"rope_scaling": scaling(spec.get("rope_scaling"))}))
+                       for spec in d.get("layers", ()))
+        return cls(**(d | {"eos_token_ids": tuple(d["eos_token_ids"]), "rope_scaling": scaling(d.get("rope_scaling")),
+                           "layers": layers}))
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batc
     result = out if direct else torch.empty(q.shape, dtype=torch.float32)
     assert result is not None
     ext.run(q32, result, k_layout, k_parts, v_layout, v_parts, batch.block_tables, batch.context_lens,
-            batch.query_starts, batch.open_rows, batch.block_size, float(scale), _positions(batch))
+            batch.query_starts, batch.open_rows, batch.block_size, float(scale), _positions(batch), batch.window or 0)
     if direct:
         return result
     if out is None:
@@ -134,7 +134,7 @@ def run_registered(ext: ModuleType, halves: object, q: torch.Tensor, batch: Page
                               batch.open_rows, float(scale), scores.weights, scores.score_from, _positions(batch))
     else:
         ext.run_halves(halves, q, result, batch.block_tables, batch.context_lens, batch.query_starts,
-                       batch.open_rows, float(scale), _positions(batch))
+                       batch.open_rows, float(scale), _positions(batch), batch.window or 0)
     if out is not None and result is not out:
         return out.copy_(result)
     return result

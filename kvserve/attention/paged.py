@@ -39,7 +39,7 @@ Keys and values are read through the storage protocol (kv/storage/), whatever th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -119,9 +119,18 @@ class PagedChunks:
     scores: ScoredChunks | None = None
     # one batch per layer where some sequence's layer skips blocks (compacted with holes), else None
     layer_batches: tuple[PagedBatch, ...] | None = None
+    # batches under a sliding window, made once per step (``batch_for``)
+    _windowed: dict[tuple[int, int], PagedBatch] = field(default_factory=dict, compare=False, repr=False)
 
-    def batch_for(self, layer: int) -> PagedBatch:
-        return self.batch if self.layer_batches is None else self.layer_batches[layer]
+    def batch_for(self, layer: int, window: int | None = None) -> PagedBatch:
+        """The layer's batch; under a sliding ``window``, the same sequences read through it."""
+        batch = self.batch if self.layer_batches is None else self.layer_batches[layer]
+        if window is None:
+            return batch
+        key = (id(batch), window)
+        if key not in self._windowed:
+            self._windowed[key] = replace(batch, window=window)
+        return self._windowed[key]
 
 
 @dataclass(frozen=True)
@@ -165,21 +174,24 @@ def write_layer(k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVStorage, 
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    cache: KVStorage, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D], k/v: [T, Hkv, D] for the step's new tokens. Returns [T, H, D]."""
+                    cache: KVStorage, meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, Hkv, D] for the step's new tokens. Returns [T, H, D]. ``window``:
+    the layer's sliding window (each query sees its last ``window`` positions), None: full."""
     write_layer(k, v, layer, cache, meta)
+    if window is not None and meta.budgeted:
+        raise ValueError("KV budgets are not kept on sliding-window layers")
     for b in meta.budgeted:     # before any attention: a hook may bring blocks back
         b.state.before_attention(layer, q[b.start:b.end], cache, b.block_ids, b.is_compacted)
     num_kv_heads = k.shape[1]
     group = q.shape[1] // num_kv_heads
     d, paged = meta.decode, meta.paged
     if d is not None and d.is_whole_batch:
-        return _decode(q, d, layer, cache, num_kv_heads, group, scale)
+        return _decode(q, d, layer, cache, num_kv_heads, group, scale, window)
     if paged is not None and paged.is_whole_batch:
-        return meta.backend.attend(q, *cache.half_stores(layer), paged.batch, scale)
+        return meta.backend.attend(q, *cache.half_stores(layer), paged.batch_for(layer, window), scale)
     out = torch.empty_like(q)
     if paged is not None:
-        batch = paged.batch_for(layer)
+        batch = paged.batch_for(layer, window)
         scores = None
         if paged.scores is not None:
             # as wide as the scored sequences' contexts (the kernel touches no other row)
@@ -196,17 +208,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         if p.block_table is None:
             ks, vs = k[p.start:p.end], v[p.start:p.end]
             causal, mask = True, None
+            if window is not None and p.end - p.start > window:
+                n = p.end - p.start
+                causal, mask = False, _window_mask(torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), window)
         else:
             ks, vs = cache.gather(layer, p.block_table, p.overlay)
             ks, vs = ks[0], vs[0]
-            causal, mask = False, p.mask
+            causal, mask = False, p.mask if window is None or p.mask is None else _window_mask(p.mask, window)
         ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)               # [1, Hkv, L, D]
         vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
                                            scale=scale, enable_gqa=group > 1)
         out[p.start:p.end] = o[0].transpose(0, 1)
     if d is not None:
-        out[d.token_idx] = _decode(q[d.token_idx], d, layer, cache, num_kv_heads, group, scale)
+        out[d.token_idx] = _decode(q[d.token_idx], d, layer, cache, num_kv_heads, group, scale, window)
     for b in meta.budgeted:
         budgeted = _budgeted(q[b.start:b.end], b, layer, cache, num_kv_heads, group, scale)
         if budgeted is not None:
@@ -227,8 +242,15 @@ def _add_kernel_scores(chunk: BudgetedChunk, layer: int, weights: torch.Tensor) 
     chunk.state.add_scores(layer, weights[:, first * bs:chunk.num_slots - skipped], first_slot=end * bs)
 
 
+def _window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` [..., L], whose rows are True on a prefix (the keys up to each query), narrowed
+    to the last ``window`` keys of each row."""
+    ends = mask.sum(dim=-1, keepdim=True)       # each query's position + 1
+    return mask & (torch.arange(mask.shape[-1], device=mask.device) >= ends - window)
+
+
 def _decode(q: torch.Tensor, d: DecodeGroup, layer: int, cache: KVStorage,
-            num_kv_heads: int, group: int, scale: float) -> torch.Tensor:
+            num_kv_heads: int, group: int, scale: float, window: int | None = None) -> torch.Tensor:
     # The `group` query heads sharing a KV head act as `group` query rows of one
     # head, so GQA needs no copy of K and V: [B, Hkv, group, D] x [B, Hkv, L, D].
     num = q.shape[0]
@@ -236,7 +258,8 @@ def _decode(q: torch.Tensor, d: DecodeGroup, layer: int, cache: KVStorage,
     kd, vd = cache.gather(layer, d.block_table, d.overlay)   # [B, L, Hkv, D]
     kd = kd.to(q.dtype).transpose(1, 2)
     vd = vd.to(q.dtype).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
+    mask = d.mask if window is None else _window_mask(d.mask, window)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
     return o.reshape(num, -1, q.shape[2])
 
 

@@ -6,6 +6,7 @@ attend in float32 with an explicit causal mask. Slow and simple on purpose.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.kv.codecs import HalfCodec
 from kvserve.kv.storage.layout import HalfStore, PagedBatch
@@ -45,6 +46,23 @@ def reference_attention(q: torch.Tensor, key_codec: HalfCodec, key: HalfStore, v
         query_pos = (torch.arange(length - n, length) if batch.query_positions is None
                      else batch.query_positions[starts[s]:starts[s + 1]].long().cpu())
         causal = torch.arange(length)[None, :] <= query_pos[:, None]   # [n, L]
+        if batch.window is not None:
+            causal &= torch.arange(length)[None, :] > query_pos[:, None] - batch.window
         logits = logits.masked_fill(~causal.to(logits.device), float("-inf"))
         out[starts[s]:starts[s + 1]] = torch.einsum("hnl,lhd->nhd", logits.softmax(dim=-1), v).to(q.dtype)
     return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """A prompt's dense causal attention, outside any cache: q [T, Hq, D], k and v [T, Hkv, D]
+    of positions 0..T-1 -> [T, Hq, D]; under a sliding ``window`` each query sees its last
+    ``window`` positions."""
+    n, group = q.shape[0], q.shape[1] // k.shape[1]
+    mask = None
+    if window is not None and window < n:
+        pos = torch.arange(n, device=q.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                         is_causal=mask is None, scale=scale, enable_gqa=group > 1)
+    return out.transpose(0, 1)

@@ -268,7 +268,7 @@ def _key_tile(q, t0, hi, table_row, open_row, h, H, qk_scale, dd, d_ok, side_map
 
 
 @triton.jit
-def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_scale, dd, d_ok,
+def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, before, table_row, open_row, h, H, qk_scale, dd, d_ok,
                   k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
                   kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
                   v_main, v_scale, v_zero, v_out_vals, v_out_chans, v_residual,
@@ -286,7 +286,8 @@ def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_s
                   VF_GROUP_SIZE: tl.constexpr, VF_HAD: tl.constexpr, VF_NOUT: tl.constexpr, REFINED: tl.constexpr,
                   D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGES: tl.constexpr, DOT: tl.constexpr, F32_DOTS: tl.constexpr):
-    """Online softmax over keys [lo, hi) of one sequence; returns the updated (m, l, acc)."""
+    """Online softmax over keys [lo, hi) of one sequence; returns the updated (m, l, acc). Row r
+    sees the keys t with before[r] < t <= pos[r] (``before``: -1, or a sliding window's edge)."""
     for t0 in range(lo, hi, BLOCK_N):
         t, t_ok, off, blk, pages, page_ok, s = _key_tile(
             q, t0, hi, table_row, open_row, h, H, qk_scale, dd, d_ok, side_map,
@@ -295,7 +296,7 @@ def _attend_tiles(q, m_i, l_i, acc, lo, hi, pos, table_row, open_row, h, H, qk_s
             kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans, kfb_main, kfb_scale, kfb_zero, kfb_out_vals,
             kfb_out_chans, K_KIND, K_BITS, K_GROUP_SIZE, K_HAD, K_NOUT, KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD,
             KF_NOUT, K_FROM_RESIDUAL, REFINED, D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
-        visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
+        visible = t_ok[None, :] & (t[None, :] <= pos[:, None]) & (t[None, :] > before[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -351,7 +352,7 @@ def _query_tile(q_ptr, sq_t, sq_h, query_positions, q_start, n, length, q_tile, 
 
 @triton.jit
 def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_rows,
-           tables, s_table, context_lens, query_starts, open_rows, query_positions,
+           tables, s_table, context_lens, query_starts, open_rows, query_positions, window,
            H, num_q_tiles, tokens_per_split, qk_scale,
            k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
            kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
@@ -373,7 +374,9 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
            DOT: tl.constexpr, F32_DOTS: tl.constexpr, HAS_POSITIONS: tl.constexpr, STATS: tl.constexpr):
     """One program: ROWS (query, head) rows of one sequence over one split of its keys. With
     HAS_POSITIONS each query's position is read from ``query_positions`` (ascending, the last
-    at length - 1: a prefill with gaps), else a sequence's queries are its last n positions."""
+    at length - 1: a prefill with gaps), else a sequence's queries are its last n positions.
+    ``window`` > 0: each query sees only its last ``window`` positions (a sliding-window layer);
+    keys before the tile's first query's window are not read."""
     s_idx = tl.program_id(0) // num_q_tiles
     q_tile = tl.program_id(0) % num_q_tiles
     h = tl.program_id(1)
@@ -398,12 +401,20 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
         last_pos = length - n + last_q
     # keys past this tile's last query are masked for every row: stop there
     hi = tl.minimum(tl.minimum(lo + tokens_per_split, length), last_pos + 1)
+    before = tl.where(window > 0, pos - window, -1)          # each row's last key before its window
+    if window > 0:    # keys before the first row's window are masked for every row: start there
+        first_q = q_tile * QUERIES
+        if HAS_POSITIONS:
+            first_pos = tl.load(query_positions + q_start + first_q)
+        else:
+            first_pos = length - n + first_q
+        lo = tl.maximum(lo, tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N)   # tiles stay aligned
 
     m_i = tl.full((ROWS,), NEG_BIG, tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_PAD), tl.float32)
     table_row = tables + s_idx.to(tl.int64) * s_table
-    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, lo, tl.minimum(hi, tail_lo), pos, table_row, open_row, h, H,
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, lo, tl.minimum(hi, tail_lo), pos, before, table_row, open_row, h, H,
                                   qk_scale, dd, d_ok,
                                   k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
                                   kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,
@@ -418,7 +429,7 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
                                   KF_KIND, KF_BITS, KF_GROUP_SIZE, KF_HAD, KF_NOUT, VF_KIND, VF_BITS, VF_GROUP_SIZE, VF_HAD, VF_NOUT,
                                   REFINED, D, D_PAD, BLOCK_SIZE, BLOCK_N, PAGES, DOT, F32_DOTS)
     if K_HAS_RESIDUAL or V_HAS_RESIDUAL:
-        m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tl.maximum(lo, tail_lo), hi, pos, table_row, open_row, h,
+        m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tl.maximum(lo, tail_lo), hi, pos, before, table_row, open_row, h,
                                       H, qk_scale, dd, d_ok,
                                       k_main, k_scale, k_zero, k_out_vals, k_out_chans, k_residual,
                                       kb_main, kb_scale, kb_zero, kb_out_vals, kb_out_chans, kb_residual,

@@ -161,6 +161,8 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
     _check_batch(batch, q.device)
     if scores is not None:
+        if batch.window is not None:
+            raise ValueError("attention scores are not kept under a sliding window")
         _check_scores(scores, batch, num_kv_heads, q.device)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
@@ -198,7 +200,7 @@ def attend_launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: flo
     num_tokens, num_heads, _ = q.shape
     num_q_tiles = -(-batch.max_query_len // cfg.queries_per_tile)
     args = [q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), *partials, num_tokens * num_heads,
-            *_batch_args(batch), halves.num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
+            *_batch_args(batch), batch.window or 0, halves.num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
             *halves.args, *((out, out) if stats is None else (stats[0], stats[1]))]
     constants = {**halves.constants, **_tile_constants(q, halves, batch, cfg, f32_dots),
                  "SPLIT": cfg.num_splits > 1, "STATS": stats is not None}

@@ -81,7 +81,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes of the weights a decode step reads, in the engine's weight format (LlamaModel.weight_nbytes)."""
+    """Bytes of the weights a decode step reads, in the engine's weight format (Decoder.weight_nbytes)."""
     return llm.engine.model.weight_nbytes
 
 
@@ -110,7 +110,7 @@ class StepTimer:
         if self.times_attention:
             backend.attend = self._timed(backend.attend, "attend_s")   # type: ignore[method-assign]
         model = llm.engine.model
-        for product in [model.lm_head] + [p for lw in model.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]:
+        for product in [model.lm_head, *model.layer_products()]:
             for name in PRODUCT_METHODS:
                 setattr(product, name, self._timed(getattr(product, name), "products_s"))
 

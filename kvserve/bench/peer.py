@@ -33,7 +33,7 @@ kvserve runs one warm-up per row (not counted), as llama.cpp does; its figure is
 ``--repeats`` runs with the spread (min-max), llama.cpp's is the mean ± sd it prints (over its
 repetitions). Decode rows set both against the memory-bandwidth limit: a decode pass reads
 every weight once, so limit tok/s = read bandwidth / weight bytes (kvserve's
-``LlamaModel.weight_nbytes``, llama.cpp's model size: the same bytes for a GGUF read in place),
+``Decoder.weight_nbytes``, llama.cpp's model size: the same bytes for a GGUF read in place),
 the bandwidth measured in the same run (``kv_decode.read_bandwidth``, the larger of before and
 after the rows); the KV read at depth comes on top.
 

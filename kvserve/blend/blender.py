@@ -57,7 +57,7 @@ from kvserve.kv.block_pool import NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiering import Tiering
-from kvserve.model.llama import LlamaModel
+from kvserve.model.decoder import Decoder
 from kvserve.request import BlendRows, BlendSpec, Request
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
 
 
 class Blender:
-    def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, tiering: Tiering,
+    def __init__(self, model: Decoder, storage: KVStorage, kv: KVCacheManager, tiering: Tiering,
                  select_layer: int = 1, use_cost_model: bool = True, selection: str = "deviation",
                  sink_tokens: int = 0, query_layer: int | None = None, preamble: Sequence[int] = (),
                  in_batch: bool = False, last_segments: int = 0,

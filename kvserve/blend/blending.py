@@ -43,7 +43,7 @@ from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV
 from kvserve.config import QUERY_SELECTIONS, ModelConfig, check_blend_selection
 from kvserve.kv.storage.layout import CodecKind, HalfLayout, HalfStore, PagedBatch
-from kvserve.model.llama import LlamaModel
+from kvserve.model.decoder import Decoder
 from kvserve.request import DEFAULT_BLEND_FRACTION, BlendRows, check_blend_fraction
 
 
@@ -88,7 +88,7 @@ class Blended:
 
 
 @torch.inference_mode()
-def blend_prefill(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
+def blend_prefill(model: Decoder, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
                   blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1, known: SegmentKV | None = None,
                   selection: str = "deviation", sink_tokens: int = 0, query_layer: int | None = None,
                   last_segments: int = 0) -> Blended:
@@ -111,7 +111,7 @@ class BlendJob:
     """``blend_prefill``'s computation, run a few layers at a time. The arguments are checked
     here; ``advance`` raises what the computation raises."""
 
-    def __init__(self, model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
+    def __init__(self, model: Decoder, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
                  blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1,
                  known: SegmentKV | None = None, selection: str = "deviation", sink_tokens: int = 0,
                  query_layer: int | None = None, rows_only: bool = False, last_segments: int = 0) -> None:
@@ -160,7 +160,7 @@ def attention_keys_per_row(config: ModelConfig) -> float:
     return linear / (2 * q)
 
 
-def _check(model: LlamaModel, prompt: BlendPrompt, cached: Sequence[SegmentKV | None], blend_fraction: float,
+def _check(model: Decoder, prompt: BlendPrompt, cached: Sequence[SegmentKV | None], blend_fraction: float,
            select_layer: int, known: SegmentKV | None, selection: str, sink_tokens: int,
            query_layer: int | None, last_segments: int) -> None:
     num_layers = model.config.num_layers
@@ -299,7 +299,7 @@ class _Pass(NamedTuple):
 class _Context:
     """One prompt's blend: what is known, reused and cached, for passes over the layers."""
 
-    def __init__(self, model: LlamaModel, token_ids: list[int], num_known: int, known: SegmentKV | None,
+    def __init__(self, model: Decoder, token_ids: list[int], num_known: int, known: SegmentKV | None,
                  reused: torch.Tensor, is_reused: torch.Tensor, cached_keys: list[torch.Tensor],
                  cached_values: list[torch.Tensor], question_from: int, whole_from: int, first_reused: int) -> None:
         self.model, self.token_ids, self.num_known, self.known = model, token_ids, num_known, known
@@ -315,7 +315,7 @@ class _Context:
         self.whole = reused[reused >= whole_from]      # the reused positions always recomputed
 
     @classmethod
-    def of(cls, model: LlamaModel, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
+    def of(cls, model: Decoder, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
            known: SegmentKV | None, last_segments: int = 0) -> tuple[_Context, list[tuple[int, int]]]:
         """The context of ``prompt`` (arguments checked) and its reused runs (``_place``); the
         reused tokens of its last ``last_segments`` segments always recomputed."""
@@ -387,7 +387,7 @@ class _Context:
         values: list[torch.Tensor] = []
         num_layers = model.config.num_layers if last_layer is None else last_layer + 1
         for layer in range(num_layers):
-            q, k, v = model.layer_qkv(layer, h, model.rope.angles(rows))
+            q, k, v = model.layer_qkv(layer, h, model.angles(rows))
             if choose is not None and layer in choose_at:
                 selected = choose(layer, rows, k, v)
                 keep = ~self.is_reused
@@ -598,7 +598,7 @@ def _attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
 
 
 @torch.inference_mode()
-def segment_peaks_by_layer(model: LlamaModel, rope: RopeTables, prompt: BlendPrompt,
+def segment_peaks_by_layer(model: Decoder, rope: RopeTables, prompt: BlendPrompt,
                            cached: Sequence[SegmentKV]) -> list[list[float]]:
     """Per layer, each segment's score as ``query-segments`` reads it with that layer as
     ``blend_query_layer``: the question's first-pass attention (every segment as cached),
@@ -619,14 +619,14 @@ def segment_peaks_by_layer(model: LlamaModel, rope: RopeTables, prompt: BlendPro
 
 
 @torch.inference_mode()
-def extend(model: LlamaModel, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+def extend(model: Decoder, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
            token_ids: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Compute ``token_ids`` after the KV ``keys``/``values`` (per layer [n, kv_heads, head_dim]):
     the last token's logits and the KV grown by them. Continues a blended prompt (tests, the
     accuracy checks of a benchmark)."""
     n, dev = keys[0].shape[0], model.device
     rows = torch.arange(n, n + len(token_ids), device=dev)
-    angles = model.rope.angles(rows)
+    angles = model.angles(rows)
     h = model.embed(torch.tensor(list(token_ids), dtype=torch.long, device=dev))
     new_keys, new_values = [], []
     for layer in range(model.config.num_layers):
@@ -638,7 +638,7 @@ def extend(model: LlamaModel, keys: Sequence[torch.Tensor], values: Sequence[tor
     return model.compute_logits(model.final_norm_of(h[-1:]))[0], new_keys, new_values
 
 
-def greedy_tokens(model: LlamaModel, blended: Blended, max_tokens: int) -> list[int]:
+def greedy_tokens(model: Decoder, blended: Blended, max_tokens: int) -> list[int]:
     """``max_tokens`` greedy tokens after a blended prompt."""
     out: list[int] = []
     logits, keys, values = blended.logits, list(blended.keys), list(blended.values)

@@ -1,7 +1,7 @@
 """Moving cached keys to other positions: RoPE re-rotation.
 
 A key is stored rotated by its position: ``k_p = R(p) k``, where ``R(p)`` turns each channel
-pair (j, j + D/2) by ``p * inv_freq[j]`` (``apply_rope`` in kvserve/model/llama.py). Since
+pair (j, j + D/2) by ``p * inv_freq[j]`` (``apply_rope`` in kvserve/model/rope.py). Since
 ``R(p1) R(p0)^T = R(p1 - p0)``, moving a key from p0 to p1 is one more rotation. It is
 composed from the model's own float32 tables at p0 and p1 rather than from the angle
 ``(p1 - p0) * inv_freq``: the result then differs from a key computed at p1 by the float32
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.model.llama import apply_rope, rope_tables
+from kvserve.model.rope import apply_rope, rope_tables
 
 
 class RopeTables:

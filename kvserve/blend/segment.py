@@ -16,7 +16,7 @@ import torch
 from kvserve.attention.paged import AttentionMetadata, PrefillChunk
 from kvserve.blend.rope import RopeTables
 from kvserve.kv.storage.paged import PagedKVCache
-from kvserve.model.llama import LlamaModel
+from kvserve.model.decoder import Decoder
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class SegmentKV:
                          tuple(k[start:end] for k in self.keys), tuple(v[start:end] for v in self.values))
 
 
-def compute_kv(model: LlamaModel, token_ids: Sequence[int], first_position: int = 0,
+def compute_kv(model: Decoder, token_ids: Sequence[int], first_position: int = 0,
                preamble: Sequence[int] = (), rope: RopeTables | None = None) -> SegmentKV:
     """Keys and values of ``token_ids`` attending only to each other, at positions
     ``first_position, ...``: a segment computed standalone when ``first_position`` is 0.

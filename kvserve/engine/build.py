@@ -27,7 +27,7 @@ from kvserve.blend.admission import BlendAdmission
 from kvserve.blend.blender import Blender
 from kvserve.blend.calibrated import resolve_selection
 from kvserve.config import EngineConfig, ModelConfig, SpeculativeConfig
-from kvserve.engine.checks import RequestChecks
+from kvserve.engine.checks import SLIDING_NO_BUDGETS, RequestChecks
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_processor import OutputProcessor
@@ -45,10 +45,11 @@ from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
 from kvserve.kv.storage.zip import ZipKVCache
 from kvserve.kv.tiering import make_tiering
+from kvserve.model.decoder import Decoder
+from kvserve.model.families import build_decoder
 from kvserve.model.formats.build import make_products
 from kvserve.model.formats.spec import parse_weight_format
 from kvserve.model.linear import make_linear
-from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, default_cache_dir, load_model
 from kvserve.offload.base import Transport
 from kvserve.offload.tiered import open_transports
@@ -100,13 +101,19 @@ def check_names(config: EngineConfig, draft: LoadedModel | None = None) -> None:
         check_budget(cc.kv_budget, budget_policy, cc.block_size)
 
 
+def check_model(config: EngineConfig, mc: ModelConfig) -> None:
+    """ValueError for an engine option this model cannot run, saying why."""
+    if mc.has_sliding_layers and config.cache.kv_budget is not None:
+        raise ValueError(SLIDING_NO_BUDGETS)
+
+
 @dataclass(frozen=True)
 class EngineParts:
     model_config: ModelConfig
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
-    model: LlamaModel
+    model: Decoder
     weight_format: str
     fingerprint: str              # the model's identity, weights' format included
     kv_format: KVFormat
@@ -128,12 +135,13 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     """Every part of an engine for ``loaded``; ``tiers`` replace the transports ``config.tiers``
     would open, ``draft`` the draft method's model (LLMEngine's docstring)."""
     mc, cc = loaded.config, config.cache
+    check_model(config, mc)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     products = make_products(config.weight_format, loaded, device, dtype,
                              make_linear(config.linear_backend, device, dtype))
-    model = LlamaModel(mc, loaded.weights, device, dtype, products)
+    model = build_decoder(mc, loaded.weights, device, dtype, products)
     # the weights' format is part of the model's identity: KV computed with other weights never matches
     fingerprint = f"{loaded.fingerprint}:weights={products.name}"
     kv_format = parse_kv_format(cc.kv_format, mc.num_layers, dtype, head_dim=mc.head_dim)
@@ -178,7 +186,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
         sampler=Sampler(config.seed, eos), grammars=grammars, attention=attention,
         speculator=_make_speculator(config, budgets, max_model_len,
                                     _Drafting(loaded, model, storage, kv, draft, device, dtype)),
-        checks=RequestChecks(budgets, grammars, mc.vocab_size),
+        checks=RequestChecks(budgets, grammars, mc.vocab_size, mc.has_sliding_layers),
         blending=BlendAdmission(blender, kv, scheduler, _blend_step_tokens(config)),
         outputs=OutputProcessor(loaded.tokenizer, frozenset(mc.eos_token_ids), max_model_len))
     log.info("engine ready: %s on %s/%s, weights %s (%.1f MiB), KV format %s, %d blocks of %d tokens (%.1f MiB), "
@@ -193,7 +201,7 @@ class _Drafting:
     """What a model proposer is built from: the served model and its cache, a loaded draft model."""
 
     loaded: LoadedModel
-    model: LlamaModel
+    model: Decoder
     storage: KVStorage
     kv: KVCacheManager
     draft: LoadedModel | None
@@ -225,7 +233,7 @@ def _make_model_proposer(config: EngineConfig, spec: SpeculativeConfig, d: _Draf
         weight_format = spec.quantization or config.weight_format
         products = make_products(weight_format, loaded, d.device, d.dtype,
                                  make_linear(config.linear_backend, d.device, d.dtype))
-        model = LlamaModel(loaded.config, loaded.weights, d.device, d.dtype, products)
+        model = build_decoder(loaded.config, loaded.weights, d.device, d.dtype, products)
     num_layers = loaded.config.num_layers
     skip = spec.skip_layers if spec.skip_layers is not None else (default_skip_layers(num_layers)
                                                                   if spec.method == "self" else ())

@@ -8,18 +8,29 @@ from kvserve.request import EncodedPrompt
 from kvserve.sampling.structured import GrammarCompiler
 from kvserve.sampling_params import SamplingParams
 
+#: why a model with sliding-window layers runs neither (kvserve/model/gemma3.py)
+SLIDING_NO_BUDGETS = ("KV budgets are not kept on models with sliding-window layers yet: a budget's compaction "
+                      "moves entries off their positions, which a window is counted in")
+SLIDING_NO_BLEND = ("segmented prompts (blending) are not run on models with sliding-window layers yet: blending "
+                    "re-rotates reused keys by one RoPE base and attends every layer over the whole context, and "
+                    "this model's layers differ in both")
+
 
 class RequestChecks:
-    def __init__(self, budgets: Budgets, grammars: GrammarCompiler, vocab_size: int) -> None:
+    def __init__(self, budgets: Budgets, grammars: GrammarCompiler, vocab_size: int,
+                 has_sliding_layers: bool = False) -> None:
         self.budgets = budgets
         self.grammars = grammars
         self.vocab_size = vocab_size
+        self.has_sliding_layers = has_sliding_layers
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError for parameters this engine cannot run: an unknown KV budget policy, a KV
         budget it cannot apply, a token id outside the vocabulary, a grammar that does not compile."""
         if params.kv_policy is not None:
             get_policy(params.kv_policy)
+        if self.has_sliding_layers and params.kv_budget is not None:
+            raise ValueError(SLIDING_NO_BUDGETS)
         self.budgets.check(params)
         for token_id, _ in params.logit_bias:
             if token_id >= self.vocab_size:
@@ -33,6 +44,8 @@ class RequestChecks:
         self.check_params(params)
         if prompt.blend is None:
             return
+        if self.has_sliding_layers:
+            raise ValueError(SLIDING_NO_BLEND)
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs need every prompt token computed; a segmented prompt reuses "
                              "its segments' KV (send it as plain text instead)")

@@ -17,7 +17,7 @@ from kvserve.attention.paged import AttentionMetadata, write_layer
 from kvserve.kv.budget.budgets import Budgets
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
-from kvserve.model.llama import LlamaModel
+from kvserve.model.decoder import Decoder
 from kvserve.request import Request, TokenLogprob
 from kvserve.sampling.sampler import top_logprobs
 from kvserve.scheduler.scheduler import SchedulerOutput
@@ -32,7 +32,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVStorage, kv: KVCacheManager, budgets: Budgets,
+    def __init__(self, model: Decoder, cache: KVStorage, kv: KVCacheManager, budgets: Budgets,
                  backend: AttentionBackend | None = None) -> None:
         """``budgets``: where a budgeted request's new entries go and which it observes."""
         self.model = model

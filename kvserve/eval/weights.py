@@ -4,7 +4,7 @@ Every format gets its own engine (uncompressed KV cache) and the workload of ``k
 (``harness.Workload``): perplexity by sliding windows over the start of the text, and greedy
 chat outputs compared token by token with native's. ``native`` always runs, first: it is the
 reference of every perplexity delta and of agreement. A format's resident weight bytes
-(``LlamaModel.weight_nbytes``) are set against native's and the model file's size.
+(``Decoder.weight_nbytes``) are set against native's and the model file's size.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ file's size, so it doubles as the commit marker of an entry.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -29,38 +28,34 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvserve.config import ModelConfig, RopeScaling
+from kvserve.config import ModelConfig
+from kvserve.model.families import gguf_family
+from kvserve.model.family import Family, GGUFKeys
 from kvserve.model.formats.packing import GGUF_TYPES, PackedWeight, flatten, pack_gguf, unflatten
+from kvserve.model.llama import LLAMA
 from kvserve.model.loaded import LoadedModel, check_tokenizer
 from kvserve.model.tokenizer import GGUFTokenizerFields, Tokenizer
 
 log = logging.getLogger(__name__)
 
 # Bump whenever conversion output changes, so stale cache entries are ignored.
-LOADER_VERSION = 2
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+LOADER_VERSION = 3
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+def hf_name(gguf_name: str, family: Family = LLAMA) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (the family's names)."""
     if m := _LAYER_RE.match(gguf_name):
         layer, leaf, kind = m.groups()
-        if leaf in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[leaf]}.{kind}"
+        if leaf in family.gguf_layer_names:
+            return f"model.layers.{layer}.{family.gguf_layer_names[leaf]}.{kind}"
     else:
         base, _, kind = gguf_name.rpartition(".")
         if base in _GLOBAL_NAMES and kind in ("weight", "bias"):
             return f"{_GLOBAL_NAMES[base]}.{kind}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama-family equivalent; this file's "
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no {family.name}-family equivalent; this file's "
                      "architecture variant is not supported.")
 
 
@@ -108,13 +103,13 @@ def convert_gguf(path: Path) -> LoadedModel:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader raises bare ValueError/struct errors on bad input
         raise ValueError(f"Cannot read GGUF file {str(path)!r}: {e}") from e
-    config = _config_from_metadata(reader, str(path))
+    family, config = _config_from_metadata(reader, str(path))
     weights: dict[str, torch.Tensor | PackedWeight] = {}
     dequantized: dict[str, int] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, family)
         shape = [int(d) for d in reversed(t.shape)]   # GGUF lists dims innermost first
-        order = _row_order(config, name, shape[0])
+        order = _row_order(family, config, name, shape[0])
         type_name = t.tensor_type.name
         if type_name in GGUF_TYPES and len(shape) == 2:
             weights[name] = pack_gguf(type_name, np.asarray(t.data).reshape(-1).view(np.uint8), shape[0], shape[1],
@@ -123,6 +118,8 @@ def convert_gguf(path: Path) -> LoadedModel:
         array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
         if order is not None:
             array = array[order]
+        if family.gguf_norm_shift and name.endswith("norm.weight"):
+            array = array + np.float32(family.gguf_norm_shift)     # back to the Hugging Face weight
         if type_name not in ("F32", "F16", "BF16"):
             dequantized[type_name] = dequantized.get(type_name, 0) + 1
         # F32 tensors are read-only views of the file's memmap: copy those, not fresh dequant output
@@ -136,11 +133,13 @@ def convert_gguf(path: Path) -> LoadedModel:
                        fingerprint=_file_sha256(path), source=str(path))
 
 
-def _row_order(config: ModelConfig, name: str, rows: int) -> np.ndarray | None:
+def _row_order(family: Family, config: ModelConfig, name: str, rows: int) -> np.ndarray | None:
     """The permutation that undoes llama.cpp's convert-time Q/K row order, for those matrices."""
-    if config.architecture == "llama" and ".self_attn.q_proj." in name:
+    if not family.permutes_qk_rows(config.architecture):
+        return None
+    if ".self_attn.q_proj." in name:
         return unpermute_rows(np.arange(rows), config.num_heads)
-    if config.architecture == "llama" and ".self_attn.k_proj." in name:
+    if ".self_attn.k_proj." in name:
         return unpermute_rows(np.arange(rows), config.num_kv_heads)
     return None
 
@@ -150,48 +149,41 @@ def _field(reader: gguf.GGUFReader, name: str) -> Any:
     return None if field is None else field.contents()
 
 
-def _config_from_metadata(reader: gguf.GGUFReader, source: str) -> ModelConfig:
+def _config_from_metadata(reader: gguf.GGUFReader, source: str) -> tuple[Family, ModelConfig]:
+    """The file's family and config: the fields every family shares read here, the family's own
+    by the family."""
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF file {source!r} has architecture {arch!r}; supported: "
-                         f"{list(SUPPORTED_ARCHITECTURES)}.")
-    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}  # innermost dim first
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if "rope_freqs.weight" in shapes or scaling not in (None, "none"):
-        raise ValueError(f"GGUF file {source!r} uses RoPE scaling ({scaling or 'rope_freqs'}), "
-                         "which the GGUF loader does not support; load the Hugging Face "
-                         "directory instead, whose llama3 rope_scaling is supported.")
-
-    def key(name: str, default: Any = None) -> Any:
-        value = _field(reader, f"{arch}.{name}")
-        if value is None and default is None:
-            raise ValueError(f"GGUF file {source!r} lacks metadata key {arch}.{name!r}.")
-        return default if value is None else value
-
-    num_heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    family = gguf_family(arch, source)
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}  # innermost dim first
+    fields = {name: f.contents() for name, f in reader.fields.items()
+              if name.startswith((f"{arch}.", "tokenizer.ggml.bos", "tokenizer.ggml.eo"))}
+    fields["tokenizer.ggml.tokens"] = _field(reader, "tokenizer.ggml.tokens")
+    keys = GGUFKeys(fields, arch, source, shapes)
+    num_heads = int(keys.arch("attention.head_count"))
+    hidden = int(keys.arch("embedding_length"))
     if "token_embd.weight" not in shapes:
         raise ValueError(f"GGUF file {source!r} has no token_embd.weight tensor.")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=shapes["token_embd.weight"][1],
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-        head_dim=int(key("attention.key_length", key("rope.dimension_count", hidden // num_heads))),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(key("context_length")),
-        tie_word_embeddings="output.weight" not in shapes,
-        attention_bias="blk.0.attn_q.bias" in shapes,
-        bos_token_id=int(bos) if bos is not None else None,
-        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
-        torch_dtype="float32",
-    )
+    bos = keys.get("tokenizer.ggml.bos_token_id")
+    eos_ids = [keys.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    common = {
+        "architecture": arch,
+        "vocab_size": shapes["token_embd.weight"][1],
+        "hidden_size": hidden,
+        "intermediate_size": int(keys.arch("feed_forward_length")),
+        "num_layers": int(keys.arch("block_count")),
+        "num_heads": num_heads,
+        "num_kv_heads": int(keys.arch("attention.head_count_kv", num_heads)),
+        "head_dim": int(keys.arch("attention.key_length", keys.arch("rope.dimension_count", hidden // num_heads))),
+        "rope_theta": float(keys.arch("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(keys.arch("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(keys.arch("context_length")),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "bos_token_id": int(bos) if bos is not None else None,
+        "eos_token_ids": tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+        "torch_dtype": "float32",
+    }
+    return family, family.gguf_config(keys, common)
 
 
 def _tokenizer_fields(reader: gguf.GGUFReader, config: ModelConfig) -> GGUFTokenizerFields:
@@ -220,12 +212,6 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _config_from_dict(d: dict[str, Any]) -> ModelConfig:
-    scaling = d.get("rope_scaling")
-    return ModelConfig(**(d | {"eos_token_ids": tuple(d["eos_token_ids"]),
-                               "rope_scaling": RopeScaling(**scaling) if scaling else None}))
-
-
 def _read_cache(weights_file: Path, meta_file: Path, source: str) -> LoadedModel | None:
     """The cached model, or None when the entry is missing, stale or damaged in any way."""
     try:
@@ -239,7 +225,7 @@ def _read_cache(weights_file: Path, meta_file: Path, source: str) -> LoadedModel
         weights: dict[str, torch.Tensor | PackedWeight] = {
             name: unflatten(name, tensors, layout) for name, layout in meta["packed"].items()}
         weights |= {name: t for name, t in tensors.items() if "#" not in name}
-        return LoadedModel(config=_config_from_dict(meta["config"]), weights=weights,
+        return LoadedModel(config=ModelConfig.from_dict(meta["config"]), weights=weights,
                            tokenizer=Tokenizer.from_json(meta["tokenizer"]),
                            fingerprint=meta["fingerprint"], source=source)
     except Exception:  # noqa: BLE001  any damage (truncation, garbage, missing keys): rebuild
@@ -260,7 +246,7 @@ def _write_cache(loaded: LoadedModel, weights_file: Path, meta_file: Path) -> No
     _atomic_write(weights_file, lambda tmp: save_file(tensors, tmp))
     meta = {"loader_version": LOADER_VERSION, "source": loaded.source, "packed": packed,
             "fingerprint": loaded.fingerprint, "weights_nbytes": weights_file.stat().st_size,
-            "config": dataclasses.asdict(loaded.config), "tokenizer": loaded.tokenizer.to_json()}
+            "config": loaded.config.to_dict(), "tokenizer": loaded.tokenizer.to_json()}
     _atomic_write(meta_file, lambda tmp: Path(tmp).write_text(json.dumps(meta), encoding="utf-8"))
 
 

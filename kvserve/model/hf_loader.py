@@ -11,12 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from kvserve.config import ModelConfig, RopeScaling
+from kvserve.model.families import hf_family
 from kvserve.model.formats.packing import PackedWeight
 from kvserve.model.loaded import LoadedModel, check_tokenizer
 from kvserve.model.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _MIB = 1 << 20
 # Tensors some checkpoints carry that are recomputed, not learned.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -43,15 +42,11 @@ def load_hf_dir(path: Path) -> LoadedModel:
 
 
 def config_from_hf(raw: dict[str, Any], generation: dict[str, Any], source: str) -> ModelConfig:
-    """``ModelConfig`` from config.json (and generation_config.json for bos/eos ids)."""
+    """``ModelConfig`` from config.json (and generation_config.json for bos/eos ids): the fields
+    every family shares read here, the family's own by the family (kvserve/model/families.py)."""
     architectures = raw.get("architectures") or []
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES or (
-            architectures and not set(architectures) & set(SUPPORTED_ARCHITECTURES)):
-        raise ValueError(f"{source!r} holds model_type {model_type!r} ({architectures}); supported: "
-                         f"{list(SUPPORTED_ARCHITECTURES)}.")
-    if raw.get("use_sliding_window"):
-        raise ValueError(f"{source!r} uses sliding-window attention, which is not supported.")
+    family = hf_family(model_type, architectures, source)
 
     def need(name: str) -> Any:
         if name not in raw:
@@ -63,26 +58,25 @@ def config_from_hf(raw: dict[str, Any], generation: dict[str, Any], source: str)
     hidden = int(need("hidden_size"))
     eos = generation.get("eos_token_id", raw.get("eos_token_id"))
     bos = generation.get("bos_token_id", raw.get("bos_token_id"))
-    return ModelConfig(
-        architecture=model_type,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
-        num_heads=num_heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or hidden // num_heads),
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases and its config has no flag for them.
-        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        bos_token_id=int(bos) if bos is not None else None,
-        eos_token_ids=tuple(int(i) for i in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
-        torch_dtype="float32",  # the loader converts every weight to float32
-        rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope, source),
-    )
+    common = {
+        "architecture": model_type,
+        "vocab_size": int(need("vocab_size")),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("intermediate_size")),
+        "num_layers": int(need("num_hidden_layers")),
+        "num_heads": num_heads,
+        "num_kv_heads": int(raw.get("num_key_value_heads") or num_heads),
+        "head_dim": int(raw.get("head_dim") or hidden // num_heads),
+        "rope_theta": float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "bos_token_id": int(bos) if bos is not None else None,
+        "eos_token_ids": tuple(int(i) for i in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        "torch_dtype": "float32",  # the loader converts every weight to float32
+        "rope_scaling": _rope_scaling(raw.get("rope_scaling") or rope, source),
+    }
+    return family.hf_config(raw, common, source)
 
 
 def _rope_scaling(spec: dict[str, Any], source: str) -> RopeScaling | None:

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.model.families import family_of
 from kvserve.model.formats.packing import PackedWeight
 from kvserve.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model ready for the engine. ``weights`` use Hugging Face Llama names (see
+    """A model ready for the engine. ``weights`` use Hugging Face names (see
     ``expected_weight_shapes``) and hold float32, CPU, contiguous tensors, or a GGUF file's
     quantized blocks (``PackedWeight``: the engine's weight format decides how they are used)."""
 
@@ -39,34 +40,8 @@ def check_tokenizer(tokenizer: Tokenizer, config: ModelConfig, source: str) -> N
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama-family checkpoint must provide, with its HF shape [out, in]."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": (hidden,),
-            f"{p}.self_attn.q_proj.weight": (config.q_size, hidden),
-            f"{p}.self_attn.k_proj.weight": (config.kv_size, hidden),
-            f"{p}.self_attn.v_proj.weight": (config.kv_size, hidden),
-            f"{p}.self_attn.o_proj.weight": (hidden, config.q_size),
-            f"{p}.post_attention_layernorm.weight": (hidden,),
-            f"{p}.mlp.gate_proj.weight": (inter, hidden),
-            f"{p}.mlp.up_proj.weight": (inter, hidden),
-            f"{p}.mlp.down_proj.weight": (hidden, inter),
-        }
-        if config.attention_bias:
-            shapes |= {
-                f"{p}.self_attn.q_proj.bias": (config.q_size,),
-                f"{p}.self_attn.k_proj.bias": (config.kv_size,),
-                f"{p}.self_attn.v_proj.bias": (config.kv_size,),
-            }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    return shapes
+    """Every tensor a checkpoint of ``config``'s family must provide, with its HF shape [out, in]."""
+    return family_of(config).expected_weight_shapes(config)
 
 
 def check_weights(weights: dict[str, torch.Tensor | PackedWeight], config: ModelConfig, source: str) -> None:

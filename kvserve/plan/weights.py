@@ -16,7 +16,7 @@ of R stacked rows x C input columns is packed in T = ceil(R / 16) tiles of 16 ro
 
 Under int4 the LM head and the embedding are int8-g32. Norms are in the compute dtype; Q/K/V
 biases too under native, float32 beside packed weights. An untied embedding is counted: it is
-resident, though a decode step reads only its rows (``LlamaModel.weight_nbytes`` leaves it out).
+resident, though a decode step reads only its rows (``Decoder.weight_nbytes`` leaves it out).
 """
 
 from __future__ import annotations

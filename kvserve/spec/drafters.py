@@ -33,7 +33,7 @@ from kvserve.attention.backends import AttentionBackend
 from kvserve.attention.batch import BatchBuilder
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
-from kvserve.model.llama import LlamaModel
+from kvserve.model.decoder import Decoder
 from kvserve.request import Request
 from kvserve.spec.cost import StepCosts
 
@@ -44,7 +44,7 @@ class TokenPass:
     pass is (block ids, first position, tokens); the tokens' keys and values are written to
     their slots, and the pass gives the logits after each row's last token."""
 
-    def __init__(self, model: LlamaModel, cache: KVStorage, backend: AttentionBackend,
+    def __init__(self, model: Decoder, cache: KVStorage, backend: AttentionBackend,
                  layers: Sequence[int] | None = None) -> None:
         """``layers``: the model's layers a pass runs (default: all)."""
         self.model, self.cache, self.backend = model, cache, backend

@@ -122,6 +122,23 @@ def test_runs_of_queries_far_apart_get_the_bits_of_each_run_alone(spec: str) -> 
         first += len(run)
 
 
+@pytest.mark.parametrize("spec", ["fp32", "bf16", "int8", "kivi2+out4", "kivi4+had"])
+def test_a_sliding_window_matches_the_reference(spec: str) -> None:
+    """``PagedBatch.window``: each query sees its last ``window`` positions. Decodes past the
+    window and within it, a prefill chunk whose first rows' windows start in other blocks than its
+    last rows', a context long enough to split (windows that skip whole splits), and a window
+    over queries at given positions; garbage stands in every block a window leaves."""
+    from dataclasses import replace
+    k, v = halves(spec)
+    case = make_case(k, v, lens=[5, 70, 600, 1100, 45], num_queries=[1, 1, 1, 37, 45], group=3, seed=9)
+    for window in (1, 7, 16, 33, 300):
+        windowed = replace(case, batch=replace(case.batch, window=window))
+        assert not torch.allclose(windowed.reference(), case.reference())    # the window matters
+        check(windowed)
+    gapped = with_positions(make_case(k, v, lens=GAPPED_LENS, num_queries=[7, 5, 1], group=3, seed=5), GAPPED)
+    check(replace(gapped, batch=replace(gapped.batch, window=9)))
+
+
 def test_bad_query_positions_raise() -> None:
     case = make_case("fp32", lens=[40], num_queries=[3], seed=1)
     for positions, match in (([[3, 10, 38]], "last query must sit at its last context position"),

@@ -302,6 +302,37 @@ def test_queries_at_given_positions(fmt: str) -> None:
     check(case, run(case, config=forced_splits(case)))
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "kivi2+out4"])
+def test_a_sliding_window(fmt: str) -> None:
+    """``PagedBatch.window``: each query sees its last ``window`` positions (decodes past it and
+    within it, a chunk whose rows' windows start in different blocks, queries at given
+    positions), in one split and in splits a window skips."""
+    from attention.cases import with_positions
+
+    case = make_case(fmt, lens=[5, 70, 200, 45], num_queries=[1, 1, 19, 45], num_kv_heads=2, group=3,
+                     block_size=16, device=DEVICE, seed=9)
+    for window in (1, 7, 33):
+        windowed = replace(case, batch=replace(case.batch, window=window))
+        check(windowed)
+        check(windowed, run(windowed, config=forced_splits(windowed)))
+    gapped = with_positions(make_case(fmt, lens=[40, 33, 7], num_queries=[7, 5, 1], num_kv_heads=2, group=3,
+                                      block_size=16, device=DEVICE, seed=5),
+                            [[3, 10, 11, 20, 31, 38, 39], [0, 15, 16, 17, 32], [6]])
+    check(replace(gapped, batch=replace(gapped.batch, window=9)))
+
+
+def test_gemma3_through_the_engine_matches_transformers() -> None:
+    """A tiny Gemma 3 (sliding layers of 8 positions) on the triton backend, through prefill
+    chunks and decode steps, against transformers (tests/model/test_gemma3.py runs the others)."""
+    from model.test_gemma3 import tiny_gemma3
+    from model.test_llama_vs_hf import check_against
+
+    from kvserve import LLM
+    loaded, reference = tiny_gemma3(seed=4)
+    llm = LLM(loaded=loaded, block_size=4, max_num_batched_tokens=16, attention_backend="triton", device=DEVICE)
+    check_against(llm, reference, [(i * 11) % 128 for i in range(21)], max_tokens=4)
+
+
 def test_open_rows_of_full_last_blocks_are_ignored() -> None:
     """A full last block is read from its parts even when open_rows names a row (of garbage).
     (The reference overlays the row whenever open_rows >= 0, so it is run without it.)"""

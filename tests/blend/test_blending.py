@@ -178,7 +178,7 @@ def _question_attention_reference(model: LlamaModel, rope: RopeTables, prefix, s
     h = model.embed(ids)
     total = torch.zeros(m)
     for layer in range(model.config.num_layers):
-        q, k, v = model.layer_qkv(layer, h, model.rope.angles(rows))
+        q, k, v = model.layer_qkv(layer, h, model.angles(rows))
         keys = torch.cat([k[:n0], cached.keys[layer], k[n0:]])     # prefix, the cached tokens, the question
         vals = torch.cat([v[:n0], cached.values[layer], v[n0:]])
         group = q.shape[1] // keys.shape[1]

@@ -15,7 +15,8 @@ from kvserve.config import RopeScaling
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix import SEGMENT_ROOT, make_extra_key, segment_block_keys
-from kvserve.model.llama import LlamaModel, apply_rope, rope_tables
+from kvserve.model.llama import LlamaModel
+from kvserve.model.rope import apply_rope, rope_tables
 
 CPU = torch.device("cpu")
 LLAMA3 = dataclasses.replace(TINY, rope_theta=500000.0, rope_scaling=RopeScaling(

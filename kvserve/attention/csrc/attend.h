@@ -2,7 +2,7 @@
 // the log2 domain, accumulation of the values.
 //
 //   tile rows r = (query i, head g of the KV head's group): q[r] pre-scaled by scale*log2(e)
-//   row r sees keys t < visible[r] (causal: its position + 1)
+//   row r sees keys t < visible[r] (causal: its position + 1), and t >= first[r] under a sliding window
 //   state per row: running max m[r] (log2 domain), sum l[r] (kept as W partial sums),
 //   accumulator acc[r][0..ld)
 //
@@ -34,6 +34,7 @@ struct Tile {
   float* acc = nullptr;      // [rows, ld]
   float* p = nullptr;        // scratch [rows, pld]: logits, then weights
   int64_t pld = 0;           // >= block_size rounded up to 16
+  const int64_t* first = nullptr;  // a sliding window's first key of each row (else every key from 0)
 };
 
 #ifdef KVS_SIMD
@@ -416,11 +417,17 @@ inline void attend_block(const Tile& t, const Rows& k, const Rows& v, int n, int
       continue;
     }
     const int nv = static_cast<int>(vis);
+    const int lo = t.first ? static_cast<int>(std::clamp<int64_t>(t.first[r] - key0, 0, n)) : 0;
+    if (lo >= nv) {  // every key of the block lies before this row's window
+      std::fill(p, p + np, 0.0f);
+      continue;
+    }
     const float* kscale = k.scale;
-    if (kscale && (nv < np || lg)) {  // scale the visible keys here (-inf * a zero scale would be NaN)
-      for (int j = 0; j < nv; ++j) p[j] *= kscale[j];
+    if (kscale && (nv < np || lo > 0 || lg)) {  // scale the visible keys here (-inf * a zero scale would be NaN)
+      for (int j = lo; j < nv; ++j) p[j] *= kscale[j];
       kscale = nullptr;
     }
+    if (lo > 0) std::fill(p, p + lo, -std::numeric_limits<float>::infinity());  // before the window
     if (nv < np) std::fill(p + nv, p + np, -std::numeric_limits<float>::infinity());  // mask the rest
     if (lg) std::copy(p, p + nv, lg + r * lgld + key0);
     softmax_row(t, r, p, np, kscale, v.scale);

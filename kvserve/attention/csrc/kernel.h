@@ -15,7 +15,12 @@
 //
 // A sequence's n queries are its last n positions (len - n + i), or, with query positions
 // (`qpos`), any ascending positions ending at len - 1: a prefill with gaps (a blend's rows,
-// kvserve/attention/batch.py), each query seeing the keys up to its own position.
+// kvserve/attention/batch.py), each query seeing the keys up to its own position. A sliding
+// window W (`window` > 0: a sliding-window layer) hides the keys more than W - 1 positions
+// before the query; blocks and splits no row of an item sees are never read:
+//
+//   query at p:  keys 0 ... p-W | p-W+1 ........ p        splits wholly left of the tile's
+//                   (skipped)   |  (attended, W keys)     first row's window are not planned
 #pragma once
 
 #include <omp.h>
@@ -56,6 +61,8 @@ namespace detail {
 
 struct Group {  // (sequence, query tile, KV heads [h0, h1)): one run over the context
   int64_t s, q0, q1, h0, h1, nkeys, nblocks, chunk, splits;
+  int64_t kb_first = 0;  // the first block a row of the tile sees (a sliding window's)
+  int64_t split0 = 0;    // the split holding it: splits before it are not planned
   int64_t lg = -1;    // scored groups: offset of their rows' logits [heads][rows][nkeys] (else -1)
   int64_t norm = -1;  // ... and of each row's final (max, sum)
 };
@@ -77,11 +84,17 @@ struct Batch {
   const int32_t* score_from = nullptr;
   int64_t score_ld = 0;
   const int32_t* qpos = nullptr;   // [T] each query's position (optional; see the top of this file)
+  int64_t window = 0;              // a sliding window's keys (0: every key up to the query)
 };
 
 // Keys query i of sequence s (n queries, len context tokens) sees: those up to its position.
 inline int64_t visible_keys(const Batch& b, int64_t s, int64_t n, int64_t len, int64_t i) {
   return b.qpos != nullptr ? int64_t{b.qpos[b.starts[s] + i]} + 1 : len - n + i + 1;
+}
+
+// The first key it sees: its window's (else key 0).
+inline int64_t first_key(const Batch& b, int64_t s, int64_t n, int64_t len, int64_t i) {
+  return b.window > 0 ? std::max<int64_t>(0, visible_keys(b, s, n, len, i) - b.window) : 0;
 }
 
 inline bool in_residual(const HalfView& v, const Batch& b, int64_t s, int64_t kb) {
@@ -269,9 +282,12 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
     plan.max_rows = std::max(plan.max_rows, rows);
     g.chunk = chunk;
     g.splits = (g.nblocks + g.chunk - 1) / g.chunk;
-    for (int64_t sp = 0; sp < g.splits; ++sp) {
+    // rows ascend: the tile's first row sees the earliest keys
+    g.kb_first = first_key(b, g.s, b.starts[g.s + 1] - b.starts[g.s], b.lens[g.s], g.q0) / B;
+    g.split0 = g.kb_first / g.chunk;
+    for (int64_t sp = g.split0; sp < g.splits; ++sp) {
       int64_t partial = -1;
-      if (g.splits > 1) {
+      if (g.splits - g.split0 > 1) {
         partial = plan.scratch;
         plan.scratch += rows * (2 + b.ld);
       }
@@ -279,6 +295,7 @@ inline Plan make_plan(const Batch& b, const HalfView& K, const HalfView& V, int6
     }
   }
   if (b.scores) {
+    KVS_REQUIRE(b.window == 0, "attention scores are not kept under a sliding window");
     const int64_t kv_heads = b.Hq / b.group;
     std::vector<int64_t> task_of(static_cast<size_t>(S * kv_heads), -1);   // (s, h) -> its score task
     for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
@@ -344,7 +361,7 @@ inline void add_scores(const Batch& b, const Plan& plan, const ScoreTask& task, 
 class Scratch {
  public:
   Scratch(int64_t ld, int64_t B, int64_t heads, int64_t max_rows)
-      : pld((B + 15) / 16 * 16), visible(static_cast<size_t>(max_rows)) {
+      : pld((B + 15) / 16 * 16), visible(static_cast<size_t>(max_rows)), first(static_cast<size_t>(max_rows)) {
     // the thread's arena, grown as needed and kept: a decode step calls this once per layer
     static thread_local std::vector<float> arena;
     const size_t need = static_cast<size_t>(max_rows * (2 * ld + 2 + W + pld) + 2 * (B * ld + 2 * ld + pld) +
@@ -379,7 +396,7 @@ class Scratch {
  public:
   float *q, *acc, *ml, *l, *lv, *p;
   HalfBuffers kb, vb;
-  std::vector<int64_t> visible;
+  std::vector<int64_t> visible, first;
   Prefetcher pf;
 };
 
@@ -389,7 +406,10 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
   const int64_t s = g.s, n = b.starts[s + 1] - b.starts[s], len = b.lens[s], ld = b.ld, D = b.D;
   const int64_t nh = g.h1 - g.h0, rows = (g.q1 - g.q0) * b.group;  // rows per head
   for (int64_t i = g.q0; i < g.q1; ++i) {
-    for (int64_t k = 0; k < b.group; ++k) w.visible[(i - g.q0) * b.group + k] = visible_keys(b, s, n, len, i);
+    for (int64_t k = 0; k < b.group; ++k) {
+      w.visible[(i - g.q0) * b.group + k] = visible_keys(b, s, n, len, i);
+      w.first[(i - g.q0) * b.group + k] = first_key(b, s, n, len, i);
+    }
   }
   for (int64_t hh = 0; hh < nh; ++hh) {
     for (int64_t i = g.q0; i < g.q1; ++i) {
@@ -410,7 +430,7 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
   std::fill(m, m + total, -std::numeric_limits<float>::infinity());
   std::fill(lv, lv + total * W, 0.0f);
   std::fill(acc, acc + total * ld, 0.0f);
-  const int64_t kb0 = item.split * g.chunk, kb1 = std::min(g.nblocks, kb0 + g.chunk);
+  const int64_t kb0 = std::max(item.split * g.chunk, g.kb_first), kb1 = std::min(g.nblocks, item.split * g.chunk + g.chunk);
   // Prefetch about kPrefetchBytes ahead: the block `ahead` blocks on (quantized blocks are a
   // few KiB), or when a block is larger (float32 SmolLM2: 24 KiB) the next head's rows.
   Prefetcher& pf = w.pf;
@@ -443,7 +463,7 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
       const Rows kr = rows_of(K, KEY, b, s, kb, h, n_keys, static_cast<int>(rows), w.kb, pf);
       const Rows vr = rows_of(V, VALUE, b, s, kb, h, n_keys, static_cast<int>(rows), w.vb, pf);
       const Tile tile{static_cast<int>(rows), ld, w.q + hh * rows * ld, w.visible.data(), m + hh * rows,
-                      lv + hh * rows * W, acc + hh * rows * ld, w.p, w.pld};
+                      lv + hh * rows * W, acc + hh * rows * ld, w.p, w.pld, b.window > 0 ? w.first.data() : nullptr};
       float* lg = g.lg >= 0 ? logits + g.lg + hh * rows * g.nkeys : nullptr;
       attend_block(tile, kr, vr, n_keys, kb * b.B, pf, lg, g.nkeys);
       if (per_head || hh + 1 == nh) pf.drain();
@@ -476,11 +496,11 @@ inline void merge(const Batch& b, const HalfView& V, const Group& g, const float
   float* m = w.ml;
   for (int64_t r = 0; r < total; ++r) {
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t sp = 0; sp < g.splits; ++sp) mx = std::max(mx, first[sp * stride + r]);
+    for (int64_t sp = 0; sp < g.splits - g.split0; ++sp) mx = std::max(mx, first[sp * stride + r]);
     m[r] = mx;
     l[r] = 0.0f;
     std::fill(acc + r * ld, acc + (r + 1) * ld, 0.0f);
-    for (int64_t sp = 0; sp < g.splits; ++sp) {
+    for (int64_t sp = 0; sp < g.splits - g.split0; ++sp) {
       const float* p = first + sp * stride;
       if (p[total + r] == 0.0f) continue;  // this split saw no key of this row
       const float wt = std::exp2(p[r] - mx);
@@ -518,7 +538,7 @@ inline void attention(const detail::Batch& b, const HalfView& K, const HalfView&
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item& item = plan.items[it];
-      if (item.partial >= 0 && item.split == 0) {
+      if (item.partial >= 0 && item.split == plan.groups[item.group].split0) {
         merge(b, V, plan.groups[item.group], partials.data() + item.partial, out, logits.data(), w);
       }
     }

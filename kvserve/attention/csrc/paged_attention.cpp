@@ -147,7 +147,8 @@ void check_pair(const HalfView& K, const HalfView& V, int64_t Hq) {
 void run_views(const HalfView& K, const HalfView& V, const at::Tensor& q, at::Tensor& out,
                const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& query_starts,
                const at::Tensor& open_rows, double scale, const at::Tensor* scores = nullptr,
-               const at::Tensor* score_from = nullptr, const at::Tensor* query_positions = nullptr) {
+               const at::Tensor* score_from = nullptr, const at::Tensor* query_positions = nullptr,
+               int64_t window = 0) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   check_tensor(q, at::kFloat, {T, Hq, D}, "q");
   check_tensor(out, at::kFloat, {T, Hq, D}, "out");
@@ -174,6 +175,8 @@ void run_views(const HalfView& K, const HalfView& V, const at::Tensor& q, at::Te
     check_tensor(*query_positions, at::kInt, {T}, "query_positions");
     b.qpos = query_positions->data_ptr<int32_t>();
   }
+  KVS_REQUIRE(window >= 0, "window must be >= 0 (0: no sliding window)");
+  b.window = window;
   attention(b, K, V, q.data_ptr<float>(), out.data_ptr<float>(), S, T);
 }
 
@@ -189,13 +192,13 @@ void run(const at::Tensor& q, at::Tensor out, const std::vector<int64_t>& k_layo
          const std::vector<at::Tensor>& k_parts, const std::vector<int64_t>& v_layout,
          const std::vector<at::Tensor>& v_parts, const at::Tensor& block_tables, const at::Tensor& context_lens,
          const at::Tensor& query_starts, const at::Tensor& open_rows, int64_t block_size, double scale,
-         const at::Tensor& query_positions) {
+         const at::Tensor& query_positions, int64_t window) {
   KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
   KVS_REQUIRE(block_size > 0, "block_size must be positive");
   const HalfView K = make_half("key", k_layout, k_parts, block_size, q.size(2));
   const HalfView V = make_half("value", v_layout, v_parts, block_size, q.size(2));
   run_views(K, V, q, out, block_tables, context_lens, query_starts, open_rows, scale, nullptr, nullptr,
-            positions_or_none(query_positions));
+            positions_or_none(query_positions), window);
 }
 
 namespace {
@@ -335,10 +338,10 @@ std::shared_ptr<Halves> make_halves_refined(const std::vector<int64_t>& k_layout
 
 void run_halves(const Halves& h, const at::Tensor& q, at::Tensor out, const at::Tensor& block_tables,
                 const at::Tensor& context_lens, const at::Tensor& query_starts, const at::Tensor& open_rows,
-                double scale, const at::Tensor& query_positions) {
+                double scale, const at::Tensor& query_positions, int64_t window) {
   KVS_REQUIRE(q.dim() == 3, "q must be [tokens, heads, head_dim], got " + shape_str(q));
   run_views(h.K, h.V, q, out, block_tables, context_lens, query_starts, open_rows, scale, nullptr, nullptr,
-            positions_or_none(query_positions));
+            positions_or_none(query_positions), window);
 }
 
 // run_halves, also adding each scored query's attention weights to `scores` (see kernel.h).

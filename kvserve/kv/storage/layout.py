@@ -157,6 +157,9 @@ class PagedBatch:
     # [T] each query's position, ascending within its sequence and ending at its last context
     # position (a prefill with gaps: a blend's rows); None: a sequence's queries are its last n
     query_positions: torch.Tensor | None = None
+    # a sliding-window layer's window: each query sees only the keys at most window - 1 positions
+    # before it (the blocks wholly before are never read); None: every key up to the query
+    window: int | None = None
 
     @property
     def num_seqs(self) -> int:

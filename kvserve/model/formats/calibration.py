@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from kvserve.attention.reference import causal_attention
+from kvserve.model.families import build_decoder
 from kvserve.model.linear import DenseProduct, DenseProducts, HookedProduct, Product, TorchLinear, Weight
-from kvserve.model.llama import LlamaModel
 from kvserve.model.loaded import LoadedModel
 
 
@@ -47,16 +47,13 @@ class _RecordingProducts(DenseProducts):
 def record_activations(loaded: LoadedModel, token_ids: Sequence[int]) -> dict[str, torch.Tensor]:
     """Mean |x| per input channel [cols] of every product, by the name the model gives it."""
     recorder = _Recorder()
-    model = LlamaModel(loaded.config, loaded.weights, torch.device("cpu"), torch.float32,
+    model = build_decoder(loaded.config, loaded.weights, torch.device("cpu"), torch.float32,
                        _RecordingProducts(recorder))
     ids = torch.tensor(list(token_ids), dtype=torch.long)
     positions = torch.arange(len(ids))
-    angles = model.rope.angles(positions)
+    angles = model.angles(positions)
     h = model.embed(ids)
-    group = model.config.num_heads // model.config.num_kv_heads
     for layer in range(model.config.num_layers):
         q, k, v = model.layer_qkv(layer, h, angles)
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                              is_causal=True, scale=model.scale, enable_gqa=group > 1)
-        h = model.layer_output(layer, h, attn.transpose(0, 1))
+        h = model.layer_output(layer, h, causal_attention(q, k, v, model.scale, model.windows[layer]))
     return recorder.means()

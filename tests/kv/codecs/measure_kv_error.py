@@ -62,7 +62,7 @@ def forward(model: LlamaModel, ids: torch.Tensor, layers: tuple[LayerFormat, ...
             capture: list[tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor:
     """Logits [T, vocab] of a dense causal forward (LlamaModel.forward without the paged
     cache), each layer attending to the round trip of its keys and values."""
-    angles = model.rope.angles(torch.arange(ids.shape[0]))
+    angles = model.angles(torch.arange(ids.shape[0]))
     h = model.embed(ids)
     for i in range(model.config.num_layers):
         q, k, v = model.layer_qkv(i, h, angles)

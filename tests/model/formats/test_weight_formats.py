@@ -132,7 +132,7 @@ def test_a_gguf_model_computes_what_float_weights_do_with_the_kernels_rounding(q
 def dense_logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
     """Last-token logits of a dense causal forward (no paged cache)."""
     with torch.inference_mode():
-        angles = model.rope.angles(torch.arange(ids.numel()))
+        angles = model.angles(torch.arange(ids.numel()))
         h = model.embed(ids)
         for layer in range(model.config.num_layers):
             q, k, v = model.layer_qkv(layer, h, angles)

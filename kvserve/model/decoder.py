@@ -1,0 +1,150 @@
+"""The model interface: what the runner, blending, speculation, eval and the planner call.
+
+A decoder is an embedding, layers and a head. ``forward`` runs it over the paged KV cache;
+blending, calibration and drafting compose the two halves of a layer around attention of their
+own (``layer_qkv`` before it, ``layer_output`` after it). A family (kvserve/model/families.py)
+writes only its layers' halves and its weights' names; the loop, the RoPE of each layer, the
+window each layer attends over and the logits are here.
+
+Plain tensors, no nn.Module: each weight matrix is a ``Product`` (kvserve/model/linear.py) in
+the weight format the engine chose.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar
+
+import torch
+
+from kvserve.attention.paged import AttentionMetadata, paged_attention
+from kvserve.config import ModelConfig
+from kvserve.kv.storage import KVStorage
+from kvserve.model.linear import DenseProducts, Embedding, Product, Products, TorchLinear, Weight, rms_norm
+from kvserve.model.rope import Rope, RopeAngles, layer_ropes
+
+#: a step's rotation angles, one per distinct RoPE of the model (``Decoder.angles``)
+StepAngles = tuple[RopeAngles, ...]
+
+
+class Decoder(ABC):
+    """A causal decoder over a paged KV cache (the contract every family implements)."""
+
+    #: added to the final norm's weight (Gemma's norms scale by 1 + weight)
+    norm_plus: ClassVar[float] = 0.0
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Weight], device: torch.device,
+                 dtype: torch.dtype, products: Products | None = None) -> None:
+        """``weights``: Hugging Face names to float tensors or packed GGUF blocks; ``products``:
+        the weight format that turns them into products (default: float, ``F.linear``)."""
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.products = products if products is not None else DenseProducts(TorchLinear(), device, dtype)
+        self._weights = weights
+        embed = self.weight("model.embed_tokens.weight")
+        tied = config.tie_word_embeddings
+        self.lm_head = self.products.product("lm_head", [embed if tied else self.weight("lm_head.weight")],
+                                             is_head=True)
+        self.embedding: Embedding = self.products.embedding(embed, self.lm_head if tied else None)
+        self.final_norm = self.vector("model.norm.weight", plus=self.norm_plus)
+        # one Rope per distinct base (Gemma 3: two), each layer pointing at its own
+        bases = layer_ropes(config)
+        distinct = list(dict.fromkeys(bases))
+        self.ropes = [Rope(b, config.num_heads, config.num_kv_heads, device, dtype) for b in distinct]
+        self.rope_of_layer = tuple(distinct.index(b) for b in bases)
+        self.windows = config.sliding_windows
+        self.scale = config.query_scale
+        self.build_layers()
+        del self._weights           # the products hold what they need
+
+    # --- what a family writes ---------------------------------------------------------------
+    @abstractmethod
+    def build_layers(self) -> None:
+        """Build each layer's products and norms from ``self.weight`` / ``self.vector``."""
+
+    @abstractmethod
+    def layer_qkv(self, layer: int, h: torch.Tensor,
+                  angles: StepAngles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [T, H, D], keys and values [T, Hkv, D] of ``layer`` for hidden states ``h``
+        [T, hidden]; queries and keys rotated at the layer's ``angles`` (``self.angles`` of the
+        tokens' positions)."""
+
+    @abstractmethod
+    def layer_output(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Hidden states after ``layer``, from those before it and its attention output [T, H, D]
+        (``h`` may be updated in place: callers use what this returns)."""
+
+    @abstractmethod
+    def layer_products(self) -> Sequence[Product]:
+        """Every layer's products (what a decode step reads, with the head)."""
+
+    @abstractmethod
+    def layer_vectors(self) -> Sequence[torch.Tensor]:
+        """Every layer's norm weights."""
+
+    # --- shared ------------------------------------------------------------------------------
+    def weight(self, name: str) -> Weight:
+        if name not in self._weights:
+            raise ValueError(f"weight {name!r} missing from the checkpoint")
+        return self._weights[name]
+
+    def vector(self, name: str, plus: float = 0.0) -> torch.Tensor:
+        """A norm weight or bias in the compute dtype (``plus`` added in float32 first: Gemma's
+        norms scale by 1 + weight)."""
+        t = self.weight(name)
+        assert isinstance(t, torch.Tensor), name     # norms and biases are never quantized
+        return (t.float() + plus if plus else t).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def rope_of(self, layer: int) -> Rope:
+        return self.ropes[self.rope_of_layer[layer]]
+
+    def angles(self, positions: torch.Tensor) -> StepAngles:
+        """The rotation angles of tokens at ``positions``, under each of the model's RoPEs."""
+        return tuple(rope.angles(positions) for rope in self.ropes)
+
+    def layer_angles(self, layer: int, angles: StepAngles) -> RopeAngles:
+        return angles[self.rope_of_layer[layer]]
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of weights a decode step reads: every layer's products and norms, the final norm
+        and the LM head (a tied embedding is the head; the lookup reads a row)."""
+        vectors = [self.final_norm, *self.layer_vectors()]
+        return (sum(p.nbytes for p in (self.lm_head, *self.layer_products()))
+                + sum(t.numel() * t.element_size() for t in vectors))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> the first layer's input [T, hidden] (scaled where the family does)."""
+        h = self.embedding(input_ids)
+        multiplier = self.config.embedding_multiplier
+        # in the compute dtype, as the reference scales it
+        return h if multiplier is None else h * torch.tensor(multiplier, dtype=h.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVStorage,
+                meta: AttentionMetadata, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm. ``layers``: the layers to run,
+        in order (default: all; a self-drafting pass leaves some out, kvserve/spec/drafters.py)."""
+        h = self.embed(input_ids)
+        angles = self.angles(positions)
+        for i in range(self.config.num_layers) if layers is None else layers:
+            q, k, v = self.layer_qkv(i, h, angles)
+            attn = paged_attention(q, k, v, i, cache, meta, self.scale, self.windows[i])
+            h = self.layer_output(i, h, attn)
+        return self.final_norm_of(h)
+
+    def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm, the step between the last layer and ``compute_logits``."""
+        return rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+#: builds a family's decoder: (config, weights, device, dtype, products) -> Decoder
+DecoderFactory = Callable[[ModelConfig, Mapping[str, Weight], torch.device, torch.dtype, Products | None], Decoder]
