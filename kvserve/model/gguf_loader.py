@@ -31,8 +31,9 @@ from safetensors.torch import load_file, save_file
 
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.model.formats.packing import GGUF_TYPES, PackedWeight, flatten, pack_gguf, unflatten
+from kvserve.model.gguf_tokenizer import tokenizer_fields
 from kvserve.model.loaded import LoadedModel, check_tokenizer
-from kvserve.model.tokenizer import GGUFTokenizerFields, Tokenizer
+from kvserve.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def convert_gguf(path: Path) -> LoadedModel:
     if dequantized:
         log.info("%s: %s tensors are dequantized to float32 (no kernel reads those types in place)", path.name,
                  ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items())))
-    tokenizer = Tokenizer.from_gguf_fields(_tokenizer_fields(reader, config))
+    tokenizer = Tokenizer.from_gguf_fields(tokenizer_fields(reader))
     check_tokenizer(tokenizer, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
                        fingerprint=_file_sha256(path), source=str(path))
@@ -191,24 +192,6 @@ def _config_from_metadata(reader: gguf.GGUFReader, source: str) -> ModelConfig:
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
         torch_dtype="float32",
-    )
-
-
-def _tokenizer_fields(reader: gguf.GGUFReader, config: ModelConfig) -> GGUFTokenizerFields:
-    model = _field(reader, "tokenizer.ggml.model")
-    if model is None:
-        raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.model is missing).")
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    return GGUFTokenizerFields(
-        model=model,
-        pre=_field(reader, "tokenizer.ggml.pre"),
-        tokens=tokens,
-        token_types=_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens),
-        merges=_field(reader, "tokenizer.ggml.merges") or [],
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else None,
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token")),
-        chat_template=_field(reader, "tokenizer.chat_template"),
     )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -12,77 +11,11 @@ from typing import Any
 import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import (
-    AddedToken,
-    Regex,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-)
 from tokenizers import Tokenizer as BackendTokenizer
 
+from kvserve.model.gguf_tokenizer import GGUFTokenizerFields, gguf_backend
+
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
-
-# Split regexes of llama.cpp pre-tokenizer names (tokenizer.ggml.pre) that differ from GPT-2's.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
-
-
-@dataclass(frozen=True)
-class GGUFTokenizerFields:
-    """The ``tokenizer.*`` metadata of a GGUF file, already decoded to Python values."""
-
-    model: str  # tokenizer.ggml.model
-    pre: str | None  # tokenizer.ggml.pre
-    tokens: Sequence[str]
-    token_types: Sequence[int]
-    merges: Sequence[str]
-    bos_token_id: int | None
-    eos_token_id: int | None
-    add_bos_token: bool
-    chat_template: str | None
-
-
-def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    if pre == "smollm":  # as in SmolLM2's tokenizer.json
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    if pre in _SPLITS:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's own split
-
-
-def _byte_level_backend(fields: GGUFTokenizerFields) -> BackendTokenizer:
-    vocab = {token: i for i, token in enumerate(fields.tokens)}
-    merges = [(left, right) for left, _, right in (m.partition(" ") for m in fields.merges)]
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
-                                          continuing_subword_prefix="", end_of_word_suffix=""))
-    if fields.pre in ("qwen2", "deepseek-r1-qwen"):
-        backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = _byte_level_pre_tokenizer(fields.pre)
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>) are special: matched whole in text, skipped on request when
-    # decoding. User-defined ones (<think>) are matched whole but are ordinary text, as in
-    # llama.cpp and transformers.
-    types = list(fields.token_types)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(fields.tokens, types) if k == _GGUF_CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, k in zip(fields.tokens, types) if k == _GGUF_USER_DEFINED])
-    if fields.add_bos_token and fields.bos_token_id is not None:
-        bos = fields.tokens[fields.bos_token_id]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, fields.bos_token_id)])
-    return backend
 
 
 def _validate_messages(messages: object) -> None:
@@ -149,13 +82,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, fields: GGUFTokenizerFields) -> Tokenizer:
-        if fields.model != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer model {fields.model!r} is not supported; only byte-level BPE "
-                "('gpt2', used by SmolLM, Llama 3, Qwen2) is. Load the model from its Hugging Face "
-                "directory (with tokenizer.json) instead.")
-        return cls(_byte_level_backend(fields), fields.bos_token_id, fields.eos_token_id,
-                   fields.chat_template)
+        """The tokenizer a GGUF file's metadata describes (kvserve/model/gguf_tokenizer.py)."""
+        return cls(gguf_backend(fields), fields.bos_token_id, fields.eos_token_id, fields.chat_template)
 
     @classmethod
     def from_hf_dir(cls, path: Path, fallback_eos_token_id: int | None = None) -> Tokenizer:
