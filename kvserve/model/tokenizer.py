@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import jinja2
@@ -16,6 +18,30 @@ from tokenizers import Tokenizer as BackendTokenizer
 from kvserve.model.gguf_tokenizer import GGUFTokenizerFields, gguf_backend
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece
+
+
+def _gpt2_byte_of_char() -> Mapping[str, int]:
+    """GPT-2's printable stand-in character for each byte (byte-level BPE pieces), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]     # these stand as chr(256), chr(257), ...
+    return MappingProxyType({chr(c): b for b, c in zip([*printable, *shifted],
+                                                       [*printable, *range(256, 256 + len(shifted))])})
+
+
+_GPT2_BYTE_OF_CHAR = _gpt2_byte_of_char()
+
+
+def _decoder_types(backend: BackendTokenizer) -> frozenset[str]:
+    """The types of the backend's decoder and of those a ``Sequence`` decoder chains."""
+    if backend.decoder is None:
+        return frozenset()
+    pending, types = [json.loads(backend.decoder.__getstate__())], set()
+    while pending:
+        decoder = pending.pop()
+        types.add(decoder.get("type"))
+        pending += decoder.get("decoders") or []
+    return frozenset(types)
 
 
 def _validate_messages(messages: object) -> None:
@@ -79,6 +105,9 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
         self._template = _compile_chat_template(chat_template) if chat_template else None
         self.template_declares_tools = _template_reads(chat_template, "tools")
+        decoder_types = _decoder_types(backend)
+        self._is_byte_level = "ByteLevel" in decoder_types      # pieces spell bytes in GPT-2's alphabet
+        self._has_byte_fallback = "ByteFallback" in decoder_types   # SentencePiece: ▁ and <0xNN> pieces
 
     @classmethod
     def from_gguf_fields(cls, fields: GGUFTokenizerFields) -> Tokenizer:
@@ -129,6 +158,19 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for. A byte-level BPE token or a byte-fallback piece may
+        hold part of a character, which no text shows; a SentencePiece piece's ``▁`` is a space,
+        also where decoding the token alone strips it (the space prefix). Otherwise the UTF-8 of
+        the token's decoded text."""
+        piece = self.id_to_token(token_id) or ""
+        if self._is_byte_level and piece and all(c in _GPT2_BYTE_OF_CHAR for c in piece):
+            return bytes(_GPT2_BYTE_OF_CHAR[c] for c in piece)
+        if self._has_byte_fallback:
+            byte = _BYTE_PIECE.fullmatch(piece)
+            return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> str:

@@ -97,6 +97,16 @@ def test_json_round_trip(llama: Tokenizer) -> None:
     assert copy.special_token_ids == llama.special_token_ids
 
 
+def test_token_bytes(llama: Tokenizer, default_model) -> None:
+    """What logprobs report: a piece's ▁ is a space, a byte piece its byte."""
+    ids = llama.encode("héllo wörld 🎉", add_special_tokens=True)
+    assert [llama.token_bytes(i) for i in ids[:5]] == [b"<s>", b" ", b"h", b"\xc3", b"\xa9"]
+    assert b"".join(llama.token_bytes(i) for i in ids) == "<s> héllo wörld 🎉".encode()  # with the prefix space
+    text = "emoji 🤖🚀 naïve, 日本語"     # byte-level BPE: a token may hold part of a character
+    ids = default_model.tokenizer.encode(text)
+    assert b"".join(default_model.tokenizer.token_bytes(i) for i in ids) == text.encode()
+
+
 def test_gemma_runs_of_spaces_are_spelled_with_the_space_marker() -> None:
     tok = Tokenizer.from_gguf_fields(gemma_fields())
     two, three = (next(i for i, (p, _, _) in enumerate(GEMMA_PIECES) if p == run) for run in ("  ", "   "))
@@ -184,6 +194,12 @@ def test_gemma3_vocabulary(gemma3_tokenizer: Tokenizer) -> None:
     assert {0, 1, 2, 3, 105, 106} <= tok.special_token_ids and 107 not in tok.special_token_ids   # "\n" is text
     assert len(tok.special_token_ids) == 6249
     assert tok.encode("<start_of_turn>user\n") == [105, 2364, 107]
+
+
+def test_gemma3_token_bytes(gemma3_tokenizer: Tokenizer) -> None:
+    ids = gemma3_tokenizer.encode(sample_texts()[0], add_special_tokens=True)
+    full = gemma3_tokenizer.decode(ids, skip_special_tokens=False)
+    assert b"".join(gemma3_tokenizer.token_bytes(i) for i in ids) == full.encode()
 
 
 def test_gemma3_json_round_trip(gemma3_tokenizer: Tokenizer) -> None:
