@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.config import LayerSpec, ModelConfig
+from kvserve.model.chat_templates import builtin_chat_template
 from kvserve.model.decoder import Decoder, StepAngles
 from kvserve.model.family import Family, GGUFKeys
 from kvserve.model.linear import Product, rms_norm
@@ -182,4 +183,5 @@ GEMMA3 = Family(
     gguf_config=_gguf_config,
     hf_config=_hf_config,
     gguf_norm_shift=-1.0,
+    chat_template=builtin_chat_template("gemma3"),
 )

@@ -14,6 +14,7 @@ file's size, so it doubles as the commit marker of an entry.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -32,9 +33,10 @@ from kvserve.config import ModelConfig
 from kvserve.model.families import gguf_family
 from kvserve.model.family import Family, GGUFKeys
 from kvserve.model.formats.packing import GGUF_TYPES, PackedWeight, flatten, pack_gguf, unflatten
+from kvserve.model.gguf_tokenizer import tokenizer_fields
 from kvserve.model.llama import LLAMA
 from kvserve.model.loaded import LoadedModel, check_tokenizer
-from kvserve.model.tokenizer import GGUFTokenizerFields, Tokenizer
+from kvserve.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +129,10 @@ def convert_gguf(path: Path) -> LoadedModel:
     if dequantized:
         log.info("%s: %s tensors are dequantized to float32 (no kernel reads those types in place)", path.name,
                  ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items())))
-    tokenizer = Tokenizer.from_gguf_fields(_tokenizer_fields(reader, config))
+    fields = tokenizer_fields(reader)
+    if fields.chat_template is None and family.chat_template is not None:    # the file carries none
+        fields = dataclasses.replace(fields, chat_template=family.chat_template)
+    tokenizer = Tokenizer.from_gguf_fields(fields)
     check_tokenizer(tokenizer, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
                        fingerprint=_file_sha256(path), source=str(path))
@@ -184,24 +189,6 @@ def _config_from_metadata(reader: gguf.GGUFReader, source: str) -> tuple[Family,
         "torch_dtype": "float32",
     }
     return family, family.gguf_config(keys, common)
-
-
-def _tokenizer_fields(reader: gguf.GGUFReader, config: ModelConfig) -> GGUFTokenizerFields:
-    model = _field(reader, "tokenizer.ggml.model")
-    if model is None:
-        raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.model is missing).")
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    return GGUFTokenizerFields(
-        model=model,
-        pre=_field(reader, "tokenizer.ggml.pre"),
-        tokens=tokens,
-        token_types=_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens),
-        merges=_field(reader, "tokenizer.ggml.merges") or [],
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else None,
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token")),
-        chat_template=_field(reader, "tokenizer.chat_template"),
-    )
 
 
 def _file_sha256(path: Path) -> str:

@@ -3,86 +3,45 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import (
-    AddedToken,
-    Regex,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-)
 from tokenizers import Tokenizer as BackendTokenizer
 
+from kvserve.model.gguf_tokenizer import GGUFTokenizerFields, gguf_backend
+
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
-
-# Split regexes of llama.cpp pre-tokenizer names (tokenizer.ggml.pre) that differ from GPT-2's.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece
 
 
-@dataclass(frozen=True)
-class GGUFTokenizerFields:
-    """The ``tokenizer.*`` metadata of a GGUF file, already decoded to Python values."""
-
-    model: str  # tokenizer.ggml.model
-    pre: str | None  # tokenizer.ggml.pre
-    tokens: Sequence[str]
-    token_types: Sequence[int]
-    merges: Sequence[str]
-    bos_token_id: int | None
-    eos_token_id: int | None
-    add_bos_token: bool
-    chat_template: str | None
+def _gpt2_byte_of_char() -> Mapping[str, int]:
+    """GPT-2's printable stand-in character for each byte (byte-level BPE pieces), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]     # these stand as chr(256), chr(257), ...
+    return MappingProxyType({chr(c): b for b, c in zip([*printable, *shifted],
+                                                       [*printable, *range(256, 256 + len(shifted))])})
 
 
-def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    if pre == "smollm":  # as in SmolLM2's tokenizer.json
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    if pre in _SPLITS:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's own split
+_GPT2_BYTE_OF_CHAR = _gpt2_byte_of_char()
 
 
-def _byte_level_backend(fields: GGUFTokenizerFields) -> BackendTokenizer:
-    vocab = {token: i for i, token in enumerate(fields.tokens)}
-    merges = [(left, right) for left, _, right in (m.partition(" ") for m in fields.merges)]
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
-                                          continuing_subword_prefix="", end_of_word_suffix=""))
-    if fields.pre in ("qwen2", "deepseek-r1-qwen"):
-        backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = _byte_level_pre_tokenizer(fields.pre)
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>) are special: matched whole in text, skipped on request when
-    # decoding. User-defined ones (<think>) are matched whole but are ordinary text, as in
-    # llama.cpp and transformers.
-    types = list(fields.token_types)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(fields.tokens, types) if k == _GGUF_CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, k in zip(fields.tokens, types) if k == _GGUF_USER_DEFINED])
-    if fields.add_bos_token and fields.bos_token_id is not None:
-        bos = fields.tokens[fields.bos_token_id]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, fields.bos_token_id)])
-    return backend
+def _decoder_types(backend: BackendTokenizer) -> frozenset[str]:
+    """The types of the backend's decoder and of those a ``Sequence`` decoder chains."""
+    if backend.decoder is None:
+        return frozenset()
+    pending, types = [json.loads(backend.decoder.__getstate__())], set()
+    while pending:
+        decoder = pending.pop()
+        types.add(decoder.get("type"))
+        pending += decoder.get("decoders") or []
+    return frozenset(types)
 
 
 def _validate_messages(messages: object) -> None:
@@ -146,16 +105,14 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
         self._template = _compile_chat_template(chat_template) if chat_template else None
         self.template_declares_tools = _template_reads(chat_template, "tools")
+        decoder_types = _decoder_types(backend)
+        self._is_byte_level = "ByteLevel" in decoder_types      # pieces spell bytes in GPT-2's alphabet
+        self._has_byte_fallback = "ByteFallback" in decoder_types   # SentencePiece: ▁ and <0xNN> pieces
 
     @classmethod
     def from_gguf_fields(cls, fields: GGUFTokenizerFields) -> Tokenizer:
-        if fields.model != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer model {fields.model!r} is not supported; only byte-level BPE "
-                "('gpt2', used by SmolLM, Llama 3, Qwen2) is. Load the model from its Hugging Face "
-                "directory (with tokenizer.json) instead.")
-        return cls(_byte_level_backend(fields), fields.bos_token_id, fields.eos_token_id,
-                   fields.chat_template)
+        """The tokenizer a GGUF file's metadata describes (kvserve/model/gguf_tokenizer.py)."""
+        return cls(gguf_backend(fields), fields.bos_token_id, fields.eos_token_id, fields.chat_template)
 
     @classmethod
     def from_hf_dir(cls, path: Path, fallback_eos_token_id: int | None = None) -> Tokenizer:
@@ -201,6 +158,19 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for. A byte-level BPE token or a byte-fallback piece may
+        hold part of a character, which no text shows; a SentencePiece piece's ``▁`` is a space,
+        also where decoding the token alone strips it (the space prefix). Otherwise the UTF-8 of
+        the token's decoded text."""
+        piece = self.id_to_token(token_id) or ""
+        if self._is_byte_level and piece and all(c in _GPT2_BYTE_OF_CHAR for c in piece):
+            return bytes(_GPT2_BYTE_OF_CHAR[c] for c in piece)
+        if self._has_byte_fallback:
+            byte = _BYTE_PIECE.fullmatch(piece)
+            return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> str:

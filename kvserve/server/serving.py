@@ -117,7 +117,6 @@ class ServingContext:
         self.block_size = card.block_size
         self._encode = card.encode   # reads only the tokenizer and limits
         self._token_text: dict[int, str] = {}
-        self._byte_of_char = _byte_level_decoder()
 
     # -- input -------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
@@ -219,31 +218,14 @@ class ServingContext:
         return text
 
     def token_bytes(self, token_id: int) -> list[int]:
-        """The token's exact bytes under a byte-level BPE vocabulary (a token may hold part of
-        a character); otherwise the UTF-8 of its text."""
-        piece = self.tokenizer.id_to_token(token_id) or ""
-        if piece and all(c in self._byte_of_char for c in piece):
-            return [self._byte_of_char[c] for c in piece]
-        return list(self.token_text(token_id).encode("utf-8"))
+        """The token's exact bytes (a token may hold part of a character: Tokenizer.token_bytes)."""
+        return list(self.tokenizer.token_bytes(token_id))
 
 
 async def _wait_disconnect(request: Request) -> None:
     # the body is fully read, so the next ASGI message is the disconnect
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's printable stand-in character for each byte, inverted."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    shifted = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + shifted)
-            shifted += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 def _too_large(limit: int) -> APIError:

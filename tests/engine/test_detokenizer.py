@@ -1,11 +1,14 @@
-"""IncrementalDetokenizer on the default model's byte-level BPE tokenizer: the same text as a
-full decode, for O(new tokens) work a step."""
+"""IncrementalDetokenizer on the default model's byte-level BPE tokenizer and on SentencePiece
+ones (a hand-made vocabulary, Gemma 3's): the same text as a full decode, for O(new tokens) work
+a step."""
 
 from __future__ import annotations
 
 from importlib import resources
+from pathlib import Path
 
 import pytest
+from spm_vocab import gemma3_gguf_path, gemma3_tokenizer, llama_fields, skip_without_gemma3
 
 from kvserve.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from kvserve.model.tokenizer import Tokenizer
@@ -130,3 +133,82 @@ def test_no_tokenizer_gives_no_text():
     detok = IncrementalDetokenizer(None)
     assert detok.step([1, 2, 3]) == "" and detok.finish([1, 2, 3, 4]) == "" and detok.text == ""
     assert detok.num_decode_calls == 0
+
+
+# --- SentencePiece: the ▁ space marker, byte-fallback pieces (tests/spm_vocab.py) ---------------
+
+def stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool) -> tuple[IncrementalDetokenizer, list[int]]:
+    """Feed ``ids`` one at a time, checking each step's text against the full decode; returns
+    the detokenizer and the ids each step decoded."""
+    final = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    growing: list[int] = []
+    deltas, ids_per_step = [], []
+    for token_id in ids:
+        growing.append(token_id)
+        before = detok.num_decoded_tokens
+        deltas.append(detok.step(growing))
+        ids_per_step.append(detok.num_decoded_tokens - before)
+        assert final.startswith(detok.text)
+    deltas.append(detok.finish(growing)[len("".join(deltas)):])
+    assert "".join(deltas) == detok.text == final
+    return detok, ids_per_step
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_sentencepiece_space_prefix_is_stripped_once(skip_special_tokens):
+    """The hand-made Llama-2-shaped vocabulary: its decoder strips the space the prefix added,
+    from the first piece of whatever it decodes, so a step's two decodes must start alike."""
+    tok = Tokenizer.from_gguf_fields(llama_fields())
+    texts = ["Hello world", "  the world", "héllo wörld 🎉 the", "[INST] Hello<think>world", " ", "Hello  the  world "]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=True) + tok.encode(text) + [2]
+        stream(tok, ids, skip_special_tokens)
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> Tokenizer:
+    path, reason = gemma3_gguf_path()
+    if path is None:
+        skip_without_gemma3(reason)
+    assert path is not None
+    return gemma3_tokenizer(path)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_sentencepiece_one_token_at_a_time_equals_full_decode_in_constant_work(gemma3, skip_special_tokens):
+    """Gemma 3 over tests/data/tokenizer_sample.txt twice, each with its BOS: "▁" pieces,
+    characters spelled with up to four <0xNN> pieces, special tokens, runs of spaces."""
+    sample = (Path(__file__).parent.parent / "data" / "tokenizer_sample.txt").read_bytes().decode("utf-8")
+    ids = gemma3.encode(sample, add_special_tokens=True) * 2
+    pieces = [gemma3.id_to_token(i) or "" for i in ids]
+    assert sum(p.startswith("▁") for p in pieces) > 100 and sum(p.startswith("<0x") for p in pieces) > 50
+    detok, ids_per_step = stream(gemma3, ids, skip_special_tokens)
+    assert max(ids_per_step) <= MAX_IDS_PER_STEP    # a character takes at most 4 byte pieces, as above
+    assert detok.num_decoded_tokens <= 4 * len(ids) and detok.num_decode_calls <= 2 * len(ids) + 2
+
+
+def test_sentencepiece_leading_space_after_bos(gemma3):
+    ids = gemma3.encode(" Hello", add_special_tokens=True)
+    assert ids[0] == gemma3.bos_token_id and gemma3.id_to_token(ids[1]) == "▁Hello"
+    detok = IncrementalDetokenizer(gemma3)
+    assert detok.step(ids[:1]) == "" and detok.step(ids) == " Hello" and detok.finish(ids) == " Hello"
+
+
+def test_sentencepiece_character_over_byte_pieces_waits(gemma3):
+    ids = gemma3.encode("ok 𠮷!")       # 𠮷 is not a piece: its four bytes are
+    assert [gemma3.id_to_token(i) for i in ids] == ["ok", "▁", "<0xF0>", "<0xA0>", "<0xAE>", "<0xB7>", "!"]
+    detok = IncrementalDetokenizer(gemma3)
+    assert [detok.step(ids[:n]) for n in range(1, len(ids) + 1)] == ["ok", " ", "", "", "", "𠮷", "!"]
+    assert detok.finish(ids) == "ok 𠮷!"
+
+
+def test_skipped_special_tokens_are_never_a_step_window_by_themselves():
+    """The hand-made vocabulary strips the space its prefix adds from the first piece it decodes:
+    a window of only skipped specials before " Hello" would lose that space."""
+    tok = Tokenizer.from_gguf_fields(llama_fields())
+    ids = tok.encode("world[INST] Hello[INST][INST] world")
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.step(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert "".join(deltas) == detok.finish(ids) == tok.decode(ids) == "world Hello world"
+    assert deltas[1] == "" and detok.num_decoded_tokens < 3 * len(ids)    # [INST] alone decodes nothing

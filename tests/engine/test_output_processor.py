@@ -27,6 +27,7 @@ class CountingTokenizer:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.special_token_ids = tokenizer.special_token_ids
         self.num_decoded_ids = 0
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
