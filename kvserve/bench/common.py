@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from kvserve.model.families import family_of
 from kvserve.model.linear import as_float
 from kvserve.model.loader import LoadedModel, load_model
 
@@ -76,18 +76,14 @@ def median_times(fns: Sequence[Callable[[], object]], repeats: int) -> list[floa
 
 
 def hf_model_from(loaded: LoadedModel, dtype: torch.dtype, device: torch.device):
-    """transformers' LlamaForCausalLM holding exactly our weights (the baseline)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """transformers' model of the loaded model's family holding exactly our weights (the baseline)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    c = loaded.config
-    cfg_cls: Any
-    model_cls: Any
-    cfg_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if c.attention_bias else (LlamaConfig, LlamaForCausalLM)
-    hcfg = cfg_cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                   num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                   num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
-                   rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
-                   tie_word_embeddings=c.tie_word_embeddings)
-    model = model_cls(hcfg)
-    model.load_state_dict({name: as_float(w) for name, w in loaded.weights.items()}, strict=False)
+    hf = family_of(loaded.config).hf_config_dict(loaded.config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
+    missing, unexpected = model.load_state_dict({name: as_float(w) for name, w in loaded.weights.items()},
+                                                strict=False)
+    if unexpected or any("lm_head" not in m and "rotary" not in m for m in missing):
+        raise ValueError(f"transformers' {type(model).__name__} does not hold these weights: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
     return model.to(device=device, dtype=dtype).eval()

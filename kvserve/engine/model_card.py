@@ -53,7 +53,7 @@ class ModelCard:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode_prompt(prompt)
         else:
             ids = list(prompt)
             if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):

@@ -53,7 +53,9 @@ class Family:
     tensor's leaf (``attn_q``) to its Hugging Face name under ``model.layers.N.``;
     ``layer_weight_shapes`` gives, for one layer, every weight it must hold (names under
     ``model.layers.N.``, Hugging Face shapes). ``gguf_norm_shift`` is added to every norm weight
-    read from a GGUF file (llama.cpp stores Gemma's norms as 1 + weight). ``permutes_qk_rows``:
+    read from a GGUF file (llama.cpp stores Gemma's norms as 1 + weight). ``to_hf_config``: the
+    config.json of the transformers model that computes what ours does (the baselines and
+    references of benchmarks, eval and tests; ``hf_config`` reads it back). ``permutes_qk_rows``:
     llama.cpp stored Q and K rows interleaved (the llama architecture), which the loader undoes."""
 
     name: str
@@ -65,9 +67,22 @@ class Family:
     layer_weight_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
     gguf_config: Callable[[GGUFKeys, dict[str, Any]], ModelConfig]
     hf_config: Callable[[dict[str, Any], dict[str, Any], str], ModelConfig]
+    to_hf_config: Callable[[ModelConfig], dict[str, Any]] = field(default=lambda config: {})
     gguf_norm_shift: float = 0.0
     permutes_qk_rows: Callable[[str], bool] = field(default=lambda architecture: False)
     chat_template: str | None = None          # for files that carry none
+
+    def hf_config_dict(self, config: ModelConfig) -> dict[str, Any]:
+        """``to_hf_config`` with the fields every family shares."""
+        return {
+            "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+            "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
+            "max_position_embeddings": config.max_position_embeddings,
+            "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": config.bos_token_id,
+            "eos_token_id": list(config.eos_token_ids) or None,
+        } | self.to_hf_config(config)
 
     def expected_weight_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint of this family must provide, with its Hugging Face shape."""

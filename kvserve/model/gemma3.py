@@ -166,6 +166,26 @@ def _hf_config(raw: dict[str, Any], common: dict[str, Any], source: str) -> Mode
                    float(raw.get("query_pre_attn_scalar", common["head_dim"])), raw.get("final_logit_softcapping"))
 
 
+def _to_hf(config: ModelConfig) -> dict[str, Any]:
+    specs = config.layer_specs
+    windows = {s.sliding_window for s in specs if s.sliding_window is not None}
+    if len(windows) > 1:
+        raise ValueError(f"transformers' Gemma 3 has one sliding window, this config {sorted(windows)}")
+
+    def theta(kind: str) -> float:
+        return next((s.rope_theta for s in specs if s.attention_kind == kind), config.rope_theta)
+
+    return {
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": [f"{s.attention_kind}_attention" for s in specs],
+        "sliding_window": next(iter(windows), config.max_position_embeddings),
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": theta("full")},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": theta("sliding")}},
+        "query_pre_attn_scalar": int(config.query_pre_attn_scalar or config.head_dim),
+        "final_logit_softcapping": config.final_logit_softcapping,
+    }
+
+
 GEMMA3 = Family(
     name="gemma3",
     decoder=Gemma3Model,
@@ -182,6 +202,7 @@ GEMMA3 = Family(
     layer_weight_shapes=_layer_shapes,
     gguf_config=_gguf_config,
     hf_config=_hf_config,
+    to_hf_config=_to_hf,
     gguf_norm_shift=-1.0,
     chat_template=builtin_chat_template("gemma3"),
 )

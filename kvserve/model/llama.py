@@ -109,6 +109,20 @@ def _hf_config(raw: dict[str, Any], common: dict[str, Any], source: str) -> Mode
     return config
 
 
+def _to_hf(config: ModelConfig) -> dict[str, Any]:
+    model_type = "qwen2" if config.attention_bias else config.architecture if config.architecture in (
+        "llama", "mistral") else "llama"
+    out: dict[str, Any] = {"model_type": model_type, "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                               "high_freq_factor": s.high_freq_factor,
+                               "original_max_position_embeddings": s.original_max_position_embeddings}
+    if config.has_sliding_layers:
+        out["sliding_window"] = config.layer_specs[0].sliding_window
+    return out
+
+
 LLAMA = Family(
     name="llama",
     decoder=LlamaModel,
@@ -124,6 +138,7 @@ LLAMA = Family(
     layer_weight_shapes=_layer_shapes,
     gguf_config=_gguf_config,
     hf_config=_hf_config,
+    to_hf_config=_to_hf,
     # llama.cpp interleaves Q/K rows for the llama architecture only (qwen2 rotates half-split)
     permutes_qk_rows=lambda architecture: architecture == "llama",
 )

@@ -150,6 +150,16 @@ class Tokenizer:
         ``add_special_tokens`` adds BOS where the model's tokenizer asks for it."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids as the model's tokenizer frames a sequence: with the BOS it asks for
+        (``add_bos_token``: Gemma, Llama 2), once, where the text does not already begin with it (a
+        chat template that writes ``<bos>`` itself); as plain ``encode`` for tokenizers that add none."""
+        ids = self.encode(text, add_special_tokens=True)
+        bos = self.bos_token_id
+        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos and not text.startswith(2 * (self.id_to_token(bos) or "\0")):
+            return ids[1:]
+        return ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -68,3 +68,17 @@ def test_a_window_longer_than_the_context_is_full_attention() -> None:
     loaded, reference = tiny_gemma3(seed=5, window=64)
     llm = LLM(loaded=loaded, block_size=4, max_num_batched_tokens=16)
     check_against(llm, reference, [(i * 13) % 128 for i in range(45)], max_tokens=8)
+
+
+def test_the_transformers_baseline_of_eval_and_bench_is_the_same_model() -> None:
+    """``hf_model_from`` (the baseline of kvserve eval and the benchmarks) builds transformers'
+    Gemma 3 from our config and weights: the same logits as the reference built directly."""
+    from kvserve.bench.common import hf_model_from
+    from kvserve.model.families import family_of
+
+    loaded, reference = tiny_gemma3(seed=6)
+    assert config_from_hf(family_of(loaded.config).hf_config_dict(loaded.config), {}, "again") == loaded.config
+    rebuilt = hf_model_from(loaded, torch.float32, torch.device("cpu"))
+    ids = torch.tensor([[(i * 7) % 128 for i in range(30)]])
+    with torch.inference_mode():
+        assert torch.equal(rebuilt(ids).logits, reference(ids).logits)
