@@ -54,7 +54,7 @@ def run_eval(args: argparse.Namespace) -> int:
     ctx = RunContext(model=args.model, text=find_text(args.text), settings=settings,
                      engine_options={**engine_options(args), "max_num_seqs": 4},
                      threads=args.threads, dense_passkey=args.hf_dense_passkey)
-    units = units_for(args.format or list(DEFAULT_FORMATS), _ints(args.hf_bits))
+    units = units_for(args.format or list(DEFAULT_FORMATS), _ints(args.hf_bits), args.hf_dense)
     results = run_all(ctx, units, args.jobs)
     wall = time.perf_counter() - t_start
 
@@ -94,10 +94,13 @@ def add_quality_args(e: argparse.ArgumentParser, chunk_help: str) -> None:
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval", help="KV format quality: perplexity, greedy agreement, passkey retrieval")
     e.add_argument("--model", default=None)
-    add_engine_args(e, ("device", "dtype", "kv_cache_memory_gb"))   # the KV pool of each engine
+    add_engine_args(e, ("device", "dtype", "kv_cache_memory_gb", "weight_format"))   # the KV pool of each engine
     e.add_argument("--format", action="append", default=None,
                    help=f"a KV format spec to evaluate (repeatable; default: {' | '.join(DEFAULT_FORMATS)})")
     e.add_argument("--hf-bits", default="4,2", help="transformers QuantizedCache (quanto) bit widths; '' for none")
+    e.add_argument("--hf-dense", action="store_true",
+                   help="transformers' uncompressed cache on the same weights (dequantized, as --weight-format "
+                        "native computes), also without --hf-bits: the cross-check of the two implementations")
     e.add_argument("--hf-dense-passkey", action="store_true",
                    help="also run passkey on transformers' uncompressed cache (same weights as native)")
     e.add_argument("--tasks", default="ppl,agree,passkey", help="comma-separated subset of ppl,agree,passkey")

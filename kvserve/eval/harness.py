@@ -61,7 +61,7 @@ class Workload:
 
     @classmethod
     def build(cls, tokenizer: Tokenizer, text: str, settings: EvalSettings) -> Workload:
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode_prompt(text)       # with the BOS the model's tokenizer asks for
         if len(ids) < settings.ppl_tokens:
             raise ValueError(f"the text has {len(ids)} tokens, fewer than --ppl-tokens {settings.ppl_tokens}")
         chats = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))

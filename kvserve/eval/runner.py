@@ -49,9 +49,9 @@ class RunContext:
     dense_passkey: bool = False
 
 
-def units_for(formats: Sequence[str], hf_bits: Sequence[int]) -> list[Unit]:
+def units_for(formats: Sequence[str], hf_bits: Sequence[int], hf_dense: bool = False) -> list[Unit]:
     units = [Unit("kvserve", f) for f in formats]
-    if hf_bits:
+    if hf_bits or hf_dense:
         units.append(Unit("transformers", DENSE))
         units += [Unit("transformers", f"hf-quanto{b}", b) for b in hf_bits]
     return units
