@@ -162,6 +162,19 @@ class AttentionMetadata:
     paged: PagedChunks | None = None      # read in place by ``backend`` (else decode/prefills above)
     backend: AttentionBackend = TORCH
     supplied: SuppliedKV | None = None    # keys and values written beside the computed ones
+    # a model of several layer groups (kv/groups.py): each group's metadata (its tables, its write
+    # plan) and each layer's group; None: one group, this metadata every layer's
+    groups: tuple[AttentionMetadata, ...] | None = None
+    group_of_layer: tuple[int, ...] = ()
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata ``layer`` attends and writes with (its group's)."""
+        return self if self.groups is None else self.groups[self.group_of_layer[layer]]
+
+    @property
+    def all_writes(self) -> tuple[StepWrites, ...]:
+        """The step's write plans, one per group."""
+        return (self.write,) if self.groups is None else tuple(m.write for m in self.groups)
 
 
 def write_layer(k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVStorage, meta: AttentionMetadata) -> None:
@@ -177,6 +190,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                     cache: KVStorage, meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, Hkv, D] for the step's new tokens. Returns [T, H, D]. ``window``:
     the layer's sliding window (each query sees its last ``window`` positions), None: full."""
+    meta = meta.for_layer(layer)
     write_layer(k, v, layer, cache, meta)
     if window is not None and meta.budgeted:
         raise ValueError("KV budgets are not kept on sliding-window layers")

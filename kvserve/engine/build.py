@@ -26,18 +26,19 @@ from kvserve.attention.cpu_writes import CpuWrites
 from kvserve.blend.admission import BlendAdmission
 from kvserve.blend.blender import Blender
 from kvserve.blend.calibrated import resolve_selection
-from kvserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from kvserve.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine.checks import SLIDING_NO_BUDGETS, RequestChecks
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.block_io import BlockMover
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.budget.budgets import Budgets, KVBudgets
+from kvserve.kv.budget.budgets import Budgets, KVBudgets, NoBudgets
 from kvserve.kv.budget.host_store import HostBlockStore
 from kvserve.kv.budget.policies import check_budget, get_policy
 from kvserve.kv.budget.precision import SaliencyPrecision
 from kvserve.kv.codecs import KVFormat, parse_kv_format
+from kvserve.kv.groups import LayerGroups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import Clock, Pins
 from kvserve.kv.prefix import load_or_create_secret, make_extra_key
@@ -101,10 +102,31 @@ def check_names(config: EngineConfig, draft: LoadedModel | None = None) -> None:
         check_budget(cc.kv_budget, budget_policy, cc.block_size)
 
 
-def check_model(config: EngineConfig, mc: ModelConfig) -> None:
-    """ValueError for an engine option this model cannot run, saying why."""
-    if mc.has_sliding_layers and config.cache.kv_budget is not None:
+def check_model(config: EngineConfig, mc: ModelConfig, tiers: Sequence[Transport] | None = None) -> None:
+    """ValueError for an engine option this model cannot run, saying why (``tiers``: transports
+    given in place of ``config.tiers``)."""
+    if not mc.has_sliding_layers:
+        return
+    if config.cache.kv_budget is not None:
         raise ValueError(SLIDING_NO_BUDGETS)
+    spec = config.speculative
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(f"speculative method {spec.method!r} drafts with a model over the served cache's tables, "
+                         "which on a model with sliding-window layers are one per layer group (not built yet); "
+                         "use \"ngram\"")
+    if config.tiers or tiers:
+        raise ValueError("offload tiers on a model with sliding-window layers are not built yet: a tier would have "
+                         "to hold each layer group's blocks and a hit each group's window; run without tiers")
+
+
+def _rows_for_groups(scheduler: SchedulerConfig, groups: LayerGroups) -> SchedulerConfig:
+    """What a storage sizes its open blocks' residual rows by: with several layer groups a request
+    holds an open block in each, so as many sequences and step tokens times the groups."""
+    n = len(groups.groups)
+    if n == 1:
+        return scheduler
+    return replace(scheduler, max_num_seqs=n * scheduler.max_num_seqs + n,
+                   max_num_batched_tokens=n * scheduler.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -135,7 +157,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     """Every part of an engine for ``loaded``; ``tiers`` replace the transports ``config.tiers``
     would open, ``draft`` the draft method's model (LLMEngine's docstring)."""
     mc, cc = loaded.config, config.cache
-    check_model(config, mc)
+    check_model(config, mc, tiers)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -146,7 +168,9 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     fingerprint = f"{loaded.fingerprint}:weights={products.name}"
     kv_format = parse_kv_format(cc.kv_format, mc.num_layers, dtype, head_dim=mc.head_dim)
     # new rows through the C++ writer where it runs (attention/cpu_writes.py), else the torch path
-    storage = make_storage(mc, kv_format, cc, config.scheduler, dtype, device, CpuWrites.for_storage)
+    groups = LayerGroups.of(mc.sliding_windows)
+    storage = make_storage(mc, kv_format, cc, _rows_for_groups(config.scheduler, groups), dtype, device,
+                           CpuWrites.for_storage, groups)
     mixes_domains = isinstance(storage, ZipKVCache) and storage.mixes_rotation_domains
     attention = _attention_backend(config.attention_backend, device, kv_format, mixes_domains)
     if mixes_domains and attention.reads_in_place:
@@ -167,7 +191,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     tiering = make_tiering(transports, mover, extra_key, cc.block_size, config.write_through, timer)
     budgets = _make_budgets(config, storage, kv_format, mc)
     pins = Pins(pool, int(cc.max_pinned_fraction * storage.num_blocks), cc.max_pin_ttl_s, clock)
-    kv = KVCacheManager(pool, extra_key, cc.enable_prefix_caching, storage.residual, tiering, budgets, pins)
+    kv = KVCacheManager(pool, extra_key, cc.enable_prefix_caching, storage.residual, tiering, budgets, pins, groups,
+                        config.scheduler.max_num_batched_tokens)
     eos = sorted(mc.eos_token_ids)
     tokenizer_json = loaded.tokenizer.to_tokenizer_json() if loaded.tokenizer is not None else None
     scheduler = Scheduler(config.scheduler, kv, tiering)
@@ -293,6 +318,8 @@ def _attention_backend(name: str, device: torch.device, kv_format: KVFormat, mix
 
 def _make_budgets(config: EngineConfig, storage: KVStorage, kv_format: KVFormat, mc: ModelConfig) -> Budgets:
     cc = config.cache
+    if mc.has_sliding_layers:
+        return NoBudgets(SLIDING_NO_BUDGETS)
     if isinstance(storage, ZipKVCache):
         return SaliencyPrecision(storage, mc.num_kv_heads, cc.budget_host_bytes, cc.kv_budget, cc.kv_policy)
     return KVBudgets(storage, mc.num_kv_heads, cc.kv_budget, cc.kv_policy, HostBlockStore(cc.budget_host_bytes))

@@ -9,8 +9,9 @@ from kvserve.sampling.structured import GrammarCompiler
 from kvserve.sampling_params import SamplingParams
 
 #: why a model with sliding-window layers runs neither (kvserve/model/gemma3.py)
-SLIDING_NO_BUDGETS = ("KV budgets are not kept on models with sliding-window layers yet: a budget's compaction "
-                      "moves entries off their positions, which a window is counted in")
+SLIDING_NO_BUDGETS = ("a model with sliding-window layers keeps only its windows' blocks in those layers already, "
+                      "and its budgets are not built: a compaction would move entries off the positions a window "
+                      "is counted in")
 SLIDING_NO_BLEND = ("segmented prompts (blending) are not run on models with sliding-window layers yet: blending "
                     "re-rotates reused keys by one RoPE base and attends every layer over the whole context, and "
                     "this model's layers differ in both")
@@ -29,8 +30,6 @@ class RequestChecks:
         budget it cannot apply, a token id outside the vocabulary, a grammar that does not compile."""
         if params.kv_policy is not None:
             get_policy(params.kv_policy)
-        if self.has_sliding_layers and params.kv_budget is not None:
-            raise ValueError(SLIDING_NO_BUDGETS)
         self.budgets.check(params)
         for token_id, _ in params.logit_bias:
             if token_id >= self.vocab_size:

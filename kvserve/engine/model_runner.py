@@ -7,7 +7,7 @@ fresh each step and travels with the call, never through global state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,15 +42,28 @@ class ModelRunner:
         self.backend = backend if backend is not None else TorchBackend()
         self.device = model.device
         self.block_size = cache.block_size
+        group_of = {layer: g.index for g in kv.groups for layer in g.layers}
+        self.group_of_layer = tuple(group_of[layer] for layer in range(model.config.num_layers)) \
+            if len(kv.groups) > 1 else ()
 
     def build_metadata(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's batch; with several layer groups, each group's metadata from its tables
+        (the tokens and positions are the same in every group)."""
+        built = [self._build(out, g) for g in range(len(self.kv.groups))]
+        ids, pos, meta = built[0]
+        if len(built) == 1:
+            return ids, pos, meta
+        return ids, pos, replace(meta, groups=tuple(m for _, _, m in built), group_of_layer=self.group_of_layer)
+
+    def _build(self, out: SchedulerOutput, group: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         builder = BatchBuilder(self.cache, self.backend, self.device)
         for chunk in out.chunks:
             req = chunk.request
             if req.blend_rows is not None:
-                builder.add_blend(req, chunk.num_new_tokens, self.kv.block_ids(req.request_id))
+                builder.add_blend(req, chunk.num_new_tokens, self.kv.block_ids(req.request_id, group))
                 continue
-            builder.add(req, chunk.num_new_tokens, self.kv.block_ids(req.request_id), self.budgets, chunk.draft)
+            builder.add(req, chunk.num_new_tokens, self.kv.block_ids(req.request_id, group), self.budgets,
+                        chunk.draft)
         return builder.build()
 
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -59,7 +72,8 @@ class ModelRunner:
             hidden = self.model.forward(ids, pos, self.cache, meta)
         else:
             hidden = self._write_only(meta)
-        self.cache.finish_step(meta.write)
+        for writes in meta.all_writes:
+            self.cache.finish_step(writes)
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         drafts: list[tuple[int, ...]] = []

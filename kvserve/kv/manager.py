@@ -26,6 +26,20 @@ pin covers (kv/pins.py) wait after every other class. Pinned blocks that an allo
 must evict all the same are demoted through ``Tiering.demote_pinned``, which never drops
 them for a full queue.
 
+A model with sliding-window layers has several layer groups (kv/groups.py), each with its own
+table per request, over one pool: a full-attention group's table covers the whole context, a
+sliding group's only the blocks its window still reaches (older entries are released: None).
+
+    full     | b0 | b1 | b2 | b3 | b4 | b5 |          window 32 tokens, block_size 16,
+    sliding  |None|None| c2 | c3 | c4 | c5 |          next query at position 90: blocks 3.. needed
+
+A prefix hit at block P needs every full group's blocks 0..P-1 and each sliding group's blocks
+from its window's first (for a query at P * block_size) to P-1. A sliding block leaves a table as
+soon as the request's next query no longer sees it; keyed (its key taken before), it stays in the
+pool as any freed block, evictable in LRU order. So under pressure a cached prefix loses its
+interior sliding blocks first (released earliest) and its tail last: the hit at a prefix's end,
+where a conversation continues, is kept longest, and a hit anywhere needs only its own window.
+
 A request under a KV budget (kv/budget/) holds *slots*: after a compaction its table
 covers ``num_computed_tokens - num_evicted`` slots; the compaction writes the kept
 entries to the head of the table (fresh blocks in place of shared or cached ones, which
@@ -40,6 +54,7 @@ from typing import NamedTuple
 from kvserve.cache_control import PrefixPin
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.budget.budgets import Budgets, NoBudgets
+from kvserve.kv.groups import KVGroup, LayerGroups, group_key
 from kvserve.kv.pins import PinInfo, Pins
 from kvserve.kv.prefix import extend_block_keys, salted_extra_key
 from kvserve.kv.residual import NoResidual, ResidualRows
@@ -51,22 +66,25 @@ from kvserve.sampling_params import SamplingParams
 
 class PrefixMatch(NamedTuple):
     """A request's leading blocks: cached on the device (no references taken), then
-    found in the offload tiers (not loaded yet)."""
+    found in the offload tiers (not loaded yet). ``group_blocks``: per layer group, the
+    hits of its table (a sliding group's entries before its window None)."""
 
-    blocks: list[Block]
+    group_blocks: tuple[list[Block | None], ...]
+    num_device_blocks: int = 0
     tier_run: TierRun = EMPTY_RUN
 
     @property
-    def num_device_blocks(self) -> int:
-        return len(self.blocks)
+    def blocks(self) -> list[Block]:
+        """The first group's hits (the whole prefix: a full-attention group, or the only one)."""
+        return [b for b in self.group_blocks[0] if b is not None] if self.group_blocks else []
 
     @property
     def num_blocks(self) -> int:
         """Device plus tier blocks: the prompt blocks that need no compute if all load."""
-        return len(self.blocks) + self.tier_run.num_blocks
+        return self.num_device_blocks + self.tier_run.num_blocks
 
 
-EMPTY_MATCH = PrefixMatch([])
+EMPTY_MATCH = PrefixMatch(())
 
 
 class Promoted(NamedTuple):
@@ -83,7 +101,11 @@ class Promoted(NamedTuple):
 class KVCacheManager:
     def __init__(self, pool: BlockPool, extra_key: bytes, enable_prefix_caching: bool = True,
                  residual: ResidualRows | None = None, tiering: Tiering | None = None,
-                 budgets: Budgets | None = None, pins: Pins | None = None) -> None:
+                 budgets: Budgets | None = None, pins: Pins | None = None, groups: LayerGroups | None = None,
+                 max_chunk_tokens: int = 0) -> None:
+        """``groups``: the model's layer groups (default: one group of full attention);
+        ``max_chunk_tokens``: the most tokens a step computes for one request (a sliding group
+        holds its window's blocks and a chunk's: what ``check_fits`` counts)."""
         self.pool = pool
         # pinned prefixes (none allowed unless the engine gives a limit)
         self.pins = pins if pins is not None else Pins(pool, max_pinned_blocks=0, max_ttl_s=1.0)
@@ -96,15 +118,28 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self.extra_key = extra_key
         self.enable_prefix_caching = enable_prefix_caching
-        self._blocks: dict[str, list[Block]] = {}
+        self.groups = groups.groups if groups is not None else (KVGroup(0, (), None),)
+        self.max_chunk_tokens = max_chunk_tokens
+        # per request, per group: its table (a sliding group's entries before its window None)
+        self._tables: dict[str, list[list[Block | None]]] = {}
         self._keys: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         # per request whose KV no exact computation produced past its first tokens: how many are exact
         self._lossy: dict[str, int] = {}
 
+    @property
+    def has_windows(self) -> bool:
+        """Some group attends over a sliding window (its tables release what the window left)."""
+        return any(g.window is not None for g in self.groups)
+
     # -- queries -----------------------------------------------------------
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's table in ``group``; an entry its window released reads as block 0
+        (a kernel never reads it: kvserve/attention/)."""
+        tables = self._tables.get(request_id)
+        if tables is None:
+            return []
+        return [0 if b is None else b.block_id for b in tables[group]]
 
     def num_slots(self, request: Request) -> int:
         """Cache slots the request's computed tokens occupy (fewer than its tokens once
@@ -114,10 +149,22 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def max_blocks_held(self, num_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once, over every group: a
+        sliding group its window's blocks and one chunk's at most."""
+        whole = self.num_blocks_needed(num_tokens)
+        total = 0
+        for g in self.groups:
+            if g.window is None:
+                total += whole
+            else:
+                total += min(whole, self.num_blocks_needed(g.window + max(self.max_chunk_tokens, 1)) + 1)
+        return total
+
     def check_fits(self, params: SamplingParams, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError when a request could never run: the most blocks it holds at once (its
         budget's, or all its tokens') is more than the pool has."""
-        num_blocks = self.num_blocks_needed(num_prompt_tokens + max_tokens)
+        num_blocks = self.max_blocks_held(num_prompt_tokens + max_tokens)
         budgeted = self.budgets.max_blocks(params, num_prompt_tokens)
         num_blocks = num_blocks if budgeted is None else min(num_blocks, budgeted)
         if num_blocks > self.pool.num_blocks:
@@ -126,29 +173,44 @@ class KVCacheManager:
                 f"but the cache has {self.pool.num_blocks}; lower max_tokens or give the KV cache more memory")
 
     def block_keys(self, request: Request) -> list[bytes]:
-        """Keys of the request's full blocks, extended as its tokens grow."""
+        """Keys of the request's full blocks, extended as its tokens grow (the first group's:
+        another group's are ``group_key`` of these)."""
         keys = self._keys.setdefault(request.request_id, [])
         extend_block_keys(keys, request.all_token_ids, self.block_size, self.extra_key_for(request.cache_salt))
         return keys
 
     def match_prefix(self, request: Request) -> PrefixMatch:
-        """Longest run of cached blocks holding the request's leading tokens.
+        """Longest run of cached blocks holding the request's leading tokens: in every
+        full-attention group all its blocks, in a sliding group those its window needs.
 
         At least one token is always left to compute, since its logits are needed;
         so a prompt of exactly n full blocks matches at most n - 1 of them.
         """
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return EMPTY_MATCH
-        max_blocks = (request.num_tokens - 1) // self.block_size
         keys = self.block_keys(request)
-        tokens = request.all_token_ids
-        blocks = []
-        for i in range(max_blocks):
-            block = self.pool.lookup(keys[i], tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
-            if block is None:
+        tokens, bs = request.all_token_ids, self.block_size
+        found: dict[tuple[int, int], Block | None] = {}
+
+        def hit(g: int, i: int) -> Block | None:
+            if (g, i) not in found:
+                found[g, i] = self.pool.lookup(group_key(keys[i], g), tuple(tokens[i * bs:(i + 1) * bs]))
+            return found[g, i]
+
+        num = (request.num_tokens - 1) // bs
+        for g in self.groups:
+            if g.window is None:
+                num = next((i for i in range(num) if hit(g.index, i) is None), num)
+        while num > 0:      # the longest hit whose windows every sliding group holds
+            misses = [i for g in self.groups if g.window is not None
+                      for i in range(g.first_needed_block(num * bs, bs), num) if hit(g.index, i) is None]
+            if not misses:
                 break
-            blocks.append(block)
-        return PrefixMatch(blocks)
+            num = max(misses)
+        if num == 0:
+            return EMPTY_MATCH
+        return PrefixMatch(tuple([None if i < g.first_needed_block(num * bs, bs) else hit(g.index, i)
+                                  for i in range(num)] for g in self.groups), num)
 
     def match_tiers(self, request: Request, match: PrefixMatch) -> PrefixMatch:
         """``match`` extended by the run of following blocks the offload tiers hold.
@@ -162,12 +224,14 @@ class KVCacheManager:
         if match.num_device_blocks >= max_blocks:
             return match
         keys = self.block_keys(request)
-        return PrefixMatch(match.blocks, self.tiering.lookup(keys[match.num_device_blocks:max_blocks]))
+        groups = match.group_blocks or tuple([] for _ in self.groups)
+        return PrefixMatch(groups, match.num_device_blocks,
+                           self.tiering.lookup(keys[match.num_device_blocks:max_blocks]))
 
     # -- verbs -------------------------------------------------------------
     def try_allocate(self, request: Request, num_new_tokens: int,
                      match: PrefixMatch = EMPTY_MATCH) -> bool:
-        """Give the request blocks for ``num_new_tokens`` more tokens.
+        """Give the request blocks for ``num_new_tokens`` more tokens, in every group.
 
         ``match`` (from ``match_prefix``, for a request being admitted) is taken
         first; its tier blocks get fresh blocks, the first ones allocated
@@ -176,28 +240,32 @@ class KVCacheManager:
         preempt or wait. Cached blocks the allocation evicts are demoted to the
         offload tiers first.
         """
-        table = self._blocks.setdefault(request.request_id, [])
-        num_computed = self.num_slots(request) + match.num_blocks * self.block_size
-        num_needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(table) - match.num_device_blocks
+        rid = request.request_id
+        tables = self._tables.get(rid)
+        if tables is None:
+            tables = [list(match.group_blocks[g.index]) if match.group_blocks else [] for g in self.groups]
+        num_total = self.num_blocks_needed(self.num_slots(request) + match.num_blocks * self.block_size
+                                           + num_new_tokens)
+        num_needed = sum(max(0, num_total - len(t)) for t in tables)
+        hits = [b for blocks in match.group_blocks for b in blocks if b is not None]
         # hits sitting in the free queue are counted as free but are about to be taken
-        num_evictable_hits = sum(1 for b in match.blocks if b.ref_count == 0)
+        num_evictable_hits = sum(1 for b in hits if b.ref_count == 0)
         if num_needed > self.pool.num_free_blocks - num_evictable_hits:
-            if not table:
-                del self._blocks[request.request_id]
             return False
-        if match.blocks:
-            self.pool.touch(match.blocks, request.retention_class)
-            table.extend(match.blocks)
-            self._num_cached_blocks[request.request_id] = len(table)
-        if num_needed > 0:
-            table.extend(self._allocate(num_needed, request.retention_class))
+        if hits:
+            self.pool.touch(hits, request.retention_class)
+            self._num_cached_blocks[rid] = match.num_device_blocks
+        self._tables[rid] = tables
+        for table in tables:
+            if num_total > len(table):
+                table.extend(self._allocate(num_total - len(table), request.retention_class))
         self.budgets.start(request)
         return True
 
     def load_targets(self, request: Request, match: PrefixMatch) -> list[int]:
         """The blocks ``try_allocate`` gave ``match``'s tier blocks, in run order: where a load writes."""
         d, t = match.num_device_blocks, match.tier_run.num_blocks
-        return [b.block_id for b in self._blocks[request.request_id][d:d + t]]
+        return self.block_ids(request.request_id)[d:d + t]
 
     def cache_loaded_blocks(self, request: Request, promotion: Promotion) -> Promoted:
         """Cache the blocks a tier load wrote: the leading ``promotion.num_blocks`` after the
@@ -211,31 +279,49 @@ class KVCacheManager:
     def swap_candidates(self, request: Request) -> list[Block]:
         """The request's computed, cached blocks that no other request holds: what a swap
         preemption would demote before the request's blocks are freed."""
-        table = self._blocks.get(request.request_id, [])
         num_cached = self._num_cached_blocks.get(request.request_id, 0)
-        return [b for b in table[:num_cached] if b.ref_count == 1 and b.is_cached]
+        return [b for table in self._tables.get(request.request_id, []) for b in table[:num_cached]
+                if b is not None and b.ref_count == 1 and b.is_cached]
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Register every full block whose tokens are all computed."""
+        """Register every full block whose tokens are all computed; then, in a sliding group,
+        release the blocks the request's next query no longer sees (cached first, so they stay
+        prefix-cache hits)."""
         rid = request.request_id
-        if not self.enable_prefix_caching or self.budgets.is_compacted(rid):
-            return
-        num_full = request.num_computed_tokens // self.block_size
-        if rid in self._lossy:
-            num_full = min(num_full, self._lossy[rid] // self.block_size)
-        start = self._num_cached_blocks.get(rid, 0)
-        if num_full > start:
-            self._cache_blocks(request, start, num_full)
-            self.tiering.write_through(self._blocks[rid][start:num_full])   # a no-op unless it is on
+        if self.enable_prefix_caching and not self.budgets.is_compacted(rid):
+            num_full = request.num_computed_tokens // self.block_size
+            if rid in self._lossy:
+                num_full = min(num_full, self._lossy[rid] // self.block_size)
+            start = self._num_cached_blocks.get(rid, 0)
+            if num_full > start:
+                self._cache_blocks(request, start, num_full)
+                self.tiering.write_through([b for t in self._tables[rid] for b in t[start:num_full] if b is not None])
+        if self.has_windows and rid in self._tables:
+            self._release_behind_windows(request)
+
+    def _release_behind_windows(self, request: Request) -> None:
+        position = self.num_slots(request)          # the next query's
+        for g, table in zip(self.groups, self._tables[request.request_id]):
+            behind = [i for i in range(min(g.first_needed_block(position, self.block_size), len(table)))
+                      if table[i] is not None]
+            if behind:
+                released = [table[i] for i in behind]
+                for i in behind:
+                    table[i] = None
+                self.residual.release(b.block_id for b in released if b is not None)
+                self._free_blocks(b for b in released if b is not None)
 
     def _cache_blocks(self, request: Request, start: int, end: int) -> None:
-        """Register the request's full blocks [start, end) under their content keys."""
+        """Register the request's full blocks [start, end) under their content keys, each
+        group's under its own."""
         keys = self.block_keys(request)
-        table = self._blocks[request.request_id]
         tokens = request.all_token_ids
         bs = self.block_size
-        for i in range(start, end):
-            self.pool.cache(table[i], keys[i], tuple(tokens[i * bs:(i + 1) * bs]))
+        for g, table in zip(self.groups, self._tables[request.request_id]):
+            for i in range(start, end):
+                block = table[i]
+                if block is not None:
+                    self.pool.cache(block, group_key(keys[i], g.index), tuple(tokens[i * bs:(i + 1) * bs]))
         self._num_cached_blocks[request.request_id] = end
 
     def _free_blocks(self, blocks: Iterable[Block]) -> None:
@@ -275,14 +361,17 @@ class KVCacheManager:
         blocks are never altered and stay prefix-cache hits; the blocks after them are freed,
         tail first. A rewritten block never gets a key (the request caches nothing once
         compacted). Returns False, changing nothing, when no compaction is due or the pool lacks
-        the fresh blocks (it is tried again after the next step).
+        the fresh blocks (it is tried again after the next step). Budgets run on models of one
+        full-attention group only (engine/checks.py).
         """
         rid = request.request_id
-        self.budgets.settle(request, self._blocks[rid])
+        if self.budgets.get(rid) is None:
+            return False
+        self.budgets.settle(request, self._table(rid))
         target = self.budgets.target_slots(request)
         if target is None:
             return False
-        table = self._blocks[rid]
+        table = self._table(rid)
         kept = self.budgets.kept_blocks(request, [b.block_id for b in table])
         if kept is not None:
             self._keep_blocks(request, kept)
@@ -295,27 +384,33 @@ class KVCacheManager:
         plan = self.budgets.plan(request, [b.block_id for b in table], fresh)
         self.residual.release(b.block_id for b in tail)       # (the open block is among them)
         self._free_blocks(reversed(tail))
-        del table[num_kept:]
         for i in sorted(fresh):     # the blocks the plan was told it rewrites, exactly
-            table[i] = self._allocate(1, request.retention_class)[0]
-            self._free_blocks([head[i]])
+            head[i] = self._allocate(1, request.retention_class)[0]
+            self._free_blocks([table[i]])
+        self._tables[rid][0] = list(head)
         self._num_cached_blocks.pop(rid, None)
-        self.budgets.apply(request, plan, [b.block_id for b in table])
+        self.budgets.apply(request, plan, [b.block_id for b in head])
         return True
+
+    def _table(self, request_id: str) -> list[Block]:
+        """The request's one table, whole (a model of one full-attention group: what budgets run on)."""
+        tables = self._tables[request_id]
+        assert len(tables) == 1 and all(b is not None for b in tables[0]), "budgets need one whole table"
+        return [b for b in tables[0] if b is not None]
 
     def _keep_blocks(self, request: Request, kept: list[int]) -> None:
         """A compaction that keeps whole blocks (``Budgets.kept_blocks``): the table keeps the
         blocks at ``kept``, in that order, and frees the others, tail first; nothing is written,
         so a kept block another request holds or the prefix cache knows stays as it is."""
         rid = request.request_id
-        table = self._blocks[rid]
+        table = self._table(rid)
         keep = set(kept)
         dropped = [b for i, b in enumerate(table) if i not in keep]
         assert all(self.residual.row_of(b.block_id) is None for b in dropped), "an open block dropped"
-        table[:] = [table[i] for i in kept]
+        self._tables[rid][0] = [table[i] for i in kept]
         self._free_blocks(reversed(dropped))
         self._num_cached_blocks.pop(rid, None)
-        self.budgets.apply_blocks(request, kept, [b.block_id for b in table])
+        self.budgets.apply_blocks(request, kept, self.block_ids(rid))
 
     def mark_lossy(self, request: Request, num_exact_tokens: int = 0) -> None:
         """The request's KV from token ``num_exact_tokens`` on was not produced by an exact
@@ -325,29 +420,33 @@ class KVCacheManager:
         self._lossy[request.request_id] = num_exact_tokens
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first (see BlockPool.free)."""
+        """Release the request's blocks, tail first across its groups (see BlockPool.free)."""
         rid = request.request_id
         self._lossy.pop(rid, None)
         self.budgets.drop(rid)
-        table = self._blocks.pop(rid, [])
-        self.residual.release(b.block_id for b in table)
-        self._free_blocks(reversed(table))
+        tables = self._tables.pop(rid, [])
+        self._release_tails(tables, 0)
         self._num_cached_blocks.pop(rid, None)
+
+    def _release_tails(self, tables: Sequence[list[Block | None]], keep: int) -> None:
+        """Free every table's blocks past its first ``keep``, tail first across the tables (the
+        last position of every group before the one before it), and truncate the tables."""
+        tails = [b for i in range(max(map(len, tables), default=0) - 1, keep - 1, -1)
+                 for t in tables if i < len(t) and (b := t[i]) is not None]
+        for t in tables:
+            del t[keep:]
+        self.residual.release(b.block_id for b in tails)
+        self._free_blocks(tails)
 
     def release_unused_blocks(self, request: Request, since: int = 0) -> None:
         """After a drafted chunk starting at position ``since`` was checked: give back the
         residual rows of its blocks now full of computed tokens (kept while their drafted tokens
         were unchecked: kv/storage/base.py), and free the request's blocks past its computed
         tokens' (allocated for drafted tokens that were rejected), tail first."""
-        table = self._blocks.get(request.request_id, [])
-        self.residual.release(b.block_id for b in table[since // self.block_size:
-                                                        self.num_slots(request) // self.block_size])
-        keep = self.num_blocks_needed(self.num_slots(request))
-        if len(table) > keep:
-            unused = table[keep:]
-            del table[keep:]
-            self.residual.release(b.block_id for b in unused)
-            self._free_blocks(reversed(unused))
+        tables = self._tables.get(request.request_id, [])
+        first, last = since // self.block_size, self.num_slots(request) // self.block_size
+        self.residual.release(b.block_id for t in tables for b in t[first:last] if b is not None)
+        self._release_tails(tables, self.num_blocks_needed(self.num_slots(request)))
 
     def forget(self, request: Request) -> None:
         """Drop per-request state of a finished request."""
@@ -363,10 +462,16 @@ class KVCacheManager:
         return salted_extra_key(self.extra_key, salt)
 
     def prefix_keys(self, token_ids: Sequence[int], num_tokens: int | None = None, salt: str = "") -> list[bytes]:
-        """Keys of the full blocks among the first ``num_tokens`` tokens (all by default)."""
+        """Keys of the full blocks among the first ``num_tokens`` tokens (all by default): the
+        first group's, then of every other group those a hit at the prefix's end needs (a
+        sliding group's window before it), so a pin keeps the whole hit."""
         keys: list[bytes] = []
         extend_block_keys(keys, token_ids[:num_tokens], self.block_size, self.extra_key_for(salt))
-        return keys
+        out = list(keys)
+        for g in self.groups[1:]:
+            first = g.first_needed_block(len(keys) * self.block_size, self.block_size)
+            out += [group_key(k, g.index) for k in keys[first:]]
+        return out
 
     def pin(self, token_ids: Sequence[int], prefixes: Sequence[tuple[int | None, float]],
             salt: str = "") -> list[PinInfo]:
@@ -408,8 +513,9 @@ class KVCacheManager:
         return self.pins.infos(salt_prefix)
 
     def num_pinned_hits(self, request: Request, num_blocks: int) -> int:
-        """How many of the request's first ``num_blocks`` blocks hold pinned keys."""
-        return sum(self.pool.is_pinned(b) for b in self._blocks.get(request.request_id, ())[:num_blocks])
+        """How many of the request's first ``num_blocks`` blocks (its first group's) hold pinned keys."""
+        tables = self._tables.get(request.request_id, [[]])
+        return sum(b is not None and self.pool.is_pinned(b) for b in tables[0][:num_blocks])
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
@@ -417,9 +523,14 @@ class KVCacheManager:
         self.residual.check_integrity()
         self.budgets.check_integrity()
         counted: dict[int, int] = {}
-        for table in self._blocks.values():
-            for block in table:
-                counted[block.block_id] = counted.get(block.block_id, 0) + 1
+        for tables in self._tables.values():
+            assert len(tables) == len(self.groups), "a table per group"
+            for g, table in zip(self.groups, tables):
+                if g.window is None:
+                    assert all(b is not None for b in table), f"a full-attention group's table has a hole: {table}"
+                for block in table:
+                    if block is not None:
+                        counted[block.block_id] = counted.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_count == counted.get(block.block_id, 0), (
                 f"{block}: ref_count {block.ref_count} but in {counted.get(block.block_id, 0)} tables")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -94,15 +94,16 @@ class KVStorage(ABC):
     manager releases a block's share of it when a request frees the block.
     """
 
+    # (traits of a storage class; an instance that stands for another storage takes that one's)
     #: A gather returns exactly what was written, so a chunk with no cached context may
     #: attend to its own new keys and values instead of reading them back.
-    reads_as_written: ClassVar[bool] = False
+    reads_as_written: bool = False
     #: KV budgets can run here: entries can be rewritten at any slot (compaction) and whole
     #: blocks of a layer read and written as they are (ArkVale's recalls).
-    supports_budgets: ClassVar[bool] = False
+    supports_budgets: bool = False
     #: A block as ArkVale stashes it (``stored_blocks``, ``swap_blocks``) is its keys and values
     #: in the compute dtype; else the storage's own bytes.
-    stashes_decoded: ClassVar[bool] = True
+    stashes_decoded: bool = True
 
     num_layers: int
     num_blocks: int

@@ -1,0 +1,112 @@
+"""A model with sliding-window layers through the engine (tiny Gemma 3: five layers of window 8,
+then a full one; blocks of 4): the sliding groups hold only their windows' blocks, prefix hits
+and preemption give the cold run's tokens, and what cannot run yet is refused, saying why."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from model.test_gemma3 import tiny_gemma3
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import HostConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.offload.host import HostTransport
+
+NUM_BLOCKS = 2000        # (the default 1 GiB holds a million blocks of this model: slow to set up)
+GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_gemma3(seed=7)[0]
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    history = [rng.randrange(128) for _ in range(41)]
+    return [history + [rng.randrange(128) for _ in range(rng.randrange(1, 12))] for _ in range(4)] + \
+        [[rng.randrange(128) for _ in range(50)]]
+
+
+def test_the_groups_and_their_storage(loaded) -> None:
+    engine = LLM(loaded=loaded, block_size=4, kv_cache_memory_gb=1 / 1024).engine
+    kv = engine.kv
+    assert [(g.layers, g.window) for g in kv.groups] == [((5,), None), ((0,), 8), ((1,), 8), ((2,), 8), ((3,), 8),
+                                                         ((4,), 8)]
+    # a block holds one layer (4 tokens x 2 KV heads x 16 x float32, keys and values: 1 KiB): 1 MiB
+    # gives 1,024 blocks, six times the blocks of all six layers
+    assert kv.pool.num_blocks == 1024 and engine.runner.cache.nbytes == 1 << 20
+
+
+def test_sliding_groups_hold_their_window_as_a_request_decodes(loaded) -> None:
+    llm = LLM(loaded=loaded, block_size=4, max_num_batched_tokens=8, num_kv_blocks=NUM_BLOCKS)
+    engine: LLMEngine = llm.engine
+    prompt = list(range(1, 41))
+    engine.add_request(prompt, SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True), request_id="r")
+    seen = 0
+    while engine.has_unfinished:
+        engine.step()
+        tables = [engine.kv.block_ids("r", g) for g in range(6)]
+        if not tables[0]:
+            break
+        num_computed = next(r for r in engine.scheduler.running if r.request_id == "r").num_computed_tokens
+        # the full group holds every block of its context; each sliding group the blocks its
+        # next query (at num_computed, seeing num_computed - 7 ..) reads, and what the step added
+        first = max(0, num_computed - 7) // 4
+        for table in tables[1:]:
+            held = [i for i, b in enumerate(table) if b]
+            assert held == list(range(first, len(table))), (num_computed, table)
+            assert len(held) <= 4
+        assert len(tables[0]) == -(-num_computed // 4) or len(tables[0]) == -(-(num_computed + 1) // 4)
+        seen += 1
+        engine.check_integrity()
+    assert seen > 20
+
+
+def test_prefix_hits_give_the_cold_tokens(loaded) -> None:
+    batch = prompts(0)
+    cold = LLM(loaded=loaded, block_size=4, enable_prefix_caching=False, max_num_batched_tokens=16,
+               num_kv_blocks=NUM_BLOCKS)
+    warm = LLM(loaded=loaded, block_size=4, max_num_batched_tokens=16, num_kv_blocks=NUM_BLOCKS)
+    ref = cold.generate(batch, GREEDY)
+    warm.generate(batch[:1], GREEDY)
+    got = warm.generate(batch, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    # the first prompt again: every full block but the last token's; the others share the history
+    assert got[0].num_cached_tokens == (len(batch[0]) - 1) // 4 * 4
+    assert all(o.num_cached_tokens >= 40 for o in got[1:4]) and got[4].num_cached_tokens == 0
+    warm.engine.check_integrity()
+    assert warm.engine.kv.pool.num_free_blocks == warm.engine.kv.pool.num_blocks
+
+
+def test_a_small_pool_preempts_and_gives_the_same_tokens(loaded) -> None:
+    batch = prompts(1)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = LLM(loaded=loaded, block_size=4, enable_prefix_caching=False, num_kv_blocks=NUM_BLOCKS).generate(batch, params)
+    # 5 requests of up to 92 tokens: each holds its 23 full blocks and 5 x 4 sliding ones at most
+    small = LLM(loaded=loaded, block_size=4, num_kv_blocks=70, max_num_batched_tokens=16)
+    got = small.generate(batch, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert small.engine.scheduler.num_preemptions > 0
+    small.engine.check_integrity()
+
+
+def test_what_cannot_run_yet_is_refused_saying_why(loaded) -> None:
+    with pytest.raises(ValueError, match="sliding-window layers keeps only its windows"):
+        LLM(loaded=loaded, kv_budget=64, num_kv_blocks=NUM_BLOCKS)
+    llm = LLM(loaded=loaded, block_size=4, num_kv_blocks=NUM_BLOCKS)
+    with pytest.raises(ValueError, match="sliding-window layers keeps only its windows"):
+        llm.generate([1, 2, 3], SamplingParams(max_tokens=2, kv_budget=32))
+    with pytest.raises(ValueError, match="offload tiers on a model with sliding-window layers"):
+        LLM(loaded=loaded, tiers=[HostTransport(HostConfig(capacity_bytes=1 << 20))])
+    with pytest.raises(ValueError, match="use \"ngram\""):
+        LLM(loaded=loaded, speculative_config={"method": "self"})
+    with pytest.raises(ValueError, match="zip:"):
+        LLM(loaded=loaded, kv_format="zip:hi=int8,lo=kivi2g16,salient=0.2")
+    # speculation by prompt lookup verifies in the batch, as any step: it runs
+    ngram = LLM(loaded=loaded, block_size=4, num_kv_blocks=NUM_BLOCKS, speculative_config={"method": "ngram"})
+    plain = LLM(loaded=loaded, block_size=4, num_kv_blocks=NUM_BLOCKS)
+    prompt = [5, 6, 7, 8] * 6
+    assert (ngram.generate(prompt, GREEDY)[0].token_ids == plain.generate(prompt, GREEDY)[0].token_ids)
