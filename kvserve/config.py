@@ -294,6 +294,10 @@ class CacheConfig:
         "and KV format, beside the other requests (only the choice of rows runs outside the batch); off: "
         "the whole blend outside the batch, on dense tensors (docs/blend.md)", flag="--no-blend-in-batch"))
 
+    window_kv: bool = field(default=True, metadata=opt(
+        "keep every layer's blocks whole on models with sliding-window layers (as an engine without layer groups "
+        "does; for comparisons): by default those layers hold only the blocks their window reaches "
+        "(docs/design.md, Layer groups)", flag="--no-window-kv"))
     max_pinned_fraction: float = field(default=0.5, metadata=opt(
         "most of the device KV blocks that pinned prefixes may cover; 0 turns pinning off (docs/server.md)"))
     max_pin_ttl_s: float = field(default=3600.0, metadata=opt("longest retention a pin may ask for, in seconds"))

@@ -28,6 +28,7 @@ SAMPLES = {
     "kv_cache_memory_gb": (["0.5"], 0.5, 1 << 29),
     "num_kv_blocks": (["12"], 12, 12),
     "enable_prefix_caching": ([], False, False),
+    "window_kv": ([], False, False),
     "cache_salt": (["s1"], "s1", "s1"),
     "key_secret_file": (["/tmp/secret"], "/tmp/secret", "/tmp/secret"),
     "kv_format": (["int8"], "int8", "int8"),

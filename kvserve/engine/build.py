@@ -102,9 +102,8 @@ def check_names(config: EngineConfig, draft: LoadedModel | None = None) -> None:
         check_budget(cc.kv_budget, budget_policy, cc.block_size)
 
 
-def check_model(config: EngineConfig, mc: ModelConfig, tiers: Sequence[Transport] | None = None) -> None:
-    """ValueError for an engine option this model cannot run, saying why (``tiers``: transports
-    given in place of ``config.tiers``)."""
+def check_model(config: EngineConfig, mc: ModelConfig) -> None:
+    """ValueError for an engine option this model cannot run, saying why."""
     if not mc.has_sliding_layers:
         return
     if config.cache.kv_budget is not None:
@@ -114,9 +113,6 @@ def check_model(config: EngineConfig, mc: ModelConfig, tiers: Sequence[Transport
         raise ValueError(f"speculative method {spec.method!r} drafts with a model over the served cache's tables, "
                          "which on a model with sliding-window layers are one per layer group (not built yet); "
                          "use \"ngram\"")
-    if config.tiers or tiers:
-        raise ValueError("offload tiers on a model with sliding-window layers are not built yet: a tier would have "
-                         "to hold each layer group's blocks and a hit each group's window; run without tiers")
 
 
 def _rows_for_groups(scheduler: SchedulerConfig, groups: LayerGroups) -> SchedulerConfig:
@@ -157,7 +153,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     """Every part of an engine for ``loaded``; ``tiers`` replace the transports ``config.tiers``
     would open, ``draft`` the draft method's model (LLMEngine's docstring)."""
     mc, cc = loaded.config, config.cache
-    check_model(config, mc, tiers)
+    check_model(config, mc)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -168,7 +164,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     fingerprint = f"{loaded.fingerprint}:weights={products.name}"
     kv_format = parse_kv_format(cc.kv_format, mc.num_layers, dtype, head_dim=mc.head_dim)
     # new rows through the C++ writer where it runs (attention/cpu_writes.py), else the torch path
-    groups = LayerGroups.of(mc.sliding_windows)
+    groups = LayerGroups.of(mc.sliding_windows if cc.window_kv else (None,) * mc.num_layers)
     storage = make_storage(mc, kv_format, cc, _rows_for_groups(config.scheduler, groups), dtype, device,
                            CpuWrites.for_storage, groups)
     mixes_domains = isinstance(storage, ZipKVCache) and storage.mixes_rotation_domains

@@ -27,6 +27,7 @@ class EngineStats:
     kv_num_free_blocks: int        # free plus evictable cached
     kv_num_cached_blocks: int      # blocks holding a content key (used or not)
     kv_usage: float                # fraction of blocks referenced by running requests
+    kv_used_blocks_by_kind: tuple[tuple[str, int], ...]   # (full / sliding, blocks referenced), kv/groups.py
     prefix_query_tokens: int       # prompt tokens looked up at admission, cumulative
     prefix_hit_tokens: int         # of which served from the device prefix cache
     num_evicted_blocks: int        # cached blocks whose key was dropped to reuse them
@@ -64,6 +65,7 @@ def take_stats(num_steps: int, scheduler: Scheduler, kv: KVCacheManager, blend: 
         num_running=len(scheduler.running), num_preemptions=scheduler.num_preemptions,
         kv_num_blocks=pool.num_blocks, kv_num_free_blocks=pool.num_free_blocks,
         kv_num_cached_blocks=pool.num_cached_blocks, kv_usage=pool.usage,
+        kv_used_blocks_by_kind=tuple(kv.used_blocks_by_kind().items()),
         prefix_query_tokens=scheduler.num_prefix_query_tokens, prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
         num_evicted_blocks=pool.num_evicted_blocks, tiers=tiering.metrics(), cost=tiering.cost_snapshot(),
         num_swapped_blocks=scheduler.num_swapped_blocks, budgets=kv.budgets.stats(), pins=kv.pins.stats(),

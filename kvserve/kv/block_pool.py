@@ -42,6 +42,7 @@ class Block:
     key: bytes | None = None
     token_ids: tuple[int, ...] = ()
     retention: int = 0              # eviction class of the requests holding it (BlockPool.touch)
+    tag: int = 0                    # what its allocation was for (a layer group: kv/groups.py)
     queue_index: int = 0            # which free queue holds it, while its ref_count is 0
     # intrusive links of the free queue; None when not queued (or at an end)
     prev_free: Block | None = None
@@ -195,6 +196,7 @@ class BlockPool:
         self.num_pinned_cached = 0      # blocks holding a pinned key (used or not)
         self.num_pinned_evicted = 0     # pinned blocks evicted for room (demoted when a tier exists)
         self.peak_num_used = 0          # high-water mark of referenced blocks (see reset_peak)
+        self._num_used_by_tag: dict[int, int] = {}    # referenced blocks per allocation tag
 
     # -- queries -----------------------------------------------------------
     @property
@@ -256,9 +258,13 @@ class BlockPool:
         return out
 
     # -- verbs -------------------------------------------------------------
-    def allocate(self, num_blocks: int, retention: int = 0) -> list[Block]:
+    def num_used_by_tag(self, tag: int) -> int:
+        """Referenced blocks allocated with ``tag``."""
+        return self._num_used_by_tag.get(tag, 0)
+
+    def allocate(self, num_blocks: int, retention: int = 0, tag: int = 0) -> list[Block]:
         """Take ``num_blocks`` blocks (ref_count 1 each) for a request of class ``retention``,
-        evicting cached ones in eviction order."""
+        evicting cached ones in eviction order; ``tag`` says what for (counted while they are used)."""
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(
                 f"asked for {num_blocks} blocks, only {self.num_free_blocks} are free")
@@ -269,7 +275,9 @@ class BlockPool:
             self._evict(block)
             block.ref_count = 1
             block.retention = retention
+            block.tag = tag
             out.append(block)
+        self._num_used_by_tag[tag] = self._num_used_by_tag.get(tag, 0) + num_blocks
         self._note_usage()
         return out
 
@@ -281,6 +289,7 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
                 block.retention = retention
+                self._num_used_by_tag[block.tag] = self._num_used_by_tag.get(block.tag, 0) + 1
             else:
                 block.retention = max(block.retention, retention)
             block.ref_count += 1
@@ -298,6 +307,8 @@ class BlockPool:
             if block.ref_count <= 0:
                 raise ValueError(f"double free of {block}")
             block.ref_count -= 1
+            if block.ref_count == 0:
+                self._num_used_by_tag[block.tag] -= 1
             if block.ref_count == 0 and block.key is None:
                 self.free_queue.appendleft(block)     # holds nothing to find again: reused first
             elif block.ref_count == 0:
@@ -412,6 +423,10 @@ class BlockPool:
         assert all(b.ref_count >= 0 for b in self.blocks), "negative ref count"
         assert len(used) + len(queued) == self.num_blocks, (
             f"used {len(used)} + queued {len(queued)} != total {self.num_blocks}")
+        by_tag: dict[int, int] = {}
+        for b in used:
+            by_tag[b.tag] = by_tag.get(b.tag, 0) + 1
+        assert by_tag == {t: n for t, n in self._num_used_by_tag.items() if n}, "used blocks per tag"
         for index, queue in enumerate(self.free_queue.queues):
             for block in queue:
                 assert block.queue_index == index, f"{block} in queue {index} says {block.queue_index}"

@@ -58,7 +58,7 @@ from kvserve.kv.groups import KVGroup, LayerGroups, group_key
 from kvserve.kv.pins import PinInfo, Pins
 from kvserve.kv.prefix import extend_block_keys, salted_extra_key
 from kvserve.kv.residual import NoResidual, ResidualRows
-from kvserve.kv.tiering import NoTiering, Promotion, Tiering
+from kvserve.kv.tiering import NO_PROMOTION, NoTiering, Promotion, Tiering
 from kvserve.offload.tiered import EMPTY_RUN, TierRun
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -72,6 +72,10 @@ class PrefixMatch(NamedTuple):
     group_blocks: tuple[list[Block | None], ...]
     num_device_blocks: int = 0
     tier_run: TierRun = EMPTY_RUN
+    # several layer groups: the positions the tier run extends the hit to, and where each of its
+    # keys goes, (group, position), in run order (kv/groups.py; ``KVCacheManager.match_tiers``)
+    tier_end: int = 0
+    tier_slots: tuple[tuple[int, int], ...] = ()
 
     @property
     def blocks(self) -> list[Block]:
@@ -81,6 +85,8 @@ class PrefixMatch(NamedTuple):
     @property
     def num_blocks(self) -> int:
         """Device plus tier blocks: the prompt blocks that need no compute if all load."""
+        if self.tier_slots:
+            return self.tier_end if self.tier_run.num_blocks else self.num_device_blocks
         return self.num_device_blocks + self.tier_run.num_blocks
 
 
@@ -126,6 +132,8 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         # per request whose KV no exact computation produced past its first tokens: how many are exact
         self._lossy: dict[str, int] = {}
+        # per request admitted with a tier run over several groups: the run's end and slots
+        self._tier_loads: dict[str, tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]]] = {}
 
     @property
     def has_windows(self) -> bool:
@@ -160,6 +168,13 @@ class KVCacheManager:
             else:
                 total += min(whole, self.num_blocks_needed(g.window + max(self.max_chunk_tokens, 1)) + 1)
         return total
+
+    def used_blocks_by_kind(self) -> dict[str, int]:
+        """Blocks running requests hold, per attention kind of their group (full, sliding)."""
+        out: dict[str, int] = {}
+        for g in self.groups:
+            out[g.kind] = out.get(g.kind, 0) + self.pool.num_used_by_tag(g.index)
+        return out
 
     def check_fits(self, params: SamplingParams, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError when a request could never run: the most blocks it holds at once (its
@@ -225,8 +240,56 @@ class KVCacheManager:
             return match
         keys = self.block_keys(request)
         groups = match.group_blocks or tuple([] for _ in self.groups)
+        if len(self.groups) > 1 or self.has_windows:
+            return self._match_group_tiers(request, PrefixMatch(groups, match.num_device_blocks), max_blocks)
         return PrefixMatch(groups, match.num_device_blocks,
                            self.tiering.lookup(keys[match.num_device_blocks:max_blocks]))
+
+    def _match_group_tiers(self, request: Request, match: PrefixMatch, max_blocks: int) -> PrefixMatch:
+        """``match_tiers`` over several groups: the longest hit ``end`` for which every full
+        group's blocks and each sliding group's window are on the device or in a tier. Its run
+        holds the keys to load, position by position (full groups from the device hit on, sliding
+        groups the window before ``end``), loaded whole or not at all: a part would not hold every
+        window. Device blocks past the device hit (a window's) are taken as hits."""
+        keys, tokens, bs = self.block_keys(request), request.all_token_ids, self.block_size
+        start = match.num_device_blocks
+        device: dict[tuple[int, int], Block | None] = {}
+        for g in self.groups:
+            for i in range(start, max_blocks):
+                device[g.index, i] = self.pool.lookup(group_key(keys[i], g.index), tuple(tokens[i * bs:(i + 1) * bs]))
+        wanted = [slot for slot, block in device.items() if block is None]
+        holders = dict(zip(wanted, self.tiering.holders([group_key(keys[i], g) for g, i in wanted])))
+
+        def held(g: int, i: int) -> bool:
+            return device[g, i] is not None or holders.get((g, i)) is not None
+
+        end = max_blocks
+        for g in self.groups:
+            if g.window is None:
+                end = next((i for i in range(start, end) if not held(g.index, i)), end)
+        while end > start:
+            misses = [i for g in self.groups if g.window is not None
+                      for i in range(max(start, g.first_needed_block(end * bs, bs)), end) if not held(g.index, i)]
+            if not misses:
+                break
+            end = max(misses)
+        needed = [(g.index, i) for i in range(start, end) for g in self.groups
+                  if i >= g.first_needed_block(end * bs, bs)]
+        slots = tuple(s for s in needed if device[s] is None)
+        # try_allocate gives the run's slots blocks, and every position between the device hit and
+        # the run's end too (to compute into, should the load not complete): take the run only
+        # where the pool holds them now, else the request would wait for room a computed prefix
+        # does not need
+        if not slots or len(self.groups) * (end - start) > self.pool.num_free_blocks:
+            return match
+        run = self.tiering.choose(TierRun(tuple(group_key(keys[i], g) for g, i in slots),
+                                          tuple(holders[s] or 0 for s in slots)), covers=end - start)
+        if not run.num_blocks:
+            return match
+        groups = tuple(list(blocks) + [device[g.index, i] if (g.index, i) in needed else None
+                                       for i in range(start, end)]
+                       for g, blocks in zip(self.groups, match.group_blocks))
+        return PrefixMatch(groups, start, run, end, slots)
 
     # -- verbs -------------------------------------------------------------
     def try_allocate(self, request: Request, num_new_tokens: int,
@@ -246,7 +309,11 @@ class KVCacheManager:
             tables = [list(match.group_blocks[g.index]) if match.group_blocks else [] for g in self.groups]
         num_total = self.num_blocks_needed(self.num_slots(request) + match.num_blocks * self.block_size
                                            + num_new_tokens)
-        num_needed = sum(max(0, num_total - len(t)) for t in tables)
+        # a tier run over several groups: its slots get blocks to load into, and so does every
+        # position a window skips, to compute into should the load not complete (freed when it does)
+        holes = [(g, i) for g, t in enumerate(tables) for i in range(match.num_device_blocks, len(t))
+                 if t[i] is None] if match.tier_slots and rid not in self._tables else []
+        num_needed = sum(max(0, num_total - len(t)) for t in tables) + len(holes)
         hits = [b for blocks in match.group_blocks for b in blocks if b is not None]
         # hits sitting in the free queue are counted as free but are about to be taken
         num_evictable_hits = sum(1 for b in hits if b.ref_count == 0)
@@ -256,25 +323,63 @@ class KVCacheManager:
             self.pool.touch(hits, request.retention_class)
             self._num_cached_blocks[rid] = match.num_device_blocks
         self._tables[rid] = tables
-        for table in tables:
+        for g, i in holes:
+            tables[g][i] = self._allocate(1, request.retention_class, g)[0]
+        if match.tier_slots:
+            self._tier_loads[rid] = (match.tier_end, match.tier_slots, match.tier_run.tiers)
+        for g, table in enumerate(tables):
             if num_total > len(table):
-                table.extend(self._allocate(num_total - len(table), request.retention_class))
+                table.extend(self._allocate(num_total - len(table), request.retention_class, g))
         self.budgets.start(request)
         return True
 
     def load_targets(self, request: Request, match: PrefixMatch) -> list[int]:
         """The blocks ``try_allocate`` gave ``match``'s tier blocks, in run order: where a load writes."""
+        if match.tier_slots:
+            tables = self._tables[request.request_id]
+            return [self._held(tables[g][i]).block_id for g, i in match.tier_slots]
         d, t = match.num_device_blocks, match.tier_run.num_blocks
         return self.block_ids(request.request_id)[d:d + t]
 
     def cache_loaded_blocks(self, request: Request, promotion: Promotion) -> Promoted:
         """Cache the blocks a tier load wrote: the leading ``promotion.num_blocks`` after the
         request's device hits. Those after a load that stopped early stay allocated and are
-        computed. Returns the request's cached prefix (device hits, then loaded blocks)."""
-        start = self._num_cached_blocks.get(request.request_id, 0)
+        computed. Returns the request's cached prefix (device hits, then loaded blocks).
+        Over several groups a load counts whole or not at all (``_match_group_tiers``)."""
+        rid = request.request_id
+        start = self._num_cached_blocks.get(rid, 0)
+        if rid in self._tier_loads:
+            return Promoted(start, self._cache_group_load(request, start, promotion))
         if promotion.num_blocks:
             self._cache_blocks(request, start, start + promotion.num_blocks)
         return Promoted(start, promotion)
+
+    def _cache_group_load(self, request: Request, start: int, promotion: Promotion) -> Promotion:
+        """A tier run over several groups is loaded: whole, the hit reaches the run's end (the
+        blocks held in case for the positions a window skips are freed) and the promotion counts
+        positions, by their first group's tiers; else nothing of it counts, its blocks computed."""
+        end, slots, tiers = self._tier_loads.pop(request.request_id)
+        if promotion.num_blocks < len(slots):
+            return NO_PROMOTION
+        bs = self.block_size
+        skipped = []
+        for group, table in zip(self.groups, self._tables[request.request_id]):
+            for i in range(start, min(end, group.first_needed_block(end * bs, bs))):
+                if (block := table[i]) is not None:
+                    skipped.append(block)
+                    table[i] = None
+        self._free_blocks(skipped)
+        self._cache_blocks(request, start, end)
+        by_tier = [0] * len(promotion.num_blocks_by_tier)
+        for (g, _), tier in zip(slots, tiers):
+            if g == self.groups[0].index:
+                by_tier[tier] += 1
+        return Promotion(end - start, tuple(by_tier))
+
+    @staticmethod
+    def _held(block: Block | None) -> Block:
+        assert block is not None, "a tier slot without its block"
+        return block
 
     def swap_candidates(self, request: Request) -> list[Block]:
         """The request's computed, cached blocks that no other request holds: what a swap
@@ -332,14 +437,15 @@ class KVCacheManager:
         self.pool.free(blocks)
         self.residual.renew(b.block_id for b in blocks if b.ref_count == 0 and not b.is_cached)
 
-    def _allocate(self, num_blocks: int, retention: int) -> list[Block]:
-        """Take free blocks, demoting to the tiers the cached ones this evicts first."""
+    def _allocate(self, num_blocks: int, retention: int, group: int = 0) -> list[Block]:
+        """Take free blocks (for layer group ``group``), demoting to the tiers the cached ones
+        this evicts first."""
         evicted = self.pool.peek_evictions(num_blocks)
         pinned = [b for b in evicted if self.pool.is_pinned(b)]
         self.tiering.demote([b for b in evicted if not self.pool.is_pinned(b)] if pinned else evicted)
         if pinned:
             self.tiering.demote_pinned(pinned)
-        blocks = self.pool.allocate(num_blocks, retention)
+        blocks = self.pool.allocate(num_blocks, retention, group)
         self.residual.renew(b.block_id for b in blocks)
         return blocks
 
@@ -423,6 +529,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first across its groups (see BlockPool.free)."""
         rid = request.request_id
         self._lossy.pop(rid, None)
+        self._tier_loads.pop(rid, None)
         self.budgets.drop(rid)
         tables = self._tables.pop(rid, [])
         self._release_tails(tables, 0)

@@ -103,6 +103,16 @@ class Tiering(ABC):
         """The leading run of ``keys`` that the tiers hold and that is worth loading rather
         than recomputing (a hint: a load may still miss)."""
 
+    def holders(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Each key's tier (the first that holds it), or None (a hint, as ``lookup``'s)."""
+        return [None] * len(keys)
+
+    def choose(self, run: TierRun, covers: int | None = None) -> TierRun:
+        """The leading part of ``run`` worth loading rather than recomputing (``lookup`` applies
+        it); ``covers``: a run of several layer groups' blocks for this many block positions,
+        taken whole or not at all (CostModel.choose)."""
+        return run
+
     def load_seconds(self, run: TierRun) -> float:
         """Estimated time to load ``run`` (the cost model's measured figures; 0 without tiers)."""
         return 0.0
@@ -278,11 +288,16 @@ class OffloadTiering(Tiering):
         return swapped
 
     def lookup(self, keys: Sequence[bytes]) -> TierRun:
-        run = self.store.lookup(keys)
+        return self.choose(self.store.lookup(keys))
+
+    def holders(self, keys: Sequence[bytes]) -> list[int | None]:
+        return self.store.holders(keys)
+
+    def choose(self, run: TierRun, covers: int | None = None) -> TierRun:
         if not run.num_blocks:
             return run
         self.cost.observe_tiers(self.store.stats())
-        n = self.cost.choose(run.tiers).num_load_blocks
+        n = self.cost.choose(run.tiers, covers).num_load_blocks
         return TierRun(run.keys[:n], run.tiers[:n])
 
     def is_prefetch(self, run: TierRun) -> bool:

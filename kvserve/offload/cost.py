@@ -162,12 +162,17 @@ class CostModel:
         """Estimated time to load blocks held by ``tiers`` (one read call per tier)."""
         return sum(self.tier_cost(t).load_seconds(tiers.count(t), self.block_nbytes) for t in set(tiers))
 
-    def choose(self, tiers: Sequence[int]) -> Decision:
-        """How many leading blocks of a run (held by ``tiers``) to load; the rest is recomputed."""
+    def choose(self, tiers: Sequence[int], covers: int | None = None) -> Decision:
+        """How many leading blocks of a run (held by ``tiers``) to load; the rest is recomputed.
+        ``covers``: the run is several layer groups' blocks (kv/groups.py) for this many block
+        positions, loaded whole or not at all (a part would not hold every group's window)."""
         n = len(tiers)
-        recompute = self.recompute_seconds(n)
+        recompute = self.recompute_seconds(n if covers is None else covers)
         if recompute is None or n == 0:     # prefill speed not measured yet: load, and measure
             return self._count(Decision(n, n, self.load_seconds(tiers), recompute or 0.0))
+        if covers is not None:
+            load = self.load_seconds(tiers)
+            return self._count(Decision(n, n if load <= recompute else 0, load, recompute))
         cuts = [k for k in range(n + 1) if k in (0, n) or tiers[k] != tiers[k - 1]]
         per_block = recompute / n
         costs = {k: self.load_seconds(tiers[:k]) + (n - k) * per_block for k in cuts}

@@ -117,7 +117,13 @@ class TieredStore:
                 self.tiers[t].submit_put(items)
 
     def lookup(self, keys: Sequence[bytes]) -> TierRun:
-        """The longest leading run of ``keys`` held by some tier, each by the first that holds it.
+        """The longest leading run of ``keys`` held by some tier, each by the first that holds it."""
+        holder = self.holders(keys)
+        n = next((i for i, h in enumerate(holder) if h is None), len(keys))
+        return TierRun(tuple(keys[:n]), tuple(h for h in holder[:n] if h is not None))
+
+    def holders(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Each key's first tier that holds it, or None.
 
         One ``contains`` per tier, on the calling thread; not an access for LRU order.
         """
@@ -129,8 +135,7 @@ class TieredStore:
             for i, held in zip(todo, tier.contains([keys[i] for i in todo])):
                 if held:
                     holder[i] = t
-        n = next((i for i, h in enumerate(holder) if h is None), len(keys))
-        return TierRun(tuple(keys[:n]), tuple(h for h in holder[:n] if h is not None))
+        return holder
 
     def submit_fetch(self, run: TierRun) -> PendingFetch:
         futures = {}

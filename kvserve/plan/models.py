@@ -38,8 +38,11 @@ class ModelShape:
     vocab_size: int | None = None
     tie_word_embeddings: bool | None = None
     attention_bias: bool = False
+    windows: tuple[int | None, ...] = ()      # each layer's sliding window (None: full); empty: all full
 
     def __post_init__(self) -> None:
+        if self.windows and len(self.windows) != self.num_layers:
+            raise ValueError(f"{self.name}: {len(self.windows)} windows for {self.num_layers} layers")
         for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{self.name}: {field} must be positive, got {getattr(self, field)}")
@@ -51,6 +54,11 @@ class ModelShape:
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.max_context is not None and self.max_context <= 0:
             raise ValueError(f"{self.name}: max_context must be positive, got {self.max_context}")
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """The layers that attend over a sliding window (they hold only its blocks)."""
+        return tuple(i for i, w in enumerate(self.windows) if w is not None)
 
     @property
     def attention(self) -> str:
@@ -66,7 +74,8 @@ class ModelShape:
         return cls(name or config.architecture, config.num_layers, config.num_heads, config.num_kv_heads,
                    config.head_dim, config.hidden_size, config.max_position_embeddings,
                    intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-                   tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias)
+                   tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
+                   windows=config.sliding_windows if config.has_sliding_layers else ())
 
 
 # name, layers, heads, KV heads, head dim, hidden, MLP width, vocabulary, tied LM head, max context
@@ -97,8 +106,19 @@ def _table_shape(row: tuple[str, int, int, int, int, int, int, int, bool, int, s
                       vocab_size=vocab, tie_word_embeddings=tied, attention_bias=name.startswith("Qwen2"))
 
 
+def _gemma3(name: str, layers: int, heads: int, kv_heads: int, hidden: int, ffn: int, context: int,
+            window: int) -> ModelShape:
+    """Gemma 3 (head dim 256, a 262,144-token tied embedding): every sixth layer attends to the
+    whole context, the others over a window of ``window`` positions."""
+    return ModelShape(name, layers, heads, kv_heads, 256, hidden, context, f"sliding window {window} on 5 of 6 "
+                      "layers", intermediate_size=ffn, vocab_size=262144, tie_word_embeddings=True,
+                      windows=tuple(None if (i + 1) % 6 == 0 else window for i in range(layers)))
+
+
 BUILTIN_MODELS: MappingProxyType[str, ModelShape] = MappingProxyType({
-    row[0]: _table_shape(row) for row in _TABLE})
+    **{row[0]: _table_shape(row) for row in _TABLE},
+    "Gemma-3-270M": _gemma3("Gemma-3-270M", 18, 4, 1, 640, 2048, 32768, 512),
+    "Gemma-3-1B": _gemma3("Gemma-3-1B", 26, 4, 1, 1152, 6912, 32768, 512)})
 
 # Suffixes of published repository names that do not change the shape.
 _VARIANT_SUFFIXES = ("-hf", "-instruct", "-chat", "-it", "-base", "-v0.1", "-v0.2", "-v0.3")
@@ -141,12 +161,18 @@ def shape_from_hf_config(raw: dict[str, Any], name: str) -> ModelShape:
     head_dim = raw.get("head_dim") or hidden // heads
     max_context = raw.get("max_position_embeddings")
     ffn, vocab, tied = raw.get("intermediate_size"), raw.get("vocab_size"), raw.get("tie_word_embeddings")
+    layer_types = raw.get("layer_types") or []
+    window = raw.get("sliding_window")
+    windows: tuple[int | None, ...] = ()
+    if window and len(layer_types) == int(raw["num_hidden_layers"]):      # Gemma 3's config.json
+        windows = tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
     return ModelShape(name=name, num_layers=int(raw["num_hidden_layers"]), num_heads=heads,
                       num_kv_heads=int(raw.get("num_key_value_heads") or heads), head_dim=int(head_dim),
                       hidden_size=hidden, max_context=int(max_context) if max_context else None,
                       intermediate_size=int(ffn) if ffn else None, vocab_size=int(vocab) if vocab else None,
                       tie_word_embeddings=None if tied is None else bool(tied),
-                      attention_bias=raw.get("model_type") == "qwen2" or bool(raw.get("attention_bias", False)))
+                      attention_bias=raw.get("model_type") == "qwen2" or bool(raw.get("attention_bias", False)),
+                      windows=windows)
 
 
 def load_model_shape(path: str | Path) -> ModelShape:

@@ -88,16 +88,28 @@ class KVLayout:
                            key_format, value_format)
         return cls(shape, fmt, block_size, compute_format)
 
-    def _block_nbytes(self, residual: bool) -> int:
+    def _block_nbytes(self, residual: bool, sliding: bool | None = None) -> int:
         """Bytes of one block over all KV heads, of the halves that keep a residual
         (``residual``: they encode whole blocks, so the open block waits in the compute dtype
-        until it is full) or of the others."""
+        until it is full) or of the others; of every layer, or (``sliding``) of the layers that
+        attend over a sliding window or of the others."""
         m, b, fmt = self.model, self.block_size, self.kv_format
         if fmt.refine is not None:      # zip: every half keeps a residual; a block costs lo + salient x hi
             return fmt.nbytes_per_block(b, m.num_kv_heads, m.head_dim) if residual else 0
+        windowed = set(m.sliding_layers)
         return sum(c.nbytes_per_block(b, m.num_kv_heads, m.head_dim)
-                   for layer in fmt.layers for c in (layer.key, layer.value)
-                   if c.encodes_whole_blocks == residual)
+                   for i, layer in enumerate(fmt.layers) for c in (layer.key, layer.value)
+                   if c.encodes_whole_blocks == residual and (sliding is None or (i in windowed) == sliding))
+
+    def bytes_per_token_by_kind(self) -> dict[str, float]:
+        """Bytes a token's block costs in the full-attention layers and in the sliding ones."""
+        return {kind: (self._block_nbytes(False, sliding) + self._block_nbytes(True, sliding)) / self.block_size
+                for kind, sliding in (("full", False), ("sliding", True))}
+
+    def _window_blocks(self) -> int:
+        """Blocks a sliding layer holds for one sequence: its window's, and the open one."""
+        windows = [w for w in self.model.windows if w is not None]
+        return self.num_blocks(max(windows)) + 1 if windows else 0
 
     @property
     def block_nbytes(self) -> int:
@@ -128,6 +140,12 @@ class KVLayout:
         """Bytes one running sequence of ``num_tokens`` holds (see the module docstring)."""
         if num_tokens < 1:
             raise ValueError(f"a sequence has at least one token, got {num_tokens}")
+        if self.model.sliding_layers:       # those layers hold their window's blocks only
+            whole, window = self.num_blocks(num_tokens), min(self.num_blocks(num_tokens), self._window_blocks())
+            full = num_tokens // self.block_size
+            return (whole * self._block_nbytes(False, sliding=False) + window * self._block_nbytes(False, sliding=True)
+                    + full * self._block_nbytes(True, sliding=False) + min(full, window)
+                    * self._block_nbytes(True, sliding=True) + self.residual_nbytes)
         plain = self.num_blocks(num_tokens) * self._block_nbytes(residual=False)
         quantized = num_tokens // self.block_size * self._block_nbytes(residual=True)
         return plain + quantized + self.residual_nbytes

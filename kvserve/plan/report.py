@@ -63,9 +63,19 @@ def _summary(plan: Plan) -> list[str]:
             f"{m.head_dim} ({m.num_heads} query heads, {m.attention})")
     rows = [("per token (all layers, K+V)", fmt_bytes(layout.bytes_per_token)),
             ("per block", fmt_bytes(layout.block_nbytes))]
+    if layout.model.sliding_layers:
+        kinds = layout.bytes_per_token_by_kind()
+        num_sliding = len(layout.model.sliding_layers)
+        rows += [(f"per token, full-attention layers ({layout.model.num_layers - num_sliding})",
+                  fmt_bytes(kinds["full"])),
+                 (f"per token, sliding-window layers ({num_sliding}: their window's blocks only)",
+                  fmt_bytes(kinds["sliding"]))]
     if layout.residual_nbytes:
         rows.append((f"residual per sequence ({b} tokens, {layout.compute_format})", fmt_bytes(layout.residual_nbytes)))
     blocks = f"{ctx // b:,} full blocks + residual" if layout.residual_nbytes else f"{layout.num_blocks(ctx):,} blocks"
+    if m.sliding_layers:
+        whole = layout.num_blocks(ctx) * layout.block_nbytes
+        blocks += f"; {plan.sequence_nbytes / whole:.2f}x of every layer whole"
     rows += [(f"per sequence of {ctx:,} tokens ({blocks})", fmt_bytes(plan.sequence_nbytes)),
              (f"batch of {req.batch_size:,} x {ctx:,} tokens", fmt_bytes(plan.batch_nbytes)),
              ("compression per token", _ratios(plan.compression(plan.fp16), plan.compression(plan.fp32)))]

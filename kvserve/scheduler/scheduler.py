@@ -230,7 +230,7 @@ class Scheduler:
             self.num_prefix_query_tokens += req.num_tokens
             self.num_prefix_hit_tokens += promoted.num_device_blocks * self.kv.block_size
             self.num_pin_hit_tokens += self.kv.num_pinned_hits(req, promoted.num_device_blocks) * self.kv.block_size
-            self.tiering.record_hits(promotion)
+            self.tiering.record_hits(promoted.promotion)    # (over several layer groups: positions)
         req.num_computed_tokens = num_hit
         req.status = RequestStatus.RUNNING
 

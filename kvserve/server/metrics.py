@@ -48,6 +48,12 @@ class _StatsCollector(Collector):
         yield GaugeMetricFamily("kvserve_kv_free_blocks", "KV blocks free or evictable", s.kv_num_free_blocks)
         yield GaugeMetricFamily("kvserve_kv_cached_blocks", "KV blocks holding a prefix-cache key",
                                 s.kv_num_cached_blocks)
+        by_kind = GaugeMetricFamily("kvserve_kv_used_blocks",
+                                    "KV blocks running requests hold, by the attention kind of their layer group "
+                                    "(full; sliding: only the blocks a window reaches)", labels=["kind"])
+        for kind, num in s.kv_used_blocks_by_kind:
+            by_kind.add_metric([kind], num)
+        yield by_kind
         yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", s.num_steps)
         yield CounterMetricFamily("kvserve_preemptions", "Requests preempted", s.num_preemptions)
         yield CounterMetricFamily("kvserve_kv_evicted_blocks", "Cached blocks evicted for reuse",

@@ -10,9 +10,11 @@ import pytest
 from model.test_gemma3 import tiny_gemma3
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import HostConfig
+from kvserve.config import DiskConfig, HostConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.offload.disk import DiskTransport
 from kvserve.offload.host import HostTransport
+from kvserve.request import Request
 
 NUM_BLOCKS = 2000        # (the default 1 GiB holds a million blocks of this model: slow to set up)
 GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -93,14 +95,47 @@ def test_a_small_pool_preempts_and_gives_the_same_tokens(loaded) -> None:
     small.engine.check_integrity()
 
 
+@pytest.mark.parametrize("tier", ["host", "disk", "damaged-disk"])
+def test_a_history_evicted_to_a_tier_and_loaded_back_gives_the_cold_tokens(loaded, tier, tmp_path) -> None:
+    """The device pool holds about one conversation: others evict it, its blocks (every group's,
+    keyed apart) going to the tier; its next turn loads its full blocks and its sliding groups'
+    last window back, and answers as a cold run does. With every file on disk damaged, the load
+    fails its checks: the turn is computed whole, into the blocks held for that, and answers the same."""
+    rng = random.Random(3)
+    history = [rng.randrange(128) for _ in range(60)]
+    others = [[rng.randrange(128) for _ in range(60)] for _ in range(3)]
+    turn = history + [rng.randrange(128) for _ in range(5)]
+    ref = LLM(loaded=loaded, block_size=4, enable_prefix_caching=False,
+              num_kv_blocks=NUM_BLOCKS).generate(turn, GREEDY)[0]
+    transport = HostTransport(HostConfig(capacity_bytes=1 << 22)) if tier == "host" else \
+        DiskTransport(DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=1 << 22))
+    damaged = tier == "damaged-disk"
+    llm = LLM(loaded=loaded, block_size=4, num_kv_blocks=150, max_num_batched_tokens=16, tiers=[transport])
+    llm.generate(history, GREEDY)
+    for other in others:                     # each leaves 90 blocks cached: the history's are evicted,
+        llm.generate(other, GREEDY)          # demoted to the tier
+    llm.engine.kv.tiering.flush()            # the tier's writes are done
+    assert llm.engine.kv.match_prefix(Request("probe", turn, SamplingParams(), arrival_seq=0)).num_device_blocks == 0
+    if damaged:
+        for path in (tmp_path / "disk").rglob("*.blk"):
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+    got = llm.generate(turn, GREEDY)[0]
+    assert got.token_ids == ref.token_ids
+    assert got.num_cached_tokens == (0 if damaged else 60)      # all 15 full blocks of the history
+    metrics = llm.engine.kv.tiering.metrics()[0]
+    assert metrics.hit_tokens == (0 if damaged else 60)
+    assert damaged == (metrics.store.corrupt > 0)
+    llm.engine.check_integrity()
+
+
 def test_what_cannot_run_yet_is_refused_saying_why(loaded) -> None:
     with pytest.raises(ValueError, match="sliding-window layers keeps only its windows"):
         LLM(loaded=loaded, kv_budget=64, num_kv_blocks=NUM_BLOCKS)
     llm = LLM(loaded=loaded, block_size=4, num_kv_blocks=NUM_BLOCKS)
     with pytest.raises(ValueError, match="sliding-window layers keeps only its windows"):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=2, kv_budget=32))
-    with pytest.raises(ValueError, match="offload tiers on a model with sliding-window layers"):
-        LLM(loaded=loaded, tiers=[HostTransport(HostConfig(capacity_bytes=1 << 20))])
     with pytest.raises(ValueError, match="use \"ngram\""):
         LLM(loaded=loaded, speculative_config={"method": "self"})
     with pytest.raises(ValueError, match="zip:"):

@@ -338,3 +338,14 @@ def test_which_codecs_encode_whole_blocks() -> None:
     assert [whole(t, "k") for t in ("fp16", "int8", "fp8", "int4", "kivi2", "kivi4+had", "int8+out2")] == [
         False, False, False, False, True, True, True]
     assert [whole(t, "v") for t in ("kivi2", "kivi4+had", "kivi2+out2")] == [False, False, True]
+
+
+def test_sliding_window_layers_hold_their_window_only():
+    """Gemma 3 270M, fp16: 3 full-attention layers hold every block, 15 sliding ones their
+    512-token window's 32 blocks and the open one, 16,384 bytes a layer's block."""
+    layout = KVLayout.build("gemma-3-270m", "fp16")
+    assert layout.model.sliding_layers == tuple(i for i in range(18) if (i + 1) % 6)
+    assert layout.bytes_per_token_by_kind() == {"full": 3 * 1024, "sliding": 15 * 1024}
+    assert layout.sequence_nbytes(8192) == 3 * 512 * 16384 + 15 * 33 * 16384
+    assert layout.sequence_nbytes(100) == 18 * 7 * 16384          # within the window: every block
+    assert layout.sequence_nbytes(8192) / (512 * layout.block_nbytes) < 0.3
