@@ -19,6 +19,12 @@ says whether the format's engine starts on this pool with the default ``max_num_
 
 ``max_tokens`` must outlast the prefill of the whole first wave, or requests finish
 before the pool fills (with 512 tokens per step, ~70 steps for 36 prompts of 1,000).
+
+On a model with sliding-window layers (Gemma 3) a request holds only its windows' blocks in those
+layers (kv/groups.py): ``blocks per request`` is the most it holds at once, and ``KV bytes/token``
+what that costs per token of its length. ``--whole-layers`` runs each format a second time with
+every layer's blocks whole (``--no-window-kv``: the allocation of an engine without layer groups),
+in the same run, so the two layouts are compared on the same pool.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class CapacityResult:
     wall_s: float
     generated_tokens: int = 0
     default_seats: str = ""      # "yes", or why the engine refused the default max_num_seqs
+    layout: str = "window"       # sliding layers' blocks: their window's ("window") or all ("whole")
+    held_bytes_per_token: float = 0.0   # a request's most KV bytes at once over its tokens
 
     @property
     def e2e_tok_s(self) -> float:
@@ -68,7 +76,8 @@ class CapacityResult:
 
 
 def blocks_per_request(llm: LLM, prompt_tokens: int, max_tokens: int) -> int:
-    return -(-(prompt_tokens + max_tokens) // llm.engine.kv.pool.block_size)
+    """The most blocks one request holds at once (with sliding layers: their windows' only)."""
+    return llm.engine.kv.max_blocks_held(prompt_tokens + max_tokens)
 
 
 def fitting_max_num_seqs(make: MakeLLM, request_blocks: int, log: Callable[[str], None]) -> tuple[int, LLM]:
@@ -105,7 +114,7 @@ def distinct_prompts(token_ids: list[int], count: int, prompt_tokens: int, seed:
 
 
 def run_format(llm: LLM, kv_format: str, max_num_seqs: int, prompts: list[list[int]], max_tokens: int,
-               request_blocks: int, default_seats: str = "") -> CapacityResult:
+               request_blocks: int, default_seats: str = "", layout: str = "window") -> CapacityResult:
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -139,19 +148,23 @@ def run_format(llm: LLM, kv_format: str, max_num_seqs: int, prompts: list[list[i
         decode_batch=batch, decode_steps=len(times),
         decode_tok_s=batch * len(times) / sum(times) if times else 0.0,
         num_preemptions=engine.stats().num_preemptions, wall_s=wall,
-        generated_tokens=len(prompts) * max_tokens, default_seats=default_seats)
+        generated_tokens=len(prompts) * max_tokens, default_seats=default_seats, layout=layout,
+        held_bytes_per_token=request_blocks * engine.runner.cache.nbytes / engine.kv.pool.num_blocks
+        / (len(prompts[0]) + max_tokens))
 
 
 def render(results: list[CapacityResult]) -> str:
-    native = {r.backend: r for r in results if r.kv_format == "native"}
-    headers = ["format", "attention", "bytes/token", "max_num_seqs", "default seats", "blocks in pool",
-               "fit (blocks / request)", "peak concurrent", "decode batch", "decode tok/s", "end-to-end tok/s",
-               "vs native", "preemptions", "wall (s)"]
+    native = {(r.backend, r.layout): r for r in results if r.kv_format == "native"}
+    headers = ["format", "attention", "bytes/token", "KV bytes/token held", "max_num_seqs", "default seats",
+               "blocks in pool", "blocks / request", "fit", "peak concurrent", "decode batch", "decode tok/s",
+               "end-to-end tok/s", "vs native", "preemptions", "wall (s)"]
     rows = []
     for r in results:
-        base = native.get(r.backend)
-        rows.append([r.kv_format, r.backend, f"{r.bytes_per_token:,.0f}", r.max_num_seqs, r.default_seats,
-                     f"{r.num_blocks:,}", r.fit, r.peak_concurrent, r.decode_batch,
+        base = native.get((r.backend, r.layout))
+        name = r.kv_format if r.layout == "window" else f"{r.kv_format} (every layer whole)"
+        rows.append([name, r.backend, f"{r.bytes_per_token:,.0f}", f"{r.held_bytes_per_token:,.0f}", r.max_num_seqs,
+                     r.default_seats, f"{r.num_blocks:,}", r.blocks_per_request, r.fit, r.peak_concurrent,
+                     r.decode_batch,
                      f"{r.decode_tok_s:.1f}" if r.decode_steps else "—", f"{r.e2e_tok_s:.1f}",
                      f"{r.e2e_tok_s / base.e2e_tok_s:.2f}x" if base and base.e2e_tok_s else "-",
                      r.num_preemptions, f"{r.wall_s:.0f}"])
@@ -171,13 +184,15 @@ def run_bench(args: argparse.Namespace) -> int:
     log = stderr_log("capacity")
     loaded, text_ids = load_text_model(args.model, args.text, args.threads, "capacity")
     results = []
-    configs = [(fmt, backend) for backend in args.backend or ["auto"] for fmt in args.format or list(DEFAULT_FORMATS)]
-    for fmt, backend in configs:
-        def make(max_num_seqs: int | None, fmt: str = fmt, backend: str = backend) -> LLM:
+    layouts = ["window", "whole"] if args.whole_layers else ["window"]
+    configs = [(fmt, backend, layout) for backend in args.backend or ["auto"]
+               for fmt in args.format or list(DEFAULT_FORMATS) for layout in layouts]
+    for fmt, backend, layout in configs:
+        def make(max_num_seqs: int | None, fmt: str = fmt, backend: str = backend, layout: str = layout) -> LLM:
             seats: dict[str, Any] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
             return LLM(loaded=loaded, kv_format=fmt, kv_cache_memory_gb=args.kv_cache_gb,
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=backend,
-                       device=args.device, dtype=args.dtype, **seats)
+                       device=args.device, dtype=args.dtype, window_kv=layout == "window", **seats)
 
         try:
             default_engine = make(None)
@@ -195,7 +210,7 @@ def run_bench(args: argparse.Namespace) -> int:
         count = args.num_requests or fit + max(2, fit // 4)
         prompts = distinct_prompts(text_ids, count, args.prompt_tokens, args.seed)
         log(f"{fmt}: {count} requests of {args.prompt_tokens} tokens + {args.max_tokens} new")
-        result = run_format(llm, fmt, seqs, prompts, args.max_tokens, request_blocks, default_seats)
+        result = run_format(llm, fmt, seqs, prompts, args.max_tokens, request_blocks, default_seats, layout)
         log(f"{fmt} / {result.backend}: peak {result.peak_concurrent} concurrent, decode {result.decode_tok_s:.1f} "
             f"tok/s at batch {result.decode_batch}, end to end {result.e2e_tok_s:.1f} tok/s, {result.wall_s:.0f} s")
         results.append(result)
@@ -227,4 +242,7 @@ def add_capacity_parser(bsub: argparse._SubParsersAction, common: argparse.Argum
     c.add_argument("--text", default=None, help="prompt text (default: the shipped botchan.txt)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    c.add_argument("--whole-layers", action="store_true",
+                   help="also run each format with every layer's blocks whole (--no-window-kv), on a model with "
+                        "sliding-window layers: the two layouts on the same pool")
     c.set_defaults(run=run_bench)

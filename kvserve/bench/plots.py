@@ -89,7 +89,8 @@ def plot_capacity(results: Iterable[Any], path: str | Path) -> Path:
     (``CapacityResult``s)."""
     rows = list(results)
     fig, (held, speed) = _figure(2, "KV capacity per format (same pool in bytes)")
-    labels = [f"{r.kv_format}\n{r.bytes_per_token:,.0f} B/token" for r in rows]
+    labels = [f"{r.kv_format}{'' if r.layout == 'window' else ' (whole)'}\n{r.held_bytes_per_token or r.bytes_per_token:,.0f} "
+              "B/token" for r in rows]
     _bars(held, labels, {"fit (by blocks)": [r.fit for r in rows],
                          "peak concurrent": [r.peak_concurrent for r in rows]}, "requests at once")
     _bars(speed, labels, {"decode tok/s": [r.decode_tok_s for r in rows]}, "decode tokens / s at the peak batch")
