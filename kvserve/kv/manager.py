@@ -586,7 +586,9 @@ class KVCacheManager:
         salt ``salt`` (all or none; Pins.pin's errors)."""
         if not self.enable_prefix_caching:
             raise ValueError("pinning needs prefix caching, which is off on this engine")
-        return self.pins.pin([(self.prefix_keys(token_ids, n, salt), ttl_s) for n, ttl_s in prefixes], salt)
+        bs = self.block_size
+        return self.pins.pin([(self.prefix_keys(token_ids, n, salt), ttl_s) for n, ttl_s in prefixes], salt,
+                             [len(token_ids[:n]) // bs * bs for n, _ in prefixes])
 
     def pin_prefixes(self, token_ids: Sequence[int], pins: Sequence[PrefixPin], skip_short: bool,
                      salt: str = "") -> list[PinInfo]:

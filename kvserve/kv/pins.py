@@ -63,6 +63,7 @@ class _Pin:
     keys: tuple[bytes, ...]
     expires_at: float
     salt: str = ""
+    num_tokens: int = 0
 
 
 class Pins:
@@ -82,9 +83,12 @@ class Pins:
         return len(self._pins)
 
     # -- verbs -------------------------------------------------------------
-    def pin(self, prefixes: Sequence[tuple[Sequence[bytes], float]], salt: str = "") -> list[PinInfo]:
+    def pin(self, prefixes: Sequence[tuple[Sequence[bytes], float]], salt: str = "",
+            num_tokens: Sequence[int] | None = None) -> list[PinInfo]:
         """Pin each ``(keys, ttl_s)`` (keys made with cache salt ``salt``), all or none: PinLimitError (nothing pinned) when the new
-        keys would pass the limit, ValueError for a ttl over ``max_ttl_s`` or an empty prefix."""
+        keys would pass the limit, ValueError for a ttl over ``max_ttl_s`` or an empty prefix.
+        ``num_tokens``: the tokens each prefix holds (default: a block's per key; a model of
+        several layer groups pins more keys than its prefix has blocks)."""
         self.expire()
         for keys, ttl_s in prefixes:
             if not keys:
@@ -103,11 +107,12 @@ class Pins:
                 "prefix or wait for pins to expire")
         now = self.clock()
         out = []
-        for keys, ttl_s in prefixes:
+        for i, (keys, ttl_s) in enumerate(prefixes):
             name, expires_at = keys[-1], now + ttl_s
             pin = self._pins.get(name)
             if pin is None:
-                pin = self._pins[name] = _Pin(tuple(keys), expires_at, salt)
+                tokens = len(keys) * self.pool.block_size if num_tokens is None else num_tokens[i]
+                pin = self._pins[name] = _Pin(tuple(keys), expires_at, salt, tokens)
                 self.pool.pin_keys(pin.keys)
                 heapq.heappush(self._expiry, (expires_at, name))
             elif expires_at > pin.expires_at:
@@ -153,9 +158,8 @@ class Pins:
                 if p.salt.startswith(salt_prefix)]
 
     def _info(self, pin: _Pin, now: float) -> PinInfo:
-        bs = self.pool.block_size
         on_device = sum(self.pool.holds(k) for k in pin.keys)
-        return PinInfo(pin.keys, len(pin.keys) * bs, max(0.0, pin.expires_at - now), on_device, pin.salt)
+        return PinInfo(pin.keys, pin.num_tokens, max(0.0, pin.expires_at - now), on_device, pin.salt)
 
     def is_pinned(self, key: bytes) -> bool:
         return self.pool.pin_count(key) > 0

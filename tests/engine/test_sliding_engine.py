@@ -130,6 +130,24 @@ def test_a_history_evicted_to_a_tier_and_loaded_back_gives_the_cold_tokens(loade
     llm.engine.check_integrity()
 
 
+def test_a_pin_keeps_the_full_blocks_and_the_last_window_of_its_prefix(loaded) -> None:
+    """A pinned 60-token prefix: its 15 full-group blocks and each sliding group's last window
+    (blocks 13 and 14: a query at 60 sees 53..60) wait behind every other cached block, so a
+    burst of other prompts evicts the rest and the prefix still hits whole."""
+    rng = random.Random(4)
+    prefix = [rng.randrange(128) for _ in range(60)]
+    llm = LLM(loaded=loaded, block_size=4, num_kv_blocks=150, max_num_batched_tokens=16)
+    info = llm.engine.pin(prefix)
+    assert info.num_tokens == 60 and len(info.block_keys) == 15 + 5 * 2
+    llm.generate(prefix + [1], GREEDY)
+    for _ in range(4):
+        llm.generate([rng.randrange(128) for _ in range(60)], GREEDY)
+    assert llm.engine.kv.pool.num_evicted_blocks > 0
+    turn = prefix + [rng.randrange(128) for _ in range(3)]
+    assert llm.generate(turn, GREEDY)[0].num_cached_tokens == 60
+    llm.engine.check_integrity()
+
+
 def test_what_cannot_run_yet_is_refused_saying_why(loaded) -> None:
     with pytest.raises(ValueError, match="sliding-window layers keeps only its windows"):
         LLM(loaded=loaded, kv_budget=64, num_kv_blocks=NUM_BLOCKS)
