@@ -49,59 +49,18 @@ are never altered) and frees the tail; from then on its blocks are never cached.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
 from kvserve.cache_control import PrefixPin
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.budget.budgets import Budgets, NoBudgets
 from kvserve.kv.groups import KVGroup, LayerGroups, group_key
+from kvserve.kv.matching import EMPTY_MATCH, BlockLookup, PrefixMatch, Promoted, extend_through_tiers, match_device
 from kvserve.kv.pins import PinInfo, Pins
 from kvserve.kv.prefix import extend_block_keys, salted_extra_key
 from kvserve.kv.residual import NoResidual, ResidualRows
 from kvserve.kv.tiering import NO_PROMOTION, NoTiering, Promotion, Tiering
-from kvserve.offload.tiered import EMPTY_RUN, TierRun
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-
-
-class PrefixMatch(NamedTuple):
-    """A request's leading blocks: cached on the device (no references taken), then
-    found in the offload tiers (not loaded yet). ``group_blocks``: per layer group, the
-    hits of its table (a sliding group's entries before its window None)."""
-
-    group_blocks: tuple[list[Block | None], ...]
-    num_device_blocks: int = 0
-    tier_run: TierRun = EMPTY_RUN
-    # several layer groups: the positions the tier run extends the hit to, and where each of its
-    # keys goes, (group, position), in run order (kv/groups.py; ``KVCacheManager.match_tiers``)
-    tier_end: int = 0
-    tier_slots: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def blocks(self) -> list[Block]:
-        """The first group's hits (the whole prefix: a full-attention group, or the only one)."""
-        return [b for b in self.group_blocks[0] if b is not None] if self.group_blocks else []
-
-    @property
-    def num_blocks(self) -> int:
-        """Device plus tier blocks: the prompt blocks that need no compute if all load."""
-        if self.tier_slots:
-            return self.tier_end if self.tier_run.num_blocks else self.num_device_blocks
-        return self.num_device_blocks + self.tier_run.num_blocks
-
-
-EMPTY_MATCH = PrefixMatch(())
-
-
-class Promoted(NamedTuple):
-    """A request's cached prefix once its tier blocks are in: device hits, then loaded blocks."""
-
-    num_device_blocks: int
-    promotion: Promotion
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_device_blocks + self.promotion.num_blocks
 
 
 class KVCacheManager:
@@ -203,29 +162,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return EMPTY_MATCH
-        keys = self.block_keys(request)
-        tokens, bs = request.all_token_ids, self.block_size
-        found: dict[tuple[int, int], Block | None] = {}
-
-        def hit(g: int, i: int) -> Block | None:
-            if (g, i) not in found:
-                found[g, i] = self.pool.lookup(group_key(keys[i], g), tuple(tokens[i * bs:(i + 1) * bs]))
-            return found[g, i]
-
-        num = (request.num_tokens - 1) // bs
-        for g in self.groups:
-            if g.window is None:
-                num = next((i for i in range(num) if hit(g.index, i) is None), num)
-        while num > 0:      # the longest hit whose windows every sliding group holds
-            misses = [i for g in self.groups if g.window is not None
-                      for i in range(g.first_needed_block(num * bs, bs), num) if hit(g.index, i) is None]
-            if not misses:
-                break
-            num = max(misses)
-        if num == 0:
-            return EMPTY_MATCH
-        return PrefixMatch(tuple([None if i < g.first_needed_block(num * bs, bs) else hit(g.index, i)
-                                  for i in range(num)] for g in self.groups), num)
+        return match_device(self.groups, self._lookup(request), (request.num_tokens - 1) // self.block_size)
 
     def match_tiers(self, request: Request, match: PrefixMatch) -> PrefixMatch:
         """``match`` extended by the run of following blocks the offload tiers hold.
@@ -238,58 +175,17 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         if match.num_device_blocks >= max_blocks:
             return match
-        keys = self.block_keys(request)
         groups = match.group_blocks or tuple([] for _ in self.groups)
         if len(self.groups) > 1 or self.has_windows:
-            return self._match_group_tiers(request, PrefixMatch(groups, match.num_device_blocks), max_blocks)
+            return extend_through_tiers(self.groups, self._lookup(request), self.tiering,
+                                        PrefixMatch(groups, match.num_device_blocks), max_blocks,
+                                        self.pool.num_free_blocks)
+        keys = self.block_keys(request)
         return PrefixMatch(groups, match.num_device_blocks,
                            self.tiering.lookup(keys[match.num_device_blocks:max_blocks]))
 
-    def _match_group_tiers(self, request: Request, match: PrefixMatch, max_blocks: int) -> PrefixMatch:
-        """``match_tiers`` over several groups: the longest hit ``end`` for which every full
-        group's blocks and each sliding group's window are on the device or in a tier. Its run
-        holds the keys to load, position by position (full groups from the device hit on, sliding
-        groups the window before ``end``), loaded whole or not at all: a part would not hold every
-        window. Device blocks past the device hit (a window's) are taken as hits."""
-        keys, tokens, bs = self.block_keys(request), request.all_token_ids, self.block_size
-        start = match.num_device_blocks
-        device: dict[tuple[int, int], Block | None] = {}
-        for g in self.groups:
-            for i in range(start, max_blocks):
-                device[g.index, i] = self.pool.lookup(group_key(keys[i], g.index), tuple(tokens[i * bs:(i + 1) * bs]))
-        wanted = [slot for slot, block in device.items() if block is None]
-        holders = dict(zip(wanted, self.tiering.holders([group_key(keys[i], g) for g, i in wanted])))
-
-        def held(g: int, i: int) -> bool:
-            return device[g, i] is not None or holders.get((g, i)) is not None
-
-        end = max_blocks
-        for g in self.groups:
-            if g.window is None:
-                end = next((i for i in range(start, end) if not held(g.index, i)), end)
-        while end > start:
-            misses = [i for g in self.groups if g.window is not None
-                      for i in range(max(start, g.first_needed_block(end * bs, bs)), end) if not held(g.index, i)]
-            if not misses:
-                break
-            end = max(misses)
-        needed = [(g.index, i) for i in range(start, end) for g in self.groups
-                  if i >= g.first_needed_block(end * bs, bs)]
-        slots = tuple(s for s in needed if device[s] is None)
-        # try_allocate gives the run's slots blocks, and every position between the device hit and
-        # the run's end too (to compute into, should the load not complete): take the run only
-        # where the pool holds them now, else the request would wait for room a computed prefix
-        # does not need
-        if not slots or len(self.groups) * (end - start) > self.pool.num_free_blocks:
-            return match
-        run = self.tiering.choose(TierRun(tuple(group_key(keys[i], g) for g, i in slots),
-                                          tuple(holders[s] or 0 for s in slots)), covers=end - start)
-        if not run.num_blocks:
-            return match
-        groups = tuple(list(blocks) + [device[g.index, i] if (g.index, i) in needed else None
-                                       for i in range(start, end)]
-                       for g, blocks in zip(self.groups, match.group_blocks))
-        return PrefixMatch(groups, start, run, end, slots)
+    def _lookup(self, request: Request) -> BlockLookup:
+        return BlockLookup(self.pool, self.block_keys(request), request.all_token_ids, self.block_size)
 
     # -- verbs -------------------------------------------------------------
     def try_allocate(self, request: Request, num_new_tokens: int,
