@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from blocks import mirror, quantize_activations, random_gguf_bytes, random_packed
+from blocks import mirror, quantize_activations, random_packed
 
 from kvserve.model.cpu_extension import load_extension, supported_isas
 from kvserve.model.formats.cpu import CpuPackedEmbedding, CpuPackedProduct
@@ -33,6 +33,7 @@ from kvserve.model.formats.packing import (
     quantize_int8,
     stack,
 )
+from kvserve.model.formats.random_blocks import random_gguf_bytes
 from kvserve.model.linear import rms_norm
 
 ISAS = supported_isas()

@@ -10,12 +10,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from blocks import RoundingProducts, random_gguf_bytes
+from blocks import RoundingProducts
 from tiny import random_tokens, tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.model import gguf_loader
 from kvserve.model.formats.packing import PackedWeight, dequantize
+from kvserve.model.formats.random_blocks import random_gguf_bytes
 from kvserve.model.linear import as_float
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
