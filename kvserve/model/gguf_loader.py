@@ -1,9 +1,10 @@
 """Load a llama.cpp GGUF file: rename to HF names, keep the quantized blocks kernels read, cache.
 
-Matrices in a type the kernels read in place (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) stay the file's own
-blocks, moved into the kernels' layout (kvserve/model/formats/packing.py: the same bits, so a
-``native`` engine dequantizes them to exactly what ``gguf.quants.dequantize`` gives); other
-types are dequantized to float32 here. Opening a GGUF takes seconds, so the converted weights
+Matrices in a type the kernels read in place (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+stay the file's own blocks, moved into the kernels' layout (kvserve/model/formats/packing.py:
+the same bits, so a ``native`` engine dequantizes them to exactly what
+``gguf.quants.dequantize`` gives); other types (Q2_K, Q3_K, the IQ types) are dequantized to
+float32 here, one log line naming them. Opening a GGUF takes seconds, so the converted weights
 are kept as safetensors in the cache dir, next to a JSON file with config, fingerprint,
 tokenizer and the packed weights' layout. The JSON is written last and names the weights
 file's size, so it doubles as the commit marker of an entry.
@@ -41,7 +42,7 @@ from kvserve.model.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 # Bump whenever conversion output changes, so stale cache entries are ignored.
-LOADER_VERSION = 3
+LOADER_VERSION = 4
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")

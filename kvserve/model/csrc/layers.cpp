@@ -61,6 +61,8 @@ q::Segment make_segment(int kind, int64_t rows, int64_t K, int64_t group_blocks,
   switch (kind) {
     case q::Q4_0:
     case q::Q4_1:
+    case q::Q5_0:
+    case q::Q5_1:
     case q::Q8_0: {
       KVS_Q_REQUIRE(group_blocks > 0 && KB % group_blocks == 0,
                     name + ": group of " + std::to_string(group_blocks * 32) + " does not divide K " + std::to_string(K));
@@ -68,34 +70,37 @@ q::Segment make_segment(int kind, int64_t rows, int64_t K, int64_t group_blocks,
       check(parts[0], at::kByte, {T, KB, q::code_bytes(kind)}, name + " codes");
       check(parts[2], at::kHalf, {T, KB / group_blocks, L}, name + " scale");
       s.scale = ptr<uint16_t>(parts[2]);
-      if (kind == q::Q4_1) {
+      if (q::has_min(kind)) {
         check(parts[3], at::kHalf, {T, KB / group_blocks, L}, name + " min");
         s.min = ptr<uint16_t>(parts[3]);
       }
       break;
     }
     case q::Q4_K:
+    case q::Q5_K:
     case q::Q6_K: {
       KVS_Q_REQUIRE(K % q::kSuper == 0, name + ": K-quants need K a multiple of 256, got " + std::to_string(K));
       check(parts[0], at::kByte, {T, KB, 256}, name + " codes");
       check(parts[6], at::kHalf, {T, K / q::kSuper, L}, name + " super_scale");
       s.super_scale = ptr<uint16_t>(parts[6]);
-      if (kind == q::Q4_K) {
+      if (kind == q::Q6_K) {
+        check(parts[4], at::kChar, {T, 2 * KB, L}, name + " sub_scale");
+      } else {
         check(parts[4], at::kByte, {T, KB, L}, name + " sub_scale");
         check(parts[5], at::kByte, {T, KB, L}, name + " sub_min");
         check(parts[7], at::kHalf, {T, K / q::kSuper, L}, name + " super_min");
         s.sub_min = ptr<uint8_t>(parts[5]);
         s.super_min = ptr<uint16_t>(parts[7]);
-      } else {
-        check(parts[1], at::kByte, {T, KB, 128}, name + " high");
-        check(parts[4], at::kChar, {T, 2 * KB, L}, name + " sub_scale");
-        s.high = ptr<uint8_t>(parts[1]);
       }
       s.sub_scale = ptr<uint8_t>(parts[4]);
       break;
     }
     default:
       throw std::invalid_argument(name + ": unknown weight kind " + std::to_string(kind));
+  }
+  if (q::high_bytes(kind) > 0) {
+    check(parts[1], at::kByte, {T, KB, q::high_bytes(kind)}, name + " high");
+    s.high = ptr<uint8_t>(parts[1]);
   }
   s.codes = ptr<uint8_t>(parts[0]);
   return s;

@@ -1,5 +1,6 @@
 // Products with quantized weights read in place: y = x W^T for W in GGUF's blocks (Q4_0, Q4_1,
-// Q8_0, Q4_K, Q6_K) or kvserve's int8 / int4 groups, never expanded into a float copy.
+// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) or kvserve's int8 / int4 groups, never expanded into a
+// float copy.
 //
 // Weights. A matrix's rows are cut into tiles of 16 rows; along K a tile is a run of blocks of
 // 32 columns. For each (tile, block) the 16 x 32 codes are stored as 8 vectors of 64 bytes,
@@ -9,7 +10,8 @@
 //
 // 4-bit codes pack two vectors in one (j in the low nibbles, j + 4 in the high ones: 256
 // bytes); 8-bit codes are the 512 bytes as they are; Q6_K adds a 128-byte plane of its two
-// high bits. Scales and minimums are per tile and group, 16 lanes each. This is the GGUF
+// high bits, the Q5 kinds a 64-byte plane of their fifth bits (byte x: vector j's at bit j).
+// Scales and minimums are per tile and group, 16 lanes each. This is the GGUF
 // file's own bits, moved (kvserve/model/formats/packing.py), so the bytes stay as few.
 //
 // Activations are quantized per row and half block of 16 to int8 with a float scale (llama.cpp's
@@ -38,7 +40,7 @@
 namespace kvs {
 namespace q {
 
-enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q6_K = 4 };
+enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q6_K = 4, Q5_0 = 5, Q5_1 = 6, Q5_K = 7 };
 enum Prologue : int { NONE = 0, RMSNORM = 1, SWIGLU = 2 };
 constexpr int kLanes = 16;
 constexpr int kBlock = 32;
@@ -50,24 +52,36 @@ constexpr int kMaxRows = 8;
 constexpr int kMaxRows = 4;   // 16-lane values take two registers (or memory): fewer rows at once
 #endif
 
-inline int64_t code_bytes(int kind) { return kind == Q8_0 ? 512 : 256; }
+constexpr int64_t code_bytes(int kind) { return kind == Q8_0 ? 512 : 256; }
+// one scale (and minimum) per group of 32 x group_blocks columns; else the K-quants' super-blocks
+constexpr bool is_grouped(int kind) {
+  return kind == Q4_0 || kind == Q4_1 || kind == Q8_0 || kind == Q5_0 || kind == Q5_1;
+}
+// w = scale x code + min (the minimum multiplies the block's activation sum)
+constexpr bool has_min(int kind) { return kind == Q4_1 || kind == Q4_K || kind == Q5_1 || kind == Q5_K; }
+// bytes of the high-bit plane per (tile, block): Q6_K's two bits, the Q5 kinds' fifth bit
+constexpr int64_t high_bytes(int kind) {
+  return kind == Q6_K ? 128 : (kind == Q5_0 || kind == Q5_1 || kind == Q5_K) ? 64 : 0;
+}
+// what is taken off an unsigned code: w = scale x (code - offset)
+constexpr int code_offset(int kind) { return kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : kind == Q6_K ? 32 : 0; }
 
 // One weight matrix's rows (several matrices sharing an input, such as Q, K and V, are
 // segments of one Weight, each in its own format).
 struct Segment {
   int kind = Q4_0;
   int64_t rows = 0, tiles = 0, K = 0;
-  int64_t group_blocks = 1;              // Q4_0 / Q4_1 / Q8_0: blocks of 32 per scale group
+  int64_t group_blocks = 1;              // grouped kinds: blocks of 32 per scale group
   int64_t col0 = 0;                      // first output column
   int64_t tile0 = 0;                     // first tile in the Weight's tile order (outlier rows)
   const uint8_t* codes = nullptr;        // [tiles][K/32][code_bytes]
-  const uint8_t* high = nullptr;         // Q6_K: [tiles][K/32][128]
+  const uint8_t* high = nullptr;         // Q6_K, Q5_*: [tiles][K/32][high_bytes]
   const uint16_t* scale = nullptr;       // f16 [tiles][K/32/group_blocks][16]
-  const uint16_t* min = nullptr;         // f16, Q4_1
-  const uint8_t* sub_scale = nullptr;    // Q4_K: u8 [tiles][K/32][16]; Q6_K: int8 [tiles][K/16][16]
-  const uint8_t* sub_min = nullptr;      // Q4_K: u8 [tiles][K/32][16]
-  const uint16_t* super_scale = nullptr; // Q4_K, Q6_K: f16 [tiles][K/256][16]
-  const uint16_t* super_min = nullptr;   // Q4_K: f16 [tiles][K/256][16]
+  const uint16_t* min = nullptr;         // f16, Q4_1 / Q5_1
+  const uint8_t* sub_scale = nullptr;    // Q4_K / Q5_K: u8 [tiles][K/32][16]; Q6_K: int8 [tiles][K/16][16]
+  const uint8_t* sub_min = nullptr;      // Q4_K / Q5_K: u8 [tiles][K/32][16]
+  const uint16_t* super_scale = nullptr; // Q4_K, Q5_K, Q6_K: f16 [tiles][K/256][16]
+  const uint16_t* super_min = nullptr;   // Q4_K, Q5_K: f16 [tiles][K/256][16]
 };
 
 struct Weight {
@@ -134,8 +148,8 @@ inline void quantize_row(const float* y, int64_t K, int8_t* q, float* d, float* 
 
 struct Prepared {
   Codes w[8];
-  F16 scale;   // per lane: Q4_0 / Q4_1 / Q8_0 the scale; Q4_K d x sc; Q6_K d
-  F16 min;     // Q4_1 the minimum; Q4_K -(dmin x m)
+  F16 scale;   // per lane: grouped kinds the scale; Q4_K / Q5_K d x sc; Q6_K d
+  F16 min;     // Q4_1 / Q5_1 the minimum; Q4_K / Q5_K -(dmin x m)
   I16 sc0, sc1;  // Q6_K: the two 16-column sub-blocks' integer scales
 };
 
@@ -163,15 +177,25 @@ inline void prepare(const Segment& s, int64_t t, int64_t b, Prepared& p) {
     p.w[5] = with_high2<1>(p.w[5], h1);
     p.w[6] = with_high2<2>(p.w[6], h1);
     p.w[7] = with_high2<3>(p.w[7], h1);
+  } else if (high_bytes(KIND) == 64) {
+    const Codes h = load_codes(s.high + tb * 64);
+    p.w[0] = with_high1<0>(p.w[0], h);
+    p.w[1] = with_high1<1>(p.w[1], h);
+    p.w[2] = with_high1<2>(p.w[2], h);
+    p.w[3] = with_high1<3>(p.w[3], h);
+    p.w[4] = with_high1<4>(p.w[4], h);
+    p.w[5] = with_high1<5>(p.w[5], h);
+    p.w[6] = with_high1<6>(p.w[6], h);
+    p.w[7] = with_high1<7>(p.w[7], h);
   }
-  if (KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0) {
+  if (is_grouped(KIND)) {
     const int64_t g = t * (KB / s.group_blocks) + b / s.group_blocks;
     p.scale = load_f16(s.scale + g * kLanes);
-    if (KIND == Q4_1) p.min = load_f16(s.min + g * kLanes);
+    if (has_min(KIND)) p.min = load_f16(s.min + g * kLanes);
   } else {
     const int64_t sup = t * (s.K / kSuper) + b / (kSuper / kBlock);
     const F16 d = load_f16(s.super_scale + sup * kLanes);
-    if (KIND == Q4_K) {
+    if (KIND == Q4_K || KIND == Q5_K) {
       p.scale = fmul(d, load_u8f(s.sub_scale + tb * kLanes));
       p.min = fneg(fmul(load_f16(s.super_min + sup * kLanes), load_u8f(s.sub_min + tb * kLanes)));
     } else {
@@ -197,10 +221,10 @@ inline void accumulate(const Prepared& p, const int8_t* a, const float* d2, floa
       a1 = dot4_u(a1, p.w[j + 4], load_i32(a + 16 + 4 * j));
     }
   }
-  // the codes' integer offsets come off per half (Q4_0: 8, Q6_K: 32, Q8_0 on VNNI: 128)
-  if (KIND == Q4_0) {
-    a0 = isub_scalar(a0, 8 * is16[0]);
-    a1 = isub_scalar(a1, 8 * is16[1]);
+  // the codes' integer offsets come off per half (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q8_0 on VNNI: 128)
+  if (KIND == Q4_0 || KIND == Q5_0) {
+    a0 = isub_scalar(a0, code_offset(KIND) * is16[0]);
+    a1 = isub_scalar(a1, code_offset(KIND) * is16[1]);
   } else if (KIND == Q8_0 && kSignedOffset) {
     a0 = isub_scalar(a0, kSignedOffset * is16[0]);
     a1 = isub_scalar(a1, kSignedOffset * is16[1]);
@@ -210,7 +234,7 @@ inline void accumulate(const Prepared& p, const int8_t* a, const float* d2, floa
   }
   const F16 t = ffma(to_float(a1), fset1(d2[1]), fmul(to_float(a0), fset1(d2[0])));
   f = ffma(t, p.scale, f);
-  if (KIND == Q4_1 || KIND == Q4_K) f = ffma(p.min, fset1(sa), f);
+  if (has_min(KIND)) f = ffma(p.min, fset1(sa), f);
 }
 
 inline void store_row(const Weight& W, const Segment& s, int64_t t, const Acts& A, int64_t m, F16 f, float* out,
@@ -246,10 +270,8 @@ inline void tile_rows(const Weight& W, const Segment& s, int64_t t, const Acts& 
       const int64_t ahead = t * KB + b + kPrefetchBlocks;
       const uint8_t* c = s.codes + ahead * code_bytes(KIND);
       for (int64_t off = 0; off < code_bytes(KIND); off += 64) __builtin_prefetch(c + off);
-      if (KIND == Q6_K) {
-        __builtin_prefetch(s.high + ahead * 128);
-        __builtin_prefetch(s.high + ahead * 128 + 64);
-      }
+      const uint8_t* h = s.high + ahead * high_bytes(KIND);
+      for (int64_t off = 0; off < high_bytes(KIND); off += 64) __builtin_prefetch(h + off);
       if (s.scale != nullptr) __builtin_prefetch(s.scale + (ahead / s.group_blocks) * kLanes);
       if (s.min != nullptr) __builtin_prefetch(s.min + (ahead / s.group_blocks) * kLanes);
       if (s.sub_scale != nullptr) __builtin_prefetch(s.sub_scale + ahead * kLanes * (KIND == Q6_K ? 2 : 1));
@@ -301,6 +323,9 @@ inline void run_tile_any(const Weight& W, const Segment& s, int64_t t, const Act
     case Q8_0: return run_tile<Q8_0>(W, s, t, A, scratch, out, ldo, add);
     case Q4_K: return run_tile<Q4_K>(W, s, t, A, scratch, out, ldo, add);
     case Q6_K: return run_tile<Q6_K>(W, s, t, A, scratch, out, ldo, add);
+    case Q5_0: return run_tile<Q5_0>(W, s, t, A, scratch, out, ldo, add);
+    case Q5_1: return run_tile<Q5_1>(W, s, t, A, scratch, out, ldo, add);
+    case Q5_K: return run_tile<Q5_K>(W, s, t, A, scratch, out, ldo, add);
     default: throw std::logic_error("unknown weight kind");
   }
 }
@@ -357,17 +382,18 @@ inline float dequant_value(const Segment& s, int64_t row, int64_t k) {
   } else {
     c = (s.codes[tb * 256 + 64 * (j % 4) + byte] >> (4 * (j / 4))) & 15;
     if (s.kind == Q6_K) c |= ((s.high[tb * 128 + 64 * (j / 4) + byte] >> (2 * (j % 4))) & 3) << 4;
+    if (high_bytes(s.kind) == 64) c |= ((s.high[tb * 64 + byte] >> j) & 1) << 4;
   }
-  if (s.kind == Q4_0 || s.kind == Q4_1 || s.kind == Q8_0) {
+  if (is_grouped(s.kind)) {
     const int64_t g = t * (KB / s.group_blocks) + b / s.group_blocks;
     const float d = f16_to_f32(s.scale[g * kLanes + lane]);
-    if (s.kind == Q4_0) return d * static_cast<float>(c - 8);
     if (s.kind == Q8_0) return d * static_cast<float>(c);
+    if (!has_min(s.kind)) return d * static_cast<float>(c - code_offset(s.kind));
     return d * static_cast<float>(c) + f16_to_f32(s.min[g * kLanes + lane]);
   }
   const int64_t sup = t * (s.K / kSuper) + b / (kSuper / kBlock);
   const float d = f16_to_f32(s.super_scale[sup * kLanes + lane]);
-  if (s.kind == Q4_K) {
+  if (s.kind == Q4_K || s.kind == Q5_K) {
     const float sc = d * static_cast<float>(s.sub_scale[tb * kLanes + lane]);
     const float mn = f16_to_f32(s.super_min[sup * kLanes + lane]) * static_cast<float>(s.sub_min[tb * kLanes + lane]);
     return sc * static_cast<float>(c) - mn;

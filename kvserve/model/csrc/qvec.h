@@ -44,6 +44,13 @@ inline Codes with_high2(Codes lo, Codes h) {
   __m512i x = S == 0 ? _mm512_slli_epi16(h.v, 4) : S == 1 ? _mm512_slli_epi16(h.v, 2) : S == 2 ? h.v : _mm512_srli_epi16(h.v, 2);
   return {_mm512_or_si512(lo.v, _mm512_and_si512(x, _mm512_set1_epi8(0x30)))};
 }
+// bit 4 of every byte from bit S of h: a 5-bit code's fifth bit above its low nibble (the
+// 16-bit shifts move no bit across a byte into bit 4); lo | (x & 0x10) in one ternary op
+template <int S>
+inline Codes with_high1(Codes lo, Codes h) {
+  const __m512i x = S < 4 ? _mm512_slli_epi16(h.v, 4 - S) : S == 4 ? h.v : _mm512_srli_epi16(h.v, S - 4);
+  return {_mm512_ternarylogic_epi32(lo.v, x, _mm512_set1_epi8(0x10), 0xF8)};
+}
 // acc + per lane sum over its 4 bytes of code (unsigned) x a4 (4 signed bytes, the same for every lane)
 inline I16 dot4_u(I16 acc, Codes w, int32_t a4) { return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(a4))}; }
 // the same for signed codes: VNNI multiplies unsigned by signed, so the codes are offset by
@@ -125,6 +132,13 @@ inline __m256i high2_half(__m256i lo, __m256i h) {
 }
 template <int S>
 inline Codes with_high2(Codes lo, Codes h) { return {high2_half<S>(lo.lo, h.lo), high2_half<S>(lo.hi, h.hi)}; }
+template <int S>
+inline __m256i high1_half(__m256i lo, __m256i h) {
+  const __m256i x = S < 4 ? _mm256_slli_epi16(h, 4 - S) : S == 4 ? h : _mm256_srli_epi16(h, S - 4);
+  return _mm256_or_si256(lo, _mm256_and_si256(x, _mm256_set1_epi8(0x10)));
+}
+template <int S>
+inline Codes with_high1(Codes lo, Codes h) { return {high1_half<S>(lo.lo, h.lo), high1_half<S>(lo.hi, h.hi)}; }
 // maddubs adds pairs of u8 x s8 products into int16 (saturating: codes stay below 64 here,
 // so |sum| <= 2 x 63 x 128), madd with ones adds the pairs into the lane's int32
 inline __m256i dot4_half(__m256i w, __m256i a) {
@@ -251,6 +265,11 @@ inline Codes high_nibbles(Codes c) {
 template <int S>
 inline Codes with_high2(Codes lo, Codes h) {
   for (int i = 0; i < 64; ++i) lo.v[i] = static_cast<uint8_t>(lo.v[i] | (((h.v[i] >> (2 * S)) & 3) << 4));
+  return lo;
+}
+template <int S>
+inline Codes with_high1(Codes lo, Codes h) {
+  for (int i = 0; i < 64; ++i) lo.v[i] = static_cast<uint8_t>(lo.v[i] | (((h.v[i] >> S) & 1) << 4));
   return lo;
 }
 inline I16 dot4_u(I16 acc, Codes w, int32_t a4) {

@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from kvserve.model.formats.kernel import QuantKernel
-from kvserve.model.formats.packing import LANES, PART_NAMES, Kind, PackedWeight
+from kvserve.model.formats.packing import LANES, PART_NAMES, PackedWeight
 from kvserve.model.linear import Embedding, Product
 
 NONE, RMSNORM, SWIGLU = 0, 1, 2      # csrc/qkernel.h Prologue
@@ -24,7 +24,7 @@ def register(ext: ModuleType, w: PackedWeight) -> object:
     """The kernel's handle for ``w`` (shapes checked once, here)."""
     segments = []
     for s in w.segments:
-        group_blocks = s.group // 32 if s.kind in (Kind.Q4_0, Kind.Q4_1, Kind.Q8_0) else 1
+        group_blocks = s.group // 32 if s.kind.is_grouped else 1
         segments.append((int(s.kind), s.rows, s.cols, group_blocks,
                          [s.parts.get(name, _ABSENT) for name in PART_NAMES]))
     channels, weight = _ABSENT, _ABSENT

@@ -5,20 +5,23 @@ A ``PackedWeight`` is one or more *segments* (matrices sharing an input, such as
 each in its own format) whose rows are stacked. Each segment's rows are cut into tiles of
 16; along K, blocks of 32. Every plane is a tensor indexed [tile, block or group, ...]:
 
-    codes        uint8 [tiles, K/32, 256]   4-bit codes, or [tiles, K/32, 512] 8-bit codes
-    high         uint8 [tiles, K/32, 128]   Q6_K: the codes' two high bits
-    scale, min   f16   [tiles, groups, 16]  Q4_0 / Q4_1 / Q8_0 (and int8 / int4) per group
-    sub_scale    Q4_K: uint8 [tiles, K/32, 16]; Q6_K: int8 [tiles, K/16, 16]
-    sub_min      Q4_K: uint8 [tiles, K/32, 16]
-    super_scale  f16   [tiles, K/256, 16]   Q4_K d, Q6_K d
-    super_min    f16   [tiles, K/256, 16]   Q4_K dmin
+    codes        uint8 [tiles, K/32, 256]   4-bit codes (the low 4 bits of 5- and 6-bit ones),
+                                            or [tiles, K/32, 512] 8-bit codes
+    high         uint8 [tiles, K/32, 128]   Q6_K: the codes' two high bits;
+                       [tiles, K/32, 64]    Q5_0 / Q5_1 / Q5_K: their fifth bit
+    scale, min   f16   [tiles, groups, 16]  Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (and int8 / int4) per group
+    sub_scale    Q4_K, Q5_K: uint8 [tiles, K/32, 16]; Q6_K: int8 [tiles, K/16, 16]
+    sub_min      Q4_K, Q5_K: uint8 [tiles, K/32, 16]
+    super_scale  f16   [tiles, K/256, 16]   Q4_K / Q5_K / Q6_K d
+    super_min    f16   [tiles, K/256, 16]   Q4_K / Q5_K dmin
 
 Within a (tile, block) the codes are 8 vectors of 64 bytes, vector j holding codes
 4j .. 4j+3 of each of the 16 rows (row n at bytes 4n .. 4n+3); 4-bit codes pair vector j
-(low nibbles) with j + 4 (high nibbles). For GGUF types these are the file's own codes and
-scales, moved, not requantized: dequantizing a packed weight gives exactly what
+(low nibbles) with j + 4 (high nibbles); the Q5 kinds' plane of fifth bits holds, in its
+byte x, the fifth bit of vector j's byte x at bit j. For GGUF types these are the file's own
+codes and scales, moved, not requantized: dequantizing a packed weight gives exactly what
 ``gguf.quants.dequantize`` gives for the same bytes (tested), and the bytes are as many
-(Q4_K: 3% more, its 6-bit scales kept as bytes).
+(Q4_K: 3% more, its 6-bit scales kept as bytes; Q5_K: 2% more).
 """
 
 from __future__ import annotations
@@ -45,6 +48,19 @@ class Kind(enum.IntEnum):
     Q8_0 = 2
     Q4_K = 3
     Q6_K = 4
+    Q5_0 = 5
+    Q5_1 = 6
+    Q5_K = 7
+
+    @property
+    def is_grouped(self) -> bool:
+        """One scale (and minimum) per group of columns, not the K-quants' super-blocks."""
+        return self in (Kind.Q4_0, Kind.Q4_1, Kind.Q8_0, Kind.Q5_0, Kind.Q5_1)
+
+    @property
+    def high_bytes(self) -> int:
+        """Bytes of the high-bit plane per (tile, block): 0 when the codes have no high bits."""
+        return {Kind.Q6_K: 128, Kind.Q5_0: 64, Kind.Q5_1: 64, Kind.Q5_K: 64}.get(self, 0)
 
 
 # GGUF type name -> (kind, elements per block, bytes per block)
@@ -54,6 +70,9 @@ GGUF_TYPES: dict[str, tuple[Kind, int, int]] = {
     "Q8_0": (Kind.Q8_0, 32, 34),
     "Q4_K": (Kind.Q4_K, 256, 144),
     "Q6_K": (Kind.Q6_K, 256, 210),
+    "Q5_0": (Kind.Q5_0, 32, 22),
+    "Q5_1": (Kind.Q5_1, 32, 24),
+    "Q5_K": (Kind.Q5_K, 256, 176),
 }
 
 
@@ -62,7 +81,7 @@ class Segment:
     kind: Kind
     rows: int
     cols: int
-    group: int                      # columns per scale group (Q4_0 / Q4_1 / Q8_0); 256 for the K-quants
+    group: int                      # columns per scale group (grouped kinds); 256 for the K-quants
     parts: dict[str, torch.Tensor]  # planes by PART_NAMES; absent planes are missing
     source: str                     # what it was made from: a GGUF type name, int8, int4
 
@@ -173,6 +192,16 @@ def pack_high2(codes6: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(h.shape[0], h.shape[1], 128))
 
 
+def pack_high1(codes5: np.ndarray) -> np.ndarray:
+    """The fifth bits of 5-bit codes [rows, K] -> the high plane [tiles, K/32, 64]: byte x holds,
+    at bit j, the fifth bit of vector j's byte x."""
+    h = _tile_codes(codes5 >> 4)                                  # [tiles, K/32, 8, 64] of 0 / 1
+    out = np.zeros((*h.shape[:2], 64), dtype=np.uint8)
+    for j in range(8):
+        out |= h[:, :, j] << j
+    return out
+
+
 def tile_lanes(per_row: np.ndarray) -> np.ndarray:
     """A per-row quantity [rows, G] -> [tiles, G, 16]."""
     rows = per_row.shape[0]
@@ -193,6 +222,12 @@ def _f16(a: np.ndarray) -> np.ndarray:
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """[n, 16] packed bytes of a 32-element block -> [n, 32]: low nibbles first, then high."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """[n, 4] bytes of a 32-element block's fifth bits (a little-endian uint32, bit i for
+    element i) -> [n, 32] of 0 or 16: each bit in place above its element's nibble."""
+    return np.unpackbits(qh, axis=-1, bitorder="little") << 4
 
 
 def _q4k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -216,25 +251,34 @@ def pack_gguf(type_name: str, data: np.ndarray, rows: int, cols: int,
         raise ValueError(f"{type_name} rows of {cols} elements are not whole blocks of {block}")
     blocks = np.ascontiguousarray(np.asarray(data, dtype=np.uint8)).reshape(rows * (cols // block), nbytes)
     per_row: dict[str, np.ndarray] = {}      # plane name -> [rows, ...] before tiling
-    if kind in (Kind.Q4_0, Kind.Q4_1, Kind.Q8_0):
+    if kind.is_grouped:    # d [m] [qh: 4 bytes of fifth bits] qs
         per_row["scale"] = _f16(blocks[:, :2]).reshape(rows, cols // BLOCK)
+        has_min = kind in (Kind.Q4_1, Kind.Q5_1)
+        if has_min:
+            per_row["min"] = _f16(blocks[:, 2:4]).reshape(rows, cols // BLOCK)
+        start = 4 if has_min else 2
         if kind == Kind.Q8_0:
             per_row["codes8"] = blocks[:, 2:].reshape(rows, cols)
+        elif kind in (Kind.Q4_0, Kind.Q4_1):
+            per_row["codes4"] = _nibbles(blocks[:, start:start + 16]).reshape(rows, cols)
         else:
-            qs = blocks[:, 2:18] if kind == Kind.Q4_0 else blocks[:, 4:20]
-            per_row["codes4"] = _nibbles(qs).reshape(rows, cols)
-            if kind == Kind.Q4_1:
-                per_row["min"] = _f16(blocks[:, 2:4]).reshape(rows, cols // BLOCK)
+            codes = _nibbles(blocks[:, start + 4:start + 20]) | _fifth_bits(blocks[:, start:start + 4])
+            per_row["codes5"] = codes.reshape(rows, cols)
         group = BLOCK
-    elif kind == Kind.Q4_K:
+    elif kind in (Kind.Q4_K, Kind.Q5_K):   # d dmin scales[12] [qh[32]] qs[128]
         n = blocks.shape[0]
         per_row["super_scale"] = _f16(blocks[:, 0:2]).reshape(rows, -1)
         per_row["super_min"] = _f16(blocks[:, 2:4]).reshape(rows, -1)
         sc, mn = _q4k_scale_min(blocks[:, 4:16])
         per_row["sub_scale"] = sc.reshape(rows, -1)
         per_row["sub_min"] = mn.reshape(rows, -1)
-        qs = blocks[:, 16:].reshape(n, 4, 32)              # 64 elements per 32 bytes: low nibbles, then high
-        per_row["codes4"] = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(rows, cols)
+        qs = blocks[:, -128:].reshape(n, 4, 32)            # 64 elements per 32 bytes: low nibbles, then high
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, SUPER)
+        if kind == Kind.Q4_K:
+            per_row["codes4"] = codes.reshape(rows, cols)
+        else:   # element 32i + l's fifth bit is bit i of qh[l]
+            qh = np.unpackbits(blocks[:, 16:48].reshape(n, 32, 1), axis=-1, bitorder="little")
+            per_row["codes5"] = (codes | (qh.transpose(0, 2, 1).reshape(n, SUPER) << 4)).reshape(rows, cols)
         group = SUPER
     else:   # Q6_K: ql[128] qh[64] scales[16] d
         n = blocks.shape[0]
@@ -255,6 +299,9 @@ def pack_gguf(type_name: str, data: np.ndarray, rows: int, cols: int,
         elif name == "codes6":
             parts["codes"] = pack_nibbles(a & 0x0F)
             parts["high"] = pack_high2(a)
+        elif name == "codes5":
+            parts["codes"] = pack_nibbles(a & 0x0F)
+            parts["high"] = pack_high1(a)
         else:
             parts[name] = tile_lanes(a)
     seg = Segment(kind, rows, cols, group, {k: _t(v) for k, v in parts.items()}, type_name)
@@ -316,7 +363,7 @@ def _untile_codes(v: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def segment_codes(seg: Segment) -> torch.Tensor:
-    """The integer codes [rows, K] (int32): 0..15, 0..63 (Q6_K) or -128..127 (8-bit)."""
+    """The integer codes [rows, K] (int32): 0..15, 0..31 (Q5_*), 0..63 (Q6_K) or -128..127 (8-bit)."""
     c = seg.parts["codes"]
     if seg.kind == Kind.Q8_0:
         return _untile_codes(c.reshape(*c.shape[:2], 8, 64).view(torch.int8), seg.rows).int()
@@ -326,6 +373,10 @@ def segment_codes(seg: Segment) -> torch.Tensor:
         h = seg.parts["high"].reshape(*c.shape[:2], 2, 1, 64)
         shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=h.device).reshape(1, 1, 1, 4, 1)
         v = v | (((h >> shifts) & 3) << 4).reshape(*c.shape[:2], 8, 64)
+    elif seg.kind.high_bytes:     # Q5_*: bit j of byte x is vector j's fifth bit
+        h = seg.parts["high"].reshape(*c.shape[:2], 1, 64)
+        shifts = torch.arange(8, dtype=torch.uint8, device=h.device).reshape(1, 1, 8, 1)
+        v = v | (((h >> shifts) & 1) << 4)
     return _untile_codes(v, seg.rows).int()
 
 
@@ -334,16 +385,16 @@ def dequantize_segment(seg: Segment) -> torch.Tensor:
     dequantize for GGUF types, so equal to it bit for bit)."""
     q = segment_codes(seg).float()
     rows = seg.rows
-    if seg.kind in (Kind.Q4_0, Kind.Q4_1, Kind.Q8_0):
+    if seg.kind.is_grouped:
         per = seg.group
         d = _untile_lanes(seg.parts["scale"], rows).float().repeat_interleave(per, dim=1)
-        if seg.kind == Kind.Q4_0:
-            return d * (q - 8)
+        if seg.kind in (Kind.Q4_0, Kind.Q5_0):
+            return d * (q - (8 if seg.kind == Kind.Q4_0 else 16))
         if seg.kind == Kind.Q8_0:
             return d * q
         return d * q + _untile_lanes(seg.parts["min"], rows).float().repeat_interleave(per, dim=1)
     d = _untile_lanes(seg.parts["super_scale"], rows).float()
-    if seg.kind == Kind.Q4_K:
+    if seg.kind in (Kind.Q4_K, Kind.Q5_K):
         sc = (d.repeat_interleave(8, dim=1) * _untile_lanes(seg.parts["sub_scale"], rows).float())
         dmin = _untile_lanes(seg.parts["super_min"], rows).float().repeat_interleave(8, dim=1)
         mn = dmin * _untile_lanes(seg.parts["sub_min"], rows).float()

@@ -2,8 +2,8 @@
 
     auto        gguf where the file has quantized blocks a kernel reads on this device, else native
     native      every matrix dequantized to the compute dtype (float products, oneDNN on CPU)
-    gguf        the file's own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) read in place; other types and
-                float tensors are dequantized (said in the log)
+    gguf        the file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) read in place;
+                other types and float tensors are dequantized (said in the log)
     int8[-gG]   symmetric int8, one float16 scale per G columns (default 32, as Q8_0), quantized at load;
                 int8-ch: one scale per output channel
     int4[-gG]   asymmetric int4 in groups of G columns (default 32), quantized at load; the LM head

@@ -70,6 +70,9 @@ Q4_1 = _constexpr(Kind.Q4_1)
 Q8_0 = _constexpr(Kind.Q8_0)
 Q4_K = _constexpr(Kind.Q4_K)
 Q6_K = _constexpr(Kind.Q6_K)
+Q5_0 = _constexpr(Kind.Q5_0)
+Q5_1 = _constexpr(Kind.Q5_1)
+Q5_K = _constexpr(Kind.Q5_K)
 TILE_ROWS = _constexpr(LANES)   # packed rows per tile (lanes), as a kernel constant
 
 
@@ -99,12 +102,17 @@ def _weight_tile(codes, high, scale, minimum, sub_scale, sub_min, super_scale, s
         if KIND == Q6_K:   # high bits of vector 4s + i at bits 2i of half s's byte
             bits = tl.load(high + tb * 128 + (j // 4) * 64 + inner, mask=ok, other=0).to(tl.int32)
             code = code | (((bits >> ((j % 4) * 2)) & 3) << 4)
+        elif KIND == Q5_0 or KIND == Q5_1 or KIND == Q5_K:   # vector j's fifth bit at bit j of the byte
+            bits = tl.load(high + tb * 64 + inner, mask=ok, other=0).to(tl.int32)
+            code = code | (((bits >> j) & 1) << 4)
         q = code.to(tl.float32)
-    if KIND == Q4_0 or KIND == Q4_1 or KIND == Q8_0:
+    if KIND == Q4_0 or KIND == Q4_1 or KIND == Q8_0 or KIND == Q5_0 or KIND == Q5_1:
         g = (tile * (K // GROUP) + first // GROUP) * TILE_ROWS + lane  # [NS, 1, BLOCK_N]
         d = tl.load(scale + g, mask=ok, other=0.0).to(tl.float32)
         if KIND == Q4_0:
             w = d * (q - 8.0)
+        elif KIND == Q5_0:
+            w = d * (q - 16.0)
         elif KIND == Q8_0:
             w = d * q
         else:
@@ -112,7 +120,7 @@ def _weight_tile(codes, high, scale, minimum, sub_scale, sub_min, super_scale, s
     else:       # BLOCK_K divides 256: the whole tile lies in one super-block
         sup = (tile * (K // 256) + k0 // 256) * TILE_ROWS + lane
         d = tl.load(super_scale + sup, mask=ok, other=0.0).to(tl.float32)
-        if KIND == Q4_K:
+        if KIND == Q4_K or KIND == Q5_K:
             sb = (tile * (K // 32) + first // 32) * TILE_ROWS + lane
             sc = d * tl.load(sub_scale + sb, mask=ok, other=0).to(tl.float32)
             mn = tl.load(super_min + sup, mask=ok, other=0.0).to(tl.float32) * \
@@ -253,7 +261,7 @@ def launch_config(rows: int, cols: int, num_sms: int) -> LaunchConfig:
 
 def _block_k(seg: Segment) -> int:
     """64 columns a step where K, the super-block and the scale groups allow, else 32."""
-    grouped = seg.kind in (Kind.Q4_0, Kind.Q4_1, Kind.Q8_0)
+    grouped = seg.kind.is_grouped
     fits = not grouped or seg.group == 32 or seg.group % 64 == 0
     return 64 if seg.cols % 64 == 0 and fits else 32
 
@@ -282,7 +290,7 @@ class SegmentLaunch:
         block_k = _block_k(seg)
         if seg.kind == Kind.Q6_K:
             sub = 16
-        elif seg.kind == Kind.Q4_K:
+        elif seg.kind in (Kind.Q4_K, Kind.Q5_K):
             sub = 32
         else:
             sub = min(seg.group, block_k)

@@ -1,31 +1,16 @@
-"""Random GGUF block bytes for every type the kernels read, and the references the products are
-held to (shared by the CPU and Triton kernel tests)."""
+"""Random packed weights of every GGUF type the kernels read (their bytes from
+kvserve.model.formats.random_blocks), and the references the products are held to (shared by
+the CPU and Triton kernel tests)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from kvserve.model.formats.packing import GGUF_TYPES, PackedWeight, dequantize_segment, pack_gguf
+from kvserve.model.formats.packing import PackedWeight, dequantize_segment, pack_gguf
+from kvserve.model.formats.random_blocks import random_gguf_bytes
 from kvserve.model.linear import DenseProduct, DenseProducts, HookedProduct, Product, TorchLinear, Weight
-
-# (type byte offset of each fp16 scale field) per GGUF type: random bytes there would give
-# huge or non-finite scales, so they are overwritten with small random halves
-_SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
-
-
-def random_gguf_bytes(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """The raw bytes of a [rows, cols] tensor of ``type_name``: every code and sub-scale random
-    (Q4_K's 6-bit scales and Q6_K's int8 ones included), the fp16 scales small and finite."""
-    _, block, nbytes = GGUF_TYPES[type_name]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)
-    for offset in _SCALE_FIELDS[type_name]:
-        halves = rng.uniform(-0.02, 0.02, size=raw.shape[0]).astype(np.float16)
-        raw[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
-    return raw.reshape(-1)
 
 
 def random_packed(type_name: str, rows: int, cols: int, seed: int) -> PackedWeight:

@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from blocks import mirror, quantize_activations, random_gguf_bytes, random_packed
+from blocks import mirror, quantize_activations, random_packed
 
 from kvserve.model.cpu_extension import load_extension, supported_isas
 from kvserve.model.formats.cpu import CpuPackedEmbedding, CpuPackedProduct
@@ -33,6 +33,7 @@ from kvserve.model.formats.packing import (
     quantize_int8,
     stack,
 )
+from kvserve.model.formats.random_blocks import random_gguf_bytes
 from kvserve.model.linear import rms_norm
 
 ISAS = supported_isas()
@@ -59,6 +60,11 @@ def weights(name: str, rows: int, cols: int, seed: int = 0) -> PackedWeight:
 FORMATS = [*GGUF_TYPES, "int8-g32", "int8-ch", "int4-g32", "int4-g64"]
 
 
+def is_k_quant(fmt: str) -> bool:
+    """Whether ``fmt`` is one of the K-quants (their matrices take K in whole super-blocks of 256)."""
+    return fmt in GGUF_TYPES and GGUF_TYPES[fmt][1] == 256
+
+
 def check(y: torch.Tensor, x: torch.Tensor, w: PackedWeight) -> None:
     ref, bound = mirror(x, w)
     err = (y.double() - ref).abs()
@@ -74,7 +80,7 @@ def check(y: torch.Tensor, x: torch.Tensor, w: PackedWeight) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_at_every_row_count_matches_the_references(isa: str, fmt: str) -> None:
     ext = ext_for(isa)
-    cols = 512 if fmt in ("Q4_K", "Q6_K") else 192        # K-quants: whole super-blocks
+    cols = 512 if is_k_quant(fmt) else 192                 # K-quants: whole super-blocks
     w = weights(fmt, 40, cols, seed=len(fmt))
     product = CpuPackedProduct(ext, w)
     g = torch.Generator().manual_seed(1)
@@ -87,7 +93,7 @@ def test_every_format_at_every_row_count_matches_the_references(isa: str, fmt: s
 def test_prefill_chunks_of_512_rows(fmt: str) -> None:
     """Beyond 8 rows a tile is unpacked once into scratch and every row runs over it."""
     ext = ext_for(ISAS[0])
-    cols = 256 if fmt in ("Q4_K", "Q6_K") else 128
+    cols = 256 if is_k_quant(fmt) else 128
     w = weights(fmt, 24, cols, seed=3)
     x = torch.randn(512, cols, generator=torch.Generator().manual_seed(2))
     check(CpuPackedProduct(ext, w)(x), x, w)
@@ -96,7 +102,8 @@ def test_prefill_chunks_of_512_rows(fmt: str) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_rows_result_never_depends_on_its_batch(isa: str) -> None:
     ext = ext_for(isa)
-    w = stack([weights("Q4_1", 40, 256, 1), weights("Q6_K", 24, 256, 2), weights("Q8_0", 8, 256, 3)])
+    w = stack([weights("Q4_1", 40, 256, 1), weights("Q6_K", 24, 256, 2), weights("Q8_0", 8, 256, 3),
+               weights("Q5_0", 16, 256, 4), weights("Q5_K", 20, 256, 5)])
     product = CpuPackedProduct(ext, w)
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(0))
     full = product(x)
@@ -177,8 +184,8 @@ def test_bad_inputs_are_refused_with_what_is_wrong() -> None:
         CpuPackedEmbedding(product)(torch.tensor([32]))
     with pytest.raises(ValueError, match="not whole blocks of 32"):
         pack_gguf("Q4_0", np.zeros(18, dtype=np.uint8), 1, 48)
-    with pytest.raises(ValueError, match="GGUF type Q5_K is not read in place"):
-        pack_gguf("Q5_K", np.zeros(176, dtype=np.uint8), 1, 256)
+    with pytest.raises(ValueError, match="GGUF type Q3_K is not read in place"):
+        pack_gguf("Q3_K", np.zeros(110, dtype=np.uint8), 1, 256)
 
 
 def test_int8_and_int4_quantization_round_trip_within_half_a_step() -> None:

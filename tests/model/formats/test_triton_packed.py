@@ -97,13 +97,16 @@ def float_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.1
 
 
-# name -> maker; Q4_0 at K = 160 and int4-g96 read K in steps of 32, the others of 64
+# name -> maker; Q4_0 and Q5_0 at K = 160 and int4-g96 read K in steps of 32, the others of 64
 WEIGHTS = {
     "Q4_0": lambda: gguf_weight("Q4_0", ROWS, 160, 1),
     "Q4_1": lambda: gguf_weight("Q4_1", ROWS, 256, 2),
     "Q8_0": lambda: gguf_weight("Q8_0", ROWS, 256, 3),
     "Q4_K": lambda: gguf_weight("Q4_K", ROWS, 256, 4),
     "Q6_K": lambda: gguf_weight("Q6_K", ROWS, 256, 5),
+    "Q5_0": lambda: gguf_weight("Q5_0", ROWS, 160, 13),
+    "Q5_1": lambda: gguf_weight("Q5_1", ROWS, 256, 14),
+    "Q5_K": lambda: gguf_weight("Q5_K", ROWS, 256, 15),
     "int8-g32": lambda: quantize_int8(float_weight(ROWS, 256, 6), 32),
     "int8-g64": lambda: quantize_int8(float_weight(ROWS, 256, 7), 64),
     "int8-row": lambda: quantize_int8(float_weight(ROWS, 256, 8), 256),
@@ -409,9 +412,10 @@ def test_kernels_compile_for_the_gpu_without_spilling() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     variants = ["90 Q4_K bf16 1", "90 Q6_K fp16 64", "90 Q8_0 fp32 64", "90 Q4_0 bf16 1", "90 int4 bf16 64",
-                "80 Q4_1 bf16 64", "75 Q6_K bf16 1"]
+                "80 Q4_1 bf16 64", "75 Q6_K bf16 1", "90 Q5_0 bf16 1", "90 Q5_K bf16 64", "80 Q5_1 fp16 64"]
     done = subprocess.run([sys.executable, "-c", COMPILE, *variants], check=False, capture_output=True, text=True,
                           env=env, timeout=300, cwd=Path(__file__).resolve().parents[3])
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == len(variants) + 3 and all("STACK:0" in line for line in lines), done.stdout
+    splits = sum(v.endswith(" 1") for v in variants)        # each split variant adds a _reduce line
+    assert len(lines) == len(variants) + splits and all("STACK:0" in line for line in lines), done.stdout

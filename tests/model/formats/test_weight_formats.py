@@ -10,38 +10,31 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from blocks import RoundingProducts, random_gguf_bytes
+from blocks import RoundingProducts
 from tiny import random_tokens, tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.model import gguf_loader
 from kvserve.model.formats.packing import PackedWeight, dequantize
+from kvserve.model.formats.random_blocks import random_gguf_bytes
 from kvserve.model.linear import as_float
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
 
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 300
-# every type the kernels read, a product mixing them (Q, K, V), and Q5_0, which no kernel
+# every type the kernels read, products mixing them (Q, K, V), and Q3_K, which no kernel
 # reads (its gate_up is dequantized: one log line)
+UNREAD = "Q3_K"
 TYPES = {
     "blk.0.attn_q": "Q4_K", "blk.0.attn_k": "Q4_K", "blk.0.attn_v": "Q6_K", "blk.0.attn_output": "Q4_0",
     "blk.0.ffn_gate": "Q4_1", "blk.0.ffn_up": "Q4_1", "blk.0.ffn_down": "Q6_K",
-    "blk.1.attn_q": "Q8_0", "blk.1.attn_k": "Q8_0", "blk.1.attn_v": "Q8_0", "blk.1.attn_output": "Q4_K",
-    "blk.1.ffn_gate": "Q5_0", "blk.1.ffn_up": "Q4_0", "blk.1.ffn_down": "Q4_K",
+    "blk.1.attn_q": "Q8_0", "blk.1.attn_k": "Q5_0", "blk.1.attn_v": "Q5_1", "blk.1.attn_output": "Q4_K",
+    "blk.1.ffn_gate": UNREAD, "blk.1.ffn_up": "Q4_0", "blk.1.ffn_down": "Q5_K",
     "token_embd": "Q8_0",
 }
 SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_v": (KV_HEADS * 64, HIDDEN),
           "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
           "ffn_down": (HIDDEN, FFN), "token_embd": (VOCAB, HIDDEN)}
-
-
-def _block_bytes(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    if type_name != "Q5_0":
-        return random_gguf_bytes(type_name, rows, cols, seed)
-    rng = np.random.default_rng(seed)                       # Q5_0: d, 4 bytes of fifth bits, 16 of nibbles
-    raw = rng.integers(0, 256, size=(rows * cols // 32, 22), dtype=np.uint8)
-    raw[:, :2] = rng.uniform(-0.02, 0.02, size=raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return raw.reshape(-1)
 
 
 def write_quantized_gguf(path: Path, tokenizer) -> dict[str, np.ndarray]:
@@ -64,7 +57,7 @@ def write_quantized_gguf(path: Path, tokenizer) -> dict[str, np.ndarray]:
     raw: dict[str, np.ndarray] = {}
     for seed, (name, type_name) in enumerate(TYPES.items()):
         rows, cols = SHAPES[name.rpartition(".")[2]]
-        data = _block_bytes(type_name, rows, cols, seed)
+        data = random_gguf_bytes(type_name, rows, cols, seed)
         raw[name] = data
         w.add_tensor(f"{name}.weight", data.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType[type_name])
     rng = np.random.default_rng(99)
@@ -94,9 +87,19 @@ def test_the_files_blocks_load_packed_with_their_exact_values(quantized) -> None
         if name.endswith(("attn_q", "attn_k")):          # llama.cpp's row order undone
             expected = gguf_loader.unpermute_rows(expected, HEADS if name.endswith("attn_q") else KV_HEADS)
         assert torch.equal(as_float(w[hf]), torch.from_numpy(np.ascontiguousarray(expected, dtype=np.float32))), name
-        assert isinstance(w[hf], PackedWeight) == (type_name != "Q5_0"), name
+        assert isinstance(w[hf], PackedWeight) == (type_name != UNREAD), name
         if isinstance(w[hf], PackedWeight):
             assert w[hf].format_name == type_name
+
+
+def test_the_loader_names_the_types_it_dequantizes(quantized, caplog) -> None:
+    """A type no kernel reads (Q3_K here; Q2_K and the IQ types alike) is dequantized to float32
+    at load, one log line naming it and its count; the Q5 types are not among them."""
+    loaded, _ = quantized
+    with caplog.at_level("INFO", logger=gguf_loader.__name__):
+        gguf_loader.convert_gguf(Path(loaded.source))
+    said = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
+    assert len(said) == 1 and f"1 {UNREAD} tensors" in said[0] and "Q5" not in said[0], said
 
 
 def test_auto_is_gguf_for_a_quantized_file_and_native_for_float_weights(quantized, caplog) -> None:
@@ -104,7 +107,7 @@ def test_auto_is_gguf_for_a_quantized_file_and_native_for_float_weights(quantize
     with caplog.at_level("INFO"):
         llm = LLM(loaded=loaded, kv_cache_memory_gb=0.02)
     assert llm.engine.weight_format == "gguf"
-    # layer 1's gate (Q5_0) makes its gate_up a float product, said once
+    # layer 1's gate (Q3_K) makes its gate_up a float product, said once
     assert sum("model.layers.1.mlp.gate_up is dequantized" in r.getMessage() for r in caplog.records) == 1
     assert LLM(loaded=tiny_model(), num_kv_blocks=16).engine.weight_format == "native"
 

@@ -1,0 +1,101 @@
+"""Micro-benchmark of the quantized-weight products (the C++ kernel, kvserve/model/csrc/qkernel.h)
+per GGUF block type: how near the memory bandwidth each type's blocks are read.
+
+    python -m kvserve.bench.qlinear [--types Q4_0,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K] [--rows 1,512]
+
+Each type's blocks (random codes and sub-scales, small finite fp16 scales:
+kvserve.model.formats.random_blocks) in Qwen2.5-0.5B's layer products: fused qkv (1152 x 896),
+o (896 x 896), gate_up (9728 x 896) and down (896 x 4864), ``--layers`` layers, packed as the
+loader packs them. The K-quants take K in whole super-blocks of 256, so their 896-column
+products take 1024. Per batch of ``rows`` rows (decode batch, or prefill chunk): the time to
+run every product once, the median of ``--repeats`` (min-max), and the weights' GB/s against
+the read bandwidth measured in the same run (kv_decode.read_bandwidth). The types take turns
+within each repeat, so a noisy neighbour slows each alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from kvserve.bench.common import table
+from kvserve.bench.kv_decode import read_bandwidth
+from kvserve.model.cpu_extension import load_extension
+from kvserve.model.formats.cpu import CpuPackedProduct
+from kvserve.model.formats.packing import GGUF_TYPES, SUPER, pack_gguf
+from kvserve.model.formats.random_blocks import random_gguf_bytes
+
+LAYER_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]   # (rows, cols): qkv, o, gate_up, down
+DEFAULT_TYPES = "Q4_0,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K"
+
+
+def layer_products(ext: ModuleType, type_name: str, num_layers: int) -> list[CpuPackedProduct]:
+    """``num_layers`` layers of products in ``type_name``'s blocks (K-quants: K rounded up to 256)."""
+    block = GGUF_TYPES[type_name][1]
+    products = []
+    for layer in range(num_layers):
+        for i, (rows, cols) in enumerate(LAYER_SHAPES):
+            cols = -(-cols // SUPER) * SUPER if block == SUPER else cols
+            raw = random_gguf_bytes(type_name, rows, cols, seed=layer * len(LAYER_SHAPES) + i)
+            products.append(CpuPackedProduct(ext, pack_gguf(type_name, raw, rows, cols)))
+    return products
+
+
+def run_all(products: Sequence[CpuPackedProduct], xs: dict[int, torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for p in products:
+        p(xs[p.cols])
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--types", default=DEFAULT_TYPES, help=f"GGUF types, comma-separated (default {DEFAULT_TYPES})")
+    p.add_argument("--rows", default="1,512")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    types = [t.strip() for t in args.types.split(",") if t.strip()]
+    unknown = [t for t in types if t not in GGUF_TYPES]
+    if unknown:
+        raise SystemExit(f"no kernel reads {', '.join(unknown)} (types: {', '.join(GGUF_TYPES)})")
+    torch.set_num_threads(args.threads)
+    ext = load_extension()
+    if ext is None:
+        raise SystemExit("the C++ quantized-weight kernel could not be built here (see the log)")
+    weights = {t: layer_products(ext, t, args.layers) for t in types}
+    g = torch.Generator().manual_seed(0)
+    all_rows = [int(r) for r in args.rows.split(",")]
+    inputs = {rows: {c: torch.randn(rows, c, generator=g) for c in {p.cols for ps in weights.values() for p in ps}}
+              for rows in all_rows}
+    bandwidth = read_bandwidth()
+    times: dict[tuple[str, int], list[float]] = {(t, rows): [] for t in types for rows in all_rows}
+    for rows in all_rows:
+        for t in types:
+            run_all(weights[t], inputs[rows])          # warm-up
+        for _ in range(args.repeats):
+            for t in types:
+                times[(t, rows)].append(run_all(weights[t], inputs[rows]))
+    bandwidth = max(bandwidth, read_bandwidth())      # again after the runs: the box may have quietened
+    out = []
+    for rows in all_rows:
+        for t in types:
+            ts = times[(t, rows)]
+            nbytes = sum(p.nbytes for p in weights[t])
+            m = statistics.median(ts)
+            out.append([t, rows, f"{nbytes / 2 ** 20:.0f}", f"{m * 1e3:.2f} ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})",
+                        f"{nbytes / m / 1e9:.1f}", f"{nbytes / m / bandwidth:.0%}"])
+    print(f"Qwen2.5-0.5B's layer products, {args.layers} layers, {ext.isa} kernel, {torch.get_num_threads()} "
+          f"threads; median of {args.repeats} (min-max); read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(table(["type", "rows", "MiB", "ms", "GB/s", "of bandwidth"], out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

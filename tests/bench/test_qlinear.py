@@ -1,0 +1,24 @@
+"""``python -m kvserve.bench.qlinear`` runs and reports every type it is given."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.bench import qlinear
+from kvserve.model.cpu_extension import load_extension
+
+
+def test_one_layer_of_each_type_is_timed(monkeypatch, capsys) -> None:
+    if load_extension() is None:
+        pytest.skip("the C++ kernel is unavailable here")
+    monkeypatch.setattr(qlinear, "read_bandwidth", lambda: 1e10)
+    assert qlinear.main(["--types", "Q5_0,Q5_K", "--layers", "1", "--rows", "1,17", "--repeats", "1",
+                         "--threads", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|") and "Q5" in line]
+    assert [line.split("|")[1].strip() + " " + line.split("|")[2].strip() for line in lines] == \
+        ["Q5_0 1", "Q5_K 1", "Q5_0 17", "Q5_K 17"]
+
+
+def test_a_type_no_kernel_reads_is_refused() -> None:
+    with pytest.raises(SystemExit, match="no kernel reads Q3_K"):
+        qlinear.main(["--types", "Q3_K"])
