@@ -541,7 +541,7 @@ class EngineConfig:
         "torch (F.linear), auto (onednn where it runs, else torch)", choices=LINEAR_BACKENDS))
     weight_format: str = field(default="auto", metadata=opt(
         "how the weights are held and multiplied: native (dequantized to the compute dtype), gguf (the GGUF "
-        "file's own blocks read in place: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), int8[-gG], int8-ch, int4[-gG] (quantized at "
+        "file's own blocks read in place: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), int8[-gG], int8-ch, int4[-gG] (quantized at "
         "load), with +outN outlier channels in float32; auto: gguf where a kernel reads the file's blocks, "
         "else native (docs/weights.md)"))
     cache: CacheConfig = CacheConfig()
