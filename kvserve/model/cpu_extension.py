@@ -14,7 +14,7 @@ from kvserve.extensions import supported_isas as isas_of
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 QLINEAR = CppExtension(
     prefix="kvserve_cpu_layers",
-    sources=tuple(f"model/csrc/{name}" for name in ("layers.cpp", "qkernel.h", "qvec.h", "rope.h")),
+    sources=tuple(f"model/csrc/{name}" for name in ("layers.cpp", "qkernel.h", "qvec.h", "rope.h", "norms.h")),
     isas=MappingProxyType({
         "avx512vnni": (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
         "avx2": _AVX2,
@@ -24,7 +24,7 @@ QLINEAR = CppExtension(
         "avx512vnni": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
         "avx2": frozenset({"avx2", "fma", "f16c"}),
     }),
-    title="the C++ model kernels (quantized weights, RoPE)",
+    title="the C++ model kernels (quantized weights, RoPE, norms)",
     fallback="quantized weight formats are unavailable on this CPU (native float weights work, RoPE in torch)",
 )
 

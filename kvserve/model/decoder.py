@@ -21,6 +21,7 @@ import torch
 from kvserve.attention.paged import AttentionMetadata, paged_attention
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import KVStorage
+from kvserve.model.cpu_extension import load_extension
 from kvserve.model.linear import DenseProducts, Embedding, Product, Products, TorchLinear, Weight, rms_norm
 from kvserve.model.rope import Rope, RopeAngles, layer_ropes
 
@@ -54,6 +55,7 @@ class Decoder(ABC):
         distinct = list(dict.fromkeys(bases))
         self.ropes = [Rope(b, config.num_heads, config.num_kv_heads, device, dtype) for b in distinct]
         self.rope_of_layer = tuple(distinct.index(b) for b in bases)
+        self._ext = load_extension() if device.type == "cpu" and dtype == torch.float32 else None
         self.windows = config.sliding_windows
         self.scale = config.query_scale
         self.build_layers()
@@ -96,6 +98,13 @@ class Decoder(ABC):
         t = self.weight(name)
         assert isinstance(t, torch.Tensor), name     # norms and biases are never quantized
         return (t.float() + plus if plus else t).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def norm_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``h + rms_norm(x, weight)`` (``h`` updated in place by one C++ call on the CPU in float32)."""
+        if self._ext is not None and h.is_contiguous() and x.is_contiguous():
+            self._ext.norm_add(h, x, weight, self.config.rms_norm_eps)
+            return h
+        return h + rms_norm(x, weight, self.config.rms_norm_eps)
 
     def rope_of(self, layer: int) -> Rope:
         return self.ropes[self.rope_of_layer[layer]]

@@ -26,7 +26,7 @@ from kvserve.config import LayerSpec, ModelConfig
 from kvserve.model.chat_templates import builtin_chat_template
 from kvserve.model.decoder import Decoder, StepAngles
 from kvserve.model.family import Family, GGUFKeys
-from kvserve.model.linear import Product, rms_norm
+from kvserve.model.linear import Product
 
 SLIDING_PATTERN = 6             # every sixth layer attends to the whole context
 LOCAL_ROPE_THETA = 10000.0      # the sliding layers' RoPE base (llama.cpp's files do not carry it)
@@ -83,20 +83,16 @@ class Gemma3Model(Decoder):
     def layer_qkv(self, layer: int, h: torch.Tensor,
                   angles: StepAngles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg, lw, eps = self.config, self.layers[layer], self.config.rms_norm_eps
-        n = h.shape[0]
         qkv = lw.qkv.after_norm(h, lw.input_norm, eps)
-        q = rms_norm(qkv[:, :cfg.q_size].view(n, cfg.num_heads, cfg.head_dim), lw.q_norm, eps)
-        k = rms_norm(qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim),
-                     lw.k_norm, eps)
-        v = qkv[:, cfg.q_size + cfg.kv_size:].view(n, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.rope_of(layer).rotate(q, k, self.layer_angles(layer, angles))
+        q, k = self.rope_of(layer).qk_normed(qkv, self.layer_angles(layer, angles), lw.q_norm, lw.k_norm, eps)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(h.shape[0], cfg.num_kv_heads, cfg.head_dim)
         return q, k, v
 
     def layer_output(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         lw, eps = self.layers[layer], self.config.rms_norm_eps
-        h = h + rms_norm(lw.o(attn.reshape(h.shape[0], self.config.q_size)), lw.post_attention_norm, eps)
+        h = self.norm_add(h, lw.o(attn.reshape(h.shape[0], self.config.q_size)), lw.post_attention_norm)
         gate, up = lw.gate_up.after_norm(h, lw.pre_feedforward_norm, eps).chunk(2, dim=-1)
-        return h + rms_norm(lw.down(F.gelu(gate, approximate="tanh") * up), lw.post_feedforward_norm, eps)
+        return self.norm_add(h, lw.down(F.gelu(gate, approximate="tanh") * up), lw.post_feedforward_norm)
 
 
 def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

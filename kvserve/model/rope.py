@@ -15,6 +15,7 @@ import torch
 
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.model.cpu_extension import load_extension
+from kvserve.model.linear import rms_norm
 
 
 class RopeBase(NamedTuple):
@@ -112,6 +113,18 @@ class Rope:
         num_tokens = qkv.shape[0]
         q = qkv[:, :h * d].view(num_tokens, h, d)
         k = qkv[:, h * d:(h + hkv) * d].view(num_tokens, hkv, d)
+        return self.rotate(q, k, angles)
+
+    def qk_normed(self, qkv: torch.Tensor, angles: RopeAngles, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``qk`` with each head's query and key RMS-normed first (weights [D]): one C++ call on the
+        CPU in float32, torch else."""
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.ext is not None:
+            return self.ext.qk_norm_rope(qkv, angles.positions, self.cos, self.sin, q_weight, k_weight, h, hkv, d, eps)
+        n = qkv.shape[0]
+        q = rms_norm(qkv[:, :h * d].view(n, h, d), q_weight, eps)
+        k = rms_norm(qkv[:, h * d:(h + hkv) * d].view(n, hkv, d), k_weight, eps)
         return self.rotate(q, k, angles)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, angles: RopeAngles) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,3 +82,29 @@ def test_the_transformers_baseline_of_eval_and_bench_is_the_same_model() -> None
     ids = torch.tensor([[(i * 7) % 128 for i in range(30)]])
     with torch.inference_mode():
         assert torch.equal(rebuilt(ids).logits, reference(ids).logits)
+
+
+def test_the_cpu_norm_kernels_equal_their_torch_forms() -> None:
+    """Gemma's q/k norm then RoPE, and a norm added into the residual: the C++ calls (CPU,
+    float32) against the torch forms the other devices run, on a prefill's rows."""
+    from kvserve.model.cpu_extension import load_extension
+    from kvserve.model.linear import rms_norm
+    from kvserve.model.rope import Rope, RopeBase
+
+    ext = load_extension()
+    if ext is None:
+        pytest.skip("the C++ model kernels are not built here")
+    g = torch.Generator().manual_seed(0)
+    rope = Rope(RopeBase(10000.0, None, 16, 64), 4, 2, torch.device("cpu"), torch.float32)
+    qkv = torch.randn(7, (4 + 2 + 2) * 16, generator=g) * 3
+    qw, kw = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    angles = rope.angles(torch.tensor([0, 1, 5, 9, 20, 40, 63]))
+    q, k = rope.qk_normed(qkv, angles, qw, kw, 1e-6)
+    rope.ext = None
+    q_ref, k_ref = rope.qk_normed(qkv, angles, qw, kw, 1e-6)
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
+    h, x, w = torch.randn(7, 64, generator=g), torch.randn(7, 64, generator=g) * 5, torch.randn(64, generator=g)
+    want = h + rms_norm(x, w, 1e-6)
+    ext.norm_add(h, x, w, 1e-6)
+    torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)

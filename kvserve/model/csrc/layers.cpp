@@ -1,4 +1,5 @@
-// The model's CPU kernels: products with quantized weights (qkernel.h) and RoPE (rope.h). This
+// The model's CPU kernels: products with quantized weights (qkernel.h), RoPE (rope.h) and the
+// norms a layer's torch ops would cost more than their arithmetic (norms.h). This
 // file checks the tensors: a weight's once, when it is registered, and per call only what a
 // call brings (x, out, the norm weight, positions).
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "norms.h"
 #include "qkernel.h"
 #include "rope.h"
 
@@ -214,6 +216,43 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
   return {q, k};
 }
 
+// h += rms_norm(x) * w, row by row, in place
+void norm_add(at::Tensor h, const at::Tensor& x, const at::Tensor& w, double eps) {
+  KVS_Q_REQUIRE(h.dim() == 2, "h must be [rows, n], got " + shape_str(h));
+  const int64_t T = h.size(0), n = h.size(1);
+  check(h, at::kFloat, {T, n}, "h");
+  check(x, at::kFloat, {T, n}, "x");
+  check(w, at::kFloat, {n}, "w");
+  norms::norm_add(h.data_ptr<float>(), ptr<float>(x), ptr<float>(w), T, n, static_cast<float>(eps));
+}
+
+// queries [T, H, D] and keys [T, Hkv, D] of the fused Q/K/V rows, each head normed then rotated
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& qkv, const at::Tensor& positions,
+                                                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& qw,
+                                                const at::Tensor& kw, int64_t H, int64_t Hkv, int64_t D, double eps) {
+  KVS_Q_REQUIRE(qkv.dim() == 2 && qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 &&
+                    qkv.size(1) >= (H + Hkv) * D,
+                "qkv must be a CPU float32 matrix of at least (heads + kv heads) x head_dim columns, got " +
+                    shape_str(qkv));
+  KVS_Q_REQUIRE(D > 0 && D % 2 == 0, "head_dim must be even");
+  const int64_t T = qkv.size(0);
+  check(positions, at::kLong, {T}, "positions");
+  check(cos, at::kFloat, {cos.size(0), D / 2}, "cos");
+  check(sin, at::kFloat, {cos.size(0), D / 2}, "sin");
+  check(qw, at::kFloat, {D}, "qw");
+  check(kw, at::kFloat, {D}, "kw");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    KVS_Q_REQUIRE(pos[t] >= 0 && pos[t] < cos.size(0), "position " + std::to_string(pos[t]) + " is outside the tables");
+  at::Tensor q = at::empty({T, H, D}, qkv.options());
+  at::Tensor k = at::empty({T, Hkv, D}, qkv.options());
+  std::vector<float> tmp(static_cast<size_t>(D));
+  norms::qk_norm_rope(qkv.data_ptr<float>(), qkv.stride(0), T, H, Hkv, D, pos, cos.data_ptr<float>(),
+                      sin.data_ptr<float>(), ptr<float>(qw), ptr<float>(kw), static_cast<float>(eps), tmp.data(),
+                      q.data_ptr<float>(), k.data_ptr<float>());
+  return {q, k};
+}
+
 }  // namespace
 }  // namespace kvs
 
@@ -227,6 +266,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &kvs::linear, "out = (or +=) prologue(x) W^T", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dequantize_rows", &kvs::dequantize_rows, "rows of W as float32");
   m.def("rope_qk", &kvs::rope_qk, "queries and keys rotated, from the fused Q/K/V rows");
+  m.def("norm_add", &kvs::norm_add, "h += rms_norm(x) * w, in place");
+  m.def("qk_norm_rope", &kvs::qk_norm_rope, "queries and keys each head normed, then rotated, from the fused Q/K/V rows");
 #if defined(KVS_Q_VNNI)
   m.attr("isa") = "avx512vnni";
 #elif KVS_W == 8
