@@ -210,6 +210,7 @@ class Request:
     max_tokens: int = 16
     retention_class: int = 0                # eviction class of the blocks it holds (kvserve/cache_control.py)
     cache_salt: str = ""                    # its blocks' keys are salted with it (kvserve/cache_control.py)
+    tenant: str = ""                        # ... and with its tenant's name: the pair is its cache namespace
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING

@@ -3,7 +3,7 @@
 Every failure leaves as ``{"error": {"message", "type", "param", "code"}}``: bad input as
 a 4xx naming the problem, an engine failure as 503, anything unexpected as 500 (and
 logged). ``/health``, ``/metrics`` and ``/openapi.json`` stay open; everything under ``/v1``
-(the cache reset included) needs the API key when one is set.
+(the cache routes included) needs a key when one is set: the server key, or a tenant's.
 
 Handlers read and validate their bodies themselves (a size limit while reading, strict
 models, errors naming the field), so the OpenAPI schema gets the request models from
@@ -44,7 +44,7 @@ CLIENT_CLOSED_REQUEST = 499   # nginx's status for a client that left; never see
 def create_app(llm_engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     """The app serving ``llm_engine``; its lifespan starts the engine thread and stops it at
     shutdown. ``app.state.ctx`` is the ``ServingContext`` (tests reach the engine through it)."""
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(settings.tenants)
     # the KV figures from start-up: a first snapshot, taken before the engine thread owns the engine
     metrics.on_step(llm_engine.stats(), [], time.monotonic())
     engine = AsyncEngine(llm_engine, metrics)
@@ -129,12 +129,7 @@ def _v1_router(ctx: ServingContext) -> APIRouter:
     async def responses(request: Request) -> Response:
         return await create_response(ctx, request)
 
-    @router.post("/cache/reset")
-    async def reset_cache() -> Response:
-        num_blocks = await ctx.engine.call(lambda engine: engine.reset_prefix_cache())
-        return JSONResponse({"reset": True, "num_dropped_blocks": num_blocks})
-
-    router.include_router(cache_router(ctx))   # /cache/pin, /cache/unpin, /cache/pins
+    router.include_router(cache_router(ctx))   # /cache/pin, /cache/unpin, /cache/pins, /cache/reset
     return router
 
 

@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeVar
 from starlette.requests import Request
 
 from kvserve.blend.prompt import SegmentedPrompt
+from kvserve.cache_control import MAX_TENANT_CHARS
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
@@ -35,13 +36,11 @@ T = TypeVar("T")
 Body = TypeVar("Body", bound=GenerationFields)
 
 
-TENANT_SEP = "\x1f"      # between a tenant's name and a request's own cache salt
-
-
 @dataclass(frozen=True)
 class ServerSettings:
-    """``api_key``: the key of the server's own namespace; ``tenant_keys``: key -> tenant name,
-    each tenant's requests in a cache namespace of its own (docs/server.md "Tenants")."""
+    """``api_key``: the server key (the engine's own cache namespace, and the operator's rights
+    over every tenant's cache state); ``tenant_keys``: key -> tenant name, each tenant's requests
+    in cache namespaces of its own (docs/server.md "Tenants")."""
 
     model_name: str
     api_key: str | None = None
@@ -54,14 +53,19 @@ class ServerSettings:
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key must be non-empty when set")
         for key, tenant in self.tenant_keys.items():
-            if not key or not tenant or TENANT_SEP in tenant or key == self.api_key:
-                raise ValueError(f"tenant {tenant!r}: a tenant needs a non-empty name and a key of its own")
+            if not key or not tenant or len(tenant) > MAX_TENANT_CHARS or key == self.api_key:
+                raise ValueError(f"tenant {tenant!r}: a tenant needs a name of 1..{MAX_TENANT_CHARS} characters "
+                                 "and a key of its own")
         if self.max_body_bytes < 1024:
             raise ValueError(f"the request body limit must be at least 1024 bytes, got {self.max_body_bytes}")
 
     @property
     def requires_key(self) -> bool:
         return self.api_key is not None or bool(self.tenant_keys)
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.tenant_keys.values())))
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant a key authenticates ("" for ``api_key``), None for an unknown key."""
@@ -72,11 +76,6 @@ class ServerSettings:
             if hmac.compare_digest(key.encode(), candidate.encode()):
                 found = tenant
         return found
-
-
-def tenant_salt(tenant: str, cache_salt: str | None) -> str:
-    """The cache salt of a tenant's request: its tenant's namespace, then its own salt."""
-    return f"{tenant}{TENANT_SEP}{cache_salt or ''}" if tenant else (cache_salt or "")
 
 
 class ClientGone(Exception):
@@ -184,9 +183,12 @@ class ServingContext:
     # -- running -----------------------------------------------------------
     async def submit(self, specs: list[RequestSpec], prefix: str) -> RequestStream:
         try:
-            return await self.engine.submit(specs, prefix)
+            stream = await self.engine.submit(specs, prefix)
         except ValueError as e:
             raise bad_request(str(e)) from None
+        tenant = specs[0].cache.tenant if specs and specs[0].cache is not None else ""
+        self.metrics.on_submitted(tenant, len(specs), sum(len(s.prompt_token_ids) for s in specs))
+        return stream
 
     async def collect(self, stream: RequestStream, request: Request) -> list[RequestOutput]:
         """Every request's final output; aborts them all if the client goes away first."""

@@ -9,7 +9,7 @@ import random
 import pytest
 from model.test_gemma3 import tiny_gemma3
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, CacheControl, SamplingParams
 from kvserve.config import DiskConfig, HostConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.offload.disk import DiskTransport
@@ -163,3 +163,20 @@ def test_what_cannot_run_yet_is_refused_saying_why(loaded) -> None:
     plain = LLM(loaded=loaded, block_size=4, num_kv_blocks=NUM_BLOCKS)
     prompt = [5, 6, 7, 8] * 6
     assert (ngram.generate(prompt, GREEDY)[0].token_ids == plain.generate(prompt, GREEDY)[0].token_ids)
+
+
+def test_a_tenants_reset_drops_its_blocks_in_every_group_only(loaded) -> None:
+    """Each layer group's blocks are cached under the request's tenant: one tenant's reset drops
+    its blocks in every group and no other tenant's, which still hits as before."""
+    llm = LLM(loaded=loaded, block_size=4, num_kv_blocks=NUM_BLOCKS)
+    prompt = prompts(3)[0]
+    cold = {t: llm.generate([prompt], GREEDY, cache=CacheControl(tenant=t))[0] for t in ("alice", "bob")}
+    pool = llm.engine.kv.pool
+    by_tenant = pool.cached_blocks_by_tenant()
+    assert by_tenant["alice"] == by_tenant["bob"] > len(prompt) // 4      # more than one group's blocks
+    assert llm.engine.reset_prefix_cache("bob") == by_tenant["bob"]
+    assert pool.cached_blocks_by_tenant() == {"alice": by_tenant["alice"]}
+    warm = {t: llm.generate([prompt], GREEDY, cache=CacheControl(tenant=t))[0] for t in ("alice", "bob")}
+    assert warm["alice"].num_cached_tokens > 0 and warm["bob"].num_cached_tokens == 0
+    assert all(warm[t].token_ids == cold[t].token_ids for t in cold)
+    llm.engine.check_integrity()
