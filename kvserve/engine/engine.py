@@ -23,7 +23,7 @@ from kvserve.engine.stats import EngineStats, take_stats
 from kvserve.kv.pins import Clock, PinInfo
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.offload.base import Transport
-from kvserve.request import EncodedPrompt, FinishReason, Request, Resumed, TokenLogprob
+from kvserve.request import ConstraintError, EncodedPrompt, ErrorKind, FinishReason, Request, Resumed, TokenLogprob
 from kvserve.sampling.rows import RowRequest, drafted_rows
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import SchedulerOutput
@@ -248,7 +248,8 @@ class LLMEngine:
             first += len(draft) + 1
             row_tokens = sampled.token_ids[own.start:own.stop]
             if row_tokens[0] is None:
-                outputs.append(self._fail(req, sampled.errors[own.start]))
+                error = sampled.errors[own.start]
+                outputs.append(self._fail(req, error.message, error.by_constraint))
                 continue
             # a drafted row with no token (its grammar state failed, or another row error) is cut
             # off with the rows after it: the rows verified are the ones before it (if the run
@@ -263,6 +264,9 @@ class LLMEngine:
                 logprobs = self.sampler.logprobs(logits[own.start:own.start + len(emitted)],
                                                  rows[own.start:own.start + len(emitted)], list(emitted))
                 reason = self._apply(req, emitted, [logprobs.get(j) for j in range(len(emitted))])
+            except ConstraintError as e:       # its grammar failed on the token: the request's own input
+                outputs.append(self._fail(req, str(e), by_constraint=True))
+                continue
             except Exception as e:
                 log.exception("request %s failed after sampling", req.request_id)
                 outputs.append(self._fail(req, f"{type(e).__name__}: {e}"))
@@ -292,9 +296,11 @@ class LLMEngine:
         req.finish_time = time.monotonic()
         del self._requests[req.request_id]
 
-    def _fail(self, req: Request, error: str) -> RequestOutput:
-        """Finish ``req`` with FinishReason.ERROR (its blocks freed), as an output naming ``error``."""
+    def _fail(self, req: Request, error: str, by_constraint: bool = False) -> RequestOutput:
+        """Finish ``req`` with FinishReason.ERROR (its blocks freed), as an output naming ``error``
+        (its ``error_kind``: its output constraint's failure, or the engine's)."""
         req.error = error
+        req.error_kind = ErrorKind.CONSTRAINT if by_constraint else ErrorKind.ENGINE
         self._retire(req, FinishReason.ERROR)
         return self._output(req)
 

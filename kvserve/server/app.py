@@ -28,14 +28,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvserve.engine.engine import LLMEngine
-from kvserve.server.async_engine import AsyncEngine, EngineError, RequestFailed
+from kvserve.server.async_engine import AsyncEngine, ConstraintFailed, EngineError, RequestFailed
 from kvserve.server.cache_api import PinBody, UnpinBody, cache_router
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ResponsesRequest, json_body
 from kvserve.server.responses import create_response
-from kvserve.server.serving import ClientGone, ServerSettings, ServingContext, now_s
+from kvserve.server.serving import ClientGone, ServerSettings, ServingContext, constraint_error, now_s
 
 log = logging.getLogger("kvserve.server")
 CLIENT_CLOSED_REQUEST = 499   # nginx's status for a client that left; never seen by that client
@@ -172,6 +172,9 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def request_failed(request: Request, exc: Exception) -> Response:
         return reply(APIError(500, str(exc), type="server_error"))
 
+    async def constraint_failed(request: Request, exc: Exception) -> Response:
+        return reply(constraint_error(exc))
+
     async def client_gone(request: Request, exc: Exception) -> Response:
         return reply(APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection"))
 
@@ -184,5 +187,6 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(EngineError, engine_error)
     app.add_exception_handler(RequestFailed, request_failed)
+    app.add_exception_handler(ConstraintFailed, constraint_failed)
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(Exception, internal_error)

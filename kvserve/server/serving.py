@@ -22,6 +22,7 @@ from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import EncodedPrompt
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import (
+    ConstraintFailed,
     EngineError,
     RequestFailed,
     RequestSpec,
@@ -32,6 +33,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError, GenerationFields, bad_request, parse_body
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+CONSTRAINT_FAILED = "constraint_failed"
 T = TypeVar("T")
 Body = TypeVar("Body", bound=GenerationFields)
 
@@ -253,6 +255,11 @@ class DeltaText:
         return delta
 
 
+def constraint_error(exc: Exception) -> APIError:
+    """A request whose output constraint failed mid-answer: the client's input, found late (400)."""
+    return APIError(400, f"the output constraint failed while generating: {exc}", code=CONSTRAINT_FAILED)
+
+
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -265,14 +272,17 @@ async def sse_stream(stream: RequestStream, head: list[dict[str, Any]],
                      tail: Callable[[], list[dict[str, Any]]],
                      write: Callable[[dict[str, Any]], str] = sse,
                      error: Callable[[APIError], dict[str, Any]] = APIError.body,
-                     done: bool = True) -> AsyncIterator[str]:
+                     done: bool = True, on_error: Callable[[int], None] = lambda status: None) -> AsyncIterator[str]:
     """Server-sent events: ``head``, a chunk per output (None skips it), ``tail``, then
     ``[DONE]`` (unless ``done`` is false), each event written by ``write``.
 
-    A failure mid-stream ends it with ``error``'s event: 500 ``server_error`` when this
-    request failed (the others go on), 503 when the engine did. The ``finally`` runs when
-    the client disconnects too (the response task is cancelled), aborting what is left.
+    A failure mid-stream ends it with ``error``'s event (its status counted by ``on_error``):
+    400 ``constraint_failed`` when this request's output constraint failed (after the chunk of
+    its last output, ``finish_reason`` "error"), 500 ``server_error`` when it failed otherwise
+    (the other requests go on), 503 when the engine did. The ``finally`` runs when the client
+    disconnects too (the response task is cancelled), aborting what is left.
     """
+    failure: APIError | None = None
     try:
         for c in head:
             yield write(c)
@@ -284,12 +294,20 @@ async def sse_stream(stream: RequestStream, head: list[dict[str, Any]],
             yield write(c)
         if done:
             yield SSE_DONE
+    except ConstraintFailed as e:
+        last = chunk(e.item)
+        if last is not None:
+            yield write(last)
+        failure = constraint_error(e)
     except RequestFailed as e:
-        yield write(error(APIError(500, str(e), type="server_error")))
+        failure = APIError(500, str(e), type="server_error")
     except EngineError as e:
-        yield write(error(APIError(503, str(e), type="server_error")))
+        failure = APIError(503, str(e), type="server_error")
     finally:
         stream.close()
+    if failure is not None:
+        on_error(failure.status)
+        yield write(error(failure))
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
