@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.cluster.index import DEFAULT_MIN_CACHED_SHARE, ROUTINGS
-from kvserve.options import engine_options
 from kvserve.server.cli import run_serve as serve_one
-from kvserve.server.cli import server_settings
+from kvserve.server.cli import serve_engine_options, server_settings
 from kvserve.server.serving import ServerSettings
 
 if TYPE_CHECKING:
@@ -112,7 +111,7 @@ def run_cluster(args: argparse.Namespace, flags: argparse.Namespace, settings: S
                             min_cached_share=flags.min_cached_share,
                             stats_period_s=flags.routing_stats_period_s, max_ongoing_requests=flags.max_ongoing_requests)
     cpus_given = args.replica_cpus is not None
-    options = engine_options(args)
+    options = serve_engine_options(args)
     if options.get("disk_cache_dir") and cluster.num_replicas > 1:
         # a disk tier directory belongs to one engine (it holds a lock); replicas would share it
         raise ValueError("--disk-cache cannot be given to several replicas (one engine per directory); "

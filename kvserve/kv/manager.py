@@ -128,6 +128,15 @@ class KVCacheManager:
                 total += min(whole, self.num_blocks_needed(g.window + max(self.max_chunk_tokens, 1)) + 1)
         return total
 
+    def max_request_tokens(self, limit: int) -> int:
+        """The most tokens, at most ``limit``, that one request can hold in the pool: the largest
+        ``n`` whose ``max_blocks_held(n)`` the pool has (0 when not even one token's)."""
+        low, high = 0, limit
+        while low < high:       # max_blocks_held grows with n
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.max_blocks_held(mid) <= self.pool.num_blocks else (low, mid - 1)
+        return low
+
     def used_blocks_by_kind(self) -> dict[str, int]:
         """Blocks running requests hold, per attention kind of their group (full, sliding)."""
         out: dict[str, int] = {}

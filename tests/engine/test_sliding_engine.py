@@ -180,3 +180,14 @@ def test_a_tenants_reset_drops_its_blocks_in_every_group_only(loaded) -> None:
     assert warm["alice"].num_cached_tokens > 0 and warm["bob"].num_cached_tokens == 0
     assert all(warm[t].token_ids == cold[t].token_ids for t in cold)
     llm.engine.check_integrity()
+
+
+def test_the_window_is_fitted_to_what_a_request_holds_with_sliding_layers(loaded) -> None:
+    """``max_model_len_fit="lower"`` counts blocks as a request holds them: its sliding groups
+    their window and a chunk only (5 blocks each here), the full group every block."""
+    llm = LLM(loaded=loaded, block_size=4, max_num_batched_tokens=8, num_kv_blocks=100, max_model_len_fit="lower")
+    # 100 blocks = 5 sliding groups x 5 + 75 of the full group: 300 tokens, not the 66 of whole layers
+    assert llm.engine.max_model_len == 300 and llm.engine.kv.max_blocks_held(300) == 100
+    out = llm.generate([prompts(4)[0]], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 300
+    llm.engine.check_integrity()
