@@ -126,6 +126,7 @@ def run_cluster(args: argparse.Namespace, flags: argparse.Namespace, settings: S
     # SIGTERM unwinds like Ctrl-C from here on: the finally below stops Serve, a Ray this process
     # started and what is left of its processes, even while Ray or a deployment is coming up
     signal.signal(signal.SIGTERM, _interrupt)
+    serve_started = False
     try:
         if started_ray:
             ray.init(**local_ray_options(flags.ray_num_cpus, flags.ray_object_store_mb, flags.ray_dashboard))
@@ -139,6 +140,7 @@ def run_cluster(args: argparse.Namespace, flags: argparse.Namespace, settings: S
         else:
             cluster = fit_cluster(cluster, ray.cluster_resources().get("CPU", 0.0), cpus_given)
         app = build_application(args.model, options, settings, cluster)
+        serve_started = True
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         if started_ray:
@@ -147,12 +149,13 @@ def run_cluster(args: argparse.Namespace, flags: argparse.Namespace, settings: S
               f"http://{args.host}:{args.port}", flush=True)
         wait_for_signal()
     except KeyboardInterrupt:
-        print("kvserve: stopping the cluster", flush=True)
+        pass
     finally:
         # a second Ctrl-C or SIGTERM must not cut the stop short: it would leave Ray running
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_cluster(APP_NAME, started_ray)
+        print("kvserve: stopping the cluster", flush=True)
+        stop_cluster(APP_NAME, started_ray, serve_started)
     return 0
 
 

@@ -99,14 +99,15 @@ def warn_if_exposed(host: str) -> None:
               + ", ".join(f"pid {x.pid} {x.protocol} {x.address}:{x.port}" for x in exposed), flush=True)
 
 
-def stop_cluster(app_name: str, started_ray: bool) -> None:
-    """Delete the Serve application; when this process started Ray, stop Serve and Ray and then
-    whatever of its process tree is left. Each step runs whatever the one before raised."""
+def stop_cluster(app_name: str, started_ray: bool, serve_started: bool = True) -> None:
+    """Delete the Serve application (when Serve was started); when this process started Ray,
+    stop Serve and Ray and then whatever of its process tree is left. Each step runs whatever
+    the one before raised."""
     import ray
     from ray import serve
 
     tree = procs.descendants(os.getpid()) if started_ray else {}
-    steps = [lambda: serve.delete(app_name)]
+    steps = [lambda: serve.delete(app_name)] if serve_started else []
     if started_ray:
         steps += [serve.shutdown, ray.shutdown]
     for step in steps:
