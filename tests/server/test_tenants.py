@@ -58,15 +58,12 @@ def call(server, method: str, route: str, key: str, body: dict | None = None) ->
 
 
 def test_pins_belong_to_their_tenant(server):
-    def call(method: str, route: str, key: str, body: dict | None = None) -> httpx.Response:
-        return globals()["call"](server, method, route, key, body)
-
-    assert call("POST", "pin", "alice-key", {"prompt": SECRET}).status_code == 200
-    assert len(call("GET", "pins", "alice-key").json()["data"]) == 1
-    assert call("GET", "pins", "bob-key").json()["data"] == []
-    assert call("POST", "unpin", "bob-key", {"all": True}).json()["data"] == []      # bob removes nothing
-    assert call("POST", "unpin", "bob-key", {"prompt": SECRET}).status_code == 404   # nor alice's pin
-    assert len(call("POST", "unpin", "alice-key", {"all": True}).json()["data"]) == 1
+    assert call(server, "POST", "pin", "alice-key", {"prompt": SECRET}).status_code == 200
+    assert len(call(server, "GET", "pins", "alice-key").json()["data"]) == 1
+    assert call(server, "GET", "pins", "bob-key").json()["data"] == []
+    assert call(server, "POST", "unpin", "bob-key", {"all": True}).json()["data"] == []      # bob removes nothing
+    assert call(server, "POST", "unpin", "bob-key", {"prompt": SECRET}).status_code == 404   # nor alice's pin
+    assert len(call(server, "POST", "unpin", "alice-key", {"all": True}).json()["data"]) == 1
 
 
 def test_an_unknown_key_is_refused(server):
