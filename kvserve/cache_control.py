@@ -35,17 +35,23 @@ class PrefixPin:
 
 
 MAX_SALT_CHARS = 256
+MAX_TENANT_CHARS = 64
 
 
 @dataclass(frozen=True)
 class CacheControl:
     """A request's retention class, the prefixes it pins (at most ``MAX_PINS_PER_REQUEST``) and
-    its cache salt: requests share cached blocks (prefix hits, tier entries, pins) only with
-    requests of the same salt ("" is the engine's own namespace, as vLLM's ``cache_salt``)."""
+    its cache namespace, the pair (``tenant``, ``salt``): requests share cached blocks (prefix
+    hits, tier entries, pins, stored segments) only with requests of the same pair. ("", "") is
+    the engine's own namespace; ``salt`` is vLLM's ``cache_salt``; ``tenant`` is a server's
+    tenant (docs/server.md "Tenants"), whose blocks and pins a reset or a listing scoped to it
+    finds. The pair is hashed by lengths (kv/prefix.salted_extra_key): no salt string names
+    another tenant's namespace."""
 
     priority: str = "normal"
     pins: tuple[PrefixPin, ...] = ()
     salt: str = ""
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if self.priority not in CACHE_PRIORITIES:
@@ -57,6 +63,8 @@ class CacheControl:
             raise ValueError("pins must be PrefixPin objects")
         if not isinstance(self.salt, str) or len(self.salt) > MAX_SALT_CHARS:
             raise ValueError(f"cache_salt must be a string of at most {MAX_SALT_CHARS} characters")
+        if not isinstance(self.tenant, str) or len(self.tenant) > MAX_TENANT_CHARS:
+            raise ValueError(f"a tenant's name must be a string of at most {MAX_TENANT_CHARS} characters")
 
     @property
     def retention_class(self) -> int:

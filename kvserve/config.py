@@ -518,6 +518,7 @@ def _check_count(name: str, value: Any) -> None:
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")   # kvserve/model/linear.py
+MAX_MODEL_LEN_FITS = ("refuse", "lower")         # kvserve/engine/build.py fit_max_model_len
 
 
 @dataclass(frozen=True)
@@ -531,6 +532,11 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata=opt(
         "compute dtype (auto: float32 on CPU, the model's dtype on CUDA)", choices=DTYPES))
     max_model_len: int | None = field(default=None, metadata=opt("context window", default_text="the model's"))
+    max_model_len_fit: str | None = field(default=None, metadata=opt(
+        "when the KV cache cannot hold one request of max_model_len tokens: refuse to start, naming both and the "
+        "flags that fix it, or lower max_model_len to what the cache holds (logged)", choices=MAX_MODEL_LEN_FITS,
+        default_text="refuse for kvserve serve; for the Python API none: only a request that could not fit is "
+                     "refused"))
     seed: int = field(default=0, metadata=opt("seed of unseeded sampling", flag="--engine-seed"))
     attention_backend: str = field(default="auto", metadata=opt(
         "how attention reads the KV cache: torch (gather and decode, the reference), cpu (C++ kernel "
@@ -570,6 +576,9 @@ class EngineConfig:
             raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {self.linear_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_model_len_fit is not None and self.max_model_len_fit not in MAX_MODEL_LEN_FITS:
+            raise ValueError(f"max_model_len_fit must be one of {', '.join(MAX_MODEL_LEN_FITS)}, "
+                             f"got {self.max_model_len_fit!r}")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -32,6 +32,18 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"      # failed while running (``Request.error`` says why); other requests go on
 
 
+class ErrorKind(str, enum.Enum):
+    """Whose a request's failure is (``Request.error_kind``)."""
+
+    CONSTRAINT = "constraint"   # its output constraint failed: the grammar it brought, its client's input
+    ENGINE = "engine"           # anything else: the engine's
+
+
+class ConstraintError(ValueError):
+    """A request's output constraint failed (its grammar rejected a token or hit the grammar
+    engine's limits): that request ends, with ``ErrorKind.CONSTRAINT``."""
+
+
 class TokenConstraint(Protocol):
     """A request's grammar state (kvserve/sampling/structured.py): which tokens may come next.
 
@@ -39,10 +51,11 @@ class TokenConstraint(Protocol):
     """
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (int32, one bit per token id)."""
+        """Write the allowed next tokens into ``bitmask[row]`` (int32, one bit per token id);
+        ConstraintError when the grammar fails here."""
 
     def accept(self, token_id: int) -> None:
-        """Advance past ``token_id``; ValueError when the grammar does not allow it."""
+        """Advance past ``token_id``; ConstraintError when the grammar does not allow it or fails."""
 
     @property
     def is_finished(self) -> bool:
@@ -210,6 +223,7 @@ class Request:
     max_tokens: int = 16
     retention_class: int = 0                # eviction class of the blocks it holds (kvserve/cache_control.py)
     cache_salt: str = ""                    # its blocks' keys are salted with it (kvserve/cache_control.py)
+    tenant: str = ""                        # ... and with its tenant's name: the pair is its cache namespace
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -234,6 +248,7 @@ class Request:
     blend: BlendSpec | None = None               # segments to blend at first admission (kvserve/blend/)
     blend_rows: BlendRows | None = None          # a blend the steps are computing (``BlendRows``)
     error: str | None = None                     # why it finished with FinishReason.ERROR
+    error_kind: ErrorKind | None = None          # ... and whose failure that was
     # text produced so far (kept only when stop strings need it)
     output_text: str = ""
 

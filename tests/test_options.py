@@ -20,6 +20,7 @@ SAMPLES = {
     "device": (["cpu"], "cpu", "cpu"),
     "dtype": (["float16"], "float16", "float16"),
     "max_model_len": (["100"], 100, 100),
+    "max_model_len_fit": (["lower"], "lower", "lower"),
     "seed": (["7"], 7, 7),
     "attention_backend": (["torch"], "torch", "torch"),
     "linear_backend": (["torch"], "torch", "torch"),

@@ -180,9 +180,10 @@ def run_config(name: str, args: argparse.Namespace, redis_url: str, system: str,
 def server_flags(args: argparse.Namespace, single: bool, flags: list[str]) -> list[str]:
     """``kvserve serve`` flags for a configuration: the model, ``flags``, the user's
     ``--server-arg``s, and either one engine with the replicas' KV memory together
-    (``single``) or the replicas, each with its pool and CPU share."""
+    (``single``) or the replicas, each with its pool and CPU share. A pool smaller than the model's
+    window starts with the window lowered to fit (the chats here are far shorter)."""
     out = [*(["--model", args.model] if args.model else []), "--device", args.device, "--dtype", args.dtype,
-           *flags, *args.server_arg]
+           "--max-model-len-fit", "lower", *flags, *args.server_arg]
     if single:
         return [*out, "--num-kv-blocks", str(args.num_kv_blocks * args.replicas)]
     return [*out, "--num-kv-blocks", str(args.num_kv_blocks), "--replicas", str(args.replicas),

@@ -221,10 +221,10 @@ class Blender:
             segment = None
             if start + length > num_known:
                 ids = req.prompt_token_ids[start:start + length]
-                location = self.segments.locate(ids, req.cache_salt)
+                location = self.segments.locate(ids, req.cache_salt, req.tenant)
                 if location.num_blocks == 0 and location.num_full_blocks:
                     segment = self._compute(ids)
-                    self._put(segment, req.cache_salt)
+                    self._put(segment, req.cache_salt, req.tenant)
                     usable = length
                 else:
                     load_s += self.tiering.load_seconds(location.tier_run)
@@ -256,7 +256,8 @@ class Blender:
         compute them."""
         spec, num_known = _spec(req), plan.num_known
         cached = [fresh if fresh is not None or start + length <= num_known
-                  else self.segments.get(req.prompt_token_ids[start:start + length], 0, self.rope, req.cache_salt)
+                  else self.segments.get(req.prompt_token_ids[start:start + length], 0, self.rope, req.cache_salt,
+                                         req.tenant)
                   for (start, length), fresh in zip(spec.spans, plan.fresh)]
         known = read_tokens(self.storage, block_ids, req.prompt_token_ids[:num_known]) if num_known else None
         prompt = BlendPrompt(tuple(req.prompt_token_ids), spec.spans)
@@ -298,10 +299,10 @@ class Blender:
         s.recomputed_tokens += num_recomputed
         s.computed_tokens += num_computed
 
-    def _put(self, segment: SegmentKV, salt: str) -> int:
+    def _put(self, segment: SegmentKV, salt: str, tenant: str = "") -> int:
         """Store a standalone segment; the tokens stored (0 when the pool has no room)."""
         try:
-            stored = self.segments.put(segment, salt) * self.segments.block_size
+            stored = self.segments.put(segment, salt, tenant) * self.segments.block_size
         except NoFreeBlocksError:
             log.debug("segment of %d tokens not stored: no free block", segment.num_tokens)
             return 0

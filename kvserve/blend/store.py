@@ -52,16 +52,16 @@ class SegmentStore:
         self.storage = storage
         self.block_size = storage.block_size
 
-    def keys(self, token_ids: Sequence[int], salt: str = "") -> list[bytes]:
-        """The segment's block keys under cache salt ``salt`` (the namespace of the requests
-        that store and reuse it, as for prefix blocks)."""
-        return segment_block_keys(token_ids, self.block_size, self.kv.extra_key_for(salt), self.preamble)
+    def keys(self, token_ids: Sequence[int], salt: str = "", tenant: str = "") -> list[bytes]:
+        """The segment's block keys in cache namespace (``tenant``, ``salt``) (the namespace of the
+        requests that store and reuse it, as for prefix blocks)."""
+        return segment_block_keys(token_ids, self.block_size, self.kv.extra_key_for(salt, tenant), self.preamble)
 
-    def num_cached_blocks(self, token_ids: Sequence[int], salt: str = "") -> int:
+    def num_cached_blocks(self, token_ids: Sequence[int], salt: str = "", tenant: str = "") -> int:
         """The segment's leading full blocks on the device now (tiers not asked)."""
-        return len(self._device_blocks(token_ids, self.keys(token_ids, salt)))
+        return len(self._device_blocks(token_ids, self.keys(token_ids, salt, tenant)))
 
-    def put(self, segment: SegmentKV, salt: str = "") -> int:
+    def put(self, segment: SegmentKV, salt: str = "", tenant: str = "") -> int:
         """Store a standalone segment's full blocks that are not on the device yet; returns how
         many it wrote. Raises ValueError for a segment not at position 0, NoFreeBlocksError
         when the pool cannot hold it."""
@@ -70,7 +70,7 @@ class SegmentStore:
                              f"at {segment.first_position}")
         if segment.num_layers != self.storage.num_layers:
             raise ValueError(f"a segment of {segment.num_layers} layers for a model of {self.storage.num_layers}")
-        keys = self.keys(segment.token_ids, salt)
+        keys = self.keys(segment.token_ids, salt, tenant)
         num_cached = len(self._device_blocks(segment.token_ids, keys))
         if num_cached == len(keys):
             return 0
@@ -81,25 +81,25 @@ class SegmentStore:
             write_tokens(self.storage, [b.block_id for b in blocks], 0, [k[start:end] for k in segment.keys],
                          [v[start:end] for v in segment.values])
             for i, block in enumerate(blocks, start=num_cached):
-                self.pool.cache(block, keys[i], tuple(segment.token_ids[i * bs:(i + 1) * bs]))
+                self.pool.cache(block, keys[i], tuple(segment.token_ids[i * bs:(i + 1) * bs]), tenant)
         finally:
             self.pool.free(reversed(blocks))
         return len(blocks)
 
-    def locate(self, token_ids: Sequence[int], salt: str = "") -> SegmentLocation:
+    def locate(self, token_ids: Sequence[int], salt: str = "", tenant: str = "") -> SegmentLocation:
         """Where the segment's leading stored blocks are: on the device, then in the tiers (a
         run worth loading, by the tiers' cost model). Nothing is loaded or referenced."""
-        keys = self.keys(token_ids, salt)
+        keys = self.keys(token_ids, salt, tenant)
         num_device = len(self._device_blocks(token_ids, keys))
         run = self.tiering.lookup(keys[num_device:]) if num_device < len(keys) else EMPTY_RUN
         return SegmentLocation(num_device, run, len(keys))
 
     def get(self, token_ids: Sequence[int], first_position: int, rope: RopeTables,
-            salt: str = "") -> SegmentKV | None:
+            salt: str = "", tenant: str = "") -> SegmentKV | None:
         """The KV of the segment's leading stored blocks, moved to ``first_position``: from the
         device, then loaded from the offload tiers into fresh blocks (cached there again).
         None when not even its first block is stored anywhere."""
-        blocks = self._acquire(token_ids, salt)
+        blocks = self._acquire(token_ids, salt, tenant)
         if not blocks:
             return None
         try:
@@ -120,11 +120,11 @@ class SegmentStore:
             out.append(block)
         return out
 
-    def _acquire(self, token_ids: Sequence[int], salt: str) -> list[Block]:
+    def _acquire(self, token_ids: Sequence[int], salt: str, tenant: str) -> list[Block]:
         """The segment's leading stored blocks, a reference taken on each: device hits, then
         the run the tiers hold, loaded now (a load that stops early frees its other blocks;
         with no free block to load into, the device hits alone)."""
-        keys = self.keys(token_ids, salt)
+        keys = self.keys(token_ids, salt, tenant)
         blocks = self._device_blocks(token_ids, keys)
         self.pool.touch(blocks)
         if len(blocks) == len(keys):
@@ -140,7 +140,7 @@ class SegmentStore:
         loaded, missed = fresh[:promotion.num_blocks], fresh[promotion.num_blocks:]
         bs, start = self.block_size, len(blocks)
         for i, block in enumerate(loaded, start=start):
-            self.pool.cache(block, keys[i], tuple(token_ids[i * bs:(i + 1) * bs]))
+            self.pool.cache(block, keys[i], tuple(token_ids[i * bs:(i + 1) * bs]), tenant)
         self.pool.free(reversed(missed))
         return blocks + loaded
 

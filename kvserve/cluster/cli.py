@@ -11,13 +11,12 @@ import math
 import os
 import signal
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.cluster.index import DEFAULT_MIN_CACHED_SHARE, ROUTINGS
-from kvserve.options import engine_options
+from kvserve.cluster.local_ray import check_local_ray, keep_ray_local, local_ray_options, stop_cluster, warn_if_exposed
 from kvserve.server.cli import run_serve as serve_one
-from kvserve.server.cli import server_settings
+from kvserve.server.cli import serve_engine_options, server_settings
 from kvserve.server.serving import ServerSettings
 
 if TYPE_CHECKING:
@@ -29,8 +28,8 @@ if TYPE_CHECKING:
 # without --replicas is refused rather than ignored
 CLUSTER_DEFAULTS: dict[str, Any] = {
     "ray_address": None, "routing": "kv", "replica_cpus": 1.0, "replica_gpus": 0.0, "ingress_replicas": 1,
-    "max_load_imbalance": 2, "min_cached_share": DEFAULT_MIN_CACHED_SHARE, "routing_stats_period_s": 1.0, "max_ongoing_requests": 64, "ray_num_cpus": None,
-    "ray_object_store_mb": 256}
+    "max_load_imbalance": 2, "min_cached_share": DEFAULT_MIN_CACHED_SHARE, "routing_stats_period_s": 1.0,
+    "max_ongoing_requests": 64, "ray_num_cpus": None, "ray_object_store_mb": 256, "ray_dashboard": False}
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +61,8 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                    help="CPUs of a local Ray cluster (default: the machine's)")
     g.add_argument("--ray-object-store-mb", type=int,
                    help="object store of a local Ray cluster, MiB (default 256; outputs are small)")
+    g.add_argument("--ray-dashboard", action="store_true", default=None,
+                   help="start a local Ray cluster's dashboard too, on 127.0.0.1:8265 (default: none)")
     parser.set_defaults(run=run_serve)
 
 
@@ -101,6 +102,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_cluster(args: argparse.Namespace, flags: argparse.Namespace, settings: ServerSettings) -> int:
+    started_ray = flags.ray_address is None
+    if started_ray:
+        keep_ray_local()        # before Ray is imported: it reads the switch once (cluster/local_ray.py)
     import ray
     from ray import serve
 
@@ -112,52 +116,47 @@ def run_cluster(args: argparse.Namespace, flags: argparse.Namespace, settings: S
                             min_cached_share=flags.min_cached_share,
                             stats_period_s=flags.routing_stats_period_s, max_ongoing_requests=flags.max_ongoing_requests)
     cpus_given = args.replica_cpus is not None
-    options = engine_options(args)
+    options = serve_engine_options(args)
     if options.get("disk_cache_dir") and cluster.num_replicas > 1:
         # a disk tier directory belongs to one engine (it holds a lock); replicas would share it
         raise ValueError("--disk-cache cannot be given to several replicas (one engine per directory); "
                          "share blocks through --redis-url and --write-through instead")
-    started_ray = flags.ray_address is None
     if started_ray:      # a local cluster's CPUs are known before it starts: refuse without starting it
         cluster = fit_cluster(cluster, flags.ray_num_cpus or os.cpu_count() or 1, cpus_given)
-    # SIGTERM unwinds like Ctrl-C from the first Ray call on: the finally below stops Serve and a
-    # Ray this process started, even while a deployment is still coming up
+    # SIGTERM unwinds like Ctrl-C from here on: the finally below stops Serve, a Ray this process
+    # started and what is left of its processes, even while Ray or a deployment is coming up
     signal.signal(signal.SIGTERM, _interrupt)
-    if started_ray:
-        ray.init(**local_ray_options(flags.ray_num_cpus, flags.ray_object_store_mb))
-    else:
-        ray.init(address=flags.ray_address)
-        try:
-            cluster = fit_cluster(cluster, ray.cluster_resources().get("CPU", 0.0), cpus_given)
-        except ValueError:
-            ray.shutdown()
-            raise
-    app = build_application(args.model, options, settings, cluster)
+    serve_started = False
     try:
+        if started_ray:
+            ray.init(**local_ray_options(flags.ray_num_cpus, flags.ray_object_store_mb, flags.ray_dashboard))
+        else:
+            ray.init(address=flags.ray_address)
+        # ray.init puts its own SIGTERM handler in (sys.exit), under which the driver aborts (SIGABRT)
+        # halfway through deleting the application, leaving Ray's processes behind: ours again
+        signal.signal(signal.SIGTERM, _interrupt)
+        if started_ray:
+            check_local_ray()
+        else:
+            cluster = fit_cluster(cluster, ray.cluster_resources().get("CPU", 0.0), cpus_given)
+        app = build_application(args.model, options, settings, cluster)
+        serve_started = True
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        if started_ray:
+            warn_if_exposed(args.host)
         print(f"kvserve: {cluster.num_replicas} engine replicas ({cluster.routing} routing) serving on "
               f"http://{args.host}:{args.port}", flush=True)
         wait_for_signal()
     except KeyboardInterrupt:
-        print("kvserve: stopping the cluster", flush=True)
+        pass
     finally:
-        serve.delete(APP_NAME)
-        if started_ray:
-            serve.shutdown()
-            ray.shutdown()
+        # a second Ctrl-C or SIGTERM must not cut the stop short: it would leave Ray running
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("kvserve: stopping the cluster", flush=True)
+        stop_cluster(APP_NAME, started_ray, serve_started)
     return 0
-
-
-def local_ray_options(num_cpus: float | None, object_store_mb: int) -> dict[str, Any]:
-    """A one-machine Ray cluster: loopback node address, no dashboard, a small object store,
-    and this kvserve on the workers' path (the replicas import it)."""
-    import kvserve
-
-    source = str(Path(kvserve.__file__).resolve().parents[1])
-    path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
-    return {"num_cpus": num_cpus, "object_store_memory": object_store_mb << 20, "include_dashboard": False,
-            "_node_ip_address": "127.0.0.1", "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
 
 
 def _interrupt(signum: int, frame: object) -> None:

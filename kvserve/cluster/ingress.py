@@ -20,7 +20,7 @@ class Ingress:
     async def __init__(self, engines: DeploymentHandle, settings: ServerSettings,  # type: ignore[misc]
                        poll_s: float = 1.0, max_attempts: int = 3) -> None:   # Serve awaits an async __init__
         card: ModelCard = await engines.describe.remote()    # tokenizer, limits, block keys' inputs
-        self.fleet = FleetMetrics(poll_s)
+        self.fleet = FleetMetrics(poll_s, settings.tenants)
         self.client = ReplicaClient(engines, card, self.fleet, max_attempts)
         self.ctx = ServingContext(self.client, settings, self.fleet.server)
 

@@ -42,8 +42,8 @@ FLEET = "fleet"
 class FleetMetrics:
     """Owned by the ingress's event loop; ``server`` is the single server's ServerMetrics."""
 
-    def __init__(self, poll_s: float = 1.0) -> None:
-        self.server = ServerMetrics()
+    def __init__(self, poll_s: float = 1.0, tenants: tuple[str, ...] = ()) -> None:
+        self.server = ServerMetrics(tenants)
         r = self.server.registry
         self.poll_s = poll_s
         self.replica_stats: dict[str, Any] = {}      # replica id -> its ReplicaStats (last poll)

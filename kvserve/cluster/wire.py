@@ -102,11 +102,11 @@ class Published:
 def route_hint(card: ModelCard, tag: bytes, spec: RequestSpec) -> RouteHint:
     """What the router matches for ``spec``: its prompt's block digests and, for a prompt
     given with segments, each segment's (kvserve/cluster/index.py)."""
-    salt = spec.cache.salt if spec.cache is not None else ""
+    salt, tenant = (spec.cache.salt, spec.cache.tenant) if spec.cache is not None else ("", "")
     ids = spec.prompt_token_ids
-    hint = RouteHint(digests(card.block_keys(ids, salt)), tag, card.block_size)
+    hint = RouteHint(digests(card.block_keys(ids, salt, tenant)), tag, card.block_size)
     if spec.blend is not None:
-        hint.segments = tuple(SegmentDigests(start, digests(card.segment_keys(ids[start:start + n], salt)))
+        hint.segments = tuple(SegmentDigests(start, digests(card.segment_keys(ids[start:start + n], salt, tenant)))
                               for start, n in spec.blend.spans)
         hint.blend_fraction = spec.blend.fraction
     return hint

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -177,9 +178,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     secret_path = Path(cc.key_secret_file) if cc.key_secret_file else default_cache_dir() / "block-key-secret"
     extra_key = make_extra_key(fingerprint, f"{kv_format.spec}:{dtype}", cc.cache_salt,
                                load_or_create_secret(secret_path))
-    # what a front end needs to parse requests for this engine (a cluster's ingress gets it over the wire)
     preamble = _blend_preamble(cc.blend_preamble, loaded)
-    model_card = ModelCard(loaded.tokenizer, mc.vocab_size, max_model_len, cc.block_size, extra_key, preamble)
     # the tiering copies blocks through the mover; Redis keys are namespaced by the extra key
     # (model, format, dtype, salt), as blocks are tagged by it
     mover = BlockMover(storage.block_tensors())
@@ -189,6 +188,9 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     pins = Pins(pool, int(cc.max_pinned_fraction * storage.num_blocks), cc.max_pin_ttl_s, clock)
     kv = KVCacheManager(pool, extra_key, cc.enable_prefix_caching, storage.residual, tiering, budgets, pins, groups,
                         config.scheduler.max_num_batched_tokens)
+    max_model_len = fit_max_model_len(config.max_model_len_fit, kv, max_model_len, storage.nbytes / storage.num_blocks)
+    # what a front end needs to parse requests for this engine (a cluster's ingress gets it over the wire)
+    model_card = ModelCard(loaded.tokenizer, mc.vocab_size, max_model_len, cc.block_size, extra_key, preamble)
     eos = sorted(mc.eos_token_ids)
     tokenizer_json = loaded.tokenizer.to_tokenizer_json() if loaded.tokenizer is not None else None
     scheduler = Scheduler(config.scheduler, kv, tiering)
@@ -215,6 +217,30 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
              model.weight_nbytes / 2**20, kv_format.spec, storage.num_blocks, cc.block_size,
              storage.nbytes / 2**20, attention.name, ", ".join(tiering.tier_names) or "none")
     return parts
+
+
+def fit_max_model_len(fit: str | None, kv: KVCacheManager, max_model_len: int, block_nbytes: float) -> int:
+    """``max_model_len``, checked against the pool as ``fit`` says: a pool that holds one request
+    of that many tokens (``KVCacheManager.max_blocks_held``: on sliding-window layers their
+    windows' blocks) keeps it; else "refuse" raises ValueError naming both numbers and the
+    flags that fix it, and "lower" gives the most tokens the pool holds for one request (so that
+    a request's default max_tokens, the rest of the window, always fits). None: no check."""
+    fits = kv.max_request_tokens(max_model_len)
+    if fit is None or fits == max_model_len:
+        return max_model_len
+    needed = kv.max_blocks_held(max_model_len)
+    if fit == "lower" and fits >= 2:
+        log.warning("max_model_len lowered from %d to %d tokens: the KV cache's %d blocks hold no more of one request "
+                    "(%d tokens needs %d blocks; --max-model-len-fit lower)", max_model_len, fits,
+                    kv.pool.num_blocks, max_model_len, needed)
+        return fits
+    gib = math.ceil(needed * block_nbytes / 2**30 * 100) / 100
+    raise ValueError(
+        f"the KV cache has {kv.pool.num_blocks} blocks of {kv.block_size} tokens, but one request of max_model_len "
+        f"{max_model_len} tokens needs up to {needed} blocks: the cache holds at most {fits} tokens of one request, "
+        f"so a request without max_tokens could never run. Give --max-model-len {fits} (or less), a KV cache of "
+        f"{needed} blocks or more (--kv-cache-gb {gib:.2f}, or --num-kv-blocks {needed}), or --max-model-len-fit "
+        f"lower to start with max_model_len {fits}")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from kvserve.engine.stats import EngineStats, take_stats
 from kvserve.kv.pins import Clock, PinInfo
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.offload.base import Transport
-from kvserve.request import EncodedPrompt, FinishReason, Request, Resumed, TokenLogprob
+from kvserve.request import ConstraintError, EncodedPrompt, ErrorKind, FinishReason, Request, Resumed, TokenLogprob
 from kvserve.sampling.rows import RowRequest, drafted_rows
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import SchedulerOutput
@@ -96,7 +96,8 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.kv.check_fits(params, len(ids), max_tokens)
         req = Request(rid, ids, params, arrival_seq=seq, priority=priority, max_tokens=max_tokens,
-                      retention_class=cache.retention_class, cache_salt=cache.salt, blend=encoded.blend)
+                      retention_class=cache.retention_class, cache_salt=cache.salt, tenant=cache.tenant,
+                      blend=encoded.blend)
         if params.structured is not None:
             req.constraint = self.grammars.matcher(params.structured)
         if resume is not None and resume.token_ids:
@@ -104,7 +105,7 @@ class LLMEngine:
                 raise ValueError("resume: a resumed request is computed exactly; give it without segments")
             self._resume(req, resume)
         try:
-            self.kv.pin_prefixes(ids, cache.pins, skip_short=True, salt=cache.salt)
+            self.kv.pin_prefixes(ids, cache.pins, skip_short=True, salt=cache.salt, tenant=cache.tenant)
         except Exception:
             self.outputs.remove(rid)
             raise
@@ -154,25 +155,29 @@ class LLMEngine:
 
     # -- pins --------------------------------------------------------------
     def pin(self, prompt: str | Sequence[int], ttl_s: float | None = None, num_tokens: int | None = None,
-            salt: str = "") -> PinInfo:
+            salt: str = "", tenant: str = "") -> PinInfo:
         """Pin the full blocks of the prompt's first ``num_tokens`` tokens (all by default) for
-        ``ttl_s`` seconds (default 300), cached yet or not (``LLM.pin`` says what a pin does);
-        ValueError (PinLimitError past the limit) pins nothing."""
+        ``ttl_s`` seconds (default 300) in cache namespace (``tenant``, ``salt``), cached yet or not
+        (``LLM.pin`` says what a pin does); ValueError (PinLimitError past the limit) pins nothing."""
         spec = PrefixPin(num_tokens, DEFAULT_PIN_TTL_S if ttl_s is None else ttl_s)
-        return self.kv.pin_prefixes(self.encode_prompt(prompt), [spec], skip_short=False, salt=salt)[0]
+        return self.kv.pin_prefixes(self.encode_prompt(prompt), [spec], skip_short=False, salt=salt,
+                                    tenant=tenant)[0]
 
-    def unpin(self, prompt: str | Sequence[int], num_tokens: int | None = None, salt: str = "") -> PinInfo:
+    def unpin(self, prompt: str | Sequence[int], num_tokens: int | None = None, salt: str = "",
+              tenant: str = "") -> PinInfo:
         """Remove the pin over exactly the full blocks of the prompt's first ``num_tokens``
-        tokens (all by default) under cache salt ``salt``; PinNotFoundError if none."""
-        return self.kv.unpin(self.encode_prompt(prompt)[:num_tokens], salt)
+        tokens (all by default) in cache namespace (``tenant``, ``salt``); PinNotFoundError if none."""
+        return self.kv.unpin(self.encode_prompt(prompt)[:num_tokens], salt, tenant)
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self.blending.has_work
 
-    def reset_prefix_cache(self) -> int:
-        """Forget the device prefix cache (the offload tiers keep their blocks)."""
-        return self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self, tenant: str | None = None) -> int:
+        """Forget the device prefix cache, or only the blocks of ``tenant``'s namespaces (every
+        salt of it; "" the engine's own); blocks running requests hold and the offload tiers'
+        blocks stay, and so do the pins. Returns the blocks dropped."""
+        return self.kv.reset_prefix_cache(tenant)
 
     def close(self) -> None:
         """Finish pending demotions and release the offload tiers (the disk directory's
@@ -243,7 +248,8 @@ class LLMEngine:
             first += len(draft) + 1
             row_tokens = sampled.token_ids[own.start:own.stop]
             if row_tokens[0] is None:
-                outputs.append(self._fail(req, sampled.errors[own.start]))
+                error = sampled.errors[own.start]
+                outputs.append(self._fail(req, error.message, error.by_constraint))
                 continue
             # a drafted row with no token (its grammar state failed, or another row error) is cut
             # off with the rows after it: the rows verified are the ones before it (if the run
@@ -258,6 +264,9 @@ class LLMEngine:
                 logprobs = self.sampler.logprobs(logits[own.start:own.start + len(emitted)],
                                                  rows[own.start:own.start + len(emitted)], list(emitted))
                 reason = self._apply(req, emitted, [logprobs.get(j) for j in range(len(emitted))])
+            except ConstraintError as e:       # its grammar failed on the token: the request's own input
+                outputs.append(self._fail(req, str(e), by_constraint=True))
+                continue
             except Exception as e:
                 log.exception("request %s failed after sampling", req.request_id)
                 outputs.append(self._fail(req, f"{type(e).__name__}: {e}"))
@@ -287,9 +296,11 @@ class LLMEngine:
         req.finish_time = time.monotonic()
         del self._requests[req.request_id]
 
-    def _fail(self, req: Request, error: str) -> RequestOutput:
-        """Finish ``req`` with FinishReason.ERROR (its blocks freed), as an output naming ``error``."""
+    def _fail(self, req: Request, error: str, by_constraint: bool = False) -> RequestOutput:
+        """Finish ``req`` with FinishReason.ERROR (its blocks freed), as an output naming ``error``
+        (its ``error_kind``: its output constraint's failure, or the engine's)."""
         req.error = error
+        req.error_kind = ErrorKind.CONSTRAINT if by_constraint else ErrorKind.ENGINE
         self._retire(req, FinishReason.ERROR)
         return self._output(req)
 

@@ -69,17 +69,17 @@ class ModelCard:
                 "and at least one must be left to generate")
         return ids
 
-    def block_keys(self, token_ids: Sequence[int], salt: str = "") -> list[bytes]:
-        """The content keys of the full blocks of ``token_ids`` under cache salt ``salt``, as the
-        engine computes them."""
+    def block_keys(self, token_ids: Sequence[int], salt: str = "", tenant: str = "") -> list[bytes]:
+        """The content keys of the full blocks of ``token_ids`` in cache namespace (``tenant``,
+        ``salt``), as the engine computes them."""
         keys: list[bytes] = []
-        extend_block_keys(keys, token_ids, self.block_size, salted_extra_key(self.extra_key, salt))
+        extend_block_keys(keys, token_ids, self.block_size, salted_extra_key(self.extra_key, salt, tenant))
         return keys
 
-    def segment_keys(self, token_ids: Sequence[int], salt: str = "") -> list[bytes]:
+    def segment_keys(self, token_ids: Sequence[int], salt: str = "", tenant: str = "") -> list[bytes]:
         """The keys a segment's full blocks are stored under (kvserve/blend/store.py), as the
         engine computes them."""
-        return segment_block_keys(token_ids, self.block_size, salted_extra_key(self.extra_key, salt),
+        return segment_block_keys(token_ids, self.block_size, salted_extra_key(self.extra_key, salt, tenant),
                                   self.segment_preamble)
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -94,6 +94,7 @@ class OutputProcessor:
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
             ttft=ttft, e2e_latency=e2e, num_preemptions=req.num_preemptions, error=req.error,
+            error_kind=None if req.error_kind is None else req.error_kind.value,
             num_reused_tokens=req.num_reused_tokens, num_recomputed_tokens=req.num_recomputed_tokens,
             num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens)
 

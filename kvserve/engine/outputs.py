@@ -23,6 +23,7 @@ class RequestOutput:
     e2e_latency: float | None       # seconds from arrival to finish
     num_preemptions: int
     error: str | None = None        # with finish_reason "error": what failed (this request only)
+    error_kind: str | None = None   # ... and whose failure: "constraint" (its output constraint) or "engine"
     num_reused_tokens: int = 0      # blended prompt: tokens whose KV came from stored segments
     num_recomputed_tokens: int = 0  # of those, recomputed (kvserve/blend/)
     num_draft_tokens: int = 0       # speculative decoding: drafted tokens checked (kvserve/spec/)

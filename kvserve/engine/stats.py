@@ -40,6 +40,7 @@ class EngineStats:
     pin_hit_tokens: int = 0                  # prompt tokens served from pinned device blocks, first admissions
     blend: BlendStats = field(default_factory=BlendStats)   # segments and blended prompts (kvserve/blend/)
     spec: SpecStats | None = None            # speculative decoding (kvserve/spec/; None: off)
+    kv_cached_blocks_by_tenant: tuple[tuple[str, int], ...] = ()   # (tenant, cached blocks), "" the engine's
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -70,4 +71,5 @@ def take_stats(num_steps: int, scheduler: Scheduler, kv: KVCacheManager, blend: 
         num_evicted_blocks=pool.num_evicted_blocks, tiers=tiering.metrics(), cost=tiering.cost_snapshot(),
         num_swapped_blocks=scheduler.num_swapped_blocks, budgets=kv.budgets.stats(), pins=kv.pins.stats(),
         pin_hit_tokens=scheduler.num_pin_hit_tokens, blend=dataclasses.replace(blend),
-        spec=None if spec is None else dataclasses.replace(spec))
+        spec=None if spec is None else dataclasses.replace(spec),
+        kv_cached_blocks_by_tenant=tuple(sorted(pool.cached_blocks_by_tenant().items())))

@@ -19,6 +19,10 @@ first non-empty queue, each in LRU order:
 Every verb stays O(1) per block (allocate looks at a fixed number of queue heads). A
 block's class is the highest of the requests that held it since it was last free; a
 block without a key is always class 0 (it holds nothing worth keeping).
+
+A cached block also records the tenant its key's namespace belongs to (kvserve/cache_control.py),
+counted per tenant, so a cache reset can drop one tenant's blocks and leave every other's
+(``evict_cached``: one walk of the free queue).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Block:
     token_ids: tuple[int, ...] = ()
     retention: int = 0              # eviction class of the requests holding it (BlockPool.touch)
     tag: int = 0                    # what its allocation was for (a layer group: kv/groups.py)
+    tenant: str = ""                # while cached: the tenant whose namespace its key is in ("" the engine's)
     queue_index: int = 0            # which free queue holds it, while its ref_count is 0
     # intrusive links of the free queue; None when not queued (or at an end)
     prev_free: Block | None = None
@@ -192,6 +197,7 @@ class BlockPool:
         self.free_queue = EvictionQueues(self.blocks, num_classes + 1)
         self._cached: dict[bytes, Block] = {}
         self._pin_counts: dict[bytes, int] = {}  # key -> pins covering it
+        self._num_cached_by_tenant: dict[str, int] = {}
         self.num_evicted_blocks = 0
         self.num_pinned_cached = 0      # blocks holding a pinned key (used or not)
         self.num_pinned_evicted = 0     # pinned blocks evicted for room (demoted when a tier exists)
@@ -231,6 +237,10 @@ class BlockPool:
     def holds(self, key: bytes) -> bool:
         """Whether a device block holds ``key``."""
         return key in self._cached
+
+    def cached_blocks_by_tenant(self) -> dict[str, int]:
+        """Cached blocks (used or not) per tenant holding any ("" the engine's own namespace)."""
+        return dict(self._num_cached_by_tenant)
 
     def cached_keys(self) -> list[bytes]:
         """Every key a device block holds, oldest cached first (what a cluster's router indexes)."""
@@ -314,8 +324,8 @@ class BlockPool:
             elif block.ref_count == 0:
                 self.free_queue.append(block, self._queue_of(block))
 
-    def cache(self, block: Block, key: bytes, token_ids: tuple[int, ...]) -> bool:
-        """Register a full block under its content key.
+    def cache(self, block: Block, key: bytes, token_ids: tuple[int, ...], tenant: str = "") -> bool:
+        """Register a full block under its content key, a key of ``tenant``'s namespace.
 
         Returns False when another block already holds the key (two requests
         computed the same block at once); this block then stays uncached and is
@@ -332,7 +342,9 @@ class BlockPool:
             return False
         block.key = key
         block.token_ids = token_ids
+        block.tenant = tenant
         self._cached[key] = block
+        self._num_cached_by_tenant[tenant] = self._num_cached_by_tenant.get(tenant, 0) + 1
         if key in self._pin_counts:
             self.num_pinned_cached += 1
         if block.ref_count == 0 and block.queue_index != self._queue_of(block):
@@ -369,12 +381,13 @@ class BlockPool:
                 if block.ref_count == 0:
                     self.free_queue.move(block, self._queue_of(block))
 
-    def evict_all_cached(self) -> int:
-        """Forget every cached key of unreferenced blocks, pinned ones too (a cache reset;
-        the pins stay, and cover the blocks again once recomputed)."""
+    def evict_cached(self, tenant: str | None = None) -> int:
+        """Forget the cached keys of unreferenced blocks, pinned ones too: every one, or only those
+        of ``tenant``'s namespace (a cache reset; the pins stay, and cover the blocks again once
+        recomputed). Blocks running requests hold keep their keys. O(blocks in the free queue)."""
         dropped = 0
         for block in list(self.free_queue):
-            if block.key is not None:
+            if block.key is not None and (tenant is None or block.tenant == tenant):
                 self._evict(block)
                 dropped += 1
                 if block.queue_index != 0:
@@ -407,8 +420,12 @@ class BlockPool:
             self.num_pinned_cached -= 1
             self.num_pinned_evicted += 1
         del self._cached[block.key]
+        self._num_cached_by_tenant[block.tenant] -= 1
+        if not self._num_cached_by_tenant[block.tenant]:
+            del self._num_cached_by_tenant[block.tenant]
         block.key = None
         block.token_ids = ()
+        block.tenant = ""
         self.num_evicted_blocks += 1
 
     # -- checks ------------------------------------------------------------
@@ -436,6 +453,11 @@ class BlockPool:
             assert block.key == key, f"{block} indexed under a key it does not hold"
             assert len(block.token_ids) == self.block_size, f"{block} cached while not full"
         assert sum(b.key is not None for b in self.blocks) == len(self._cached), "stray keys"
+        by_tenant: dict[str, int] = {}
+        for block in self._cached.values():
+            by_tenant[block.tenant] = by_tenant.get(block.tenant, 0) + 1
+        assert by_tenant == self._num_cached_by_tenant, f"cached blocks per tenant {self._num_cached_by_tenant}"
+        assert all(b.tenant == "" for b in self.blocks if b.key is None), "a tenant on a block with no key"
         assert all(count > 0 for count in self._pin_counts.values()), "a pinned key with no pin"
         assert self.num_pinned_cached == sum(key in self._cached for key in self._pin_counts), (
             f"{self.num_pinned_cached} pinned blocks counted")

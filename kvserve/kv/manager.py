@@ -128,6 +128,15 @@ class KVCacheManager:
                 total += min(whole, self.num_blocks_needed(g.window + max(self.max_chunk_tokens, 1)) + 1)
         return total
 
+    def max_request_tokens(self, limit: int) -> int:
+        """The most tokens, at most ``limit``, that one request can hold in the pool: the largest
+        ``n`` whose ``max_blocks_held(n)`` the pool has (0 when not even one token's)."""
+        low, high = 0, limit
+        while low < high:       # max_blocks_held grows with n
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.max_blocks_held(mid) <= self.pool.num_blocks else (low, mid - 1)
+        return low
+
     def used_blocks_by_kind(self) -> dict[str, int]:
         """Blocks running requests hold, per attention kind of their group (full, sliding)."""
         out: dict[str, int] = {}
@@ -150,7 +159,8 @@ class KVCacheManager:
         """Keys of the request's full blocks, extended as its tokens grow (the first group's:
         another group's are ``group_key`` of these)."""
         keys = self._keys.setdefault(request.request_id, [])
-        extend_block_keys(keys, request.all_token_ids, self.block_size, self.extra_key_for(request.cache_salt))
+        extend_block_keys(keys, request.all_token_ids, self.block_size,
+                          self.extra_key_for(request.cache_salt, request.tenant))
         return keys
 
     def match_prefix(self, request: Request) -> PrefixMatch:
@@ -314,7 +324,7 @@ class KVCacheManager:
 
     def _cache_blocks(self, request: Request, start: int, end: int) -> None:
         """Register the request's full blocks [start, end) under their content keys, each
-        group's under its own."""
+        group's under its own, as blocks of its tenant (what a reset scoped to it drops)."""
         keys = self.block_keys(request)
         tokens = request.all_token_ids
         bs = self.block_size
@@ -322,7 +332,8 @@ class KVCacheManager:
             for i in range(start, end):
                 block = table[i]
                 if block is not None:
-                    self.pool.cache(block, group_key(keys[i], g.index), tuple(tokens[i * bs:(i + 1) * bs]))
+                    self.pool.cache(block, group_key(keys[i], g.index), tuple(tokens[i * bs:(i + 1) * bs]),
+                                    request.tenant)
         self._num_cached_blocks[request.request_id] = end
 
     def _free_blocks(self, blocks: Iterable[Block]) -> None:
@@ -456,20 +467,23 @@ class KVCacheManager:
         self.free(request)
         self._keys.pop(request.request_id, None)
 
-    def reset_prefix_cache(self) -> int:
-        return self.pool.evict_all_cached()
+    def reset_prefix_cache(self, tenant: str | None = None) -> int:
+        """Drop the content keys of every unreferenced cached block, or of ``tenant``'s only
+        (kv/block_pool.evict_cached); returns how many."""
+        return self.pool.evict_cached(tenant)
 
     # -- pins --------------------------------------------------------------
-    def extra_key_for(self, salt: str) -> bytes:
-        """The extra key of requests with cache salt ``salt`` (kv/prefix.salted_extra_key)."""
-        return salted_extra_key(self.extra_key, salt)
+    def extra_key_for(self, salt: str, tenant: str = "") -> bytes:
+        """The extra key of requests in cache namespace (``tenant``, ``salt``) (kv/prefix.salted_extra_key)."""
+        return salted_extra_key(self.extra_key, salt, tenant)
 
-    def prefix_keys(self, token_ids: Sequence[int], num_tokens: int | None = None, salt: str = "") -> list[bytes]:
+    def prefix_keys(self, token_ids: Sequence[int], num_tokens: int | None = None, salt: str = "",
+                    tenant: str = "") -> list[bytes]:
         """Keys of the full blocks among the first ``num_tokens`` tokens (all by default): the
         first group's, then of every other group those a hit at the prefix's end needs (a
         sliding group's window before it), so a pin keeps the whole hit."""
         keys: list[bytes] = []
-        extend_block_keys(keys, token_ids[:num_tokens], self.block_size, self.extra_key_for(salt))
+        extend_block_keys(keys, token_ids[:num_tokens], self.block_size, self.extra_key_for(salt, tenant))
         out = list(keys)
         for g in self.groups[1:]:
             first = g.first_needed_block(len(keys) * self.block_size, self.block_size)
@@ -477,17 +491,17 @@ class KVCacheManager:
         return out
 
     def pin(self, token_ids: Sequence[int], prefixes: Sequence[tuple[int | None, float]],
-            salt: str = "") -> list[PinInfo]:
-        """Pin the full blocks of each ``(num_tokens, ttl_s)`` prefix of ``token_ids`` under cache
-        salt ``salt`` (all or none; Pins.pin's errors)."""
+            salt: str = "", tenant: str = "") -> list[PinInfo]:
+        """Pin the full blocks of each ``(num_tokens, ttl_s)`` prefix of ``token_ids`` in cache
+        namespace (``tenant``, ``salt``) (all or none; Pins.pin's errors)."""
         if not self.enable_prefix_caching:
             raise ValueError("pinning needs prefix caching, which is off on this engine")
         bs = self.block_size
-        return self.pins.pin([(self.prefix_keys(token_ids, n, salt), ttl_s) for n, ttl_s in prefixes], salt,
-                             [len(token_ids[:n]) // bs * bs for n, _ in prefixes])
+        return self.pins.pin([(self.prefix_keys(token_ids, n, salt, tenant), ttl_s) for n, ttl_s in prefixes], salt,
+                             [len(token_ids[:n]) // bs * bs for n, _ in prefixes], tenant)
 
     def pin_prefixes(self, token_ids: Sequence[int], pins: Sequence[PrefixPin], skip_short: bool,
-                     salt: str = "") -> list[PinInfo]:
+                     salt: str = "", tenant: str = "") -> list[PinInfo]:
         """Pin each ``PrefixPin`` of a prompt (all or none). ValueError for a prefix longer than
         the prompt, and for one shorter than a block unless ``skip_short`` (a request's pins:
         such a prefix pins nothing, as a prompt too short to cache is not cached)."""
@@ -501,21 +515,21 @@ class KVCacheManager:
             elif not skip_short:
                 raise ValueError(f"nothing to pin: the prefix has {n} tokens, fewer than one block of "
                                  f"{self.block_size}")
-        return self.pin(token_ids, prefixes, salt) if prefixes else []
+        return self.pin(token_ids, prefixes, salt, tenant) if prefixes else []
 
-    def unpin(self, token_ids: Sequence[int], salt: str = "") -> PinInfo:
-        """Remove the pin over exactly the full blocks of ``token_ids`` (PinNotFoundError)."""
-        return self.pins.unpin(self.prefix_keys(token_ids, salt=salt))
+    def unpin(self, token_ids: Sequence[int], salt: str = "", tenant: str = "") -> PinInfo:
+        """Remove the pin over exactly the full blocks of ``token_ids`` in namespace (``tenant``,
+        ``salt``) (PinNotFoundError)."""
+        return self.pins.unpin(self.prefix_keys(token_ids, salt=salt, tenant=tenant))
 
-    def unpin_all(self, salt_prefix: str = "") -> list[PinInfo]:
-        """Remove every pin whose cache salt starts with ``salt_prefix`` (all by default)."""
-        return self.pins.unpin_all(salt_prefix)
+    def unpin_all(self, tenant: str | None = None) -> list[PinInfo]:
+        """Remove every pin of ``tenant`` (any salt; None: every pin)."""
+        return self.pins.unpin_all(tenant)
 
-    def list_pins(self, salt_prefix: str = "") -> list[PinInfo]:
-        """Every live pin whose cache salt starts with ``salt_prefix`` (expired ones dropped
-        first), soonest to expire first."""
+    def list_pins(self, tenant: str | None = None) -> list[PinInfo]:
+        """Every live pin of ``tenant`` (None: all; expired ones dropped first), soonest to expire first."""
         self.pins.expire()
-        return self.pins.infos(salt_prefix)
+        return self.pins.infos(tenant)
 
     def num_pinned_hits(self, request: Request, num_blocks: int) -> int:
         """How many of the request's first ``num_blocks`` blocks (its first group's) hold pinned keys."""

@@ -42,7 +42,8 @@ class PinInfo(NamedTuple):
     num_tokens: int                 # tokens the pinned blocks hold
     expires_in_s: float             # seconds left (0 for a pin just removed)
     num_device_blocks: int          # of its blocks, those on the device now
-    salt: str = ""                  # the cache salt its keys were made with (its namespace)
+    salt: str = ""                  # the cache namespace its keys were made in: salt and tenant
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class PinStats:
     max_pinned_blocks: int          # the limit on pinned keys
     num_expired: int                # pins that ran out, cumulative
     num_evicted_blocks: int         # pinned blocks evicted for room, cumulative (demoted when a tier exists)
+    pins_by_tenant: tuple[tuple[str, int], ...] = ()    # (tenant, pins) of each tenant holding any ("" too)
 
 
 NO_PIN_STATS = PinStats(0, 0, 0, 0, 0, 0)
@@ -64,6 +66,7 @@ class _Pin:
     expires_at: float
     salt: str = ""
     num_tokens: int = 0
+    tenant: str = ""
 
 
 class Pins:
@@ -77,6 +80,7 @@ class Pins:
         self.clock = clock
         self._pins: dict[bytes, _Pin] = {}
         self._expiry: list[tuple[float, bytes]] = []
+        self._num_by_tenant: dict[str, int] = {}
         self.num_expired = 0
 
     def __len__(self) -> int:
@@ -84,9 +88,10 @@ class Pins:
 
     # -- verbs -------------------------------------------------------------
     def pin(self, prefixes: Sequence[tuple[Sequence[bytes], float]], salt: str = "",
-            num_tokens: Sequence[int] | None = None) -> list[PinInfo]:
-        """Pin each ``(keys, ttl_s)`` (keys made with cache salt ``salt``), all or none: PinLimitError (nothing pinned) when the new
-        keys would pass the limit, ValueError for a ttl over ``max_ttl_s`` or an empty prefix.
+            num_tokens: Sequence[int] | None = None, tenant: str = "") -> list[PinInfo]:
+        """Pin each ``(keys, ttl_s)`` (keys made in cache namespace (``tenant``, ``salt``)), all or
+        none: PinLimitError (nothing pinned) when the new keys would pass the limit, ValueError
+        for a ttl over ``max_ttl_s`` or an empty prefix.
         ``num_tokens``: the tokens each prefix holds (default: a block's per key; a model of
         several layer groups pins more keys than its prefix has blocks)."""
         self.expire()
@@ -112,7 +117,8 @@ class Pins:
             pin = self._pins.get(name)
             if pin is None:
                 tokens = len(keys) * self.pool.block_size if num_tokens is None else num_tokens[i]
-                pin = self._pins[name] = _Pin(tuple(keys), expires_at, salt, tokens)
+                pin = self._pins[name] = _Pin(tuple(keys), expires_at, salt, tokens, tenant)
+                self._num_by_tenant[tenant] = self._num_by_tenant.get(tenant, 0) + 1
                 self.pool.pin_keys(pin.keys)
                 heapq.heappush(self._expiry, (expires_at, name))
             elif expires_at > pin.expires_at:
@@ -130,9 +136,9 @@ class Pins:
         self._remove(keys[-1])
         return self._info(pin, pin.expires_at)
 
-    def unpin_all(self, salt_prefix: str = "") -> list[PinInfo]:
-        """Remove every pin whose salt starts with ``salt_prefix`` (all by default); returns them."""
-        return [self.unpin(p.keys) for p in list(self._pins.values()) if p.salt.startswith(salt_prefix)]
+    def unpin_all(self, tenant: str | None = None) -> list[PinInfo]:
+        """Remove every pin of ``tenant`` (None: every pin); returns them."""
+        return [self.unpin(p.keys) for p in list(self._pins.values()) if tenant is None or p.tenant == tenant]
 
     def expire(self) -> int:
         """Remove the pins whose time is up; returns how many."""
@@ -148,18 +154,22 @@ class Pins:
         return num
 
     def _remove(self, name: bytes) -> None:
-        self.pool.unpin_keys(self._pins.pop(name).keys)
+        pin = self._pins.pop(name)
+        self._num_by_tenant[pin.tenant] -= 1
+        if not self._num_by_tenant[pin.tenant]:
+            del self._num_by_tenant[pin.tenant]
+        self.pool.unpin_keys(pin.keys)
 
     # -- queries -----------------------------------------------------------
-    def infos(self, salt_prefix: str = "") -> list[PinInfo]:
-        """Every pin whose salt starts with ``salt_prefix`` (all by default), soonest to expire first."""
+    def infos(self, tenant: str | None = None) -> list[PinInfo]:
+        """Every pin of ``tenant`` (None: every pin), soonest to expire first."""
         now = self.clock()
         return [self._info(p, now) for p in sorted(self._pins.values(), key=lambda p: p.expires_at)
-                if p.salt.startswith(salt_prefix)]
+                if tenant is None or p.tenant == tenant]
 
     def _info(self, pin: _Pin, now: float) -> PinInfo:
         on_device = sum(self.pool.holds(k) for k in pin.keys)
-        return PinInfo(pin.keys, pin.num_tokens, max(0.0, pin.expires_at - now), on_device, pin.salt)
+        return PinInfo(pin.keys, pin.num_tokens, max(0.0, pin.expires_at - now), on_device, pin.salt, pin.tenant)
 
     def is_pinned(self, key: bytes) -> bool:
         return self.pool.pin_count(key) > 0
@@ -167,7 +177,8 @@ class Pins:
     def stats(self) -> PinStats:
         return PinStats(num_pins=len(self._pins), num_pinned_keys=self.pool.num_pinned_keys,
                         num_pinned_blocks=self.pool.num_pinned_cached, max_pinned_blocks=self.max_pinned_blocks,
-                        num_expired=self.num_expired, num_evicted_blocks=self.pool.num_pinned_evicted)
+                        num_expired=self.num_expired, num_evicted_blocks=self.pool.num_pinned_evicted,
+                        pins_by_tenant=tuple(sorted(self._num_by_tenant.items())))
 
     def check_integrity(self) -> None:
         """The pool's count on each key is the number of pins covering it; every pin is in the heap."""
@@ -180,6 +191,10 @@ class Pins:
             f"the pool counts {self.pool.num_pinned_keys} pinned keys, the pins cover {len(counts)}")
         for key, count in counts.items():
             assert self.pool.pin_count(key) == count, f"key {key.hex()[:8]}: {self.pool.pin_count(key)} != {count}"
+        by_tenant: dict[str, int] = {}
+        for pin in self._pins.values():
+            by_tenant[pin.tenant] = by_tenant.get(pin.tenant, 0) + 1
+        assert by_tenant == self._num_by_tenant, f"pins per tenant {self._num_by_tenant}, counted {by_tenant}"
         live = {(p.expires_at, name) for name, p in self._pins.items()}
         assert live <= set(self._expiry), "a pin missing from the expiry heap"
         assert len(counts) <= self.max_pinned_blocks, "more keys pinned than the limit"

@@ -57,12 +57,27 @@ def load_or_create_secret(path: Path) -> bytes:
     return data
 
 
-def salted_extra_key(extra_key: bytes, salt: str) -> bytes:
-    """The extra key of a request with a cache salt: its blocks' keys share nothing with
-    those of another salt (or of none: "" gives ``extra_key`` itself)."""
-    if not salt:
-        return extra_key
-    return hashlib.sha256(extra_key + b"\x00salt\x00" + salt.encode()).digest()
+def salted_extra_key(extra_key: bytes, salt: str, tenant: str = "") -> bytes:
+    """The extra key of a request in cache namespace (``tenant``, ``salt``): its blocks' keys
+    share nothing with those of any other pair. ("", "") is the engine's own namespace
+    (``extra_key`` itself); a salt alone is hashed as it always was. A tenant's namespace hashes
+    the pair by lengths, in a domain of its own::
+
+        ("", s)   sha256(E | 00 "salt" 00 | s)
+        (t, s)    sha256(E | 00 "tenant" 00 | len(t) | t | len(s) | s)     len: 4 bytes, of UTF-8
+
+    so no salt string spells another tenant's namespace, or the engine's own with another salt
+    (the bytes after E differ, or the lengths do). E is keyed with the engine's secret."""
+    if not tenant:
+        return hashlib.sha256(extra_key + b"\x00salt\x00" + _utf8(salt)).digest() if salt else extra_key
+    parts = [extra_key, b"\x00tenant\x00"]
+    for data in (_utf8(tenant), _utf8(salt)):
+        parts += [len(data).to_bytes(4, "little"), data]
+    return hashlib.sha256(b"".join(parts)).digest()
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")     # a JSON body may hold a lone surrogate: still one string
 
 
 def block_key(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes) -> bytes:

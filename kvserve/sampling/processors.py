@@ -9,20 +9,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from kvserve.request import ConstraintError
 from kvserve.sampling.rows import RowRequest
 
 NEG_INF = float("-inf")
 
 
+class RowError(NamedTuple):
+    """Why a row gives no token."""
+
+    message: str
+    by_constraint: bool = False     # its request's output constraint failed (ConstraintError), not the engine
+
+
 def process_logits(logits: torch.Tensor, requests: Sequence[RowRequest],
-                   eos_token_ids: Collection[int]) -> tuple[torch.Tensor, dict[int, str]]:
+                   eos_token_ids: Collection[int]) -> tuple[torch.Tensor, dict[int, RowError]]:
     """``logits`` ([n, vocab], float32, CPU) with each request's options applied, and the rows
     that failed (row -> why). The input is never written: a copy is made when anything applies."""
-    errors: dict[int, str] = {}
+    errors: dict[int, RowError] = {}
     penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
     biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
     held = [i for i, r in enumerate(requests) if _holds_back_stop(r)]
@@ -90,12 +99,13 @@ def _hold_back_stop(logits: torch.Tensor, rows: list[int], requests: Sequence[Ro
             logits[i, ids] = NEG_INF
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], requests: Sequence[RowRequest]) -> dict[int, str]:
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int],
+                        requests: Sequence[RowRequest]) -> dict[int, RowError]:
     """Mask each constrained row of ``logits`` (contiguous, on CPU; written in place) to the
     tokens its grammar allows; a grammar that fails fails its own row only."""
     vocab = logits.shape[-1]
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
-    errors: dict[int, str] = {}
+    errors: dict[int, RowError] = {}
     for k, i in enumerate(rows):
         constraint = requests[i].constraint
         assert constraint is not None
@@ -116,8 +126,10 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
     return np.unpackbits(as_bytes, axis=-1, count=vocab, bitorder="little").astype(bool)
 
 
-def _guard(errors: dict[int, str], row: int, fn: Callable[[], None]) -> None:
+def _guard(errors: dict[int, RowError], row: int, fn: Callable[[], None]) -> None:
     try:
         fn()
+    except ConstraintError as e:
+        errors[row] = RowError(str(e), by_constraint=True)
     except Exception as e:  # noqa: BLE001 - this request's failure, reported for its row
-        errors[row] = f"{type(e).__name__}: {e}"
+        errors[row] = RowError(f"{type(e).__name__}: {e}")

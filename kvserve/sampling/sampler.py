@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from kvserve.request import Request, TokenLogprob
-from kvserve.sampling.processors import process_logits
+from kvserve.sampling.processors import RowError, process_logits
 from kvserve.sampling.rows import RowRequest
 
 
@@ -33,7 +33,7 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[T
 
 class Sampled(NamedTuple):
     token_ids: list[int | None]     # None for a row that failed
-    errors: dict[int, str]          # row -> why it has no token
+    errors: dict[int, RowError]     # row -> why it has no token
     logits: torch.Tensor            # the rows after penalties, bias and grammar (what was drawn from)
 
 
@@ -57,10 +57,11 @@ class Sampler:
         for i in odd:
             value = top[i].item()
             if math.isnan(value):
-                errors.setdefault(i, "the model produced NaN logits")
+                errors.setdefault(i, RowError("the model produced NaN logits"))
             elif value < 0:
-                errors.setdefault(i, "no token is allowed at this position"
-                                     + (" by the grammar" if requests[i].constraint is not None else ""))
+                by_grammar = requests[i].constraint is not None
+                errors.setdefault(i, RowError("no token is allowed at this position"
+                                              + (" by the output constraint" if by_grammar else ""), by_grammar))
             else:   # +inf is the limit of a logit: the tokens holding it share all the probability
                 logits[i] = torch.where(torch.isposinf(logits[i]), 0.0, float("-inf"))
         token_ids: list[int | None] = list(argmax.tolist())
@@ -71,7 +72,7 @@ class Sampler:
                 try:
                     token_ids[row] = self._sample_row(logits[row], req)
                 except RuntimeError as e:   # torch's complaint about this row's distribution
-                    errors[row], token_ids[row] = f"sampling failed: {e}", None
+                    errors[row], token_ids[row] = RowError(f"sampling failed: {e}"), None
         return Sampled(token_ids, errors, logits)
 
     @staticmethod

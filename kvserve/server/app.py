@@ -3,7 +3,7 @@
 Every failure leaves as ``{"error": {"message", "type", "param", "code"}}``: bad input as
 a 4xx naming the problem, an engine failure as 503, anything unexpected as 500 (and
 logged). ``/health``, ``/metrics`` and ``/openapi.json`` stay open; everything under ``/v1``
-(the cache reset included) needs the API key when one is set.
+(the cache routes included) needs a key when one is set: the server key, or a tenant's.
 
 Handlers read and validate their bodies themselves (a size limit while reading, strict
 models, errors naming the field), so the OpenAPI schema gets the request models from
@@ -28,14 +28,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvserve.engine.engine import LLMEngine
-from kvserve.server.async_engine import AsyncEngine, EngineError, RequestFailed
+from kvserve.server.async_engine import AsyncEngine, ConstraintFailed, EngineError, RequestFailed
 from kvserve.server.cache_api import PinBody, UnpinBody, cache_router
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ResponsesRequest, json_body
 from kvserve.server.responses import create_response
-from kvserve.server.serving import ClientGone, ServerSettings, ServingContext, now_s
+from kvserve.server.serving import ClientGone, ServerSettings, ServingContext, constraint_error, now_s
 
 log = logging.getLogger("kvserve.server")
 CLIENT_CLOSED_REQUEST = 499   # nginx's status for a client that left; never seen by that client
@@ -44,7 +44,7 @@ CLIENT_CLOSED_REQUEST = 499   # nginx's status for a client that left; never see
 def create_app(llm_engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     """The app serving ``llm_engine``; its lifespan starts the engine thread and stops it at
     shutdown. ``app.state.ctx`` is the ``ServingContext`` (tests reach the engine through it)."""
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(settings.tenants)
     # the KV figures from start-up: a first snapshot, taken before the engine thread owns the engine
     metrics.on_step(llm_engine.stats(), [], time.monotonic())
     engine = AsyncEngine(llm_engine, metrics)
@@ -129,12 +129,7 @@ def _v1_router(ctx: ServingContext) -> APIRouter:
     async def responses(request: Request) -> Response:
         return await create_response(ctx, request)
 
-    @router.post("/cache/reset")
-    async def reset_cache() -> Response:
-        num_blocks = await ctx.engine.call(lambda engine: engine.reset_prefix_cache())
-        return JSONResponse({"reset": True, "num_dropped_blocks": num_blocks})
-
-    router.include_router(cache_router(ctx))   # /cache/pin, /cache/unpin, /cache/pins
+    router.include_router(cache_router(ctx))   # /cache/pin, /cache/unpin, /cache/pins, /cache/reset
     return router
 
 
@@ -177,6 +172,9 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def request_failed(request: Request, exc: Exception) -> Response:
         return reply(APIError(500, str(exc), type="server_error"))
 
+    async def constraint_failed(request: Request, exc: Exception) -> Response:
+        return reply(constraint_error(exc))
+
     async def client_gone(request: Request, exc: Exception) -> Response:
         return reply(APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection"))
 
@@ -189,5 +187,6 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(EngineError, engine_error)
     app.add_exception_handler(RequestFailed, request_failed)
+    app.add_exception_handler(ConstraintFailed, constraint_failed)
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(Exception, internal_error)

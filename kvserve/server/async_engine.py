@@ -30,7 +30,7 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import EngineStats
-from kvserve.request import BlendSpec, EncodedPrompt, Resumed
+from kvserve.request import BlendSpec, EncodedPrompt, ErrorKind, Resumed
 from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.server")
@@ -45,6 +45,18 @@ class EngineError(RuntimeError):
 class RequestFailed(RuntimeError):
     """One request failed while generating (``RequestOutput.error``); the engine and the
     other requests go on. Not the client's fault."""
+
+
+class ConstraintFailed(RequestFailed):
+    """One request's output constraint failed while generating (``error_kind`` "constraint":
+    the grammar it brought hit a limit, or rejected its tokens): the client's input, found late.
+    ``item`` is that request's last output (``finish_reason`` "error")."""
+
+    def __init__(self, item: StreamItem) -> None:
+        out = item.output
+        super().__init__(f"{out.error}; the request ended after {len(out.token_ids)} generated tokens "
+                         f"(finish_reason \"error\")")
+        self.item = item
 
 
 class EngineObserver(Protocol):
@@ -151,6 +163,8 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[StreamItem]:
         async for item in self.outputs():
             if item.output.finished and item.output.error is not None:
+                if item.output.error_kind == ErrorKind.CONSTRAINT.value:
+                    raise ConstraintFailed(item)
                 raise RequestFailed(f"the request failed while generating: {item.output.error}")
             yield item
 

@@ -98,7 +98,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 
 def _message(plan: _Plan, out: RequestOutput) -> tuple[dict[str, Any], str | None]:
     """The assistant message and finish reason: tool calls when the output holds them."""
-    parsed = parse_calls(plan.tools, out.text) if plan.tools.reads_calls and out.finish_reason != "length" else None
+    complete = out.finish_reason not in ("length", "error")
+    parsed = parse_calls(plan.tools, out.text) if plan.tools.reads_calls and complete else None
     if parsed is None:
         return {"role": "assistant", "content": out.text}, out.finish_reason
     content, calls = parsed
@@ -162,7 +163,7 @@ def _stream(ctx: ServingContext, plan: _Plan, stream: RequestStream, rid: str, c
     # the role comes first, at once: the client sees the response start before the first token
     head = [_chunk(ctx, rid, created, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]) for i in range(plan.req.n)]
-    return sse_stream(stream, head, chunk, tail)
+    return sse_stream(stream, head, chunk, tail, on_error=ctx.metrics.on_error)
 
 
 def _chunk(ctx: ServingContext, rid: str, created: int, choices: list[dict[str, Any]],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.options import add_engine_args, engine_config, engine_options
 
@@ -49,11 +49,20 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.engine.engine import LLMEngine
     from kvserve.server.app import create_app
 
-    engine = LLMEngine(engine_config(args.model, **engine_options(args)))
+    engine = LLMEngine(engine_config(args.model, **serve_engine_options(args)))
     app = create_app(engine, server_settings(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def serve_engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags' options, as a server runs them: an engine whose KV cache cannot hold one
+    request of its context window refuses to start unless ``--max-model-len-fit`` says otherwise
+    (a chat request without max_tokens asks for the whole window)."""
+    options = engine_options(args)
+    options.setdefault("max_model_len_fit", "refuse")
+    return options
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

@@ -168,7 +168,7 @@ def _stream(ctx: ServingContext, plan: _Plan, stream: RequestStream, rid: str, c
         outs = [last[i] for i in sorted(last)]
         return [_chunk(ctx, rid, created, [], _usage(plan, outs))]
 
-    return sse_stream(stream, [], chunk, tail)
+    return sse_stream(stream, [], chunk, tail, on_error=ctx.metrics.on_error)
 
 
 def _chunk(ctx: ServingContext, rid: str, created: int, choices: list[dict[str, Any]],

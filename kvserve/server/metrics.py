@@ -31,10 +31,12 @@ class _Progress(NamedTuple):
 
 
 class _StatsCollector(Collector):
-    """Engine-level series from the latest snapshot (set by the engine thread)."""
+    """Engine-level series from the latest snapshot (set by the engine thread); per tenant for
+    ``tenants`` (the server's, none without tenants)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tenants: tuple[str, ...] = ()) -> None:
         self.stats: EngineStats | None = None
+        self.tenants = tenants
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats
@@ -77,9 +79,24 @@ class _StatsCollector(Collector):
                                   "copies a zip format's prompt dropped with no room to hold them",
                                   b.num_host_evictions)
         yield from _pin_metrics(s)
+        if self.tenants:
+            yield from _tenant_metrics(s, self.tenants)
         yield from _blend_metrics(s)
         yield from _spec_metrics(s)
         yield from _tier_metrics(s)
+
+
+def _tenant_metrics(s: EngineStats, tenants: tuple[str, ...]) -> Iterator[Metric]:
+    """Each tenant's share of the device cache: counts only (never a key or a salt)."""
+    cached = dict(s.kv_cached_blocks_by_tenant)
+    pins = dict(s.pins.pins_by_tenant)
+    blocks = GaugeMetricFamily("kvserve_tenant_cached_blocks", "Device KV blocks holding a key of the tenant's "
+                               "namespaces (used or not)", labels=["tenant"])
+    pinned = GaugeMetricFamily("kvserve_tenant_pins", "The tenant's pinned prefixes", labels=["tenant"])
+    for tenant in tenants:
+        blocks.add_metric([tenant], cached.get(tenant, 0))
+        pinned.add_metric([tenant], pins.get(tenant, 0))
+    yield from (blocks, pinned)
 
 
 def _blend_metrics(s: EngineStats) -> Iterator[Metric]:
@@ -167,9 +184,11 @@ def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
 
 
 class ServerMetrics:
-    """The server's metrics; an ``EngineObserver`` (its ``on_*`` run on the engine thread)."""
+    """The server's metrics; an ``EngineObserver`` (its ``on_*`` run on the engine thread).
+    ``tenants``: the server's tenants, each with series of its own (counts only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tenants: tuple[str, ...] = ()) -> None:
+        self.tenants = frozenset(tenants)
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvserve_requests", "Engine requests ended, by finish reason",
                                 ["finish_reason"], registry=r)
@@ -185,7 +204,16 @@ class ServerMetrics:
         self.e2e = Histogram("kvserve_e2e_request_latency_seconds", "Time from engine arrival to finish",
                              buckets=E2E_BUCKETS_S, registry=r)
         self.api_errors = Counter("kvserve_api_errors", "Error responses, by status", ["status"], registry=r)
-        self._stats = _StatsCollector()
+        self.tenant_requests = Counter("kvserve_tenant_requests", "Engine requests a tenant's calls started",
+                                       ["tenant"], registry=r)
+        self.tenant_prompt_tokens = Counter("kvserve_tenant_prompt_tokens", "Prompt tokens of a tenant's requests",
+                                            ["tenant"], registry=r)
+        self.tenant_resets = Counter("kvserve_tenant_cache_resets", "POST /v1/cache/reset calls of a tenant "
+                                     "(each drops that tenant's blocks only)", ["tenant"], registry=r)
+        for tenant in sorted(self.tenants):      # every tenant's series from the start, at 0
+            for counter in (self.tenant_requests, self.tenant_prompt_tokens, self.tenant_resets):
+                counter.labels(tenant)
+        self._stats = _StatsCollector(tuple(sorted(self.tenants)))
         r.register(self._stats)
         self._progress: dict[str, _Progress] = {}   # engine thread only
 
@@ -227,6 +255,16 @@ class ServerMetrics:
 
     def on_error(self, status: int) -> None:
         self.api_errors.labels(str(status)).inc()
+
+    def on_submitted(self, tenant: str, num_requests: int, num_prompt_tokens: int) -> None:
+        """A call of ``tenant`` started ``num_requests`` engine requests (event loop)."""
+        if tenant in self.tenants:
+            self.tenant_requests.labels(tenant).inc(num_requests)
+            self.tenant_prompt_tokens.labels(tenant).inc(num_prompt_tokens)
+
+    def on_cache_reset(self, tenant: str) -> None:
+        if tenant in self.tenants:
+            self.tenant_resets.labels(tenant).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

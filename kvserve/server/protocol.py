@@ -533,10 +533,22 @@ ERROR_ANSWERS = {
 }
 
 
-def json_body(model_name: str) -> dict[str, Any]:
-    """A route's ``openapi_extra``: its JSON body (a model in the schema's components) and the
-    error answers it can give, each an ``{"error": {...}}`` object."""
+def json_body(model_name: str, ok: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A route's ``openapi_extra``: its JSON body (a model in the schema's components), the
+    error answers it can give, each an ``{"error": {...}}`` object, and its 200 answer's schema
+    ``ok`` when given."""
     error = {"content": {"application/json": {"schema": ERROR_SCHEMA}}}
-    return {"requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{model_name}"}}}},
-            "responses": {status: {"description": text, **error} for status, text in ERROR_ANSWERS.items()}}
+    out: dict[str, Any] = {
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model_name}"}}}},
+        "responses": {status: {"description": text, **error} for status, text in ERROR_ANSWERS.items()}}
+    if ok is not None:
+        out["responses"]["200"] = {"description": "OK", "content": {"application/json": {"schema": ok}}}
+    return out
+
+
+def answers(ok: dict[str, Any]) -> dict[str, Any]:
+    """The ``openapi_extra`` of a route without a body: its 200 answer's schema, and 401."""
+    error = {"content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    return {"responses": {"200": {"description": "OK", "content": {"application/json": {"schema": ok}}},
+                          "401": {"description": ERROR_ANSWERS["401"], **error}}}

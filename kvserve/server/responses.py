@@ -19,7 +19,7 @@ Nothing is stored, and there are no tools: the options that need either are refu
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ async def create_response(ctx: ServingContext, request: Request) -> Response:
     stream = await ctx.submit(specs, "resp")
     reply = _Reply(ctx, req, len(prompt_ids))
     if req.stream:
-        return StreamingResponse(_stream(reply, stream), media_type="text/event-stream")
+        return StreamingResponse(_stream(reply, stream, ctx.metrics.on_error), media_type="text/event-stream")
     (out,) = await ctx.collect(stream, request)
     return JSONResponse(reply.response(out))
 
@@ -114,7 +114,7 @@ def _error_event(error: APIError) -> dict[str, Any]:
     return {"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param}
 
 
-def _stream(reply: _Reply, stream: RequestStream) -> AsyncIterator[str]:
+def _stream(reply: _Reply, stream: RequestStream, on_error: Callable[[int], None]) -> AsyncIterator[str]:
     delta = DeltaText()
     last: list[RequestOutput] = []
     where: dict[str, Any] = {"item_id": reply.item_id, "output_index": 0, "content_index": 0}
@@ -138,4 +138,5 @@ def _stream(reply: _Reply, stream: RequestStream) -> AsyncIterator[str]:
         {"type": "response.in_progress", "response": reply.response(None)},
         {"type": "response.output_item.added", "output_index": 0, "item": reply.message(None)},
         {"type": "response.content_part.added", **where, "part": _text_part("")}]
-    return sse_stream(stream, head, chunk, tail, write=_EventWriter(), error=_error_event, done=False)
+    return sse_stream(stream, head, chunk, tail, write=_EventWriter(), error=_error_event, done=False,
+                      on_error=on_error)

@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeVar
 from starlette.requests import Request
 
 from kvserve.blend.prompt import SegmentedPrompt
+from kvserve.cache_control import MAX_TENANT_CHARS
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.outputs import RequestOutput
@@ -21,6 +22,7 @@ from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import EncodedPrompt
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import (
+    ConstraintFailed,
     EngineError,
     RequestFailed,
     RequestSpec,
@@ -31,17 +33,16 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError, GenerationFields, bad_request, parse_body
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+CONSTRAINT_FAILED = "constraint_failed"
 T = TypeVar("T")
 Body = TypeVar("Body", bound=GenerationFields)
 
 
-TENANT_SEP = "\x1f"      # between a tenant's name and a request's own cache salt
-
-
 @dataclass(frozen=True)
 class ServerSettings:
-    """``api_key``: the key of the server's own namespace; ``tenant_keys``: key -> tenant name,
-    each tenant's requests in a cache namespace of its own (docs/server.md "Tenants")."""
+    """``api_key``: the server key (the engine's own cache namespace, and the operator's rights
+    over every tenant's cache state); ``tenant_keys``: key -> tenant name, each tenant's requests
+    in cache namespaces of its own (docs/server.md "Tenants")."""
 
     model_name: str
     api_key: str | None = None
@@ -54,14 +55,19 @@ class ServerSettings:
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key must be non-empty when set")
         for key, tenant in self.tenant_keys.items():
-            if not key or not tenant or TENANT_SEP in tenant or key == self.api_key:
-                raise ValueError(f"tenant {tenant!r}: a tenant needs a non-empty name and a key of its own")
+            if not key or not tenant or len(tenant) > MAX_TENANT_CHARS or key == self.api_key:
+                raise ValueError(f"tenant {tenant!r}: a tenant needs a name of 1..{MAX_TENANT_CHARS} characters "
+                                 "and a key of its own")
         if self.max_body_bytes < 1024:
             raise ValueError(f"the request body limit must be at least 1024 bytes, got {self.max_body_bytes}")
 
     @property
     def requires_key(self) -> bool:
         return self.api_key is not None or bool(self.tenant_keys)
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.tenant_keys.values())))
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant a key authenticates ("" for ``api_key``), None for an unknown key."""
@@ -72,11 +78,6 @@ class ServerSettings:
             if hmac.compare_digest(key.encode(), candidate.encode()):
                 found = tenant
         return found
-
-
-def tenant_salt(tenant: str, cache_salt: str | None) -> str:
-    """The cache salt of a tenant's request: its tenant's namespace, then its own salt."""
-    return f"{tenant}{TENANT_SEP}{cache_salt or ''}" if tenant else (cache_salt or "")
 
 
 class ClientGone(Exception):
@@ -184,9 +185,12 @@ class ServingContext:
     # -- running -----------------------------------------------------------
     async def submit(self, specs: list[RequestSpec], prefix: str) -> RequestStream:
         try:
-            return await self.engine.submit(specs, prefix)
+            stream = await self.engine.submit(specs, prefix)
         except ValueError as e:
             raise bad_request(str(e)) from None
+        tenant = specs[0].cache.tenant if specs and specs[0].cache is not None else ""
+        self.metrics.on_submitted(tenant, len(specs), sum(len(s.prompt_token_ids) for s in specs))
+        return stream
 
     async def collect(self, stream: RequestStream, request: Request) -> list[RequestOutput]:
         """Every request's final output; aborts them all if the client goes away first."""
@@ -251,6 +255,11 @@ class DeltaText:
         return delta
 
 
+def constraint_error(exc: Exception) -> APIError:
+    """A request whose output constraint failed mid-answer: the client's input, found late (400)."""
+    return APIError(400, f"the output constraint failed while generating: {exc}", code=CONSTRAINT_FAILED)
+
+
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -263,14 +272,17 @@ async def sse_stream(stream: RequestStream, head: list[dict[str, Any]],
                      tail: Callable[[], list[dict[str, Any]]],
                      write: Callable[[dict[str, Any]], str] = sse,
                      error: Callable[[APIError], dict[str, Any]] = APIError.body,
-                     done: bool = True) -> AsyncIterator[str]:
+                     done: bool = True, on_error: Callable[[int], None] = lambda status: None) -> AsyncIterator[str]:
     """Server-sent events: ``head``, a chunk per output (None skips it), ``tail``, then
     ``[DONE]`` (unless ``done`` is false), each event written by ``write``.
 
-    A failure mid-stream ends it with ``error``'s event: 500 ``server_error`` when this
-    request failed (the others go on), 503 when the engine did. The ``finally`` runs when
-    the client disconnects too (the response task is cancelled), aborting what is left.
+    A failure mid-stream ends it with ``error``'s event (its status counted by ``on_error``):
+    400 ``constraint_failed`` when this request's output constraint failed (after the chunk of
+    its last output, ``finish_reason`` "error"), 500 ``server_error`` when it failed otherwise
+    (the other requests go on), 503 when the engine did. The ``finally`` runs when the client
+    disconnects too (the response task is cancelled), aborting what is left.
     """
+    failure: APIError | None = None
     try:
         for c in head:
             yield write(c)
@@ -282,12 +294,20 @@ async def sse_stream(stream: RequestStream, head: list[dict[str, Any]],
             yield write(c)
         if done:
             yield SSE_DONE
+    except ConstraintFailed as e:
+        last = chunk(e.item)
+        if last is not None:
+            yield write(last)
+        failure = constraint_error(e)
     except RequestFailed as e:
-        yield write(error(APIError(500, str(e), type="server_error")))
+        failure = APIError(500, str(e), type="server_error")
     except EngineError as e:
-        yield write(error(APIError(503, str(e), type="server_error")))
+        failure = APIError(503, str(e), type="server_error")
     finally:
         stream.close()
+    if failure is not None:
+        on_error(failure.status)
+        yield write(error(failure))
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

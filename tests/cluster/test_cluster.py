@@ -30,7 +30,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from kvserve.cluster.app import APP_NAME, ENGINE_DEPLOYMENT, ClusterConfig, build_application
-from kvserve.cluster.cli import local_ray_options
+from kvserve.cluster.local_ray import local_ray_options
 from kvserve.cluster.wire import Accepted, RouteHint, digests, key_tag
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -9,7 +9,7 @@ import random
 import pytest
 from model.test_gemma3 import tiny_gemma3
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, CacheControl, SamplingParams
 from kvserve.config import DiskConfig, HostConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.offload.disk import DiskTransport
@@ -163,3 +163,31 @@ def test_what_cannot_run_yet_is_refused_saying_why(loaded) -> None:
     plain = LLM(loaded=loaded, block_size=4, num_kv_blocks=NUM_BLOCKS)
     prompt = [5, 6, 7, 8] * 6
     assert (ngram.generate(prompt, GREEDY)[0].token_ids == plain.generate(prompt, GREEDY)[0].token_ids)
+
+
+def test_a_tenants_reset_drops_its_blocks_in_every_group_only(loaded) -> None:
+    """Each layer group's blocks are cached under the request's tenant: one tenant's reset drops
+    its blocks in every group and no other tenant's, which still hits as before."""
+    llm = LLM(loaded=loaded, block_size=4, num_kv_blocks=NUM_BLOCKS)
+    prompt = prompts(3)[0]
+    cold = {t: llm.generate([prompt], GREEDY, cache=CacheControl(tenant=t))[0] for t in ("alice", "bob")}
+    pool = llm.engine.kv.pool
+    by_tenant = pool.cached_blocks_by_tenant()
+    assert by_tenant["alice"] == by_tenant["bob"] > len(prompt) // 4      # more than one group's blocks
+    assert llm.engine.reset_prefix_cache("bob") == by_tenant["bob"]
+    assert pool.cached_blocks_by_tenant() == {"alice": by_tenant["alice"]}
+    warm = {t: llm.generate([prompt], GREEDY, cache=CacheControl(tenant=t))[0] for t in ("alice", "bob")}
+    assert warm["alice"].num_cached_tokens > 0 and warm["bob"].num_cached_tokens == 0
+    assert all(warm[t].token_ids == cold[t].token_ids for t in cold)
+    llm.engine.check_integrity()
+
+
+def test_the_window_is_fitted_to_what_a_request_holds_with_sliding_layers(loaded) -> None:
+    """``max_model_len_fit="lower"`` counts blocks as a request holds them: its sliding groups
+    their window and a chunk only (5 blocks each here), the full group every block."""
+    llm = LLM(loaded=loaded, block_size=4, max_num_batched_tokens=8, num_kv_blocks=100, max_model_len_fit="lower")
+    # 100 blocks = 5 sliding groups x 5 + 75 of the full group: 300 tokens, not the 66 of whole layers
+    assert llm.engine.max_model_len == 300 and llm.engine.kv.max_blocks_held(300) == 100
+    out = llm.generate([prompts(4)[0]], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 300
+    llm.engine.check_integrity()

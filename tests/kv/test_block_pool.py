@@ -106,14 +106,35 @@ def test_errors():
         BlockPool(0, 4)
 
 
-def test_evict_all_cached_keeps_referenced_blocks():
+def test_evict_cached_keeps_referenced_blocks():
     pool = BlockPool(3, 4)
     a, b = pool.allocate(2)
     pool.cache(a, key(1), (1,) * 4)
     pool.cache(b, key(2), (2,) * 4)
     pool.free([a])
-    assert pool.evict_all_cached() == 1
+    assert pool.evict_cached() == 1
     assert a.key is None and b.key == key(2)
+    pool.check_integrity()
+
+
+def test_a_tenants_reset_drops_its_blocks_only():
+    """Blocks record the tenant whose namespace their key is in; a reset scoped to one tenant
+    forgets only its unreferenced blocks (pinned ones too), in one walk of the free queue."""
+    pool = BlockPool(6, 4)
+    blocks = pool.allocate(5)
+    for i, (block, tenant) in enumerate(zip(blocks, ["alice", "alice", "bob", "", "alice"])):
+        pool.cache(block, key(i), (i,) * 4, tenant)
+    pool.pin_keys([key(1)])
+    pool.free(blocks[:4])                                   # alice's last block stays in use
+    assert pool.cached_blocks_by_tenant() == {"alice": 3, "bob": 1, "": 1}
+    assert pool.evict_cached("alice") == 2                  # the pinned one too, not the one in use
+    assert [b.key for b in blocks] == [None, None, key(2), key(3), key(4)]
+    assert pool.cached_blocks_by_tenant() == {"alice": 1, "bob": 1, "": 1}
+    assert pool.evict_cached("carol") == 0
+    pool.check_integrity()
+    assert pool.evict_cached() == 2                          # everyone's, still not the block in use
+    assert pool.cached_blocks_by_tenant() == {"alice": 1}
+    pool.unpin_keys([key(1)])
     pool.check_integrity()
 
 
@@ -151,7 +172,7 @@ def test_random_operations_keep_invariants(sequence):
                 pool.touch([b])
                 owned.append([b])
         elif op == "reset":
-            pool.evict_all_cached()
+            pool.evict_cached()
         pool.check_integrity()
         refs = {}
         for blocks in owned:

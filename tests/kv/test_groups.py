@@ -126,3 +126,20 @@ def test_check_fits_counts_windows_not_whole_contexts() -> None:
     kv.check_fits(SamplingParams(max_tokens=1), 39, 1)          # 18 blocks (every layer whole: 30)
     with pytest.raises(ValueError, match="needs up to 26 KV blocks"):
         kv.check_fits(SamplingParams(max_tokens=30), 40, 30)
+
+
+def test_the_most_tokens_one_request_holds_agrees_with_check_fits() -> None:
+    """``max_request_tokens`` is the largest n whose ``max_blocks_held`` the pool has; ``check_fits``
+    accepts exactly the requests up to it. Sliding groups hold their window and a chunk, so past
+    that a request's tokens cost the full group only."""
+    for windows, num_blocks in (((None,), 10), ((None, 8, 8), 30), ((None, 8, 8), 12)):
+        kv = manager(num_blocks, windows)
+        n = kv.max_request_tokens(1000)
+        assert kv.max_blocks_held(n) <= num_blocks < kv.max_blocks_held(n + 1)
+        kv.check_fits(SamplingParams(max_tokens=None), 1, n - 1)
+        with pytest.raises(ValueError, match="needs up to"):
+            kv.check_fits(SamplingParams(max_tokens=None), 1, n)
+        assert kv.max_request_tokens(n - 5) == n - 5                       # a limit under it is kept
+    assert manager(10, (None,)).max_request_tokens(1000) == 40             # 10 blocks of 4
+    # full group 18 blocks (72 tokens); the sliding ones 4 each (a window of 8 + a chunk of 4, + 1)
+    assert manager(30, (None, 8, 8)).max_request_tokens(1000) == 88

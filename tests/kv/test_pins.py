@@ -108,7 +108,7 @@ def test_a_cache_reset_drops_pinned_blocks_but_keeps_the_pins():
     pool.pin_keys([key(1)])
     pool.touch([blocks[2]], retention=HIGH)
     pool.free([blocks[2]])
-    assert pool.evict_all_cached() == 3
+    assert pool.evict_cached() == 3
     assert pool.free_queue.block_ids() == [3, 0, 2, 1]
     assert (pool.num_pinned_keys, pool.num_pinned_cached) == (1, 0)
     pool.check_integrity()
@@ -293,7 +293,7 @@ def test_random_operations_keep_pin_and_class_invariants(sequence):
             clock.now += n % 40
             pins.expire()
         elif op == "reset":
-            pool.evict_all_cached()
+            pool.evict_cached()
         pool.check_integrity()
         pins.check_integrity()
     for blocks in owned:

@@ -1,4 +1,7 @@
-from kvserve.kv.prefix import block_key, extend_block_keys, make_extra_key
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from kvserve.kv.prefix import block_key, extend_block_keys, make_extra_key, salted_extra_key
 
 
 def test_keys_chain_and_depend_on_everything():
@@ -43,3 +46,28 @@ def test_a_secret_keys_every_block_and_is_made_once(tmp_path):
     path.write_bytes(b"short")
     with pytest.raises(ValueError, match="holds 5 bytes"):
         load_or_create_secret(path)
+
+
+# separators, control characters, digits that look like lengths, unicode (surrogates too), long names
+_NAMES = st.text(st.characters() | st.characters(categories=["Cs"]), max_size=300) | st.sampled_from(
+    ["", "alice", "alice\x1f", "\x1falice", "5:alice", "alice\x00", "\x00tenant\x00", "ali", "ce"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(a=st.tuples(_NAMES, _NAMES), b=st.tuples(_NAMES, _NAMES))
+def test_no_two_namespaces_share_an_extra_key(a, b):
+    """(tenant, salt) -> extra key is one to one: no salt spells another tenant's namespace, the
+    engine's own ("") or another salt's, whatever characters either holds."""
+    extra = make_extra_key("fp", "native", secret=b"k" * 32)
+    assume(a != b)
+    assert salted_extra_key(extra, a[1], a[0]) != salted_extra_key(extra, b[1], b[0])
+
+
+def test_the_issues_spellings_are_other_namespaces():
+    extra = make_extra_key("fp", "native")
+    alice = salted_extra_key(extra, "", "alice")
+    # the server's own namespace with the separator the old scheme put between tenant and salt
+    assert salted_extra_key(extra, "alice\x1f") != alice
+    assert salted_extra_key(extra, "", "alice") == alice and salted_extra_key(extra, "") == extra
+    assert salted_extra_key(extra, "x", "alice") != salted_extra_key(extra, "", "alicex")
+    assert salted_extra_key(extra, "ce", "ali") != salted_extra_key(extra, "", "alice")

@@ -45,7 +45,7 @@ def test_tiny_temperature_is_greedy_but_a_small_one_still_samples():
 
 def test_nan_logits_fail_their_row_only():
     got = sample([ROW, [math.nan] + ROW[1:]], request(SamplingParams()), request(SamplingParams(temperature=0)))
-    assert got.token_ids[1] is None and "NaN" in got.errors[1]
+    assert got.token_ids[1] is None and "NaN" in got.errors[1].message
     assert got.token_ids[0] is not None and 0 not in got.errors
 
 
@@ -59,7 +59,7 @@ def test_positive_infinity_takes_all_the_probability():
 def test_every_token_masked_fails_the_row():
     row = [-math.inf] * VOCAB
     got = sample([row, ROW], request(SamplingParams()), request(SamplingParams()))
-    assert got.token_ids[0] is None and "no token" in got.errors[0] and got.token_ids[1] is not None
+    assert got.token_ids[0] is None and "no token" in got.errors[0].message and got.token_ids[1] is not None
 
 
 def test_penalties_exact():
@@ -121,4 +121,4 @@ def test_grammar_masks_touch_their_own_rows_only():
     plain = request(SamplingParams(temperature=0))
     got = sample([ROW, ROW, ROW], constrained, poisoned, plain)
     assert got.token_ids == [2, None, 1]
-    assert list(got.errors) == [1] and "poisoned grammar" in got.errors[1]
+    assert list(got.errors) == [1] and "poisoned grammar" in got.errors[1].message

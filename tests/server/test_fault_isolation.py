@@ -116,3 +116,67 @@ def test_an_empty_api_key_means_no_authentication(monkeypatch):
     assert resolve_api_key("k") == "k"
     monkeypatch.setenv("KVSERVE_API_KEY", "")
     assert resolve_api_key(None) is None
+
+
+# a constraint that builds and walks its first 32 tokens, then fails past llguidance's lexer
+# limit once the answer reaches its tail: the client's input, found only while generating
+PREAMBLE = ("Once upon a time there was a tiny robot who lived in a small house by the sea, and every morning it "
+            "walked along the shore to count the waves and the shells before the sun rose over the hills. ")
+LATE = {"structured_outputs": {"regex": PREAMBLE + "a{1000000}"}}
+
+
+@pytest.mark.parametrize("route,body", [
+    ("completions", {"prompt": "Hi", "structured_outputs": {"regex": "a{1000000}"}}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                          "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                              "type": "object", "properties": {"a": {"type": "string", "pattern": "^a{1000000}$"}},
+                              "required": ["a"]}}}}),
+    ("completions", {"prompt": "Hi", "structured_outputs": {"grammar": 'start: "x" big\nbig: /a{1000000}/'}}),
+])
+def test_a_constraint_past_the_grammar_engines_limits_is_a_400_before_queueing(server, route, body):
+    steps = server.metric("kvserve_engine_steps_total")
+    r = httpx.post(f"{server.url}/v1/{route}", json={"model": MODEL, "max_tokens": 8, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] in ("structured_outputs", "response_format")
+    assert "limit of the grammar engine" in error["message"] and "initial_lexer_fuel 1,000,000" in error["message"]
+    assert "<state>" not in error["message"] and "non-verbose" not in error["message"]
+    assert server.metric("kvserve_engine_steps_total") == steps        # nothing ran
+
+
+def test_a_constraint_failing_mid_answer_ends_that_request_alone(server):
+    url = f"{server.url}/v1/completions"
+    streams = [{} for _ in range(2)]
+    threads = [threading.Thread(target=read_stream, args=(url, {**STREAM, "max_tokens": 90, "prompt": p}, out))
+               for p, out in zip(["Once upon a time", "The sea is"], streams)]
+    for t in threads:
+        t.start()
+    errors_before = server.metric('kvserve_api_errors_total{status="400"}')
+    failed_before = server.metric('kvserve_requests_total{finish_reason="error"}')
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 80, "temperature": 0, **LATE}
+    plain = httpx.post(url, json=body, timeout=120)
+    streamed: dict = {}
+    read_stream(f"{server.url}/v1/chat/completions",
+                {**{k: v for k, v in body.items() if k != "prompt"}, "stream": True,
+                 "messages": [{"role": "user", "content": "Tell me a story."}]}, streamed)
+    for t in threads:
+        t.join(120)
+
+    assert plain.status_code == 400, plain.text           # not a 500: the client's constraint failed
+    error = plain.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "constraint_failed"
+    assert "output constraint failed" in error["message"] and 'finish_reason "error"' in error["message"]
+    assert "initial_lexer_fuel" in error["message"]
+    assert streamed["status"] == 200
+    chunks = [json.loads(e) for e in streamed["events"]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1] if c.get("choices"))
+    assert text == PREAMBLE[:len(text)] and len(text) > 100            # it streamed the answer up to the tail
+    assert chunks[-2]["choices"][0]["finish_reason"] == "error"
+    assert chunks[-1]["error"]["code"] == "constraint_failed" and "[DONE]" not in streamed["events"]
+    for s in streams:                                                   # the others' streams are intact
+        assert s["status"] == 200 and s["events"][-1] == "[DONE]"
+        assert json.loads(s["events"][-2])["choices"][0]["finish_reason"] == "length"
+    assert server.metric('kvserve_api_errors_total{status="400"}') == errors_before + 2   # client errors
+    assert server.metric('kvserve_requests_total{finish_reason="error"}') == failed_before + 2
+    server.wait_idle()
+    server.ctx.engine.engine.check_integrity()

@@ -1,5 +1,6 @@
-"""A bounded, reproducible schemathesis run over every route that takes a body: no 5xx, every
-answer's status one the schema lists and its body the schema's, and the server healthy after.
+"""A bounded, reproducible schemathesis run over every route that takes a body, and the cache
+routes without one: no 5xx, every answer's status one the schema lists and its body the
+schema's (the cache routes' 200 answers included), and the server healthy after.
 
 Bounds: a fixed number of examples per operation, Hypothesis derandomized (the same cases
 every run), a 48-token context so that any accepted request finishes in a few steps, and a
@@ -40,11 +41,16 @@ def api_schema(fuzzed_server):
 
 # schemathesis' own pytest plugin does not run under pytest 9 (it reads a private node
 # attribute), so each operation's strategy is driven with Hypothesis directly
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/cache/pin",
-                                  "/v1/cache/unpin"])
-def test_no_server_errors(api_schema, path, mode):
-    operations = [result.ok() for result in api_schema.include(path=path, method="POST").get_all_operations()]
+BODY_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/cache/pin", "/v1/cache/unpin"]
+# a route without a body or parameters has no invalid request to make: positive cases only
+OPERATIONS = [("POST", path, mode) for path in BODY_ROUTES
+              for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)] + \
+             [("GET", "/v1/cache/pins", GenerationMode.POSITIVE), ("POST", "/v1/cache/reset", GenerationMode.POSITIVE)]
+
+
+@pytest.mark.parametrize("method,path,mode", OPERATIONS)
+def test_no_server_errors(api_schema, method, path, mode):
+    operations = [result.ok() for result in api_schema.include(path=path, method=method).get_all_operations()]
     assert len(operations) == 1
 
     @given(case=operations[0].as_strategy(generation_mode=mode))
@@ -64,3 +70,7 @@ def test_openapi_schema_is_published(fuzzed_server):
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and "messages" in chat["required"]
     assert {"tools", "response_format", "structured_outputs", "logit_bias"} <= set(chat["properties"])
+    reset = spec["paths"]["/v1/cache/reset"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert "scope" in reset["required"] and reset["properties"]["scope"]["enum"] == ["engine", "tenant"]
+    pins = spec["paths"]["/v1/cache/pins"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert pins["properties"]["data"]["items"]["required"][-1] == "tenant"
