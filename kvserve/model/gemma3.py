@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.config import LayerSpec, ModelConfig
 from kvserve.model.chat_templates import builtin_chat_template
@@ -91,8 +90,8 @@ class Gemma3Model(Decoder):
     def layer_output(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         lw, eps = self.layers[layer], self.config.rms_norm_eps
         h = self.norm_add(h, lw.o(attn.reshape(h.shape[0], self.config.q_size)), lw.post_attention_norm)
-        gate, up = lw.gate_up.after_norm(h, lw.pre_feedforward_norm, eps).chunk(2, dim=-1)
-        return self.norm_add(h, lw.down(F.gelu(gate, approximate="tanh") * up), lw.post_feedforward_norm)
+        gate_up = lw.gate_up.after_norm(h, lw.pre_feedforward_norm, eps)
+        return self.norm_add(h, lw.down.geglu(gate_up), lw.post_feedforward_norm)
 
 
 def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

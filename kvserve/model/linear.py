@@ -74,6 +74,11 @@ class Product(ABC):
         """The LM head's product: a few rows against the whole vocabulary."""
         return self(x)
 
+    def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(gelu_tanh(gate) * up) W^T + bias, gate and up the two halves of ``gate_up`` [T, 2 cols]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self(F.gelu(gate, approximate="tanh") * up)
+
 
 class DenseProduct(Product):
     """Float weights through a float backend; the fused forms are the plain torch compositions."""

@@ -155,21 +155,21 @@ std::shared_ptr<PyWeight> make_weight(const std::vector<std::tuple<int, int64_t,
 }
 
 // out[M, N] = (or +=) prologue(x) W^T. x: [M, K] float32 rows (or [M, 2K], gate then up, for
-// SWIGLU), unit column stride; out: [M, N] float32, unit column stride.
+// SWIGLU and GEGLU), unit column stride; out: [M, N] float32, unit column stride.
 void linear(const PyWeight& pw, const at::Tensor& x, at::Tensor out, int64_t prologue, const at::Tensor& norm,
             double eps, bool add) {
   const q::Weight& w = pw.w;
   KVS_Q_REQUIRE(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.stride(1) == 1,
                 "x must be a CPU float32 matrix with unit column stride, got " + shape_str(x));
   const int64_t M = x.size(0);
-  const int64_t want = prologue == q::SWIGLU ? 2 * w.K : w.K;
+  const int64_t want = prologue == q::SWIGLU || prologue == q::GEGLU ? 2 * w.K : w.K;
   KVS_Q_REQUIRE(x.size(1) == want, "x has " + std::to_string(x.size(1)) + " columns, the weight takes " +
                                        std::to_string(want));
   KVS_Q_REQUIRE(out.dim() == 2 && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
                     out.size(0) == M && out.size(1) == w.N,
                 "out must be a CPU float32 [" + std::to_string(M) + ", " + std::to_string(w.N) +
                     "] matrix with unit column stride, got " + shape_str(out));
-  KVS_Q_REQUIRE(prologue >= q::NONE && prologue <= q::SWIGLU, "unknown prologue " + std::to_string(prologue));
+  KVS_Q_REQUIRE(prologue >= q::NONE && prologue <= q::GEGLU, "unknown prologue " + std::to_string(prologue));
   if (prologue == q::RMSNORM) check(norm, at::kFloat, {w.K}, "norm");
   if (M == 0) return;
   q::linear(w, x.data_ptr<float>(), M, x.stride(0), static_cast<int>(prologue),

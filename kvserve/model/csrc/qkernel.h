@@ -41,7 +41,7 @@ namespace kvs {
 namespace q {
 
 enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q6_K = 4, Q5_0 = 5, Q5_1 = 6, Q5_K = 7 };
-enum Prologue : int { NONE = 0, RMSNORM = 1, SWIGLU = 2 };
+enum Prologue : int { NONE = 0, RMSNORM = 1, SWIGLU = 2, GEGLU = 3 };
 constexpr int kLanes = 16;
 constexpr int kBlock = 32;
 constexpr int kSuper = 256;   // the K-quants' super-block
@@ -105,6 +105,7 @@ struct Acts {
 // ---- activations --------------------------------------------------------------------
 
 inline F16 silu_mul(const float* g, const float* u) { return fmul(silu16(load_f32(g)), load_f32(u)); }
+inline F16 gelu_mul(const float* g, const float* u) { return fmul(gelu_tanh16(load_f32(g)), load_f32(u)); }
 
 // Row m of x through the prologue into `y` (K floats), outlier channels moved to `outl`.
 inline void transform_row(const float* x, int64_t K, int prologue, const float* norm, float eps, const Weight& W,
@@ -120,6 +121,8 @@ inline void transform_row(const float* x, int64_t K, int prologue, const float* 
     for (int64_t k = 0; k < K; k += kLanes) store_f32_all(y + k, fmul(load_f32(norm + k), fmul(load_f32(x + k), vinv)));
   } else if (prologue == SWIGLU) {
     for (int64_t k = 0; k < K; k += kLanes) store_f32_all(y + k, silu_mul(x + k, x + K + k));
+  } else if (prologue == GEGLU) {
+    for (int64_t k = 0; k < K; k += kLanes) store_f32_all(y + k, gelu_mul(x + k, x + K + k));
   } else {
     std::memcpy(y, x, sizeof(float) * K);
   }
@@ -331,7 +334,7 @@ inline void run_tile_any(const Weight& W, const Segment& s, int64_t t, const Act
 }
 
 // out[M, N] (row stride ldo) = (or +=, with `add`) prologue(x)[M, K] W^T + bias + outliers.
-// x has row stride ldx (2K columns are read for SWIGLU: gate then up).
+// x has row stride ldx (2K columns are read for SWIGLU and GEGLU: gate then up).
 inline void linear(const Weight& W, const float* x, int64_t M, int64_t ldx, int prologue, const float* norm, float eps,
                    float* out, int64_t ldo, bool add) {
   static thread_local Acts caller_acts;   // grows to the largest batch, then is reused

@@ -19,6 +19,10 @@
 namespace kvs {
 namespace q {
 
+// GELU's tanh form: x/2 (1 + tanh(kGeluC (x + kGeluA x^3)))
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluA = 0.044715f;
+
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -100,6 +104,17 @@ inline F16 silu16(F16 x) {
   const __mmask16 neg = _mm512_cmp_ps_mask(x.v, _mm512_setzero_ps(), _CMP_LT_OQ);
   const __m512 num = _mm512_mask_mov_ps(one, neg, e);
   return {_mm512_mul_ps(x.v, _mm512_div_ps(num, _mm512_add_ps(one, e)))};
+}
+// GELU, tanh form: x/2 (1 + tanh(z)), z = sqrt(2/pi) (x + 0.044715 x^3); tanh(|z|) = (1 - e) / (1 + e)
+// with e = e^-2|z| from the kernel's exp2, signed as z
+inline F16 gelu_tanh16(F16 x) {
+  const __m512 z = _mm512_mul_ps(_mm512_set1_ps(kGeluC), _mm512_fmadd_ps(_mm512_set1_ps(kGeluA),
+                                                                         _mm512_mul_ps(x.v, _mm512_mul_ps(x.v, x.v)), x.v));
+  const __m512 e = vexp2_neg(_mm512_mul_ps(_mm512_abs_ps(z), _mm512_set1_ps(-2.0f * kLog2e)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
+  return {_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x.v), _mm512_add_ps(one, t))};
 }
 
 #elif KVS_W == 8
@@ -235,6 +250,18 @@ inline __m256 silu8(__m256 x) {
   return _mm256_mul_ps(x, _mm256_div_ps(num, _mm256_add_ps(one, e)));
 }
 inline F16 silu16(F16 x) { return {silu8(x.lo), silu8(x.hi)}; }
+inline __m256 gelu_tanh8(__m256 x) {
+  const __m256 z = _mm256_mul_ps(_mm256_set1_ps(kGeluC), _mm256_fmadd_ps(_mm256_set1_ps(kGeluA),
+                                                                         _mm256_mul_ps(x, _mm256_mul_ps(x, x)), x));
+  const __m256 az = _mm256_and_ps(z, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+  const __m256 e = vexp2_neg(_mm256_mul_ps(az, _mm256_set1_ps(-2.0f * kLog2e)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  const __m256 signed_t = _mm256_blendv_ps(t, _mm256_sub_ps(_mm256_setzero_ps(), t),
+                                           _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, signed_t));
+}
+inline F16 gelu_tanh16(F16 x) { return {gelu_tanh8(x.lo), gelu_tanh8(x.hi)}; }
 
 #else
 struct I16 { int32_t v[16]; };
@@ -379,6 +406,10 @@ inline F16 silu16(F16 x) {
     const float e = std::exp(-std::fabs(v));
     v = v * ((v < 0.0f ? e : 1.0f) / (1.0f + e));
   }
+  return x;
+}
+inline F16 gelu_tanh16(F16 x) {
+  for (auto& v : x.v) v = 0.5f * v * (1.0f + std::tanh(kGeluC * (v + kGeluA * v * v * v)));
   return x;
 }
 #endif

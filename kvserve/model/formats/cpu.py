@@ -1,6 +1,6 @@
 """Packed weights multiplied on the CPU by the C++ kernel (csrc/qkernel.h), read in place.
 
-Each product is one call: the prologue (RMSNorm, or SwiGLU of the gate and up halves), the
+Each product is one call: the prologue (RMSNorm, or SwiGLU / GeGLU of the gate and up halves), the
 activations' quantization to int8 per block of 32, the integer products, the outlier
 channels in float32, the bias, and the add into the residual all happen inside it. Inputs
 and outputs are float32.
@@ -16,7 +16,7 @@ from kvserve.model.formats.kernel import QuantKernel
 from kvserve.model.formats.packing import LANES, PART_NAMES, PackedWeight
 from kvserve.model.linear import Embedding, Product
 
-NONE, RMSNORM, SWIGLU = 0, 1, 2      # csrc/qkernel.h Prologue
+NONE, RMSNORM, SWIGLU, GEGLU = 0, 1, 2, 3      # csrc/qkernel.h Prologue
 _ABSENT = torch.empty(())
 
 
@@ -70,6 +70,9 @@ class CpuPackedProduct(Product):
 
     def swiglu_add_into(self, residual: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         return self._run(gate_up, residual, SWIGLU, _ABSENT, 0.0, True)
+
+    def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._run(gate_up, gate_up.new_empty(gate_up.shape[0], self.rows), GEGLU, _ABSENT, 0.0, False)
 
 
 class CpuPackedEmbedding(Embedding):

@@ -157,6 +157,23 @@ def test_fused_forms_equal_their_compositions() -> None:
                                (residual + down(act)).double(), atol=float(tol.max()) + 1e-5, rtol=0)
 
 
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_geglu_prologue_equals_its_composition(isa: str) -> None:
+    """Gemma's GeGLU before the down product, in the kernel (GELU's tanh form from the kernel's
+    exp2) against torch's gelu(approximate="tanh") * up, within the activations' rounding, on
+    every instruction set; large gates too (tanh saturating, both signs)."""
+    ext = ext_for(isa)
+    g = torch.Generator().manual_seed(11)
+    down = CpuPackedProduct(ext, weights("Q5_0", 48, 64, 3))
+    gate_up = torch.randn(9, 128, generator=g) * torch.tensor([1.0] * 32 + [12.0] * 32 + [1.0] * 64)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    tol = (act.abs().reshape(9, -1, 16).amax(-1) / 127) @ dequantize(down.packed).abs().reshape(48, -1, 16).sum(-1).T
+    torch.testing.assert_close(down.geglu(gate_up).double(), down(act).double(), atol=float(tol.max()) + 1e-4,
+                               rtol=0)
+
+
 def test_bias_and_outlier_channels() -> None:
     ext = ext_for(ISAS[0])
     g = torch.Generator().manual_seed(9)
