@@ -18,6 +18,8 @@ import json
 from importlib.metadata import version
 from pathlib import Path
 
+from kvserve.model.gguf_loader import file_sha256
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "tests" / "data" / "tokenizer_sample.txt"
 BOOK = ROOT / "kvserve" / "data" / "botchan.txt"
@@ -32,14 +34,6 @@ def sample_texts() -> list[str]:
 
 def ids_sha256(ids: list[int]) -> str:
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def main() -> None:

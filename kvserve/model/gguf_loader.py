@@ -136,7 +136,7 @@ def convert_gguf(path: Path) -> LoadedModel:
     tokenizer = Tokenizer.from_gguf_fields(fields)
     check_tokenizer(tokenizer, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
-                       fingerprint=_file_sha256(path), source=str(path))
+                       fingerprint=file_sha256(path), source=str(path))
 
 
 def _row_order(family: Family, config: ModelConfig, name: str, rows: int) -> np.ndarray | None:
@@ -192,7 +192,8 @@ def _config_from_metadata(reader: gguf.GGUFReader, source: str) -> tuple[Family,
     return family, family.gguf_config(keys, common)
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes (hex)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 24):

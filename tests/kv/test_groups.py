@@ -80,12 +80,17 @@ def test_sliding_blocks_leave_as_the_window_moves() -> None:
     kv.check_integrity()
 
 
-def test_a_hit_needs_the_window_before_it_only() -> None:
-    kv = manager(num_blocks=40)
+def finished_conversation(kv: KVCacheManager) -> None:
+    """A request of 24 computed tokens (blocks 0-5 in every group), run to its end and freed."""
     a = make("a", list(range(24)) + [99])
     for _ in range(6):
         step(kv, a, 4)
     kv.free(a)
+
+
+def test_a_hit_needs_the_window_before_it_only() -> None:
+    kv = manager(num_blocks=40)
+    finished_conversation(kv)
     # b shares 24 tokens: a hit at block 6 (position 24) needs blocks 4, 5 of the sliding groups
     # (a query at 24 sees 17..24), which a released last, and every full block
     b = make("b", list(range(24)) + [7, 7])
@@ -100,10 +105,7 @@ def test_a_hit_needs_the_window_before_it_only() -> None:
 
 def test_a_prefix_loses_its_interior_sliding_blocks_first_and_its_tail_hit_last() -> None:
     kv = manager(num_blocks=40)
-    a = make("a", list(range(24)) + [99])
-    for _ in range(6):
-        step(kv, a, 4)
-    kv.free(a)
+    finished_conversation(kv)
     b = make("b", list(range(24)) + [7, 7])
     # 22 never-used blocks go first, then the 8 interior sliding blocks a released on the way
     taken = kv.allocate_unowned(30)

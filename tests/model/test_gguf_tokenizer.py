@@ -15,9 +15,10 @@ import gguf
 import pytest
 from spm_vocab import GEMMA_PIECES, gemma_fields, llama_fields, write_tokenizer_gguf
 
+from kvserve.model.gguf_loader import file_sha256
 from kvserve.model.gguf_tokenizer import GGUFTokenizerFields, tokenizer_fields
 from kvserve.model.tokenizer import Tokenizer
-from scripts.tokenizer_reference import BOOK, file_sha256, ids_sha256, sample_texts
+from scripts.tokenizer_reference import BOOK, ids_sha256, sample_texts
 
 REFERENCE = Path(__file__).parent.parent / "data" / "gemma3_tokenizer_reference.json"
 ROUND_TRIP = ["Hello world", "Hello  the world!", "héllo wörld", "the\n\nworld", "Hello<think>world", "x€y🎉",

@@ -193,9 +193,10 @@ at::Tensor dequantize_rows(const PyWeight& pw, const at::Tensor& rows) {
   return out;
 }
 
-// (q [T, H, D], k [T, Hkv, D]) rotated, from qkv [T, >= (H + Hkv) D] (unit column stride).
-std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
-                                           const at::Tensor& sin, int64_t H, int64_t Hkv, int64_t D) {
+// The checks of a call over the fused Q/K/V rows at given positions (rope_qk, qk_norm_rope);
+// returns the rows' count.
+int64_t check_qkv_positions(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                            const at::Tensor& sin, int64_t H, int64_t Hkv, int64_t D) {
   KVS_Q_REQUIRE(qkv.dim() == 2 && qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 &&
                     qkv.size(1) >= (H + Hkv) * D,
                 "qkv must be a CPU float32 matrix of at least (heads + kv heads) x head_dim columns, got " +
@@ -209,10 +210,17 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     KVS_Q_REQUIRE(pos[t] >= 0 && pos[t] < cos.size(0), "position " + std::to_string(pos[t]) + " is outside the tables");
+  return T;
+}
+
+// (q [T, H, D], k [T, Hkv, D]) rotated, from qkv [T, >= (H + Hkv) D] (unit column stride).
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                                           const at::Tensor& sin, int64_t H, int64_t Hkv, int64_t D) {
+  const int64_t T = check_qkv_positions(qkv, positions, cos, sin, H, Hkv, D);
   at::Tensor q = at::empty({T, H, D}, qkv.options());
   at::Tensor k = at::empty({T, Hkv, D}, qkv.options());
-  rope::rope_qk(qkv.data_ptr<float>(), qkv.stride(0), T, H, Hkv, D, pos, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                q.data_ptr<float>(), k.data_ptr<float>());
+  rope::rope_qk(qkv.data_ptr<float>(), qkv.stride(0), T, H, Hkv, D, positions.data_ptr<int64_t>(),
+                cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(), k.data_ptr<float>());
   return {q, k};
 }
 
@@ -230,26 +238,15 @@ void norm_add(at::Tensor h, const at::Tensor& x, const at::Tensor& w, double eps
 std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& qkv, const at::Tensor& positions,
                                                 const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& qw,
                                                 const at::Tensor& kw, int64_t H, int64_t Hkv, int64_t D, double eps) {
-  KVS_Q_REQUIRE(qkv.dim() == 2 && qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 &&
-                    qkv.size(1) >= (H + Hkv) * D,
-                "qkv must be a CPU float32 matrix of at least (heads + kv heads) x head_dim columns, got " +
-                    shape_str(qkv));
-  KVS_Q_REQUIRE(D > 0 && D % 2 == 0, "head_dim must be even");
-  const int64_t T = qkv.size(0);
-  check(positions, at::kLong, {T}, "positions");
-  check(cos, at::kFloat, {cos.size(0), D / 2}, "cos");
-  check(sin, at::kFloat, {cos.size(0), D / 2}, "sin");
+  const int64_t T = check_qkv_positions(qkv, positions, cos, sin, H, Hkv, D);
   check(qw, at::kFloat, {D}, "qw");
   check(kw, at::kFloat, {D}, "kw");
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    KVS_Q_REQUIRE(pos[t] >= 0 && pos[t] < cos.size(0), "position " + std::to_string(pos[t]) + " is outside the tables");
   at::Tensor q = at::empty({T, H, D}, qkv.options());
   at::Tensor k = at::empty({T, Hkv, D}, qkv.options());
   std::vector<float> tmp(static_cast<size_t>(D));
-  norms::qk_norm_rope(qkv.data_ptr<float>(), qkv.stride(0), T, H, Hkv, D, pos, cos.data_ptr<float>(),
-                      sin.data_ptr<float>(), ptr<float>(qw), ptr<float>(kw), static_cast<float>(eps), tmp.data(),
-                      q.data_ptr<float>(), k.data_ptr<float>());
+  norms::qk_norm_rope(qkv.data_ptr<float>(), qkv.stride(0), T, H, Hkv, D, positions.data_ptr<int64_t>(),
+                      cos.data_ptr<float>(), sin.data_ptr<float>(), ptr<float>(qw), ptr<float>(kw),
+                      static_cast<float>(eps), tmp.data(), q.data_ptr<float>(), k.data_ptr<float>());
   return {q, k};
 }
 
