@@ -13,7 +13,7 @@ the weight format the engine chose.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -154,6 +154,3 @@ class Decoder(ABC):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-
-#: builds a family's decoder: (config, weights, device, dtype, products) -> Decoder
-DecoderFactory = Callable[[ModelConfig, Mapping[str, Weight], torch.device, torch.dtype, Products | None], Decoder]
