@@ -9,10 +9,13 @@ logged, and its future resolves to the harmless answer (0 blocks stored, all mis
                                |   same content); a get of it is answered from it
     submit_get(keys)  ---------+--> worker: in-flight payloads first, then store.get
 
-At most ``max_pending`` calls are queued or running; a submit beyond that is dropped
-(counted) and resolves at once, since a full queue means the tier is slower than the
-engine and waiting for it would stall decoding. A ``required`` put (a pinned block being
-evicted: its only copy) is queued regardless.
+At most ``max_pending`` puts are queued or running; a put beyond that is dropped (counted)
+and resolves at once, since a full queue means the tier is slower than the engine and
+waiting for it would stall decoding. A ``required`` put (a pinned block being evicted: its
+only copy) is queued regardless. Gets run on workers of their own, never behind a backlog of
+puts and never dropped: each is a load the scheduler chose over recomputing, for a request
+that waits on it (at most one per request), and a write-back queue a slow disk has filled
+must not turn it into a recompute.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class AsyncStats:
     puts_submitted: int = 0  # blocks
     gets_submitted: int = 0  # blocks
     coalesced: int = 0  # blocks whose put was already in flight
-    dropped: int = 0  # calls refused because max_pending were pending
+    dropped: int = 0  # puts refused because max_pending were pending
     inflight_hits: int = 0  # blocks a get took from a put still in flight
     errors: int = 0  # calls whose tier call raised
 
@@ -57,10 +60,11 @@ class AsyncTier:
         self.store = store
         self._max_pending = max_pending
         self._pool = cf.ThreadPoolExecutor(num_workers, thread_name_prefix=f"kvserve-{store.tier}")
+        self._reads = cf.ThreadPoolExecutor(num_workers, thread_name_prefix=f"kvserve-{store.tier}-read")
         # reentrant: a future that is already done runs its callback (_forget) inline
         self._lock = threading.RLock()
         self._inflight: dict[bytes, bytes] = {}
-        self._pending: set[cf.Future[Any]] = set()
+        self._pending: dict[cf.Future[Any], bool] = {}    # each call queued or running: whether a get
         self._stats = AsyncStats()
         self._closed = False
 
@@ -68,11 +72,13 @@ class AsyncTier:
         """Caller holds the lock."""
         self._stats = replace(self._stats, **{k: getattr(self._stats, k) + v for k, v in deltas.items()})
 
-    def _submit(self, fn: Callable[[], T], fallback: T, required: bool = False) -> cf.Future[T] | None:
-        """Queue ``fn``; None if max_pending are pending (unless ``required``). Caller holds the lock."""
+    def _submit(self, fn: Callable[[], T], fallback: T, required: bool = False,
+                read: bool = False) -> cf.Future[T] | None:
+        """Queue ``fn`` (a get: ``read``, on the read workers, never dropped); None if max_pending
+        puts are pending (unless ``required``). Caller holds the lock."""
         if self._closed:
             raise RuntimeError(f"the async {self.store.tier} tier is closed")
-        if len(self._pending) >= self._max_pending and not required:
+        if not read and self._num_puts >= self._max_pending and not required:
             self._count(dropped=1)
             return None
 
@@ -85,14 +91,18 @@ class AsyncTier:
                     first = self._stats.errors == 1
                 (logger.exception if first else logger.debug)("%s tier call failed; counted", self.store.tier)
                 return fallback
-        future = self._pool.submit(run)
-        self._pending.add(future)
+        future = (self._reads if read else self._pool).submit(run)
+        self._pending[future] = read
         future.add_done_callback(self._forget)
         return future
 
+    @property
+    def _num_puts(self) -> int:
+        return sum(not read for read in self._pending.values())
+
     def _forget(self, future: cf.Future[Any]) -> None:
         with self._lock:
-            self._pending.discard(future)
+            self._pending.pop(future, None)
 
     def submit_put(self, items: Sequence[tuple[bytes, Payload]], required: bool = False) -> cf.Future[int]:
         """Write ``items`` in the background; the future gives how many the tier stored.
@@ -140,8 +150,9 @@ class AsyncTier:
             return out
         with self._lock:
             self._count(gets_submitted=len(keys))
-            future = self._submit(get, misses)
-        return future if future is not None else _done(list(misses))
+            future = self._submit(get, misses, read=True)
+        assert future is not None, "a get is never dropped"
+        return future
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is held or its put is in flight (so a get would find it).
@@ -173,6 +184,7 @@ class AsyncTier:
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
         self.store.close()
 
     def stats(self) -> AsyncStats:

@@ -83,14 +83,20 @@ def test_errors_are_counted_never_raised():
     tier.close()
 
 
-def test_a_full_queue_drops_instead_of_blocking_and_close_finishes_pending_work():
+def test_a_full_queue_drops_puts_not_gets_and_close_finishes_pending_work():
+    """Puts past ``max_pending`` are dropped; a get is not, nor does it wait behind the puts: it
+    runs on the read workers while the one put worker is stuck (the gate closed)."""
     transport = GatedTransport()
     tier = make(transport, num_workers=1, max_pending=1)
+    transport.gate.set()
+    tier.store.put([(K[3], b"w")])          # held by the store before the gate closes
+    transport.gate.clear()
     held = tier.submit_put([(K[0], b"x")])
     dropped_put = tier.submit_put([(K[1], b"y")])
-    dropped_get = tier.submit_get([K[0]])
-    assert dropped_put.result(timeout=0) == 0 and dropped_get.result(timeout=0) == [None]
-    assert tier.stats().dropped == 2
+    assert dropped_put.result(timeout=0) == 0
+    assert tier.submit_get([K[0], K[3], K[1]]).result(timeout=10) == [b"x", b"w", None]   # K[0]: the put in flight
+    assert not held.done()
+    assert tier.stats().dropped == 1
     transport.gate.set()
     tier.close()
     assert held.result(timeout=0) == 1
