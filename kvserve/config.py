@@ -439,14 +439,14 @@ class RedisConfig:
 
 TierConfig = HostConfig | DiskConfig | RedisConfig
 TIER_CONFIGS: tuple[type[TierConfig], ...] = (HostConfig, DiskConfig, RedisConfig)   # lookup order
-SPEC_METHODS = ("ngram", "self", "draft")    # kvserve/spec/proposers.py, kvserve/spec/drafters.py
+SPEC_METHODS = ("ngram", "self", "draft")    # kvserve/speculative/proposers.py, kvserve/speculative/drafters.py
 _NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 _MODEL_KEYS = ("quantization", "skip_layers")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (docs/spec.md): a proposer drafts up to ``num_speculative_tokens``
+    """Speculative decoding (docs/speculative.md): a proposer drafts up to ``num_speculative_tokens``
     tokens after a running request's last one and the model checks them in the next step.
 
     ``ngram`` (prompt lookup) proposes what followed the most recent earlier occurrence of the
@@ -559,7 +559,7 @@ class EngineConfig:
         flag="--write-through", group="offload"))
     speculative_config: str | None = field(default=None, metadata=opt(
         "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}; methods ngram, self, draft (docs/spec.md); "
+        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}; methods ngram, self, draft (docs/speculative.md); "
         "a dict as a keyword",
         default_text="off", metavar="JSON"))
 

@@ -80,7 +80,7 @@ FLOORS = [
     ["kvserve.kv"],
     ["kvserve.attention", "kvserve.sampling", "kvserve.scheduler"],
     ["kvserve.model"],
-    ["kvserve.blend", "kvserve.plan", "kvserve.options", "kvserve.spec"],
+    ["kvserve.blend", "kvserve.plan", "kvserve.options", "kvserve.speculative"],
     ["kvserve.engine"],
     ["kvserve.llm"],
     ["kvserve", "kvserve.server"],

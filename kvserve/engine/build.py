@@ -59,9 +59,9 @@ from kvserve.sampling.sampler import Sampler
 from kvserve.sampling.structured import GrammarCompiler
 from kvserve.scheduler.policies import policy_class
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.spec.drafters import DraftModelProposer, ModelProposer, SelfProposer, TokenPass
-from kvserve.spec.proposers import make_proposer
-from kvserve.spec.speculator import PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S, Speculator
+from kvserve.speculative.drafters import DraftModelProposer, ModelProposer, SelfProposer, TokenPass
+from kvserve.speculative.proposers import make_proposer
+from kvserve.speculative.speculator import PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S, Speculator
 
 log = logging.getLogger("kvserve")
 

@@ -228,7 +228,7 @@ class LLMEngine:
         """Draw a token for each row and apply them: one row per request, or 1 + k for a request
         with k drafted tokens (row i as if the first i were appended: kvserve/sampling/rows.py),
         of which the run the target agrees with is accepted, then the target's own token
-        (kvserve/spec/speculator.py). A failure that belongs to one request (a row that gives no
+        (kvserve/speculative/speculator.py). A failure that belongs to one request (a row that gives no
         token, a grammar that rejects the token) fails that request only."""
         drafts = drafts if drafts is not None else [()] * len(requests)
         rows: list[RowRequest] = []

@@ -26,7 +26,7 @@ from kvserve.scheduler.scheduler import SchedulerOutput
 @dataclass(frozen=True)
 class StepResult:
     sample_requests: list[Request]          # requests whose sequence is complete: sample
-    drafts: list[tuple[int, ...]]           # each one's drafted tokens (kvserve/spec/; mostly empty)
+    drafts: list[tuple[int, ...]]           # each one's drafted tokens (kvserve/speculative/; mostly empty)
     logits: torch.Tensor                    # float32 on CPU: 1 + len(draft) rows per sample request, in order
     prompt_logprobs: dict[str, list[TokenLogprob]]  # request id -> logprobs of prompt tokens this step
 

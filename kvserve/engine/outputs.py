@@ -26,7 +26,7 @@ class RequestOutput:
     error_kind: str | None = None   # ... and whose failure: "constraint" (its output constraint) or "engine"
     num_reused_tokens: int = 0      # blended prompt: tokens whose KV came from stored segments
     num_recomputed_tokens: int = 0  # of those, recomputed (kvserve/blend/)
-    num_draft_tokens: int = 0       # speculative decoding: drafted tokens checked (kvserve/spec/)
+    num_draft_tokens: int = 0       # speculative decoding: drafted tokens checked (kvserve/speculative/)
     num_accepted_tokens: int = 0    # of those, accepted
 
     @property

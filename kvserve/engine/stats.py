@@ -12,7 +12,7 @@ from kvserve.kv.pins import NO_PIN_STATS, PinStats
 from kvserve.kv.tiering import TierMetrics
 from kvserve.offload.cost import CostSnapshot
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.spec.speculator import SpecStats
+from kvserve.speculative.speculator import SpecStats
 
 NO_BUDGET_STATS = BudgetStats(0, 0, 0, 0)
 
@@ -39,7 +39,7 @@ class EngineStats:
     pins: PinStats = NO_PIN_STATS            # pinned prefixes (kv/pins.py)
     pin_hit_tokens: int = 0                  # prompt tokens served from pinned device blocks, first admissions
     blend: BlendStats = field(default_factory=BlendStats)   # segments and blended prompts (kvserve/blend/)
-    spec: SpecStats | None = None            # speculative decoding (kvserve/spec/; None: off)
+    spec: SpecStats | None = None            # speculative decoding (kvserve/speculative/; None: off)
     kv_cached_blocks_by_tenant: tuple[tuple[str, int], ...] = ()   # (tenant, cached blocks), "" the engine's
 
     @property

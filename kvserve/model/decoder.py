@@ -135,7 +135,7 @@ class Decoder(ABC):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVStorage,
                 meta: AttentionMetadata, layers: Sequence[int] | None = None) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm. ``layers``: the layers to run,
-        in order (default: all; a self-drafting pass leaves some out, kvserve/spec/drafters.py)."""
+        in order (default: all; a self-drafting pass leaves some out, kvserve/speculative/drafters.py)."""
         h = self.embed(input_ids)
         angles = self.angles(positions)
         for i in range(self.config.num_layers) if layers is None else layers:

@@ -1,6 +1,6 @@
 """What the sampler reads of a logits row's request: its options and the state they apply to.
 
-A row is usually a request as it stands. A request with k drafted tokens (kvserve/spec/) has
+A row is usually a request as it stands. A request with k drafted tokens (kvserve/speculative/) has
 k more rows, row i giving the token after its i-th drafted one: for that row the request is
 as if the first i drafted tokens were already appended (``DraftedRow``), so penalties count
 them, ``min_tokens`` counts them, and the grammar's mask is the one after them. Each row is

@@ -79,7 +79,7 @@ class GrammarMatcher:
 
     def masks_after(self, tokens: Sequence[int], words: int) -> list[torch.Tensor]:
         """The bitmask ([words] int32) of the tokens allowed after ``tokens[:1]``, ``tokens[:2]``, ...,
-        as far as the grammar accepts them and has not stopped (drafted rows, kvserve/spec/);
+        as far as the grammar accepts them and has not stopped (drafted rows, kvserve/speculative/);
         the state is left as it was."""
         masks: list[torch.Tensor] = []
         consumed = 0

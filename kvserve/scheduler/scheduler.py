@@ -37,7 +37,7 @@ from kvserve.scheduler.policies import make_policy
 class ScheduledChunk:
     request: Request
     num_new_tokens: int                 # the drafted tokens included
-    draft: tuple[int, ...] = ()         # tokens drafted after the request's last (kvserve/spec/)
+    draft: tuple[int, ...] = ()         # tokens drafted after the request's last (kvserve/speculative/)
     num_rows: int | None = None         # rows the model computes, where not every new token is one
                                         # (a blend's chunk: kvserve.request.BlendRows)
 

@@ -125,7 +125,7 @@ def _spec_metrics(s: EngineStats) -> Iterator[Metric]:
             ("kvserve_spec_accepted_tokens", "Drafted tokens accepted", s.spec.num_accepted_tokens),
             ("kvserve_spec_rejected_tokens", "Drafted tokens rejected",
              s.spec.num_draft_tokens - s.spec.num_accepted_tokens),
-            ("kvserve_spec_skipped_drafts", "Drafts not made because they would not pay (kvserve/spec/cost.py)",
+            ("kvserve_spec_skipped_drafts", "Drafts not made because they would not pay (kvserve/speculative/cost.py)",
              s.spec.num_skipped)):
         family = CounterMetricFamily(name, doc, labels=["method"])
         family.add_metric([s.spec.method], value)

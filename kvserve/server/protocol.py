@@ -108,7 +108,7 @@ class GenerationFields(_Body):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)      # vLLM's extension
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)                             # vLLM's extension
-    speculate: bool = True       # kvserve's: false keeps this request out of speculative decoding (docs/spec.md)
+    speculate: bool = True       # kvserve's: false keeps this request out of speculative decoding (docs/speculative.md)
     structured_outputs: StructuredOutputsBody | None = None      # vLLM's extension
     # kvserve's: texts in the prompt (documents) whose KV is reused from a standalone
     # computation, wherever they appear, recomputing blend_fraction of them (lossy; docs/blend.md)

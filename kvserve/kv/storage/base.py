@@ -65,7 +65,7 @@ class WritePlanner(ABC):
     def add(self, block_ids: list[int], first_slot: int, num_new: int, num_drafted: int = 0) -> None:
         """``num_new`` tokens of one request going to its slots ``first_slot, ...``, where slot
         s lies in block ``block_ids[s // block_size]``, the last ``num_drafted`` of them drafted
-        (kvserve/spec/). May take storage-side room (a residual row) for the blocks they touch;
+        (kvserve/speculative/). May take storage-side room (a residual row) for the blocks they touch;
         ``finish_step`` or the KV manager gives it back (a block that holds drafted tokens keeps
         its row until they are checked: ``KVCacheManager.release_unused_blocks``)."""
 

@@ -20,7 +20,7 @@ from kvserve.request import Request
 from kvserve.sampling.processors import process_logits
 from kvserve.sampling.rows import DraftedRow, drafted_rows
 from kvserve.sampling_params import StructuredOutputs
-from kvserve.spec.proposers import Proposer
+from kvserve.speculative.proposers import Proposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 

@@ -1,5 +1,5 @@
 """Speculative decoding in the engine (tiny random model): greedy outputs token for token those
-of plain decoding (sampled ones: tests/spec/test_spec_sampling.py), in every per-token KV format and attention backend, with prefix hits,
+of plain decoding (sampled ones: tests/speculative/test_spec_sampling.py), in every per-token KV format and attention backend, with prefix hits,
 preemption, aborts and requests that do not draft in the same batch; pool integrity after
 every step; the same cached blocks as a plain run."""
 
@@ -15,9 +15,9 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.request import Request
-from kvserve.spec.cost import StepCosts
-from kvserve.spec.proposers import Proposer
-from kvserve.spec.speculator import before_block_end
+from kvserve.speculative.cost import StepCosts
+from kvserve.speculative.proposers import Proposer
+from kvserve.speculative.speculator import before_block_end
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -92,7 +92,7 @@ def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded):
     work.append((ps[4], SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True)))   # speculative sampling
     want = run(LLM(loaded=loaded, num_kv_blocks=96).engine, work)
     got = run(spec, work)
-    sampled = "r13"     # the same distribution as plain decoding's, other draws (tests/spec/test_spec_sampling.py)
+    sampled = "r13"     # the same distribution as plain decoding's, other draws (tests/speculative/test_spec_sampling.py)
     assert {r: t for r, t in tokens(got).items() if r != sampled} == {r: t for r, t in tokens(want).items()
                                                                       if r != sampled}
     assert len(got[sampled].token_ids) == 20

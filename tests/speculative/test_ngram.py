@@ -7,7 +7,7 @@ import pytest
 from kvserve.config import SpeculativeConfig
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec.proposers import NgramProposer, make_proposer
+from kvserve.speculative.proposers import NgramProposer, make_proposer
 
 
 def request(ids: list[int], rid: str = "r") -> Request:

@@ -42,9 +42,9 @@ from kvserve.kv.budget.budgets import Budgets
 from kvserve.request import Request
 from kvserve.sampling.sampler import Sampler
 from kvserve.scheduler.scheduler import SchedulerOutput
-from kvserve.spec.cost import FixedCosts, StepCosts, draft_length
-from kvserve.spec.drafters import ModelProposer
-from kvserve.spec.proposers import Proposer
+from kvserve.speculative.cost import FixedCosts, StepCosts, draft_length
+from kvserve.speculative.drafters import ModelProposer
+from kvserve.speculative.proposers import Proposer
 
 PROBE_EVERY = 8              # steps between one-token drafts of a request that stopped drafting, at first
 PROBE_MAX = 128              # ... and at most

@@ -1,4 +1,4 @@
-"""Model proposers (kvserve/spec/drafters.py) in the engine, tiny random models: greedy outputs
+"""Model proposers (kvserve/speculative/drafters.py) in the engine, tiny random models: greedy outputs
 token for token those of plain decoding with ``self`` and ``draft``, in per-token KV formats
 and both attention backends, with prefix hits, preemption and aborts; a draft model with the
 target's own weights has every draft accepted (its cache holds exactly the right keys); the
@@ -15,8 +15,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import ModelConfig, SpeculativeConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
-from kvserve.spec.cost import StepCosts
-from kvserve.spec.drafters import DraftModelProposer, ModelProposer, SelfProposer, _Sequence
+from kvserve.speculative.cost import StepCosts
+from kvserve.speculative.drafters import DraftModelProposer, ModelProposer, SelfProposer, _Sequence
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 # four layers, so that leaving some out still leaves a model

@@ -3,7 +3,7 @@ own KV cache) and ``draft`` (a smaller model with the same vocabulary, over a ca
 
 Both draft greedily, k tokens in k passes batched over the drafting requests; a draft is then
 a function of the sequence, so speculative sampling keeps the target's distribution exactly as
-with prompt lookup (kvserve/spec/speculator.py). They run after the step is scheduled, once
+with prompt lookup (kvserve/speculative/speculator.py). They run after the step is scheduled, once
 each drafting request's chunk has its slots:
 
     chunk      [ t  d1 d2 d3 ]             positions n .. n + 3 (t: the last token, not computed)
@@ -35,12 +35,12 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import Decoder
 from kvserve.request import Request
-from kvserve.spec.cost import StepCosts
+from kvserve.speculative.cost import StepCosts
 
 
 class TokenPass:
     """Forward passes over given tokens at given positions of sequences held in a paged cache,
-    outside the scheduler: a drafting model's steps (kvserve/spec/drafters.py). Each row of a
+    outside the scheduler: a drafting model's steps (kvserve/speculative/drafters.py). Each row of a
     pass is (block ids, first position, tokens); the tokens' keys and values are written to
     their slots, and the pass gives the logits after each row's last token."""
 

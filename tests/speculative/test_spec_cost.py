@@ -7,9 +7,9 @@ from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.request import Request
-from kvserve.spec.cost import FixedCosts, StepCosts, draft_length
-from kvserve.spec.proposers import Proposer
-from kvserve.spec.speculator import PROBE_EVERY, Acceptance
+from kvserve.speculative.cost import FixedCosts, StepCosts, draft_length
+from kvserve.speculative.proposers import Proposer
+from kvserve.speculative.speculator import PROBE_EVERY, Acceptance
 
 
 def test_the_fit_finds_the_steps_line_and_forgets_the_prior():

@@ -1,1 +1,0 @@
-"""Speculative decoding: proposers draft tokens, the engine checks them in its next step (docs/spec.md)."""
