@@ -16,6 +16,7 @@ from kvserve.model.loader import LoadedModel
 from kvserve.offload.base import Transport
 from kvserve.options import engine_config
 from kvserve.request import DEFAULT_BLEND_FRACTION, EncodedPrompt
+from kvserve.sampling.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
 
 Message = dict[str, str]
@@ -32,13 +33,15 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None,
                  tiers: Sequence[Transport] | None = None, clock: Clock | None = None,
-                 draft: LoadedModel | None = None, timer: Clock | None = None, **options: Any) -> None:
+                 draft: LoadedModel | None = None, timer: Clock | None = None, sampler: Sampler | None = None,
+                 **options: Any) -> None:
         """``clock``: seconds for pin retention times (tests step a fake one; default monotonic).
         ``draft``: the speculative ``draft`` method's model, loaded; ``timer``: what times the
-        steps and tier reads the cost models learn from (default perf_counter; LLMEngine's docstring)."""
+        steps and tier reads the cost models learn from (default perf_counter; LLMEngine's docstring);
+        ``sampler``: one to draw tokens instead of the engine's own (LLMEngine's docstring)."""
         config = engine_config(model, **options)
         self.engine = LLMEngine(config, loaded, tiers, clock if clock is not None else time.monotonic, draft,
-                                timer if timer is not None else time.perf_counter)
+                                timer if timer is not None else time.perf_counter, sampler)
 
     @property
     def tokenizer(self):
@@ -124,7 +127,7 @@ class LLM:
 
     def pins(self) -> list[PinInfo]:
         """Every pin, soonest to expire first."""
-        return self.engine.kv.list_pins()
+        return self.engine.list_pins()
 
     def _prefix_ids(self, prompt: Prompt | list[Message]) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):

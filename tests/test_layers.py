@@ -101,3 +101,41 @@ def test_nothing_imports_upwards():
     upwards = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
                      if package_of(a) != package_of(b) and floor[package_of(b)] >= floor[package_of(a)])
     assert upwards == []
+
+
+# What an owner keeps private stays private: no module reads or writes, through another object
+# than ``self`` or ``cls``, a one-underscore name that only other kvserve modules define (a class
+# reading the same-named state of another of its instances is its own business; other libraries'
+# private names are theirs to keep). A caller that needs something asks the owner, by a verb.
+def private_names(tree: ast.AST) -> set[str]:
+    """The one-underscore names a module defines: functions, classes, assignments, ``self._x``."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reads() -> list[str]:
+    trees = {path: ast.parse(path.read_text()) for path in sorted((ROOT / "kvserve").rglob("*.py"))}
+    defined = {path: private_names(tree) for path, tree in trees.items()}
+    owned = set().union(*defined.values())
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr not in owned or node.attr in defined[path]:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_no_module_reads_another_owners_private_names():
+    assert private_reads() == []

@@ -87,7 +87,7 @@ def fitting_max_num_seqs(make: MakeLLM, request_blocks: int, log: Callable[[str]
     whose residual rows leave no room for a block (the engine refuses it) fits 0."""
     def fit(max_num_seqs: int) -> int:
         try:
-            return make(max_num_seqs).engine.kv.pool.num_blocks // request_blocks
+            return make(max_num_seqs).engine.kv.num_blocks // request_blocks
         except ValueError:
             return 0
 
@@ -99,8 +99,8 @@ def fitting_max_num_seqs(make: MakeLLM, request_blocks: int, log: Callable[[str]
         else:
             lo = mid + 1
     llm = make(lo)
-    log(f"{llm.engine.kv_format.spec}: max_num_seqs {lo}, {llm.engine.kv.pool.num_blocks} blocks, "
-        f"{llm.engine.kv.pool.num_blocks // request_blocks} requests fit")
+    log(f"{llm.engine.kv_format.spec}: max_num_seqs {lo}, {llm.engine.kv.num_blocks} blocks, "
+        f"{llm.engine.kv.num_blocks // request_blocks} requests fit")
     return lo, llm
 
 
@@ -139,17 +139,17 @@ def run_format(llm: LLM, kv_format: str, max_num_seqs: int, prompts: list[list[i
     batch = peak_concurrent if peak_concurrent in decode_steps else max(decode_steps, default=0)
     times = decode_steps.get(batch, [])
     mc = engine.model_config
-    bs = engine.kv.pool.block_size
+    bs = engine.config.cache.block_size
     return CapacityResult(
         kv_format=kv_format, backend=engine.runner.backend.name, spec=engine.kv_format.spec,
         bytes_per_token=engine.kv_format.nbytes_per_block(bs, mc.num_kv_heads, mc.head_dim) / bs,
-        num_blocks=engine.kv.pool.num_blocks, max_num_seqs=max_num_seqs, blocks_per_request=request_blocks,
+        num_blocks=engine.kv.num_blocks, max_num_seqs=max_num_seqs, blocks_per_request=request_blocks,
         num_requests=len(prompts), peak_concurrent=peak_concurrent, peak_running=peak_running,
         decode_batch=batch, decode_steps=len(times),
         decode_tok_s=batch * len(times) / sum(times) if times else 0.0,
         num_preemptions=engine.stats().num_preemptions, wall_s=wall,
         generated_tokens=len(prompts) * max_tokens, default_seats=default_seats, layout=layout,
-        held_bytes_per_token=request_blocks * engine.runner.cache.nbytes / engine.kv.pool.num_blocks
+        held_bytes_per_token=request_blocks * engine.runner.cache.nbytes / engine.kv.num_blocks
         / (len(prompts[0]) + max_tokens))
 
 
@@ -203,10 +203,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
         request_blocks = blocks_per_request(make(1), args.prompt_tokens, args.max_tokens)
         seqs, llm = fitting_max_num_seqs(make, request_blocks, log)
-        fit = llm.engine.kv.pool.num_blocks // request_blocks
+        fit = llm.engine.kv.num_blocks // request_blocks
         if fit < 1:
             raise ValueError(f"{fmt}: a request of {args.prompt_tokens} + {args.max_tokens} tokens needs "
-                             f"{request_blocks} blocks; the pool has {llm.engine.kv.pool.num_blocks}")
+                             f"{request_blocks} blocks; the pool has {llm.engine.kv.num_blocks}")
         count = args.num_requests or fit + max(2, fit // 4)
         prompts = distinct_prompts(text_ids, count, args.prompt_tokens, args.seed)
         log(f"{fmt}: {count} requests of {args.prompt_tokens} tokens + {args.max_tokens} new")

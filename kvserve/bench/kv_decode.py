@@ -89,7 +89,7 @@ def kv_bytes_per_step(llm: LLM, context_tokens: int, num_seqs: int) -> int:
     """KV bytes one decode step reads: each request's blocks in the stored format (a KIVI
     open block is read from its residual row instead: counted at the stored size)."""
     e = llm.engine
-    mc, bs = e.model_config, e.kv.pool.block_size
+    mc, bs = e.model_config, e.config.cache.block_size
     per_block = e.kv_format.nbytes_per_block(bs, mc.num_kv_heads, mc.head_dim)
     return num_seqs * -(-context_tokens // bs) * per_block
 

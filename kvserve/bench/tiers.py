@@ -199,7 +199,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 if not plays:
                     print(f"{args.conversations} conversations x {args.turns} turns, {loaded.source}, device "
                           f"{llm.engine.device}, dtype {llm.engine.dtype}, KV format {llm.engine.kv_format.spec}, "
-                          f"{llm.engine.kv.pool.num_blocks} device blocks of {llm.engine.config.cache.block_size} "
+                          f"{llm.engine.kv.num_blocks} device blocks of {llm.engine.config.cache.block_size} "
                           f"tokens ({block_nbytes(llm.engine.runner.cache.block_tensors())} bytes each)", flush=True)
                 p = play(name, llm, turns, args.max_tokens, replies)
             if replies is None:

@@ -53,7 +53,7 @@ from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV, compute_kv
 from kvserve.blend.store import SegmentStore, read_tokens, write_tokens
 from kvserve.config import QUERY_SELECTIONS, check_blend_selection
-from kvserve.kv.block_pool import NoFreeBlocksError
+from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiering import Tiering
@@ -144,7 +144,7 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
 
 
 class Blender:
-    def __init__(self, model: Decoder, storage: KVStorage, kv: KVCacheManager, tiering: Tiering,
+    def __init__(self, model: Decoder, storage: KVStorage, kv: KVCacheManager, pool: BlockPool, tiering: Tiering,
                  select_layer: int = 1, use_cost_model: bool = True, selection: str = "deviation",
                  sink_tokens: int = 0, query_layer: int | None = None, preamble: Sequence[int] = (),
                  in_batch: bool = False, last_segments: int = 0,
@@ -178,7 +178,7 @@ class Blender:
         if len(preamble) >= model.config.max_position_embeddings:
             raise ValueError(f"the blend preamble has {len(preamble)} tokens, more than the model's "
                              f"{model.config.max_position_embeddings} positions leave a segment")
-        self.segments = SegmentStore(kv, storage, tiering, preamble)
+        self.segments = SegmentStore(kv, pool, storage, tiering, preamble)
         self.select_layer = select_layer
         self.stats = BlendStats()
 

@@ -23,7 +23,7 @@ import torch
 
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV
-from kvserve.kv.block_pool import Block, NoFreeBlocksError
+from kvserve.kv.block_pool import Block, BlockPool, NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix import segment_block_keys
 from kvserve.kv.storage import KVStorage
@@ -42,12 +42,12 @@ class SegmentLocation(NamedTuple):
 
 
 class SegmentStore:
-    def __init__(self, kv: KVCacheManager, storage: KVStorage, tiering: Tiering,
+    def __init__(self, kv: KVCacheManager, pool: BlockPool, storage: KVStorage, tiering: Tiering,
                  preamble: Sequence[int] = ()) -> None:
         """``preamble``: the tokens the segments here were computed after (part of their keys)."""
         self.preamble = tuple(preamble)
         self.kv = kv
-        self.pool = kv.pool
+        self.pool = pool           # the KV manager's: segments are cached and looked up in it as prefixes are
         self.tiering = tiering
         self.storage = storage
         self.block_size = storage.block_size

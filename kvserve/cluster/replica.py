@@ -63,7 +63,7 @@ class EngineReplica:
             stream.close()               # cancelled (client gone, ingress gave up): abort what is left
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        keys, stats = await self._async.call(lambda engine: (engine.kv.pool.cached_keys(), engine.stats()))
+        keys, stats = await self._async.call(lambda engine: (engine.cached_keys(), engine.stats()))
         keys = keys[-MAX_PUBLISHED_BLOCKS:]          # the most recently cached
         if keys != self._published_keys:             # a new version only when the set changed
             self._version += 1

@@ -198,7 +198,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     # not the loaded model's weights)
     resolve = functools.partial(resolve_selection, query_layer=cc.blend_query_layer, fingerprint=loaded.fingerprint)
     selection, query_layer = resolve(cc.blend_selection)
-    blender = Blender(model, storage, kv, tiering, cc.blend_select_layer, cc.blend_cost_model, selection,
+    blender = Blender(model, storage, kv, pool, tiering, cc.blend_select_layer, cc.blend_cost_model, selection,
                       cc.blend_sink_tokens, query_layer, preamble, cc.blend_in_batch, cc.blend_last_segments,
                       resolve)
     grammars = GrammarCompiler(tokenizer_json, mc.vocab_size, eos)
@@ -232,11 +232,11 @@ def fit_max_model_len(fit: str | None, kv: KVCacheManager, max_model_len: int, b
     if fit == "lower" and fits >= 2:
         log.warning("max_model_len lowered from %d to %d tokens: the KV cache's %d blocks hold no more of one request "
                     "(%d tokens needs %d blocks; --max-model-len-fit lower)", max_model_len, fits,
-                    kv.pool.num_blocks, max_model_len, needed)
+                    kv.num_blocks, max_model_len, needed)
         return fits
     gib = math.ceil(needed * block_nbytes / 2**30 * 100) / 100
     raise ValueError(
-        f"the KV cache has {kv.pool.num_blocks} blocks of {kv.block_size} tokens, but one request of max_model_len "
+        f"the KV cache has {kv.num_blocks} blocks of {kv.block_size} tokens, but one request of max_model_len "
         f"{max_model_len} tokens needs up to {needed} blocks: the cache holds at most {fits} tokens of one request, "
         f"so a request without max_tokens could never run. Give --max-model-len {fits} (or less), a KV cache of "
         f"{needed} blocks or more (--kv-cache-gb {gib:.2f}, or --num-kv-blocks {needed}), or --max-model-len-fit "

@@ -25,6 +25,7 @@ from kvserve.model.loader import LoadedModel, load_model
 from kvserve.offload.base import Transport
 from kvserve.request import ConstraintError, EncodedPrompt, ErrorKind, FinishReason, Request, Resumed, TokenLogprob
 from kvserve.sampling.rows import RowRequest, drafted_rows
+from kvserve.sampling.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import SchedulerOutput
 
@@ -34,13 +35,15 @@ log = logging.getLogger("kvserve")
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  tiers: Sequence[Transport] | None = None, clock: Clock = time.monotonic,
-                 draft: LoadedModel | None = None, timer: Clock = time.perf_counter) -> None:
+                 draft: LoadedModel | None = None, timer: Clock = time.perf_counter,
+                 sampler: Sampler | None = None) -> None:
         """``tiers``: transports to use as the offload tiers, in lookup order, instead of
         those ``config.tiers`` configure (tests, embedders with their own storage).
         ``clock``: seconds, for the pins' retention times (tests step a fake one).
         ``draft``: the speculative ``draft`` method's model, loaded (instead of its config's
         ``model``). ``timer``: seconds, for the durations the load-or-recompute cost model
-        learns from (the model steps, the tiers' reads; tests tick a fake one)."""
+        learns from (the model steps, the tiers' reads; tests tick a fake one). ``sampler``: draws
+        the tokens instead of the engine's own (eval's forced decoding, kvserve/eval/budget.py)."""
         config = config if config is not None else EngineConfig()
         check_names(config, draft)
         loaded = loaded if loaded is not None else load_model(config.model)
@@ -53,7 +56,8 @@ class LLMEngine:
         self.model, self.weight_format, self.fingerprint = parts.model, parts.weight_format, parts.fingerprint
         self.kv_format, self.model_card = parts.kv_format, parts.model_card
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
-        self.sampler, self.grammars, self.speculator = parts.sampler, parts.grammars, parts.speculator
+        self.sampler = sampler if sampler is not None else parts.sampler
+        self.grammars, self.speculator = parts.grammars, parts.speculator
         self.checks, self.blending, self.outputs = parts.checks, parts.blending, parts.outputs
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
@@ -169,6 +173,18 @@ class LLMEngine:
         tokens (all by default) in cache namespace (``tenant``, ``salt``); PinNotFoundError if none."""
         return self.kv.unpin(self.encode_prompt(prompt)[:num_tokens], salt, tenant)
 
+    def unpin_all(self, tenant: str | None = None) -> list[PinInfo]:
+        """Remove every pin of ``tenant`` (any salt; None: every pin); returns them."""
+        return self.kv.unpin_all(tenant)
+
+    def list_pins(self, tenant: str | None = None) -> list[PinInfo]:
+        """Every live pin of ``tenant`` (None: all), soonest to expire first."""
+        return self.kv.list_pins(tenant)
+
+    def cached_keys(self) -> list[bytes]:
+        """The content keys of the blocks cached on the device (what a KV-aware router learns)."""
+        return self.kv.cached_keys()
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self.blending.has_work
@@ -182,13 +198,13 @@ class LLMEngine:
     def close(self) -> None:
         """Finish pending demotions and release the offload tiers (the disk directory's
         lock, Redis connections). Blocks still on the device are not written out."""
-        self.kv.tiering.close()
+        self.kv.close()
 
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit segmented requests (their prompts blended), then run one batch; return an
         output for each request that got a token."""
-        self.kv.pins.expire()
+        self.kv.expire_pins()
         outputs: list[RequestOutput] = []
         if self.blending.has_work:
             for r in self.blending.admit():
@@ -322,16 +338,15 @@ class LLMEngine:
         if not out.num_batched_tokens:
             return      # a step that only wrote a blend's supplied keys and values
         if 2 * num_prefill >= out.num_batched_tokens:
-            self.kv.tiering.observe_prefill(out.num_batched_tokens, seconds)
+            self.kv.observe_prefill(out.num_batched_tokens, seconds)
         elif num_prefill == 0 and self.speculator is not None:
             self.speculator.observe_step(out.num_batched_tokens, seconds)
 
     def stats(self) -> EngineStats:
         spec = None if self.speculator is None else self.speculator.stats
-        return take_stats(self.num_steps, self.scheduler, self.kv, self.blending.blender.stats, spec)
+        return take_stats(self.num_steps, self.scheduler, self.kv.stats(), self.blending.blender.stats, spec)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        self.kv.tiering.check_integrity()
         self.scheduler.check_integrity()
         self.outputs.check_integrity(self._requests)

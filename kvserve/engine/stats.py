@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from kvserve.blend.blender import BlendStats
 from kvserve.kv.budget.budgets import BudgetStats
-from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import NO_PIN_STATS, PinStats
+from kvserve.kv.stats import KVStats
 from kvserve.kv.tiering import TierMetrics
 from kvserve.offload.cost import CostSnapshot
 from kvserve.scheduler.scheduler import Scheduler
@@ -57,19 +57,16 @@ class EngineStats:
         return sum(t.loaded_tokens for t in self.tiers)
 
 
-def take_stats(num_steps: int, scheduler: Scheduler, kv: KVCacheManager, blend: BlendStats,
+def take_stats(num_steps: int, scheduler: Scheduler, kv: KVStats, blend: BlendStats,
                spec: SpecStats | None) -> EngineStats:
-    """The snapshot, read from each part's owner."""
-    pool, tiering = kv.pool, kv.tiering
+    """The snapshot, from each part's own report."""
     return EngineStats(
         num_steps=num_steps, num_waiting=len(scheduler.waiting), num_loading=len(scheduler.loading),
         num_running=len(scheduler.running), num_preemptions=scheduler.num_preemptions,
-        kv_num_blocks=pool.num_blocks, kv_num_free_blocks=pool.num_free_blocks,
-        kv_num_cached_blocks=pool.num_cached_blocks, kv_usage=pool.usage,
-        kv_used_blocks_by_kind=tuple(kv.used_blocks_by_kind().items()),
+        kv_num_blocks=kv.num_blocks, kv_num_free_blocks=kv.num_free_blocks,
+        kv_num_cached_blocks=kv.num_cached_blocks, kv_usage=kv.usage, kv_used_blocks_by_kind=kv.used_blocks_by_kind,
         prefix_query_tokens=scheduler.num_prefix_query_tokens, prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
-        num_evicted_blocks=pool.num_evicted_blocks, tiers=tiering.metrics(), cost=tiering.cost_snapshot(),
-        num_swapped_blocks=scheduler.num_swapped_blocks, budgets=kv.budgets.stats(), pins=kv.pins.stats(),
+        num_evicted_blocks=kv.num_evicted_blocks, tiers=kv.tiers, cost=kv.cost,
+        num_swapped_blocks=scheduler.num_swapped_blocks, budgets=kv.budgets, pins=kv.pins,
         pin_hit_tokens=scheduler.num_pin_hit_tokens, blend=dataclasses.replace(blend),
-        spec=None if spec is None else dataclasses.replace(spec),
-        kv_cached_blocks_by_tenant=tuple(sorted(pool.cached_blocks_by_tenant().items())))
+        spec=None if spec is None else dataclasses.replace(spec), kv_cached_blocks_by_tenant=kv.cached_blocks_by_tenant)

@@ -104,7 +104,7 @@ class KVServeBackend:
         blocks, plus, under a format with halves that encode whole blocks (KIVI's keys), one
         full-precision residual row of B tokens of those halves while its last block is open. Averaged over L in (context, context + 128]."""
         engine = self.llm.engine
-        mc, bs = engine.model_config, engine.kv.pool.block_size
+        mc, bs = engine.model_config, engine.config.cache.block_size
         block_nbytes = engine.kv_format.nbytes_per_block(bs, mc.num_kv_heads, mc.head_dim)
         row_nbytes = (0 if engine.kv_format.is_lossless
                       else QuantizedKVCache.residual_row_nbytes(mc, engine.kv_format, bs, engine.dtype))

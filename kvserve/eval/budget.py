@@ -115,12 +115,17 @@ class Row:
 
 
 class ForcedSampler(Sampler):
-    """Returns each forced request's next true token and records its logprob."""
+    """The eval's engine's sampler (LLMEngine's ``sampler``): a request given targets (``force``)
+    gets each next true token, its logprob recorded; the others are sampled as by the engine's own."""
 
-    def __init__(self, seed: int, targets: dict[str, list[int]]) -> None:
-        super().__init__(seed)
-        self.targets = targets
-        self.target_logprobs: dict[str, list[float]] = {rid: [] for rid in targets}
+    def __init__(self, seed: int, eos_token_ids: Collection[int] = ()) -> None:
+        super().__init__(seed, eos_token_ids)
+        self.targets: dict[str, list[int]] = {}
+        self.target_logprobs: dict[str, list[float]] = {}
+
+    def force(self, request_id: str, targets: list[int]) -> None:
+        self.targets[request_id] = targets
+        self.target_logprobs[request_id] = []
 
     def sample(self, logits: torch.Tensor, requests: Sequence[RowRequest], undrawn: Collection[int] = ()) -> Sampled:
         out = super().sample(logits, requests, undrawn)
@@ -135,35 +140,36 @@ class ForcedSampler(Sampler):
         return out
 
 
-def run_one(engine: LLMEngine, ids: list[int], params: SamplingParams, row: Row,
+def run_one(engine: LLMEngine, forced: ForcedSampler, ids: list[int], params: SamplingParams, row: Row,
             targets: list[int] | None = None) -> list[int]:
-    """Run one request alone, adding its memory and decode figures to ``row``."""
+    """Run one request alone (``targets``: forced, scored), adding its memory and decode figures to ``row``."""
     rid = engine.add_request(ids, params)
-    req = engine._requests[rid]
-    plain = engine.sampler
-    forced = ForcedSampler(0, {rid: targets}) if targets is not None else None
-    if forced is not None:
-        engine.sampler = forced
-    engine.kv.pool.reset_peak()
+    if targets is not None:
+        forced.force(rid, targets)
+    engine.kv.take_peak_used()
     decode_start = None
-    try:
-        while not req.is_finished:
-            engine.step()
-            row.host_nbytes = max(row.host_nbytes, engine.kv.budgets.host_nbytes)
-            if decode_start is None and req.num_output_tokens >= 1:
-                row.peak_blocks = max(row.peak_blocks, engine.kv.pool.peak_num_used)
-                engine.kv.pool.reset_peak()
-                decode_start = time.perf_counter()
-    finally:
-        engine.sampler = plain
-    row.peak_blocks = max(row.peak_blocks, engine.kv.pool.peak_num_used)
-    row.decode_blocks = max(row.decode_blocks, engine.kv.pool.peak_num_used)
-    if forced is not None and decode_start is not None:
+    tokens: list[int] = []
+    finished = False
+    while not finished:
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens, finished = out.token_ids, out.finished
+        row.host_nbytes = max(row.host_nbytes, engine.stats().budgets.host_nbytes)
+        if decode_start is None and tokens:
+            row.peak_blocks = max(row.peak_blocks, engine.kv.take_peak_used())
+            decode_start = time.perf_counter()
+    peak = engine.kv.take_peak_used()
+    row.peak_blocks = max(row.peak_blocks, peak)
+    row.decode_blocks = max(row.decode_blocks, peak)
+    if targets is not None and decode_start is not None:
         row.decode_seconds += time.perf_counter() - decode_start
-        row.decode_tokens += req.num_output_tokens - 1
+        row.decode_tokens += len(tokens) - 1
         row.nll_sum -= sum(forced.target_logprobs[rid])
         row.num_scored += len(forced.target_logprobs[rid])
-    return list(req.output_token_ids)
+    if targets is not None:
+        forced.targets.pop(rid)
+        forced.target_logprobs.pop(rid)
+    return list(tokens)
 
 
 def configs_for(context: int, settings: BudgetEvalSettings, block_size: int) -> list[Config]:
@@ -174,11 +180,11 @@ def configs_for(context: int, settings: BudgetEvalSettings, block_size: int) -> 
     return out
 
 
-def evaluate_context(llm: LLM, context: int, text_ids: list[int], text: str, settings: BudgetEvalSettings,
+def evaluate_context(llm: LLM, forced: ForcedSampler, context: int, text_ids: list[int], text: str, settings: BudgetEvalSettings,
                      log=print) -> list[Row]:
     engine = llm.engine
     tok = llm.tokenizer
-    configs = configs_for(context, settings, engine.kv.pool.block_size)
+    configs = configs_for(context, settings, engine.config.cache.block_size)
     rows = {c: Row(context, c) for c in configs}
     cases = build_cases(tok.encode, [context - PROMPT_OVERHEAD], settings.depths, settings.seed,
                         settings.filler, text)
@@ -196,10 +202,10 @@ def evaluate_context(llm: LLM, context: int, text_ids: list[int], text: str, set
             row = rows[config]
             t0 = time.perf_counter()
             if case is None:
-                run_one(engine, ids, config.params(len(ppl_targets)), row, ppl_targets)
+                run_one(engine, forced, ids, config.params(len(ppl_targets)), row, ppl_targets)
                 what = f"ppl {row.perplexity:.3f}"
             else:
-                answer = tok.decode(run_one(engine, ids, config.params(settings.answer_tokens), row))
+                answer = tok.decode(run_one(engine, forced, ids, config.params(settings.answer_tokens), row))
                 row.passkey.append(is_correct(case, answer))
                 what = f"passkey depth {case.depth:g} {'ok' if row.passkey[-1] else 'MISS'} {answer.strip()[:24]!r}"
             log(f"{context} {config.name}: {what} ({time.perf_counter() - t0:.1f} s)")
@@ -273,7 +279,8 @@ def evaluate(loaded: LoadedModel, text: str, settings: BudgetEvalSettings, kv_ca
              log=print) -> list[Row]:
     if loaded.tokenizer is None:
         raise ValueError("kvserve eval-budget needs a model with a tokenizer")
-    llm = LLM(loaded=loaded, max_num_batched_tokens=settings.chunk, kv_cache_memory_gb=kv_cache_gb,
+    forced = ForcedSampler(0, loaded.config.eos_token_ids)
+    llm = LLM(loaded=loaded, sampler=forced, max_num_batched_tokens=settings.chunk, kv_cache_memory_gb=kv_cache_gb,
               max_num_seqs=1, kv_format=settings.kv_format)
     text_ids = llm.tokenizer.encode(text)
     longest = max(settings.contexts) + settings.ppl_tokens
@@ -284,5 +291,5 @@ def evaluate(loaded: LoadedModel, text: str, settings: BudgetEvalSettings, kv_ca
                          f"model's window of {llm.engine.max_model_len}")
     rows: list[Row] = []
     for context in settings.contexts:
-        rows += evaluate_context(llm, context, text_ids, text, settings, log)
+        rows += evaluate_context(llm, forced, context, text_ids, text, settings, log)
     return rows

@@ -58,6 +58,7 @@ from kvserve.kv.matching import EMPTY_MATCH, BlockLookup, PrefixMatch, Promoted,
 from kvserve.kv.pins import PinInfo, Pins
 from kvserve.kv.prefix import extend_block_keys, salted_extra_key
 from kvserve.kv.residual import NoResidual, ResidualRows
+from kvserve.kv.stats import KVStats
 from kvserve.kv.tiering import NO_PROMOTION, NoTiering, Promotion, Tiering
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -71,13 +72,13 @@ class KVCacheManager:
         """``groups``: the model's layer groups (default: one group of full attention);
         ``max_chunk_tokens``: the most tokens a step computes for one request (a sliding group
         holds its window's blocks and a chunk's: what ``check_fits`` counts)."""
-        self.pool = pool
+        self._pool = pool
         # pinned prefixes (none allowed unless the engine gives a limit)
-        self.pins = pins if pins is not None else Pins(pool, max_pinned_blocks=0, max_ttl_s=1.0)
+        self._pins = pins if pins is not None else Pins(pool, max_pinned_blocks=0, max_ttl_s=1.0)
         # per-request KV budgets (null object when the engine cannot run them)
         self.budgets = budgets if budgets is not None else NoBudgets("no KV budgets configured")
         # the tiers below the device, for lookups and demotions (null object when none is configured)
-        self.tiering = tiering if tiering is not None else NoTiering()
+        self._tiering = tiering if tiering is not None else NoTiering()
         # the storage's rows of open blocks (a quantized format's; kv/residual.py), freed with their blocks
         self.residual = residual if residual is not None else NoResidual()
         self.block_size = pool.block_size
@@ -98,6 +99,52 @@ class KVCacheManager:
     def has_windows(self) -> bool:
         """Some group attends over a sliding window (its tables release what the window left)."""
         return any(g.window is not None for g in self.groups)
+
+    # -- what others ask of the pool, the tiers and the pins (kept here) ------
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: free ones and cached ones no request holds."""
+        return self._pool.num_free_blocks
+
+    def cached_keys(self) -> list[bytes]:
+        """The content keys of the device's cached blocks (what a router learns a replica holds)."""
+        return self._pool.cached_keys()
+
+    def take_peak_used(self) -> int:
+        """The most blocks requests held at once since the last call (or the start); starts again."""
+        peak = self._pool.peak_num_used
+        self._pool.reset_peak()
+        return peak
+
+    def stats(self) -> KVStats:
+        pool = self._pool
+        return KVStats(
+            num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks, usage=pool.usage,
+            used_blocks_by_kind=tuple(self.used_blocks_by_kind().items()),
+            cached_blocks_by_tenant=tuple(sorted(pool.cached_blocks_by_tenant().items())),
+            num_evicted_blocks=pool.num_evicted_blocks, tiers=self._tiering.metrics(),
+            cost=self._tiering.cost_snapshot(), budgets=self.budgets.stats(), pins=self._pins.stats())
+
+    def expire_pins(self) -> int:
+        """Drop the pins past their time; returns how many."""
+        return self._pins.expire()
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step that mostly prefilled ``num_tokens`` took ``seconds``: the load-or-recompute cost model learns."""
+        self._tiering.observe_prefill(num_tokens, seconds)
+
+    def flush_tiers(self) -> None:
+        """Wait for the demotions submitted to the tiers."""
+        self._tiering.flush()
+
+    def close(self) -> None:
+        """Finish pending demotions and release the tiers."""
+        self._tiering.close()
 
     # -- queries -----------------------------------------------------------
     def block_ids(self, request_id: str, group: int = 0) -> list[int]:
@@ -134,14 +181,14 @@ class KVCacheManager:
         low, high = 0, limit
         while low < high:       # max_blocks_held grows with n
             mid = (low + high + 1) // 2
-            low, high = (mid, high) if self.max_blocks_held(mid) <= self.pool.num_blocks else (low, mid - 1)
+            low, high = (mid, high) if self.max_blocks_held(mid) <= self._pool.num_blocks else (low, mid - 1)
         return low
 
     def used_blocks_by_kind(self) -> dict[str, int]:
         """Blocks running requests hold, per attention kind of their group (full, sliding)."""
         out: dict[str, int] = {}
         for g in self.groups:
-            out[g.kind] = out.get(g.kind, 0) + self.pool.num_used_by_tag(g.index)
+            out[g.kind] = out.get(g.kind, 0) + self._pool.num_used_by_tag(g.index)
         return out
 
     def check_fits(self, params: SamplingParams, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -150,10 +197,10 @@ class KVCacheManager:
         num_blocks = self.max_blocks_held(num_prompt_tokens + max_tokens)
         budgeted = self.budgets.max_blocks(params, num_prompt_tokens)
         num_blocks = num_blocks if budgeted is None else min(num_blocks, budgeted)
-        if num_blocks > self.pool.num_blocks:
+        if num_blocks > self._pool.num_blocks:
             raise ValueError(
                 f"request needs up to {num_blocks} KV blocks ({num_prompt_tokens} prompt + {max_tokens} new tokens) "
-                f"but the cache has {self.pool.num_blocks}; lower max_tokens or give the KV cache more memory")
+                f"but the cache has {self._pool.num_blocks}; lower max_tokens or give the KV cache more memory")
 
     def block_keys(self, request: Request) -> list[bytes]:
         """Keys of the request's full blocks, extended as its tokens grow (the first group's:
@@ -187,15 +234,15 @@ class KVCacheManager:
             return match
         groups = match.group_blocks or tuple([] for _ in self.groups)
         if len(self.groups) > 1 or self.has_windows:
-            return extend_through_tiers(self.groups, self._lookup(request), self.tiering,
+            return extend_through_tiers(self.groups, self._lookup(request), self._tiering,
                                         PrefixMatch(groups, match.num_device_blocks), max_blocks,
-                                        self.pool.num_free_blocks)
+                                        self._pool.num_free_blocks)
         keys = self.block_keys(request)
         return PrefixMatch(groups, match.num_device_blocks,
-                           self.tiering.lookup(keys[match.num_device_blocks:max_blocks]))
+                           self._tiering.lookup(keys[match.num_device_blocks:max_blocks]))
 
     def _lookup(self, request: Request) -> BlockLookup:
-        return BlockLookup(self.pool, self.block_keys(request), request.all_token_ids, self.block_size)
+        return BlockLookup(self._pool, self.block_keys(request), request.all_token_ids, self.block_size)
 
     # -- verbs -------------------------------------------------------------
     def try_allocate(self, request: Request, num_new_tokens: int,
@@ -223,10 +270,10 @@ class KVCacheManager:
         hits = [b for blocks in match.group_blocks for b in blocks if b is not None]
         # hits sitting in the free queue are counted as free but are about to be taken
         num_evictable_hits = sum(1 for b in hits if b.ref_count == 0)
-        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+        if num_needed > self._pool.num_free_blocks - num_evictable_hits:
             return False
         if hits:
-            self.pool.touch(hits, request.retention_class)
+            self._pool.touch(hits, request.retention_class)
             self._num_cached_blocks[rid] = match.num_device_blocks
         self._tables[rid] = tables
         for g, i in holes:
@@ -306,7 +353,7 @@ class KVCacheManager:
             start = self._num_cached_blocks.get(rid, 0)
             if num_full > start:
                 self._cache_blocks(request, start, num_full)
-                self.tiering.write_through([b for t in self._tables[rid] for b in t[start:num_full] if b is not None])
+                self._tiering.write_through([b for t in self._tables[rid] for b in t[start:num_full] if b is not None])
         if self.has_windows and rid in self._tables:
             self._release_behind_windows(request)
 
@@ -332,7 +379,7 @@ class KVCacheManager:
             for i in range(start, end):
                 block = table[i]
                 if block is not None:
-                    self.pool.cache(block, group_key(keys[i], g.index), tuple(tokens[i * bs:(i + 1) * bs]),
+                    self._pool.cache(block, group_key(keys[i], g.index), tuple(tokens[i * bs:(i + 1) * bs]),
                                     request.tenant)
         self._num_cached_blocks[request.request_id] = end
 
@@ -341,18 +388,18 @@ class KVCacheManager:
         again: what the storage keeps for its content goes now rather than when it is handed out
         again (``renew``: a zip storage's finer copy, whose side slot the next full block takes)."""
         blocks = list(blocks)
-        self.pool.free(blocks)
+        self._pool.free(blocks)
         self.residual.renew(b.block_id for b in blocks if b.ref_count == 0 and not b.is_cached)
 
     def _allocate(self, num_blocks: int, retention: int, group: int = 0) -> list[Block]:
         """Take free blocks (for layer group ``group``), demoting to the tiers the cached ones
         this evicts first."""
-        evicted = self.pool.peek_evictions(num_blocks)
-        pinned = [b for b in evicted if self.pool.is_pinned(b)]
-        self.tiering.demote([b for b in evicted if not self.pool.is_pinned(b)] if pinned else evicted)
+        evicted = self._pool.peek_evictions(num_blocks)
+        pinned = [b for b in evicted if self._pool.is_pinned(b)]
+        self._tiering.demote([b for b in evicted if not self._pool.is_pinned(b)] if pinned else evicted)
         if pinned:
-            self.tiering.demote_pinned(pinned)
-        blocks = self.pool.allocate(num_blocks, retention, group)
+            self._tiering.demote_pinned(pinned)
+        blocks = self._pool.allocate(num_blocks, retention, group)
         self.residual.renew(b.block_id for b in blocks)
         return blocks
 
@@ -392,7 +439,7 @@ class KVCacheManager:
         num_kept = self.num_blocks_needed(target)
         head, tail = table[:num_kept], table[num_kept:]
         fresh = frozenset(i for i, b in enumerate(head) if b.ref_count > 1 or b.is_cached)
-        if len(fresh) > self.pool.num_free_blocks + sum(1 for b in tail if b.ref_count == 1):
+        if len(fresh) > self._pool.num_free_blocks + sum(1 for b in tail if b.ref_count == 1):
             return False
         plan = self.budgets.plan(request, [b.block_id for b in table], fresh)
         self.residual.release(b.block_id for b in tail)       # (the open block is among them)
@@ -470,7 +517,7 @@ class KVCacheManager:
     def reset_prefix_cache(self, tenant: str | None = None) -> int:
         """Drop the content keys of every unreferenced cached block, or of ``tenant``'s only
         (kv/block_pool.evict_cached); returns how many."""
-        return self.pool.evict_cached(tenant)
+        return self._pool.evict_cached(tenant)
 
     # -- pins --------------------------------------------------------------
     def extra_key_for(self, salt: str, tenant: str = "") -> bytes:
@@ -497,7 +544,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             raise ValueError("pinning needs prefix caching, which is off on this engine")
         bs = self.block_size
-        return self.pins.pin([(self.prefix_keys(token_ids, n, salt, tenant), ttl_s) for n, ttl_s in prefixes], salt,
+        return self._pins.pin([(self.prefix_keys(token_ids, n, salt, tenant), ttl_s) for n, ttl_s in prefixes], salt,
                              [len(token_ids[:n]) // bs * bs for n, _ in prefixes], tenant)
 
     def pin_prefixes(self, token_ids: Sequence[int], pins: Sequence[PrefixPin], skip_short: bool,
@@ -520,25 +567,26 @@ class KVCacheManager:
     def unpin(self, token_ids: Sequence[int], salt: str = "", tenant: str = "") -> PinInfo:
         """Remove the pin over exactly the full blocks of ``token_ids`` in namespace (``tenant``,
         ``salt``) (PinNotFoundError)."""
-        return self.pins.unpin(self.prefix_keys(token_ids, salt=salt, tenant=tenant))
+        return self._pins.unpin(self.prefix_keys(token_ids, salt=salt, tenant=tenant))
 
     def unpin_all(self, tenant: str | None = None) -> list[PinInfo]:
         """Remove every pin of ``tenant`` (any salt; None: every pin)."""
-        return self.pins.unpin_all(tenant)
+        return self._pins.unpin_all(tenant)
 
     def list_pins(self, tenant: str | None = None) -> list[PinInfo]:
         """Every live pin of ``tenant`` (None: all; expired ones dropped first), soonest to expire first."""
-        self.pins.expire()
-        return self.pins.infos(tenant)
+        self._pins.expire()
+        return self._pins.infos(tenant)
 
     def num_pinned_hits(self, request: Request, num_blocks: int) -> int:
         """How many of the request's first ``num_blocks`` blocks (its first group's) hold pinned keys."""
         tables = self._tables.get(request.request_id, [[]])
-        return sum(b is not None and self.pool.is_pinned(b) for b in tables[0][:num_blocks])
+        return sum(b is not None and self._pool.is_pinned(b) for b in tables[0][:num_blocks])
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity()
-        self.pins.check_integrity()
+        self._pool.check_integrity()
+        self._pins.check_integrity()
+        self._tiering.check_integrity()
         self.residual.check_integrity()
         self.budgets.check_integrity()
         counted: dict[int, int] = {}
@@ -550,6 +598,6 @@ class KVCacheManager:
                 for block in table:
                     if block is not None:
                         counted[block.block_id] = counted.get(block.block_id, 0) + 1
-        for block in self.pool.blocks:
+        for block in self._pool.blocks:
             assert block.ref_count == counted.get(block.block_id, 0), (
                 f"{block}: ref_count {block.ref_count} but in {counted.get(block.block_id, 0)} tables")

@@ -153,7 +153,7 @@ def cache_router(ctx: ServingContext) -> APIRouter:
             if body.prompt is not None or body.messages is not None or body.num_tokens is not None:
                 raise bad_request("all: true unpins every pin; give no prompt, messages or num_tokens with it", "all")
             scope = _scope(request)     # computed here: the call may be pickled to replicas
-            infos = await ctx.engine.call(lambda engine: engine.kv.unpin_all(scope))
+            infos = await ctx.engine.call(lambda engine: engine.unpin_all(scope))
             return JSONResponse(_list_body(request, [_pin_body(i, block_size, pinned=False) for i in infos]))
         ids = await _prefix_ids(ctx, body)
         salt, tenant = body.cache_salt or "", request.state.tenant
@@ -166,7 +166,7 @@ def cache_router(ctx: ServingContext) -> APIRouter:
     @router.get("/cache/pins", openapi_extra=answers(LIST_ANSWER))
     async def list_pins(request: Request) -> Response:
         scope = _scope(request)
-        infos = await ctx.engine.call(lambda engine: engine.kv.list_pins(scope))
+        infos = await ctx.engine.call(lambda engine: engine.list_pins(scope))
         return JSONResponse(_list_body(request, [_pin_body(i, block_size, pinned=True) for i in infos]))
 
     @router.post("/cache/reset", openapi_extra=answers(RESET_ANSWER))

@@ -321,7 +321,7 @@ def test_blending_from_the_segment_store(setup):
     loaded, _, rope = setup
     llm = LLM(loaded=loaded, num_kv_blocks=32)
     engine = llm.engine
-    store = SegmentStore(engine.kv, engine.runner.cache, engine.kv.tiering)
+    store = SegmentStore(engine.kv, engine.kv._pool, engine.runner.cache, engine.kv._tiering)
     prompt = rag_prompt(2)
     for segment in prompt.segments:
         store.put(compute_kv(engine.model, segment))

@@ -98,14 +98,14 @@ def test_segments_are_shared_across_requests_and_lossy_blocks_never_cached(loade
     engine = llm.engine
     assert llm.cache_segments([DOCS[0], DOCS[1], DOCS[2], DOCS[3]]) == 32 + 32 + 48 + 16
     assert llm.cache_segments([DOCS[2]]) == 0
-    cached_before = engine.kv.pool.num_cached_blocks
+    cached_before = engine.kv.stats().num_cached_blocks
     outs = llm.generate([rag([2, 0], 0.15), rag([0, 2, 1], 0.15), rag([1], 0.15)], GREEDY)
     assert [o.num_reused_tokens for o in outs] == [48 + 32, 32 + 48 + 32, 32]
     # ceil(0.15 * run) tokens per reused run
     assert [o.num_recomputed_tokens for o in outs] == [8 + 5, 5 + 8 + 5, 5]
     # the blended prompts' own blocks were never cached (the prefix of 11 tokens is not a block)
-    assert engine.kv.pool.num_cached_blocks == cached_before
-    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    assert engine.kv.stats().num_cached_blocks == cached_before
+    assert all(b.ref_count == 0 for b in engine.kv._pool.blocks)
     engine.check_integrity()
     assert engine.stats().blend.num_blended == 3
 
@@ -117,13 +117,13 @@ def test_the_exact_head_before_the_first_segment_is_cached_and_hit(loaded):
     llm = LLM(loaded=loaded, num_kv_blocks=64, blend_cost_model=False)
     engine = llm.engine
     assert llm.cache_segments([DOCS[0], DOCS[2]]) == 32 + 48
-    cached_before = engine.kv.pool.num_cached_blocks
+    cached_before = engine.kv.stats().num_cached_blocks
     first = llm.generate([rag([2, 0], 0.15, system=40)], GREEDY)[0]      # a head of 40 tokens: 2 full blocks
     assert (first.num_cached_tokens, first.num_reused_tokens) == (0, 48 + 32)
-    assert engine.kv.pool.num_cached_blocks == cached_before + 2
+    assert engine.kv.stats().num_cached_blocks == cached_before + 2
     second = llm.generate([rag([0, 2], 0.15, system=40, question_seed=10)], GREEDY)[0]
     assert (second.num_cached_tokens, second.num_reused_tokens) == (32, 32 + 48)
-    assert engine.kv.pool.num_cached_blocks == cached_before + 2
+    assert engine.kv.stats().num_cached_blocks == cached_before + 2
     engine.check_integrity()
     ids = plain(rag([1], 0.0, system=40))
     hit = llm.generate([ids], GREEDY)[0]
@@ -277,7 +277,7 @@ def test_a_waiting_segmented_request_can_be_aborted(loaded):
     engine.abort(rid)
     assert not engine.has_unfinished and engine.step() == []
     engine.check_integrity()
-    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv._pool.blocks)
 
 
 def test_a_preempted_blended_request_is_recomputed_and_finishes(loaded):
@@ -300,7 +300,7 @@ def test_a_preempted_blended_request_is_recomputed_and_finishes(loaded):
     assert [len(done[r].token_ids) for r in (blended, plain_id)] == [60, 60]
     # preempted, then recomputed in full (exact), its reuse counts kept from its blend
     assert done[blended].num_preemptions >= 1 and done[blended].num_reused_tokens == 32
-    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv._pool.blocks)
 
 
 def test_no_room_to_load_a_segment_computes_it_instead(loaded):
@@ -315,7 +315,7 @@ def test_no_room_to_load_a_segment_computes_it_instead(loaded):
     want = LLM(loaded=loaded, enable_prefix_caching=False).generate([plain(prompt)], GREEDY)[0]
     assert out.error is None and out.num_reused_tokens == 0 and out.token_ids == want.token_ids
     engine.check_integrity()
-    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv._pool.blocks)
 
 
 @pytest.mark.parametrize("speed", ["slow", "fast"])
@@ -329,11 +329,11 @@ def test_the_cost_model_weighs_a_tier_load_against_the_partial_recompute(loaded,
     engine = llm.engine
     llm.cache_segments([DOCS[2]])
     llm.generate([tokens(16 * 23 + 3, 20)], SamplingParams(max_tokens=1))
-    load_s = engine.kv.tiering.load_seconds(engine.blending.blender.segments.locate(DOCS[2]).tier_run)
+    load_s = engine.kv._tiering.load_seconds(engine.blending.blender.segments.locate(DOCS[2]).tier_run)
     assert load_s > 0
     tokens_per_s = (20.4 + 48) / 2 / load_s if speed == "fast" else 10.0 / load_s
     for _ in range(80):                 # the measured speed is a moving average: settle it here
-        engine.kv.tiering.observe_prefill(int(tokens_per_s), 1.0)
+        engine.kv.observe_prefill(int(tokens_per_s), 1.0)
     prompt = SegmentedPrompt([tokens(11, 0), Segment(DOCS[2]), tokens(7, 9)], 0.15)
     out = llm.generate([prompt], GREEDY)[0]
     stats = engine.stats().blend
@@ -390,7 +390,7 @@ def test_a_request_aborted_while_it_blends_frees_its_blocks_and_seat(loaded):
     assert engine.blending.blending is None and engine.scheduler.num_reserved_seats == 0
     assert not engine.has_unfinished
     engine.check_integrity()
-    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv._pool.blocks)
     again = llm.generate([rag([0, 1, 2], 0.15)], GREEDY)[0]      # the engine goes on
     assert again.error is None and len(again.token_ids) == 6
 
@@ -417,4 +417,4 @@ def test_a_blend_that_fails_midway_fails_alone(loaded, monkeypatch, in_batch):
     assert done[plain].error is None and len(done[plain].token_ids) == 6
     assert engine.scheduler.num_reserved_seats == 0
     engine.check_integrity()
-    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv._pool.blocks)

@@ -91,7 +91,7 @@ def test_the_batch_computes_the_dense_blend(four_layers, selection, backend):
     assert (out.num_reused_tokens, out.num_recomputed_tokens) == (121, ref.num_recomputed_tokens)
     assert engine.stats().blend.num_blended == 1
     engine.check_integrity()
-    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv._pool.blocks)
 
 
 def test_rows_chunk_by_the_cost_of_their_computed_rows():
@@ -132,7 +132,7 @@ def test_blending_in_the_batch_in_a_quantized_format(loaded, kv_format):
                                                                                       temperature=0.0))
         assert [len(o.token_ids) for o in got] == [20, 20] and got[0].num_reused_tokens == 32 + 48
         llm.engine.check_integrity()
-        assert all(b.ref_count == 0 for b in llm.engine.kv.pool.blocks)
+        assert all(b.ref_count == 0 for b in llm.engine.kv._pool.blocks)
         outs[backend] = [o.token_ids for o in got]
     assert outs["torch"] == outs["cpu"]
 
@@ -197,7 +197,7 @@ def test_a_request_preempted_while_its_rows_run_is_recomputed_exactly(loaded):
     want = LLM(loaded=loaded, enable_prefix_caching=False).generate([plain(prompt)], GREEDY)[0]
     assert out is not None and out.num_preemptions == 1 and out.token_ids == want.token_ids
     engine.check_integrity()
-    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv._pool.blocks)
 
 
 def test_a_request_aborted_while_its_rows_run_frees_its_blocks(loaded):
@@ -213,7 +213,7 @@ def test_a_request_aborted_while_its_rows_run_frees_its_blocks(loaded):
     engine.abort(rid)
     assert not engine.has_unfinished and engine.scheduler.num_reserved_seats == 0
     engine.check_integrity()
-    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv._pool.blocks)
     again = llm.generate([rag([0, 1, 2], 0.15)], GREEDY)[0]
     assert again.error is None and len(again.token_ids) == 6
 
@@ -288,7 +288,7 @@ def test_a_long_stretch_of_reused_tokens_takes_steps_that_only_write(loaded):
             write_only += not rows.computed_in(before, req.num_computed_tokens)
         engine.check_integrity()
     assert write_only >= 2 and out is not None and out.error is None and len(out.token_ids) == 6
-    assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv._pool.blocks)
 
 
 def test_one_blend_at_a_time_until_its_rows_are_computed(loaded):

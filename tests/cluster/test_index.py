@@ -128,7 +128,7 @@ def test_a_replica_publishes_the_segments_it_stored_and_the_hint_finds_them():
     card = llm.engine.model_card
     tag = key_tag(card.extra_key)
     index = PrefixIndex()
-    index.publish("r", Published(1, tag, unpack(pack(llm.engine.kv.pool.cached_keys()))))
+    index.publish("r", Published(1, tag, unpack(pack(llm.engine.kv.cached_keys()))))
     ids, blend = prompt.encode(None)
     hint = route_hint(card, tag, RequestSpec(ids, params, CacheControl(salt="a"), blend))
     assert hint.segments == (SegmentDigests(2, digests(card.segment_keys(doc, "a"))),)

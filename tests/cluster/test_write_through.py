@@ -28,13 +28,13 @@ def test_another_engine_finds_the_history_only_with_write_through(default_model,
     # without write-through a block reaches Redis when the device evicts it: nothing here is evicted
     first, second = (LLM(loaded=default_model, redis_url=url, cache_salt="back", **OPTIONS) for _ in range(2))
     cold = first.chat(CHAT, GREEDY)[0]
-    first.engine.kv.tiering.flush()
+    first.engine.kv.flush_tiers()
     assert second.chat(CHAT, GREEDY)[0].num_cached_tokens == 0
     assert redis_keys(url) == []
 
     a, b = (LLM(loaded=default_model, redis_url=url, write_through=True, **OPTIONS) for _ in range(2))
     out_a = a.chat(CHAT, GREEDY)[0]
-    a.engine.kv.tiering.flush()
+    a.engine.kv.flush_tiers()
     num_full = len(out_a.prompt_token_ids) // 16
     assert a.engine.stats().tiers[0].write_through_blocks >= num_full
     assert len(redis_keys(url)) >= num_full
@@ -42,7 +42,7 @@ def test_another_engine_finds_the_history_only_with_write_through(default_model,
     redis_tier = b.engine.stats().tiers[0]
     assert out_b.num_cached_tokens == redis_tier.hit_tokens > 0          # every hit came from Redis
     assert out_b.token_ids == out_a.token_ids == cold.token_ids             # as a cold run
-    b.engine.kv.tiering.flush()
+    b.engine.kv.flush_tiers()
     # once per key across engines: b wrote through only the blocks it computed, not those it loaded
     num_b_blocks = (len(out_b.prompt_token_ids) + len(out_b.token_ids) - 1) // 16
     assert redis_tier.write_through_blocks <= num_b_blocks - out_b.num_cached_tokens // 16

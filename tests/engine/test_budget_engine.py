@@ -33,7 +33,7 @@ def greedy(max_tokens: int, **budget) -> SamplingParams:
 
 
 def used_blocks(llm: LLM) -> int:
-    return sum(1 for b in llm.engine.kv.pool.blocks if b.ref_count > 0)
+    return sum(1 for b in llm.engine.kv._pool.blocks if b.ref_count > 0)
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -144,7 +144,7 @@ def test_shared_prefix_blocks_are_never_altered_for_other_requests(loaded):
                 assert e.kv.block_ids(rid_b)[:4] == shared
         e.check_integrity()
     assert outs[rid_b] == ref_b
-    assert all(e.kv.pool.blocks[i].is_cached for i in shared)
+    assert all(e.kv._pool.blocks[i].is_cached for i in shared)
     out_c = llm.generate(c, greedy(30))[0]
     assert out_c.num_cached_tokens == 64 and out_c.token_ids == ref_c
 
@@ -157,15 +157,15 @@ def test_compaction_writes_fresh_blocks_and_cached_ones_stay_hits(loaded):
     rid = e.add_request(prompt, greedy(4, kv_budget=32, kv_policy="snapkv"))
     e.step()                                         # 64 tokens: 4 full blocks, cached
     table = e.kv.block_ids(rid)
-    assert all(e.kv.pool.blocks[i].is_cached for i in table[:4])
+    assert all(e.kv._pool.blocks[i].is_cached for i in table[:4])
     e.step()                                         # the rest of the prompt, then the compaction
     head = e.kv.block_ids(rid)
     assert len(head) == 2 and not set(head) & set(table)
-    assert not any(e.kv.pool.blocks[i].is_cached for i in head)        # rewritten blocks have no key
-    assert all(b.is_cached for b in e.kv.pool.blocks[:6])               # the computed ones keep theirs
+    assert not any(e.kv._pool.blocks[i].is_cached for i in head)        # rewritten blocks have no key
+    assert all(b.is_cached for b in e.kv._pool.blocks[:6])               # the computed ones keep theirs
     while e.has_unfinished:
         e.step()
-        assert not any(e.kv.pool.blocks[i].is_cached for i in e.kv.block_ids(rid))
+        assert not any(e.kv._pool.blocks[i].is_cached for i in e.kv.block_ids(rid))
     again = llm.generate(prompt, greedy(4))[0]
     assert again.num_cached_tokens == 96 and again.token_ids == ref
     e.check_integrity()

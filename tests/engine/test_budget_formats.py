@@ -68,7 +68,7 @@ def test_a_budgeted_request_gives_the_same_tokens_on_the_cpu_kernel_and_the_torc
         got[backend] = run(llm, params)
         kv = llm.engine.kv
         assert kv.budgets.num_compactions >= 3     # the prompt's, then two in decode at least
-        assert kv.pool.num_free_blocks == kv.pool.num_blocks
+        assert kv.num_free_blocks == kv.num_blocks
         assert kv.residual.num_free_rows == kv.residual.num_rows
     assert got["torch"] == got["cpu"] == got["reference"] and len(got["torch"]) == 40
 

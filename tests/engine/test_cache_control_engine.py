@@ -43,7 +43,7 @@ def flood(llm: LLM, count: int = 6, seed: int = 0) -> None:
 
 
 def device_block_ids(llm: LLM, tokens: list[int]) -> list[int | None]:
-    pool = llm.engine.kv.pool
+    pool = llm.engine.kv._pool
     keys = llm.engine.kv.prefix_keys(tokens)
     out = []
     for i, k in enumerate(keys):
@@ -166,12 +166,12 @@ def test_a_pinned_block_that_must_go_is_demoted_and_comes_back_from_the_host_tie
     with LLM(loaded=loaded, num_kv_blocks=8, max_pinned_fraction=0.5, host_cache_gb=1 / 1024, clock=clock) as llm:
         cold = llm.generate(SYSTEM + QUESTION, GREEDY)[0]
         llm.reset_prefix_cache()
-        llm.engine.kv.tiering.flush()
+        llm.engine.kv.flush_tiers()
         llm.pin(SYSTEM, ttl_s=60)
         host = llm.engine.stats().tiers[0]
         assert host.store.blocks_written == 0                 # nothing demoted yet
         llm.generate([random.Random(3).randrange(128) for _ in range(127)], ONE)   # needs all 8 blocks
-        llm.engine.kv.tiering.flush()
+        llm.engine.kv.flush_tiers()
         s = llm.engine.stats()
         assert s.pins.num_evicted_blocks == 3 and s.pins.num_pinned_blocks == 0
         assert s.tiers[0].store.blocks_written >= 3

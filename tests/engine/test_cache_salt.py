@@ -19,7 +19,7 @@ def test_salts_partition_the_prefix_cache_and_keep_outputs():
             for salt in ("", "a", "b", "a", "")]
     assert [o.num_cached_tokens for _, o in runs] == [0, 0, 0, 64, 64]
     assert len({tuple(o.token_ids) for _, o in runs}) == 1          # salting changes no output
-    pool = llm.engine.kv.pool
+    pool = llm.engine.kv._pool
     keys = {salt: llm.engine.kv.prefix_keys(prompt, salt=salt) for salt in ("", "a", "b")}
     assert not set(keys[""]) & set(keys["a"]) and not set(keys["a"]) & set(keys["b"])
     assert all(pool.lookup(k, tuple(prompt[i * 16:(i + 1) * 16])) is not None

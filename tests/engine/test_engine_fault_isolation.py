@@ -34,7 +34,7 @@ def test_a_poisoned_request_fails_alone(llm):
     bad = outs[3]
     assert bad.finish_reason == "error" and "poisoned grammar" in bad.error and len(bad.token_ids) == 2
     llm.engine.check_integrity()
-    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
 def test_a_failed_model_step_fails_that_steps_requests_and_the_engine_goes_on(llm, monkeypatch):
@@ -55,7 +55,7 @@ def test_a_failed_model_step_fails_that_steps_requests_and_the_engine_goes_on(ll
     engine.check_integrity()
     again = llm.generate(PROMPTS[:2], GREEDY)
     assert [o.finish_reason for o in again] == ["length", "length"]
-    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 def test_sampler_corner_cases_run_through_the_engine(llm):

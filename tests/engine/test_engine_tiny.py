@@ -48,7 +48,7 @@ def test_greedy_tokens_identical_with_prefix_caching_on_and_off(loaded):
     assert all(c >= 32 for c in cached[3:-1])
     assert cached[-1] == 0
     warm.engine.check_integrity()
-    assert warm.engine.kv.pool.num_free_blocks == warm.engine.kv.pool.num_blocks
+    assert warm.engine.kv.num_free_blocks == warm.engine.kv.num_blocks
 
 
 def test_chunked_prefill_matches_one_shot_prefill(loaded):
@@ -177,10 +177,10 @@ def test_abort_frees_blocks(loaded):
     e = llm.engine
     rid = e.add_request(list(range(40)), GREEDY)
     e.step()
-    assert e.kv.pool.num_free_blocks < e.kv.pool.num_blocks
+    assert e.kv.num_free_blocks < e.kv.num_blocks
     e.abort(rid)
     assert not e.has_unfinished
-    assert e.kv.pool.num_free_blocks == e.kv.pool.num_blocks
+    assert e.kv.num_free_blocks == e.kv.num_blocks
     e.check_integrity()
 
 
@@ -213,7 +213,7 @@ def test_random_workloads_keep_pool_invariants(loaded, reqs, num_blocks, budget,
             e.abort(ids[-1])
             finished.add(ids[-1])
     assert finished == set(ids)
-    assert e.kv.pool.num_free_blocks == num_blocks
+    assert e.kv.num_free_blocks == num_blocks
 
 
 def test_stats_count_prefix_hits_and_blocks(loaded):

@@ -83,7 +83,7 @@ def test_an_aborted_request_under_the_kernel_leaves_nothing_behind(loaded):
         e.step()
         e.check_integrity()
     assert e.kv.residual.num_free_rows == e.kv.residual.num_rows
-    assert e.kv.pool.num_free_blocks == e.kv.pool.num_blocks
+    assert e.kv.num_free_blocks == e.kv.num_blocks
 
 
 def test_formats_never_share_block_keys(loaded):
@@ -111,7 +111,7 @@ def test_cache_bytes_follow_the_format(loaded):
     # sized from memory: the residual rows are reserved first
     llm = LLM(loaded=loaded, kv_format="kivi2g8", kv_cache_memory_gb=(reserved + 100 * per_block) / 2**30,
               max_num_seqs=4, max_num_batched_tokens=32)
-    assert llm.engine.kv.pool.num_blocks == 100
+    assert llm.engine.kv.num_blocks == 100
 
 
 def test_quantized_storage_is_really_used(loaded):

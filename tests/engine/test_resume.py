@@ -46,7 +46,7 @@ def test_greedy_tokens_and_logprobs_go_on_as_if_never_stopped(n):
     assert [lp.token_id for lp in got.logprobs] == got.token_ids
     assert [round(lp.logprob, 4) for lp in got.logprobs] == [round(lp.logprob, 4) for lp in plain.logprobs]
     assert all(len(o.token_ids) > n for o in outs)          # every output holds the resumed tokens
-    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
 def test_text_and_stop_strings_count_the_resumed_tokens(default_model):

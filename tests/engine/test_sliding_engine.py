@@ -40,7 +40,7 @@ def test_the_groups_and_their_storage(loaded) -> None:
                                                          ((4,), 8)]
     # a block holds one layer (4 tokens x 2 KV heads x 16 x float32, keys and values: 1 KiB): 1 MiB
     # gives 1,024 blocks, six times the blocks of all six layers
-    assert kv.pool.num_blocks == 1024 and engine.runner.cache.nbytes == 1 << 20
+    assert kv.num_blocks == 1024 and engine.runner.cache.nbytes == 1 << 20
 
 
 def test_sliding_groups_hold_their_window_as_a_request_decodes(loaded) -> None:
@@ -81,7 +81,7 @@ def test_prefix_hits_give_the_cold_tokens(loaded) -> None:
     assert got[0].num_cached_tokens == (len(batch[0]) - 1) // 4 * 4
     assert all(o.num_cached_tokens >= 40 for o in got[1:4]) and got[4].num_cached_tokens == 0
     warm.engine.check_integrity()
-    assert warm.engine.kv.pool.num_free_blocks == warm.engine.kv.pool.num_blocks
+    assert warm.engine.kv.num_free_blocks == warm.engine.kv.num_blocks
 
 
 @pytest.mark.parametrize("kv_format", ["int8", "fp16", "k=kivi2g16,v=int8"])
@@ -123,8 +123,8 @@ def generate_flushing(llm: LLM, prompt: list[int]) -> None:
     engine.add_request(prompt, GREEDY)
     while engine.has_unfinished:
         engine.step()
-        engine.kv.tiering.flush()
-        assert all(m.dropped_calls == 0 for m in engine.kv.tiering.metrics())
+        engine.kv.flush_tiers()
+        assert all(m.dropped_calls == 0 for m in engine.kv.stats().tiers)
 
 
 @pytest.mark.parametrize("tier", ["host", "disk", "damaged-disk"])
@@ -155,7 +155,7 @@ def test_a_history_evicted_to_a_tier_and_loaded_back_gives_the_cold_tokens(loade
     got = llm.generate(turn, GREEDY)[0]
     assert got.token_ids == ref.token_ids
     assert got.num_cached_tokens == (0 if damaged else 60)      # all 15 full blocks of the history
-    metrics = llm.engine.kv.tiering.metrics()[0]
+    metrics = llm.engine.kv.stats().tiers[0]
     assert metrics.hit_tokens == (0 if damaged else 60)
     assert damaged == (metrics.store.corrupt > 0)
     llm.engine.check_integrity()
@@ -173,7 +173,7 @@ def test_a_pin_keeps_the_full_blocks_and_the_last_window_of_its_prefix(loaded) -
     llm.generate(prefix + [1], GREEDY)
     for _ in range(4):
         llm.generate([rng.randrange(128) for _ in range(60)], GREEDY)
-    assert llm.engine.kv.pool.num_evicted_blocks > 0
+    assert llm.engine.kv._pool.num_evicted_blocks > 0
     turn = prefix + [rng.randrange(128) for _ in range(3)]
     assert llm.generate(turn, GREEDY)[0].num_cached_tokens == 60
     llm.engine.check_integrity()
@@ -202,7 +202,7 @@ def test_a_tenants_reset_drops_its_blocks_in_every_group_only(loaded) -> None:
     llm = LLM(loaded=loaded, block_size=4, num_kv_blocks=NUM_BLOCKS)
     prompt = prompts(3)[0]
     cold = {t: llm.generate([prompt], GREEDY, cache=CacheControl(tenant=t))[0] for t in ("alice", "bob")}
-    pool = llm.engine.kv.pool
+    pool = llm.engine.kv._pool
     by_tenant = pool.cached_blocks_by_tenant()
     assert by_tenant["alice"] == by_tenant["bob"] > len(prompt) // 4      # more than one group's blocks
     assert llm.engine.reset_prefix_cache("bob") == by_tenant["bob"]

@@ -153,7 +153,7 @@ def test_a_block_back_from_a_tier_is_read_at_its_base_precision(loaded):
             e.step()
         assert refined_before                       # its salient blocks had a finer copy
         llm.generate(filler, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        e.kv.tiering.flush()
+        e.kv.flush_tiers()
         rid = e.add_request(prompt, GREEDY)
         e.step()
         assert e.stats().tiers[0].loaded_tokens == 64
@@ -214,7 +214,7 @@ def test_a_saliency_budget_runs_under_a_zip_format_on_every_path(loaded, spec, m
         got[backend] = _run_budgeted(llm, prompts)
         kv = llm.engine.kv
         assert kv.budgets.num_compactions >= 6 and kv.budgets.num_dropped > 0
-        assert kv.pool.num_free_blocks == kv.pool.num_blocks
+        assert kv.num_free_blocks == kv.num_blocks
         assert kv.residual.num_free_rows == kv.residual.num_rows
         # the prompts' cached blocks lost their copies when the requests left them, the compacted
         # blocks (never cached) theirs when they were freed
@@ -292,6 +292,6 @@ def test_saliency_budgets_under_a_zip_format_survive_preemption(loaded):
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, kv_budget=48, kv_policy="saliency-blocks")
     assert [len(t) for t in _run_budgeted(llm, prompts, params)] == [60] * 4
     assert e.scheduler.num_preemptions > 0 and e.kv.budgets.num_compactions > 0
-    assert e.kv.pool.num_free_blocks == 16
+    assert e.kv.num_free_blocks == 16
     refined = e.kv.residual.refined
-    assert all(e.kv.pool.blocks[b].is_cached for b in refined.block_ids)
+    assert all(e.kv._pool.blocks[b].is_cached for b in refined.block_ids)

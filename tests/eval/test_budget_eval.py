@@ -10,7 +10,17 @@ import torch
 from tiny import tiny_model
 
 from kvserve import LLM, SamplingParams
-from kvserve.eval.budget import BudgetEvalSettings, Config, Row, configs_for, goal_lines, render, run_one, speed_lines
+from kvserve.eval.budget import (
+    BudgetEvalSettings,
+    Config,
+    ForcedSampler,
+    Row,
+    configs_for,
+    goal_lines,
+    render,
+    run_one,
+    speed_lines,
+)
 
 
 def test_configs_are_the_full_cache_then_each_policy_at_each_fraction():
@@ -21,16 +31,17 @@ def test_configs_are_the_full_cache_then_each_policy_at_each_fraction():
 
 
 def test_forced_decoding_scores_the_given_tokens_and_measures_memory():
-    llm = LLM(loaded=tiny_model(), num_kv_blocks=64, max_num_batched_tokens=64)
+    forced = ForcedSampler(0)
+    llm = LLM(loaded=tiny_model(), sampler=forced, num_kv_blocks=64, max_num_batched_tokens=64)
     rng = random.Random(0)
     prompt = [rng.randrange(128) for _ in range(100)]
     targets = [rng.randrange(128) for _ in range(20)]
     row = Row(100, Config("h2o", 32))
-    out = run_one(llm.engine, prompt, Config("h2o", 32).params(20), row, targets)
+    out = run_one(llm.engine, forced, prompt, Config("h2o", 32).params(20), row, targets)
     assert out == targets and row.num_scored == 20 and row.decode_tokens == 19
     # the same logprobs as prompt logprobs of the concatenation, under the full cache
     full = Row(100, Config(None, None))
-    run_one(llm.engine, prompt, Config(None, None).params(20), full, targets)
+    run_one(llm.engine, forced, prompt, Config(None, None).params(20), full, targets)
     ref = llm.generate(prompt + targets, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     expected = -sum(p.logprob for p in ref.prompt_logprobs[100:] if p is not None)
     assert math.isclose(full.nll_sum, expected, rel_tol=1e-4)

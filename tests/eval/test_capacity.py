@@ -37,7 +37,7 @@ def test_the_seat_search_finds_the_smallest_non_limiting_max_num_seqs(loaded, fm
     seqs, llm = fitting_max_num_seqs(make, request_blocks, lambda m: None)
 
     def fit(s: int) -> int:
-        return make(s).engine.kv.pool.num_blocks // request_blocks
+        return make(s).engine.kv.num_blocks // request_blocks
 
     assert llm.engine.config.scheduler.max_num_seqs == seqs
     assert seqs >= fit(seqs)
@@ -58,7 +58,7 @@ def test_run_format_reaches_the_pool_limit_and_measures_decode(loaded, fmt):
     make = maker(loaded, fmt, 400_000)
     request_blocks = blocks_per_request(make(1), 40, 24)
     seqs, llm = fitting_max_num_seqs(make, request_blocks, lambda m: None)
-    fit = llm.engine.kv.pool.num_blocks // request_blocks
+    fit = llm.engine.kv.num_blocks // request_blocks
     ids = [(7 * i + 3) % 128 for i in range(5000)]
     prompts = distinct_prompts(ids, fit + 3, 40, seed=0)
     r = run_format(llm, fmt, seqs, prompts, 24, request_blocks)
@@ -66,7 +66,7 @@ def test_run_format_reaches_the_pool_limit_and_measures_decode(loaded, fmt):
     assert 1 <= r.peak_concurrent <= r.peak_running
     assert r.peak_concurrent >= fit - 1          # the pool, not the seats or the budget, is the limit
     assert r.decode_steps > 0 and r.decode_tok_s > 0 and r.decode_batch >= 1
-    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
     assert r.generated_tokens == (fit + 3) * 24 and r.e2e_tok_s > 0
     assert r.backend == llm.engine.runner.backend.name
     assert fmt in render([r])

@@ -67,16 +67,16 @@ def test_sliding_blocks_leave_as_the_window_moves() -> None:
     # next query at 12 sees 5..12: block 0 (tokens 0-3) left both sliding groups
     assert kv.block_ids("a", 0) == [0, 3, 6]
     assert kv.block_ids("a", 1) == [0, 4, 7] and kv.block_ids("a", 2) == [0, 5, 8]   # entry 0 released (reads 0)
-    assert [kv.pool.blocks[i].ref_count for i in (1, 2)] == [0, 0] and kv.pool.blocks[1].is_cached
+    assert [kv._pool.blocks[i].ref_count for i in (1, 2)] == [0, 0] and kv._pool.blocks[1].is_cached
     for _ in range(4):
         step(kv, req, 4)                               # up to 28 tokens: next query at 28 sees 21..28
     assert kv.block_ids("a", 0) == [0, 3, 6, 9, 12, 15, 18]
     held = [b for g in (1, 2) for b in kv.block_ids("a", g) if b]
     assert held == [16, 19, 17, 20]                    # blocks 5 and 6 of each sliding group: 20..27
-    assert kv.pool.num_free_blocks == 30 - 7 - 4
+    assert kv.num_free_blocks == 30 - 7 - 4
     kv.check_integrity()
     kv.free(req)
-    assert kv.pool.num_free_blocks == 30
+    assert kv.num_free_blocks == 30
     kv.check_integrity()
 
 
@@ -111,13 +111,13 @@ def test_a_prefix_loses_its_interior_sliding_blocks_first_and_its_tail_hit_last(
     taken = kv.allocate_unowned(30)
     assert sorted(x.block_id for x in taken[22:]) == [1, 2, 4, 5, 7, 8, 10, 11]
     assert kv.match_prefix(b).num_device_blocks == 6          # the hit at the end holds
-    kv.pool.free(taken)
+    kv._pool.free(taken)
     taken = kv.allocate_unowned(33)        # then a's tail goes (tail first): the full and sliding blocks of 5
     assert {x.block_id for x in taken} >= {15, 16, 17}
     # the full blocks 0-4 remain, but no position's window does: no hit
-    assert kv.pool.lookup(kv.block_keys(b)[4], tuple(range(16, 20))) is not None
+    assert kv._pool.lookup(kv.block_keys(b)[4], tuple(range(16, 20))) is not None
     assert kv.match_prefix(b).num_device_blocks == 0
-    kv.pool.free(taken)
+    kv._pool.free(taken)
     kv.check_integrity()
 
 

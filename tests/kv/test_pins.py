@@ -203,7 +203,7 @@ def test_a_pinned_system_prompt_stays_a_hit_under_a_flood():
     assert prefill(kv, again) == 8
     assert kv.block_ids("again")[:2] == [0, 1]
     assert kv.num_pinned_hits(again, 2) == 2
-    assert kv.pool.num_pinned_evicted == 0
+    assert kv._pool.num_pinned_evicted == 0
     kv.check_integrity()
 
 
@@ -214,7 +214,7 @@ def test_an_expired_pin_is_evictable_again():
     prefill(kv, first)
     kv.forget(first)
     clock.now += 60
-    assert kv.pins.expire() == 1
+    assert kv.expire_pins() == 1
     flood = request("flood", [200 + j for j in range(31)])
     prefill(kv, flood)
     kv.forget(flood)
@@ -231,7 +231,7 @@ def test_a_flood_that_needs_the_pinned_blocks_evicts_them_last_and_tail_first():
     flood = request("flood", [200 + j for j in range(28)])   # 7 blocks: every unpinned one and block 1
     prefill(kv, flood)
     assert sorted(kv.block_ids("flood")) == [1, 2, 3, 4, 5, 6, 7]
-    assert kv.pool.num_pinned_evicted == 1
+    assert kv._pool.num_pinned_evicted == 1
     kv.forget(flood)
     assert prefill(kv, request("again", SYSTEM + [9])) == 4   # block 0 (the head) survived
     kv.check_integrity()

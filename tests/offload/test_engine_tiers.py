@@ -93,7 +93,7 @@ def test_a_hit_from_each_tier_gives_the_cold_tokens(loaded, tier, kv_format, tmp
 
 def test_no_tier_configured_keeps_the_null_offload(loaded):
     llm = LLM(loaded=loaded, num_kv_blocks=POOL)
-    assert not isinstance(llm.engine.kv.tiering, OffloadTiering)
+    assert not isinstance(llm.engine.kv._tiering, OffloadTiering)
     llm.generate(PROMPT, GREEDY)
     evict_everything_without_tiers = llm.generate(filler(0), FILL)
     assert evict_everything_without_tiers[0].finished

@@ -67,7 +67,7 @@ def admit(kv: KVCacheManager, req: Request) -> int:
     """What the scheduler does; returns the tokens served from cache (device + tier)."""
     match = kv.match_tiers(req, kv.match_prefix(req))
     assert kv.try_allocate(req, req.num_tokens - match.num_blocks * kv.block_size, match)
-    promotion = kv.tiering.load(match.tier_run, kv.load_targets(req, match))
+    promotion = kv._tiering.load(match.tier_run, kv.load_targets(req, match))
     hit = kv.cache_loaded_blocks(req, promotion).num_blocks * kv.block_size
     req.num_computed_tokens = req.num_tokens
     kv.cache_computed_blocks(req)
@@ -104,7 +104,7 @@ def test_evicted_blocks_are_demoted_before_reuse_and_come_back_from_the_tier():
     loaded_ids = [bid for bid, _ in tier.loaded]
     assert [k for _, k in tier.loaded] == keys_a[1:3]
     assert kv.block_ids("a2")[:3] == [0, *loaded_ids]
-    assert all(kv.pool.lookup(k, tuple(range(4 * i, 4 * i + 4))) is not None for i, k in enumerate(keys_a))
+    assert all(kv._pool.lookup(k, tuple(range(4 * i, 4 * i + 4))) is not None for i, k in enumerate(keys_a))
     kv.check_integrity()
 
 
@@ -123,7 +123,7 @@ def test_a_corrupt_block_ends_the_run_and_the_rest_is_computed():
     a2 = make("a2", list(range(12)) + [7])
     assert admit(kv, a2) == 4                              # block 0 loaded, block 1 corrupt: stop
     assert [k for _, k in tier.loaded] == keys_a[:1]
-    assert kv.pool.lookup(keys_a[1], (4, 5, 6, 7)) is not None   # recomputed, then cached
+    assert kv._pool.lookup(keys_a[1], (4, 5, 6, 7)) is not None   # recomputed, then cached
     kv.check_integrity()
 
 

@@ -64,5 +64,5 @@ def evict_everything(llm: LLM, seed: int = 0) -> None:
 
 
 def offload(llm: LLM) -> OffloadTiering:
-    assert isinstance(llm.engine.kv.tiering, OffloadTiering)
-    return llm.engine.kv.tiering
+    assert isinstance(llm.engine.kv._tiering, OffloadTiering)
+    return llm.engine.kv._tiering

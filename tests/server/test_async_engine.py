@@ -50,7 +50,7 @@ def test_rejected_input_raises_value_error_and_adds_nothing(engine):
     too_big = RequestSpec(list(range(10, 310)), SamplingParams(max_tokens=1))   # > 16 blocks of 16
     with pytest.raises(ValueError, match="KV blocks"):
         asyncio.run(drain(engine, [spec(engine, "fine"), too_big]))
-    assert asyncio.run(engine.call(lambda e: (e.has_unfinished, e.kv.pool.num_free_blocks))) == (False, 16)
+    assert asyncio.run(engine.call(lambda e: (e.has_unfinished, e.kv.num_free_blocks))) == (False, 16)
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, monkeypatch):
@@ -72,7 +72,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, 
 
 
 def test_call_returns_results_and_raises_errors(engine):
-    assert asyncio.run(engine.call(lambda e: e.kv.pool.num_blocks)) == 16
+    assert asyncio.run(engine.call(lambda e: e.kv.num_blocks)) == 16
     with pytest.raises(ZeroDivisionError):
         asyncio.run(engine.call(lambda e: 1 / 0))
 

@@ -68,8 +68,8 @@ def test_greedy_tokens_equal_plain_decoding(loaded, method, kv_format, backend):
     assert tokens(got) == tokens(want)
     stats = spec.stats().spec
     assert stats is not None and stats.method == method and stats.num_draft_tokens > 0
-    assert sorted(spec.kv.pool.cached_keys()) == sorted(plain.kv.pool.cached_keys())
-    assert spec.kv.pool.num_free_blocks == spec.kv.pool.num_blocks
+    assert sorted(spec.kv.cached_keys()) == sorted(plain.kv.cached_keys())
+    assert spec.kv.num_free_blocks == spec.kv.num_blocks
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -130,10 +130,10 @@ def test_prefix_hits_preemption_and_aborts(loaded, method):
     assert {r: t for r, t in tokens(got).items() if r != sampled} == \
         {r: t for r, t in tokens(want).items() if r not in ("r2", "r4", sampled)}
     assert any(o.num_cached_tokens > 0 for o in got.values())
-    assert spec.kv.pool.num_free_blocks == spec.kv.pool.num_blocks
+    assert spec.kv.num_free_blocks == spec.kv.num_blocks
     proposer = spec.speculator.proposer
     if isinstance(proposer, DraftModelProposer):
-        assert proposer.num_free_blocks == spec.kv.pool.num_blocks    # aborted requests' blocks too
+        assert proposer.num_free_blocks == spec.kv.num_blocks    # aborted requests' blocks too
 
 
 def test_a_full_draft_cache_means_no_drafts_not_errors(loaded):

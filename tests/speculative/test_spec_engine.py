@@ -71,8 +71,8 @@ def test_greedy_tokens_equal_plain_decoding(loaded, kv_format, backend):
     assert sum(o.num_accepted_tokens for o in got.values()) == stats.num_accepted_tokens
     assert sum(o.num_draft_tokens for o in got.values()) == stats.num_draft_tokens
     # blocks full of accepted tokens only were cached: the same keys as the plain run's
-    assert sorted(spec.kv.pool.cached_keys()) == sorted(plain.kv.pool.cached_keys())
-    assert spec.kv.pool.num_free_blocks == spec.kv.pool.num_blocks
+    assert sorted(spec.kv.cached_keys()) == sorted(plain.kv.cached_keys())
+    assert spec.kv.num_free_blocks == spec.kv.num_blocks
 
 
 def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded):
@@ -113,7 +113,7 @@ def test_preemption_and_aborts_mid_speculation(loaded):
     got = run(spec, work, abort_at={6: "r3", 11: "r5"})
     assert spec.scheduler.num_preemptions > 0 and spec.stats().spec.num_accepted_tokens > 0
     assert tokens(got) == {rid: t for rid, t in tokens(want).items() if rid not in ("r3", "r5")}
-    assert spec.kv.pool.num_free_blocks == spec.kv.pool.num_blocks
+    assert spec.kv.num_free_blocks == spec.kv.num_blocks
 
 
 def test_bad_configs_are_refused(loaded):
@@ -156,8 +156,8 @@ def test_formats_that_encode_whole_blocks_give_plain_decodings_tokens(loaded, kv
     assert tokens(got) == tokens(want)
     stats = spec.stats().spec
     assert stats is not None and stats.num_draft_tokens > 0
-    assert sorted(spec.kv.pool.cached_keys()) == sorted(plain.kv.pool.cached_keys())
-    assert spec.kv.pool.num_free_blocks == spec.kv.pool.num_blocks and not spec.kv.residual._rows
+    assert sorted(spec.kv.cached_keys()) == sorted(plain.kv.cached_keys())
+    assert spec.kv.num_free_blocks == spec.kv.num_blocks and not spec.kv.residual._rows
 
 
 @pytest.mark.parametrize(("position", "room"), [(0, 14), (13, 1), (14, 0), (15, 15), (16, 14), (31, 15)])
