@@ -117,7 +117,6 @@ def run_spec(args: argparse.Namespace) -> int:
     plain = LLM(loaded=loaded, **options)
     spec = LLM(loaded=loaded, speculative_config=args.spec_config, **options)
     if args.always_draft:
-        assert spec.engine.speculator is not None
         spec.engine.speculator.always_draft()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     rows = run(plain, spec, find_text(args.text), sizes, args.max_tokens, args.repeats)

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from kvserve.blend.blender import Blender, BlendTask
+from kvserve.blend.blender import Blender, BlendStats, BlendTask
 from kvserve.kv.manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.scheduler.scheduler import Scheduler
@@ -77,6 +78,14 @@ class BlendAdmission:
     def blending(self) -> Request | None:
         """The request whose blend is under way."""
         return None if self._task is None else self._task.request
+
+    @property
+    def stats(self) -> BlendStats:
+        return self.blender.stats
+
+    def store(self, segments: Sequence[list[int]], salt: str = "") -> int:
+        """Store each segment's standalone KV unless stored already; the tokens newly stored."""
+        return sum(self.blender.store(ids, salt) for ids in segments)
 
     def wait(self, req: Request) -> None:
         self._waiting.append(req)

@@ -61,7 +61,7 @@ from kvserve.scheduler.policies import policy_class
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.speculative.drafters import DraftModelProposer, ModelProposer, SelfProposer, TokenPass
 from kvserve.speculative.proposers import make_proposer
-from kvserve.speculative.speculator import PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S, Speculator
+from kvserve.speculative.speculator import PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S, Speculation, Speculator
 
 log = logging.getLogger("kvserve")
 
@@ -143,7 +143,7 @@ class EngineParts:
     sampler: Sampler
     grammars: GrammarCompiler
     attention: AttentionBackend
-    speculator: Speculator | None       # None: no speculative decoding
+    speculator: Speculation             # a null object without speculative decoding
     checks: RequestChecks
     blending: BlendAdmission            # segmented requests' queue and first admission
     outputs: OutputProcessor
@@ -257,10 +257,10 @@ class _Drafting:
 
 
 def _make_speculator(config: EngineConfig, budgets: Budgets, max_model_len: int,
-                     drafting: _Drafting) -> Speculator | None:
+                     drafting: _Drafting) -> Speculation:
     spec = config.speculative
     if spec is None:
-        return None
+        return Speculation()
     proposer = make_proposer(spec) if spec.method == "ngram" else _make_model_proposer(config, spec, drafting)
     whole_blocks = drafting.storage.residual.num_rows > 0       # a format that encodes whole blocks
     return Speculator(spec, proposer, budgets, max_model_len, config.cache.block_size if whole_blocks else None)

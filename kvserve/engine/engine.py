@@ -148,7 +148,7 @@ class LLMEngine:
         evicted) under cache salt ``salt`` unless it is stored already; returns the tokens newly
         stored. Only whole blocks are stored. Runs between steps (from the engine's thread)."""
         encoded = [self.encode_prompt(segment) for segment in segments]
-        return sum(self.blending.blender.store(ids, salt) for ids in encoded)
+        return self.blending.store(encoded, salt)
 
     def abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
@@ -213,7 +213,7 @@ class LLMEngine:
         return outputs + self._run_batch(wait=not outputs and not self.blending.has_work)
 
     def _run_batch(self, wait: bool) -> list[RequestOutput]:
-        drafts = self.speculator.propose(self.scheduler.running) if self.speculator is not None else {}
+        drafts = self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule(drafts)
         if out.is_empty:
             # nothing to run: the only work left may be loads from slow tiers
@@ -222,8 +222,7 @@ class LLMEngine:
             return []
         self.num_steps += 1
         try:
-            if drafts and self.speculator is not None:
-                self.speculator.fill(out)       # a model proposer drafts into the scheduled chunks
+            self.speculator.fill(out)       # a proposer that drafts in a pass, into the scheduled chunks
             start = self._timer()
             result = self.runner.execute(out)
         except Exception as e:
@@ -276,7 +275,7 @@ class LLMEngine:
             try:
                 emitted = (self.speculator.verify(sampled.logits[own.start:own.start + len(checked) + 1], req,
                                                   checked, tokens, self.sampler)
-                           if checked and self.speculator is not None else tokens)
+                           if checked else tokens)
                 logprobs = self.sampler.logprobs(logits[own.start:own.start + len(emitted)],
                                                  rows[own.start:own.start + len(emitted)], list(emitted))
                 reason = self._apply(req, emitted, [logprobs.get(j) for j in range(len(emitted))])
@@ -328,8 +327,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self.outputs.remove(request_id)
-        if self.speculator is not None:
-            self.speculator.forget(request_id)
+        self.speculator.forget(request_id)
 
     def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Feed the step's time to the cost models: the tiers' load-or-recompute (steps mostly
@@ -339,14 +337,15 @@ class LLMEngine:
             return      # a step that only wrote a blend's supplied keys and values
         if 2 * num_prefill >= out.num_batched_tokens:
             self.kv.observe_prefill(out.num_batched_tokens, seconds)
-        elif num_prefill == 0 and self.speculator is not None:
+        elif num_prefill == 0:
             self.speculator.observe_step(out.num_batched_tokens, seconds)
 
     def stats(self) -> EngineStats:
-        spec = None if self.speculator is None else self.speculator.stats
-        return take_stats(self.num_steps, self.scheduler, self.kv.stats(), self.blending.blender.stats, spec)
+        return take_stats(self.num_steps, self.scheduler, self.kv.stats(), self.blending.stats,
+                          self.speculator.stats)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        self.speculator.check_integrity()
         self.scheduler.check_integrity()
         self.outputs.check_integrity(self._requests)

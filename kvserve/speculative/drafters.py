@@ -24,7 +24,7 @@ then the one or two tokens a step accepted past its drafts).
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +35,8 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import Decoder
 from kvserve.request import Request
-from kvserve.speculative.cost import StepCosts
+from kvserve.speculative.cost import FixedCosts, StepCosts
+from kvserve.speculative.proposers import Proposer
 
 
 class TokenPass:
@@ -65,15 +66,19 @@ class TokenPass:
         return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=hidden.device)])
 
 
-class ModelProposer(ABC):
+class ModelProposer(Proposer):
     """Drafts with a model, in passes (``pass_``) measured as they run (``costs``: seconds of a
     pass of n rows, the cost model's ``d(n)``)."""
 
-    name: str
+    runs_pass = True
 
     def __init__(self, pass_: TokenPass, prior_base_s: float, prior_row_s: float) -> None:
         self.pass_ = pass_
-        self.costs = StepCosts(prior_base_s, prior_row_s)
+        self.costs: StepCosts = StepCosts(prior_base_s, prior_row_s)
+
+    def propose(self, request: Request, num_tokens: int) -> list[int]:
+        """Placeholders for the tokens ``draft`` will make (``room``'s count of them)."""
+        return [request.all_token_ids[-1]] * self.room(request, num_tokens)
 
     def room(self, request: Request, num_tokens: int) -> int:
         """How many of ``num_tokens`` drafted tokens this proposer can make for ``request`` this
@@ -85,8 +90,11 @@ class ModelProposer(ABC):
         """Exactly ``k`` greedy tokens after each ``request.all_token_ids`` for ``(request, k)``;
         called once the step is scheduled (each request's chunk holds its slots)."""
 
-    def forget(self, request_id: str) -> None:
-        """Drop what the proposer keeps for a finished request."""
+    def pass_seconds(self, num_rows: int) -> float:
+        return self.costs.step_s(num_rows)
+
+    def always_draft(self) -> None:
+        self.costs = FixedCosts(0.0, 0.0)
 
     def _passes(self, first_rows: list[tuple[list[int], int, list[int]]],
                 entries: Sequence[tuple[Request, int]]) -> list[list[int]]:

@@ -17,20 +17,43 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from array import array
+from collections.abc import Sequence
 
 from kvserve.config import SpeculativeConfig
 from kvserve.request import Request
 
 
 class Proposer(ABC):
+    """Drafts tokens for running requests. Its capabilities tell the speculator how to use it:
+    ``runs_pass``, whether it drafts in a pass of its own once the step is scheduled (``propose``
+    then gives placeholders of the length it will draft, ``draft`` the tokens), and
+    ``pass_seconds``, what such a pass costs (the cost model's ``d(n)``; 0 for a lookup)."""
+
     name: str
+    runs_pass = False
 
     @abstractmethod
     def propose(self, request: Request, num_tokens: int) -> list[int]:
-        """Up to ``num_tokens`` tokens to follow ``request.all_token_ids`` (empty: no guess)."""
+        """Up to ``num_tokens`` tokens to follow ``request.all_token_ids`` (empty: no guess); a
+        proposer that ``runs_pass``: that many placeholders, the tokens drafted by ``draft``."""
+
+    def draft(self, entries: Sequence[tuple[Request, int]]) -> list[list[int]]:
+        """Exactly ``k`` tokens after each ``request.all_token_ids`` for ``(request, k)``, once the
+        step is scheduled (a proposer that ``runs_pass``)."""
+        raise NotImplementedError(f"the {self.name} proposer drafts in propose, not in a pass")
+
+    def pass_seconds(self, num_rows: int) -> float:
+        """Seconds of a drafting pass over ``num_rows`` rows (0: the proposer runs no pass)."""
+        return 0.0
+
+    def always_draft(self) -> None:
+        """Take drafting passes as free, so the cost model never backs off for them (measurements)."""
 
     def forget(self, request_id: str) -> None:
         """Drop what the proposer keeps for a finished request (nothing by default)."""
+
+    def check_integrity(self) -> None:
+        """Check what the proposer holds (a draft model's cache)."""
 
 
 class NgramProposer(Proposer):

@@ -43,7 +43,6 @@ from kvserve.request import Request
 from kvserve.sampling.sampler import Sampler
 from kvserve.scheduler.scheduler import SchedulerOutput
 from kvserve.speculative.cost import FixedCosts, StepCosts, draft_length
-from kvserve.speculative.drafters import ModelProposer
 from kvserve.speculative.proposers import Proposer
 
 PROBE_EVERY = 8              # steps between one-token drafts of a request that stopped drafting, at first
@@ -114,8 +113,39 @@ def before_block_end(position: int, block_size: int) -> int:
     return next_last - position - 1
 
 
-class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | ModelProposer, budgets: Budgets,
+class Speculation:
+    """What the engine calls of speculative decoding. This base drafts nothing (decoding without
+    speculation: a null object, so the engine asks no "is it on?"); ``Speculator`` drafts."""
+
+    stats: SpecStats | None = None      # counters (None: off)
+
+    def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
+        """Drafts for the running requests about to decode (request id -> tokens)."""
+        return {}
+
+    def fill(self, out: SchedulerOutput) -> None:
+        """Drafts made in a pass of their own, into the scheduled chunks that carry placeholders."""
+
+    def verify(self, logits: torch.Tensor, req: Request, draft: Sequence[int], row_tokens: list[int],
+               sampler: Sampler) -> list[int]:
+        """The tokens a drafted request's rows give: the drafts kept, then one of the model's."""
+        raise AssertionError("verify: nothing was drafted")
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A step that only decoded (one known token per request, drafts besides) took ``seconds``."""
+
+    def always_draft(self) -> None:
+        """Draft every step, whether it pays or not (measurements)."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is kept for a finished request."""
+
+    def check_integrity(self) -> None:
+        """Check what the proposer holds."""
+
+
+class Speculator(Speculation):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, budgets: Budgets,
                  max_model_len: int, whole_block_size: int | None = None) -> None:
         """``whole_block_size``: the block size, where the KV format encodes whole blocks (KIVI keys,
         ``+outN``): a chunk with drafts then never holds a block's last slot but at its start
@@ -125,7 +155,7 @@ class Speculator:
         self.proposer = proposer
         self.budgets = budgets
         self.max_model_len = max_model_len
-        self.stats = SpecStats(config.method)
+        self.stats: SpecStats = SpecStats(config.method)
         self.costs = StepCosts(PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S)
         self.acceptance = Acceptance(PRIOR_ACCEPTANCE)           # the proposer's, over every request
         self._acceptance: dict[str, Acceptance] = {}             # each request's
@@ -167,15 +197,12 @@ class Speculator:
                 k = min(k, before_block_end(req.num_tokens - 1, self.whole_block_size))
             if k <= 0:
                 continue
-            if isinstance(self.proposer, ModelProposer):
-                draft = [req.all_token_ids[-1]] * self.proposer.room(req, k)
-            else:
-                draft = self.proposer.propose(req, k)
-                if draft and req.constraint is not None:     # what the grammar rejects is never accepted
-                    draft = draft[:req.constraint.valid_prefix(draft)]
+            draft = self.proposer.propose(req, k)
+            if draft and req.constraint is not None and not self.proposer.runs_pass:
+                draft = draft[:req.constraint.valid_prefix(draft)]   # what the grammar rejects is never accepted
             if draft:
                 drafts[rid] = draft
-                if probing and isinstance(self.proposer, ModelProposer):     # a pass spent: back off
+                if probing and self.proposer.runs_pass:     # a pass spent: back off
                     self._probe_every[rid] = min(2 * self._probe_every[rid], PROBE_MAX)
         return drafts
 
@@ -183,21 +210,20 @@ class Speculator:
         """Turn the cost model off: every request that can draft drafts ``num_speculative_tokens``
         tokens each step, paying or not (to measure what a proposer gives when never backing off)."""
         self.costs = FixedCosts(1.0, 0.0)
-        if isinstance(self.proposer, ModelProposer):
-            self.proposer.costs = FixedCosts(0.0, 0.0)
+        self.proposer.always_draft()
 
     def _row_share(self, batch: int) -> float:
         """q of spec/cost.py: what a drafted token costs (its row in the step, and for a model
         proposer a drafting pass's share) over what a plain step's token costs."""
         q = self.costs.row_share(batch)
-        if isinstance(self.proposer, ModelProposer):
+        if self.proposer.runs_pass:
             step = self.costs.step_s(batch)
-            q += self.proposer.costs.step_s(batch) / step if step > 0 else 1.0
+            q += self.proposer.pass_seconds(batch) / step if step > 0 else 1.0
         return q
 
     def fill(self, out: SchedulerOutput) -> None:
         """A model proposer's drafts for the scheduled chunks that carry placeholders."""
-        if not isinstance(self.proposer, ModelProposer):
+        if not self.proposer.runs_pass:
             return
         at = [i for i, c in enumerate(out.chunks) if c.draft]
         if not at:
@@ -207,7 +233,6 @@ class Speculator:
             out.chunks[i] = replace(out.chunks[i], draft=tuple(draft))
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
-        """A step that only decoded (one known token per request, drafts besides) took ``seconds``."""
         self.costs.observe(num_rows, seconds)
 
     def verify(self, logits: torch.Tensor, req: Request, draft: Sequence[int], row_tokens: list[int],
@@ -236,3 +261,6 @@ class Speculator:
         self.proposer.forget(request_id)
         self._acceptance.pop(request_id, None)
         self._probe_every.pop(request_id, None)
+
+    def check_integrity(self) -> None:
+        self.proposer.check_integrity()

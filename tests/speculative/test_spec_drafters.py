@@ -42,9 +42,7 @@ def run(engine: LLMEngine, work: list[tuple[list[int], SamplingParams]],
 
 
 def check_draft_cache(engine: LLMEngine) -> None:
-    proposer = engine.speculator.proposer if engine.speculator is not None else None
-    if isinstance(proposer, DraftModelProposer):
-        proposer.check_integrity()
+    engine.speculator.check_integrity()     # a draft model's cache
 
 
 def tokens(outs: dict[str, RequestOutput]) -> dict[str, list[int]]:
