@@ -54,7 +54,7 @@ def test_the_batch_computes_the_dense_blend(four_layers, selection, backend):
     prompt = rag(list(ORDER), 0.15)
     ref = reference(llm, prompt, selection, 2)
     rid = engine.add_request(prompt, GREEDY)
-    req = engine._requests[rid]
+    req = engine.tokens.requests[rid]
     chunks, rows = [], None
     while req.num_output_tokens == 0:
         before = req.num_computed_tokens
@@ -149,7 +149,7 @@ def test_decoding_requests_step_beside_the_blends_chunks(loaded):
         engine.add_request(tokens(10, 40), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
                            request_id="decoding")
         engine.step()
-        blended = engine._requests[engine.add_request(rag([0, 1, 2], 0.15), GREEDY, request_id="blended")]
+        blended = engine.tokens.requests[engine.add_request(rag([0, 1, 2], 0.15), GREEDY, request_id="blended")]
         got: dict[str, list[int]] = {"decoding": [], "blended": []}
         per_step, num_chunks = [], 0
         while engine.has_unfinished:
@@ -184,7 +184,7 @@ def test_a_request_preempted_while_its_rows_run_is_recomputed_exactly(loaded):
     llm.cache_segments(DOCS[:3])
     prompt = rag([0, 1, 2], 0.15)
     rid = engine.add_request(prompt, GREEDY)
-    req = engine._requests[rid]
+    req = engine.tokens.requests[rid]
     while req.num_computed_tokens == 0:
         engine.step()
     assert req.blend_rows is not None and req.num_computed_tokens < req.num_prompt_tokens
@@ -206,7 +206,7 @@ def test_a_request_aborted_while_its_rows_run_frees_its_blocks(loaded):
     engine = llm.engine
     llm.cache_segments(DOCS[:3])
     rid = engine.add_request(rag([0, 1, 2], 0.15), GREEDY)
-    req = engine._requests[rid]
+    req = engine.tokens.requests[rid]
     while req.num_computed_tokens == 0:     # the choice (two steps' work), then the first chunk
         engine.step()
     assert req.blend_rows is not None and 0 < req.num_computed_tokens < req.num_prompt_tokens
@@ -257,11 +257,11 @@ def test_a_budgeted_request_beside_the_blends_rows(loaded):
         engine.add_request(rag([0, 1, 2], 0.15), GREEDY, request_id="blended")
         got, shared = {}, 0
         while engine.has_unfinished:
-            rows = engine._requests.get("blended")
+            rows = engine.tokens.requests.get("blended")
             had_rows = rows is not None and rows.blend_rows is not None
             for o in engine.step():
                 got[o.request_id] = list(o.token_ids)
-            budget = engine._requests.get("budgeted")
+            budget = engine.tokens.requests.get("budgeted")
             shared += had_rows and budget is not None and budget.num_computed_tokens > 40
         assert shared > 0 and engine.kv.budgets.num_compactions >= 1
         engine.check_integrity()
@@ -279,7 +279,7 @@ def test_a_long_stretch_of_reused_tokens_takes_steps_that_only_write(loaded):
     engine = llm.engine
     llm.cache_segments(DOCS[:3])
     rid = engine.add_request(rag([0, 1, 2], 0.05), GREEDY)
-    req = engine._requests[rid]
+    req = engine.tokens.requests[rid]
     write_only, out = 0, None
     while engine.has_unfinished:
         before, rows = req.num_computed_tokens, req.blend_rows
@@ -301,7 +301,7 @@ def test_one_blend_at_a_time_until_its_rows_are_computed(loaded):
     prompts = [rag([0, 1, 2], 0.15), rag([2, 1], 0.15, question_seed=11)]
     alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
     ids = [engine.add_request(p, GREEDY) for p in prompts]
-    first, second = (engine._requests[i] for i in ids)
+    first, second = (engine.tokens.requests[i] for i in ids)
     got: dict[str, list[int]] = {}
     second_started_after = None
     while engine.has_unfinished:

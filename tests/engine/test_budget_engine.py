@@ -49,7 +49,7 @@ def test_budget_covering_the_context_gives_the_unbudgeted_tokens(loaded, policy)
 def run_prefill(llm: LLM, prompt: list[int], params: SamplingParams) -> str:
     """Step until the prompt is computed (and compacted); return the request id."""
     rid = llm.engine.add_request(prompt, params)
-    req = llm.engine._requests[rid]
+    req = llm.engine.tokens.requests[rid]
     while req.num_computed_tokens < len(prompt):
         llm.engine.step()
     return rid
@@ -70,7 +70,7 @@ def test_each_policy_keeps_exactly_its_budget_per_layer_and_frees_blocks(loaded,
     rid = run_prefill(llm, prompt, greedy(20, kv_budget=64, kv_policy=policy))
     state = llm.engine.kv.budgets.get(rid)
     assert state is not None and state.is_compacted
-    num_slots = llm.engine.kv.num_slots(llm.engine._requests[rid])
+    num_slots = llm.engine.kv.num_slots(llm.engine.tokens.requests[rid])
     kept = [state.num_kept(layer, num_slots) for layer in range(2)]
     assert kept == EXPECTED_KEPT[policy]
     assert num_slots == max(kept)
@@ -92,7 +92,7 @@ def test_each_policy_keeps_exactly_its_budget_per_layer_and_frees_blocks(loaded,
     # decode: the budget holds, compacting whenever a whole block can be freed
     while llm.engine.has_unfinished:
         llm.engine.step()
-        req = llm.engine._requests.get(rid)
+        req = llm.engine.tokens.requests.get(rid)
         if req is not None:
             assert llm.engine.kv.num_slots(req) < max(EXPECTED_KEPT[policy]) + BLOCK
         llm.engine.check_integrity()
@@ -102,11 +102,11 @@ def test_each_policy_keeps_exactly_its_budget_per_layer_and_frees_blocks(loaded,
 def test_decode_compacts_a_block_at_a_time_and_kv_usage_follows(loaded):
     llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False)
     rid = llm.engine.add_request(tokens(40), greedy(60, kv_budget=32, kv_policy="h2o"))
-    req = llm.engine._requests[rid]
+    req = llm.engine.tokens.requests[rid]
     seen = []
     while llm.engine.has_unfinished:
         llm.engine.step()
-        if rid in llm.engine._requests:
+        if rid in llm.engine.tokens.requests:
             seen.append((req.num_computed_tokens, llm.engine.kv.num_slots(req), used_blocks(llm)))
     # prefill: 40 tokens > 32 + 16? no: 40 - 32 < 16, so nothing is evicted yet
     assert seen[0] == (40, 40, 3)
@@ -137,10 +137,10 @@ def test_shared_prefix_blocks_are_never_altered_for_other_requests(loaded):
             if o.finished:
                 outs[o.request_id] = o.token_ids
                 assert o.request_id != rid_b or o.num_cached_tokens == 64
-        if rid_a in e._requests and e.kv.budgets.get(rid_a).is_compacted:
+        if rid_a in e.tokens.requests and e.kv.budgets.get(rid_a).is_compacted:
             # a copied the shared blocks before compacting; b still holds the originals
             assert not set(e.kv.block_ids(rid_a)) & set(shared)
-            if rid_b in e._requests:
+            if rid_b in e.tokens.requests:
                 assert e.kv.block_ids(rid_b)[:4] == shared
         e.check_integrity()
     assert outs[rid_b] == ref_b
@@ -177,7 +177,7 @@ def test_a_budgeted_request_with_prefix_hits_selects_over_its_whole_context(load
     llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64)
     llm.generate(prompt[:120], greedy(1))                 # 7 full blocks cached
     rid = run_prefill(llm, prompt, greedy(20, kv_budget=64, kv_policy=policy))
-    req = llm.engine._requests[rid]
+    req = llm.engine.tokens.requests[rid]
     assert req.num_cached_tokens == 112
     state = llm.engine.kv.budgets.get(rid)
     # the hits count as context: 64 kept of 150, positions from the whole prompt
@@ -219,7 +219,7 @@ def test_bad_budget_input_raises_and_leaves_the_engine_untouched(loaded):
                             (greedy(4, kv_policy="h2o"), "needs a kv_budget")]:
         with pytest.raises(ValueError, match=message):
             llm.generate([tokens(20), tokens(30)], [greedy(4), params])
-        assert not llm.engine.has_unfinished and not llm.engine._requests
+        assert not llm.engine.has_unfinished and not llm.engine.tokens.requests
 
 
 def arkvale_engine(loaded, budget_host_bytes: int = 4 << 30, num_blocks: int = 64,
@@ -234,7 +234,7 @@ def test_stashed_blocks_leave_the_host_store_with_their_request(loaded):
     store = e.kv.budgets.host_store
     done = e.add_request(tokens(150), greedy(4))
     aborted = e.add_request(tokens(150, seed=1), greedy(40))
-    while done in e._requests:
+    while done in e.tokens.requests:
         e.step()
         e.check_integrity()
     assert store.owners() == {aborted} and store.nbytes == 2 * 5 * 2 * BLOCK * 2 * 16 * 4
@@ -250,7 +250,7 @@ def test_a_preempted_request_leaves_the_host_store(loaded):
     e = LLMEngine(EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=64)), loaded)
     e.add_request(tokens(20, seed=5), greedy(200))
     rid = e.add_request(tokens(100), greedy(200, kv_budget=64, kv_policy="arkvale"))
-    req = e._requests[rid]
+    req = e.tokens.requests[rid]
     num_preempted_with_stash = 0
     while e.has_unfinished:
         stashed, preemptions = e.kv.budgets.host_store.nbytes_of(rid), req.num_preemptions
@@ -269,7 +269,7 @@ def test_a_small_host_store_evicts_stashed_blocks_and_counts_them(loaded):
     small = arkvale_engine(loaded, budget_host_bytes=4 * block_nbytes)
     for e in (ref, small):
         rid = e.add_request(prompt, greedy(20))
-        while e._requests[rid].num_computed_tokens < len(prompt):
+        while e.tokens.requests[rid].num_computed_tokens < len(prompt):
             e.step()
     # 5 blocks of each of 2 layers went to the host; the small store kept the newest 4
     assert ref.kv.budgets.stats().num_host_evictions == 0 and ref.kv.budgets.host_nbytes == 10 * block_nbytes
@@ -317,7 +317,7 @@ def test_compacted_requests_attend_through_the_backends_as_the_masked_reference(
         assert state.num_compactions > 0 and state.is_dense == (policy != "pyramid")
         if policy == "pyramid":    # layers keep 96 and 32 slots: layer 1 holds none in slot blocks 2-5
             assert state.block_holes == ((6, 6), (2, 6))
-        num_slots = llm.engine._requests[rid].num_computed_tokens - state.num_evicted
+        num_slots = llm.engine.tokens.requests[rid].num_computed_tokens - state.num_evicted
         if state.is_dense:      # no slot is masked in any layer
             assert all(bool(state.key_mask(layer, num_slots).all()) for layer in range(len(state.layer_budgets)))
         kernel_lens.clear()
@@ -422,9 +422,9 @@ def test_arkvale_blocks_keep_their_keys_and_values_wherever_they_move(loaded, po
     truth_k = torch.zeros(2, 400, 2, 16)
     truth_v = torch.zeros(2, 400, 2, 16)
     rid = e.add_request(tokens(150), greedy(200, kv_budget=64, kv_policy=policy))
-    req = e._requests[rid]
+    req = e.tokens.requests[rid]
     num_checked = 0
-    while rid in e._requests:
+    while rid in e.tokens.requests:
         before = req.num_computed_tokens
         written.clear()
         e.step()
@@ -432,7 +432,7 @@ def test_arkvale_blocks_keep_their_keys_and_values_wherever_they_move(loaded, po
             truth_k[layer, before:before + k.shape[0]] = k
             truth_v[layer, before:before + k.shape[0]] = v
         state = e.kv.budgets.get(rid)
-        if rid not in e._requests or state is None or not state.is_compacted:
+        if rid not in e.tokens.requests or state is None or not state.is_compacted:
             continue
         assert isinstance(state, ArkValeState)
         seen = state

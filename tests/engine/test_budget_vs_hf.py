@@ -40,7 +40,7 @@ def test_streaming_attends_exactly_to_its_kept_positions():
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=5,
                             kv_budget=48, kv_policy="streaming")
     rid = engine.add_request(prompt, params)
-    req = engine._requests[rid]
+    req = engine.tokens.requests[rid]
     visible: dict[int, list[int]] = {}
     evicted = []
     while not req.is_finished:
@@ -86,7 +86,7 @@ def test_saliency_is_the_normalized_attention_of_the_probe_queries():
     engine = llm.engine
     rid = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
                                                     kv_budget=192, kv_policy="saliency"))
-    req = engine._requests[rid]
+    req = engine.tokens.requests[rid]
     while req.num_output_tokens < 6:
         engine.step()
     state = engine.kv.budgets.get(rid)
@@ -123,7 +123,7 @@ def test_a_zip_prompts_question_is_the_normalized_attention_of_its_last_window(c
               kv_format="zip:hi=fp32,lo=fp32,salient=0.25")
     engine = llm.engine
     rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    req = engine._requests[rid]
+    req = engine.tokens.requests[rid]
     while req.num_computed_tokens < len(prompt):
         engine.step()
     state = engine.kv.budgets.get(rid)
