@@ -12,6 +12,10 @@ storage. A chunk with no cached context in a storage that reads back what it was
 (native) is attended to its own new keys and values by scaled_dot_product_attention in
 every backend, and a request whose KV budget has compacted its cache takes the torch path
 (its slots are no longer its positions; docs/budgets.md).
+
+Every backend also attends one sequence's dense keys and values at given query positions
+(``attend_dense``: blending's passes over a prompt, outside the paged cache): the portable
+path (dense.py) unless a backend has a kernel for it (cpu).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 import torch
 
+from kvserve.attention import dense
 from kvserve.kv.storage.layout import AttentionScores, HalfStore, PagedBatch
 
 if TYPE_CHECKING:
@@ -34,7 +39,8 @@ T = TypeVar("T")
 
 
 class AttentionBackend(ABC):
-    """Attends a step's queries over the paged cache. Contract of ``attend`` (backends that
+    """Attends a step's queries over the paged cache, and one sequence's queries over its dense
+    keys and values (``attend_dense``: blending's passes). Contract of ``attend`` (backends that
     read in place): exactly ``kvserve.attention.reference.reference_attention``'s result, to
     float32 summation order, for q [T, Hq, D] on the storage's device."""
 
@@ -55,6 +61,22 @@ class AttentionBackend(ABC):
                out: torch.Tensor | None = None, scores: AttentionScores | None = None) -> torch.Tensor:
         """``scores`` only where ``scores_attention``."""
         raise NotImplementedError(f"the {self.name} backend reads through the storage's gather")
+
+    def dense_rows(self, num_positions: int) -> int:
+        """Rows to allocate for a dense KV of ``num_positions`` positions so that ``attend_dense``
+        reads it without a copy (the rows past the positions are never read)."""
+        return num_positions
+
+    def attend_dense(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+        """One sequence's queries q [r, Hq, D] at ``positions`` ([r] int64, ascending, below n)
+        over its keys and values [n, Hkv, D] at positions 0..n-1 (rows past the last query's
+        position, padding, are never read), causally: each query attends to the keys up to its
+        own position. [r, Hq, D] in q's dtype; nothing is written. Contract: one
+        masked ``scaled_dot_product_attention`` call's result, to float32 summation order; every
+        position a query (r == n) is the plain causal prefill, ``scaled_dot_product_attention``'s
+        own in every backend. This portable path (dense.py) serves backends without a kernel."""
+        return dense.attend_dense(q, key, value, positions, scale)
 
 
 class HeldHalves(Generic[T]):
@@ -117,6 +139,17 @@ class CpuBackend(AttentionBackend):
         halves = self._layers.get(key, value, (q.shape[-1],), lambda: cpu.register_halves(ext, key, value, q.shape[-1]))
         return cpu.run_registered(ext, halves, q, batch, scale, out, scores)
 
+    def dense_rows(self, num_positions: int) -> int:
+        return self._cpu.dense_rows(num_positions)
+
+    def attend_dense(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+        # the kernel reads float32 CPU keys and values; the causal prefill is SDPA's in every backend
+        if (positions.numel() == key.shape[0] or key.device.type != "cpu"
+                or not key.dtype == value.dtype == torch.float32 or not self._cpu.is_available()):
+            return super().attend_dense(q, key, value, positions, scale)
+        return self._cpu.dense_attention(q, key, value, positions, scale)
+
 
 class TritonBackend(AttentionBackend):
     name = "triton"
@@ -144,6 +177,9 @@ class TritonBackend(AttentionBackend):
         halves = self._layers.get(key, value, (q.shape[-1], batch.block_size),
                                   lambda: kernels.prepare(key, value, q.shape[-1], batch.block_size))
         return kernels.paged_attention(q, key, value, batch, scale, out, scores=scores, halves=halves)
+
+    # attend_dense: the portable path (SDPA). The paged kernel could read a dense KV as blocks, as
+    # the cpu backend's does; not done: a blend's results on CUDA would move, untested without a GPU.
 
 
 ATTENTION_BACKENDS: Mapping[str, type[AttentionBackend]] = MappingProxyType(

@@ -79,6 +79,33 @@ def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batc
     return out.copy_(result)
 
 
+DENSE_BLOCK = 16    # tokens per block of a dense KV as ``dense_attention`` reads it
+_PLAIN_F32 = HalfLayout(CodecKind.PLAIN, plain_dtype=torch.float32)
+
+
+def dense_rows(num_positions: int) -> int:
+    """Rows of a dense KV of ``num_positions`` positions that ``dense_attention`` reads in place."""
+    return -(-num_positions // DENSE_BLOCK) * DENSE_BLOCK
+
+
+def dense_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """``AttentionBackend.attend_dense`` for float32 keys and values on the CPU: the dense KV seen
+    as one sequence's blocks of DENSE_BLOCK tokens in order (copied only where it is not
+    ``dense_rows`` long), the queries a prefill with gaps (``PagedBatch.query_positions``)."""
+    n = int(positions[-1]) + 1
+    size = dense_rows(n)
+    halves = []
+    for x in (key, value):
+        x = x[:size] if x.shape[0] >= size else torch.cat([x[:n], x.new_zeros((size - n, *x.shape[1:]))])
+        halves.append(HalfStore(_PLAIN_F32, {"data": x.contiguous().view(-1, DENSE_BLOCK, *x.shape[1:])}))
+    num_blocks = size // DENSE_BLOCK
+    batch = PagedBatch(torch.arange(num_blocks, dtype=torch.int32)[None], torch.tensor([n], dtype=torch.int32),
+                       torch.tensor([0, positions.numel()], dtype=torch.int32), torch.tensor([-1], dtype=torch.int32),
+                       DENSE_BLOCK, positions.numel(), n, positions.to(torch.int32))
+    return paged_attention(q, halves[0], halves[1], batch, scale)
+
+
 def half_args(name: str, store: HalfStore, head_dim: int) -> HalfArgs:
     """The kernel's view of a half: (kind, dtype, bits, group, hadamard, outliers) and its
     six tensors (data/codes, scale, zero, outlier values, outlier channels, residual)."""

@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.attention.backends import AttentionBackend
 from kvserve.blend.blending import Blended, BlendJob, BlendPrompt, narrowing_fractions
 from kvserve.blend.calibrated import resolve_selection
 from kvserve.blend.rope import RopeTables
@@ -145,11 +146,13 @@ def blend_work(num_tokens: int, num_reused: int, fraction: float, select_layer: 
 
 class Blender:
     def __init__(self, model: Decoder, storage: KVStorage, kv: KVCacheManager, pool: BlockPool, tiering: Tiering,
-                 select_layer: int = 1, use_cost_model: bool = True, selection: str = "deviation",
+                 attention: AttentionBackend, select_layer: int = 1, use_cost_model: bool = True,
+                 selection: str = "deviation",
                  sink_tokens: int = 0, query_layer: int | None = None, preamble: Sequence[int] = (),
                  in_batch: bool = False, last_segments: int = 0,
                  resolve: Callable[[str], tuple[str, int | None]] | None = None) -> None:
-        """``use_cost_model`` False: blend whenever a segment's KV can be reused; ``selection``,
+        """``attention``: the engine's backend, which the blends' passes attend through
+        (``AttentionBackend.attend_dense``); ``use_cost_model`` False: blend whenever a segment's KV can be reused; ``selection``,
         ``sink_tokens``, ``query_layer`` and ``last_segments``: how the recomputed tokens are
         picked (``blend_prefill``), unless a prompt names its own (``BlendSpec``); ``resolve``: a
         prompt's selection name to the selection and query layer it runs with (the engine's
@@ -170,6 +173,7 @@ class Blender:
         self._resolve = resolve or (lambda name: resolve_selection(name, query_layer, ""))
         self.in_batch = in_batch
         self.model = model
+        self.attention = attention
         self.use_cost_model = use_cost_model
         self.storage = storage
         self.kv = kv
@@ -264,7 +268,7 @@ class Blender:
         how = self.how(spec)
         job = BlendJob(self.model, self.rope, prompt, cached, spec.fraction, self.select_layer, known,
                        how.selection, how.sink_tokens, how.query_layer, rows_only=self.in_batch,
-                       last_segments=how.last_segments)
+                       last_segments=how.last_segments, attention=self.attention)
         return BlendTask(req, job, block_ids, num_known)
 
     def finish(self, task: BlendTask) -> BlendOutcome:

@@ -17,7 +17,9 @@ With ``blend_fraction`` 1.0 every token is computed in every layer: a full prefi
 
 It runs on one sequence with dense tensors (the whole prompt's KV per layer); the engine
 writes the result into the request's blocks (``blender.py``). Tokens whose exact KV is
-already cached (a prefix-cache hit, ``known``) are neither computed nor reused.
+already cached (a prefix-cache hit, ``known``) are neither computed nor reused. Attention
+goes through the attention backend given (``AttentionBackend.attend_dense``: the engine's;
+None: the one ``auto`` picks on the model's device, an engine's default).
 
 ``BlendJob`` runs the same computation a few layers at a time (``advance``, by a budget of
 work), so the engine can interleave a long blend with its steps; ``blend_prefill`` runs it
@@ -36,13 +38,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from kvserve.attention import cpu as cpu_attention
+from kvserve.attention.backends import AUTO, AttentionBackend, make_attention_backend
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV
 from kvserve.config import QUERY_SELECTIONS, ModelConfig, check_blend_selection
-from kvserve.kv.storage.layout import CodecKind, HalfLayout, HalfStore, PagedBatch
 from kvserve.model.decoder import Decoder
 from kvserve.request import DEFAULT_BLEND_FRACTION, BlendRows, check_blend_fraction
 
@@ -91,7 +91,7 @@ class Blended:
 def blend_prefill(model: Decoder, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
                   blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1, known: SegmentKV | None = None,
                   selection: str = "deviation", sink_tokens: int = 0, query_layer: int | None = None,
-                  last_segments: int = 0) -> Blended:
+                  last_segments: int = 0, attention: AttentionBackend | None = None) -> Blended:
     """The prompt's KV and next-token logits from ``cached[i]``, the standalone KV of segment
     i's leading tokens (None: computed in full), recomputing ``blend_fraction`` of them, chosen
     by ``selection`` (``config.BLEND_SELECTIONS``), each segment's first ``sink_tokens`` always among them;
@@ -99,9 +99,10 @@ def blend_prefill(model: Decoder, rope: RopeTables, prompt: BlendPrompt, cached:
     The last ``last_segments`` segments (nearest the question) are recomputed whole, the fraction
     taken of the others.
     ``known``: the exact KV of the prompt's first tokens (a prefix-cache hit), taken as is;
-    segment tokens it covers are not reused."""
+    segment tokens it covers are not reused. ``attention``: the backend the passes attend through
+    (module docstring)."""
     job = BlendJob(model, rope, prompt, cached, blend_fraction, select_layer, known, selection, sink_tokens,
-                   query_layer, last_segments=last_segments)
+                   query_layer, last_segments=last_segments, attention=attention)
     done = job.advance(math.inf)
     assert isinstance(done, Blended)
     return done
@@ -114,7 +115,8 @@ class BlendJob:
     def __init__(self, model: Decoder, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
                  blend_fraction: float = DEFAULT_BLEND_FRACTION, select_layer: int = 1,
                  known: SegmentKV | None = None, selection: str = "deviation", sink_tokens: int = 0,
-                 query_layer: int | None = None, rows_only: bool = False, last_segments: int = 0) -> None:
+                 query_layer: int | None = None, rows_only: bool = False, last_segments: int = 0,
+                 attention: AttentionBackend | None = None) -> None:
         """``rows_only``: stop once the recomputed tokens are chosen, the result a ``BlendRows``
         for the engine's steps to compute (``blend_in_batch``) instead of a ``Blended``."""
         _check(model, prompt, cached, blend_fraction, select_layer, known, selection, sink_tokens, query_layer,
@@ -122,7 +124,7 @@ class BlendJob:
         body = _rows_steps if rows_only else _blend_steps
 
         def steps() -> Generator[tuple[int, int], None, Blended | BlendRows]:
-            ctx, runs = _Context.of(model, rope, prompt, cached, known, last_segments)
+            ctx, runs = _Context.of(model, rope, prompt, cached, known, last_segments, attention)
             return (yield from body(ctx, runs, blend_fraction, select_layer, selection, sink_tokens, query_layer))
 
         self._steps = steps()
@@ -158,6 +160,11 @@ def attention_keys_per_row(config: ModelConfig) -> float:
     q, kv, h = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.hidden_size
     linear = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
     return linear / (2 * q)
+
+
+def backend_of(model: Decoder, attention: AttentionBackend | None) -> AttentionBackend:
+    """``attention``, or where it is None the backend an engine on the model's device runs by default."""
+    return attention if attention is not None else make_attention_backend(AUTO, model.device)
 
 
 def _check(model: Decoder, prompt: BlendPrompt, cached: Sequence[SegmentKV | None], blend_fraction: float,
@@ -301,8 +308,10 @@ class _Context:
 
     def __init__(self, model: Decoder, token_ids: list[int], num_known: int, known: SegmentKV | None,
                  reused: torch.Tensor, is_reused: torch.Tensor, cached_keys: list[torch.Tensor],
-                 cached_values: list[torch.Tensor], question_from: int, whole_from: int, first_reused: int) -> None:
+                 cached_values: list[torch.Tensor], question_from: int, whole_from: int, first_reused: int,
+                 backend: AttentionBackend) -> None:
         self.model, self.token_ids, self.num_known, self.known = model, token_ids, num_known, known
+        self.backend = backend                          # the passes attend through it (``attend_dense``)
         self.reused, self.is_reused = reused, is_reused
         self.first_reused = first_reused                # the first reused position (n where none is)
         self.cached_keys, self.cached_values = cached_keys, cached_values
@@ -316,9 +325,11 @@ class _Context:
 
     @classmethod
     def of(cls, model: Decoder, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV | None],
-           known: SegmentKV | None, last_segments: int = 0) -> tuple[_Context, list[tuple[int, int]]]:
+           known: SegmentKV | None, last_segments: int = 0,
+           attention: AttentionBackend | None = None) -> tuple[_Context, list[tuple[int, int]]]:
         """The context of ``prompt`` (arguments checked) and its reused runs (``_place``); the
-        reused tokens of its last ``last_segments`` segments always recomputed."""
+        reused tokens of its last ``last_segments`` segments always recomputed; its passes
+        attend through ``attention`` (``backend_of``)."""
         num_known = 0 if known is None else known.num_tokens
         runs, cached_keys, cached_values = _place(prompt, cached, rope, num_known)
         dev, n = model.device, len(prompt.token_ids)
@@ -329,7 +340,8 @@ class _Context:
         last = prompt.spans[-1][0] + prompt.spans[-1][1] if prompt.spans else n - 1
         whole = prompt.spans[max(0, len(prompt.spans) - last_segments):] if last_segments else ()
         ctx = cls(model, list(prompt.token_ids), num_known, known, reused, is_reused, cached_keys, cached_values,
-                  min(last, n - 1), whole[0][0] if whole else n, runs[0][0] if runs else n)
+                  min(last, n - 1), whole[0][0] if whole else n, runs[0][0] if runs else n,
+                  backend_of(model, attention))
         return ctx, runs
 
     def pick(self, score: torch.Tensor, runs: list[tuple[int, int]],
@@ -370,7 +382,7 @@ class _Context:
         ``last_layer``, the pass ends after that layer: its keys and values for the layers run,
         no logits (an empty tensor)."""
         model, num_known, known, reused, n = self.model, self.num_known, self.known, self.reused, self.n
-        dev = model.device
+        dev, backend = model.device, self.backend
         rows = torch.arange(n, device=dev)[num_known:][computed[num_known:]]   # the positions ``h`` holds
         present = computed.clone()
         present[:num_known] = True
@@ -398,8 +410,8 @@ class _Context:
             at = slot[rows]                              # the rows' places in the pass's KV
             if rows.numel() < size:
                 # the layer's KV: known, cached where reused, fresh where computed (selected tokens included)
-                # padded: the CPU kernel reads it in place (``_attend``); the pass keeps [:size]
-                k_all = torch.empty((padded_rows(size), *k.shape[1:]), dtype=k.dtype, device=dev)
+                # as many rows as the backend reads in place (``dense_rows``); the pass keeps [:size]
+                k_all = torch.empty((backend.dense_rows(size), *k.shape[1:]), dtype=k.dtype, device=dev)
                 v_all = torch.empty_like(k_all)
                 if known is not None:
                     k_all[:num_known], v_all[:num_known] = known.keys[layer], known.values[layer]
@@ -416,7 +428,7 @@ class _Context:
             keys.append(k[:size])
             values.append(v[:size])
             if layer < num_layers - 1 or last_layer is None:    # a last layer's output is never read
-                h = model.layer_output(layer, h, _attend(q, k, v, at, model.scale))
+                h = model.layer_output(layer, h, backend.attend_dense(q, k, v, at, model.scale))
             yield int(rows.numel()), int(at.sum()) + int(rows.numel())     # row i of the KV attends i + 1 keys
         if last_layer is not None:
             return _Pass(keys, values, h.new_empty(0), selected, attention, tuple(layer_attention))
@@ -534,72 +546,9 @@ def _pick(score: torch.Tensor, runs: list[tuple[int, int]], fraction: float, sin
     return torch.sort(torch.cat(picked)).values
 
 
-ROWS_PER_CALL = 64      # selected rows attended per call: each call reads keys up to its last row only
-KERNEL_BLOCK = 16       # tokens per block of the dense KV as the CPU kernel reads it (``_attend_kernel``)
-_PLAIN_F32 = HalfLayout(CodecKind.PLAIN, plain_dtype=torch.float32)
-
-
-def padded_rows(n: int) -> int:
-    """Rows to allocate for a dense KV of ``n`` positions so the CPU kernel reads it without a copy."""
-    return -(-n // KERNEL_BLOCK) * KERNEL_BLOCK
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
-    """Queries ``q`` [r, H, D] at positions ``rows`` (ascending, the last one the last key's)
-    over keys and values [n, Hkv, D] of positions 0..n-1 (rows past the last query's position,
-    padding, are never read), causally. Every position computed: the plain causal prefill.
-    Some: float32 on the CPU, the paged kernel (each row over the keys up to its own position);
-    else masked calls of ``_attend_groups``."""
-    if rows.numel() == k.shape[0]:
-        group = q.shape[1] // k.shape[1]
-        qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.to(q.dtype), v.to(q.dtype)))
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
-        return out[0].transpose(0, 1)
-    if k.device.type == "cpu" and k.dtype == v.dtype == torch.float32 and cpu_attention.is_available():
-        return _attend_kernel(q, k, v, rows, scale)
-    return _attend_groups(q, k, v, rows, scale)
-
-
-def _attend_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """``_attend``'s rows through the CPU kernel: the dense KV seen as blocks of KERNEL_BLOCK
-    tokens in order (a copy only where it is not ``padded_rows`` long), the rows as a prefill
-    with gaps (query positions): each row reads the keys up to its own position only."""
-    n = int(rows[-1]) + 1
-    size = padded_rows(n)
-    halves = []
-    for x in (k, v):
-        x = x[:size] if x.shape[0] >= size else torch.cat([x[:n], x.new_zeros((size - n, *x.shape[1:]))])
-        halves.append(HalfStore(_PLAIN_F32, {"data": x.contiguous().view(-1, KERNEL_BLOCK, *x.shape[1:])}))
-    nb = size // KERNEL_BLOCK
-    batch = PagedBatch(torch.arange(nb, dtype=torch.int32)[None], torch.tensor([n], dtype=torch.int32),
-                       torch.tensor([0, rows.numel()], dtype=torch.int32), torch.tensor([-1], dtype=torch.int32),
-                       KERNEL_BLOCK, rows.numel(), n, rows.to(torch.int32))
-    return cpu_attention.paged_attention(q, halves[0], halves[1], batch, scale)
-
-
-def _attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """``_attend``'s rows in groups of ``ROWS_PER_CALL``, each a masked call over the keys up to
-    its last row, so the keys past a group are never read (half the work of one masked call
-    over all keys)."""
-    group = q.shape[1] // k.shape[1]
-    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.to(q.dtype), v.to(q.dtype)))
-    outs = []
-    positions = rows.tolist()
-    for first in range(0, len(positions), ROWS_PER_CALL):
-        chunk = rows[first:first + ROWS_PER_CALL]
-        end = positions[min(first + ROWS_PER_CALL, len(positions)) - 1] + 1
-        mask = torch.arange(end, device=k.device)[None, :] <= chunk[:, None]
-        outs.append(F.scaled_dot_product_attention(qs[:, :, first:first + ROWS_PER_CALL], ks[:, :, :end],
-                                                   vs[:, :, :end], attn_mask=mask, scale=scale,
-                                                   enable_gqa=group > 1))
-    return torch.cat(outs, dim=2)[0].transpose(0, 1)
-
-
 @torch.inference_mode()
-def segment_peaks_by_layer(model: Decoder, rope: RopeTables, prompt: BlendPrompt,
-                           cached: Sequence[SegmentKV]) -> list[list[float]]:
+def segment_peaks_by_layer(model: Decoder, rope: RopeTables, prompt: BlendPrompt, cached: Sequence[SegmentKV],
+                           attention: AttentionBackend | None = None) -> list[list[float]]:
     """Per layer, each segment's score as ``query-segments`` reads it with that layer as
     ``blend_query_layer``: the question's first-pass attention (every segment as cached),
     its largest weight on the segment's tokens past the first SINK_SPAN. What
@@ -607,7 +556,7 @@ def segment_peaks_by_layer(model: Decoder, rope: RopeTables, prompt: BlendPrompt
     if len(cached) != len(prompt.spans) or any(c.num_tokens != n for c, (_, n) in zip(cached, prompt.spans)):
         raise ValueError("every segment's standalone KV is needed, whole")
     _check(model, prompt, cached, 0.0, 1, None, "query-segments", 0, None, 0)
-    ctx, runs = _Context.of(model, rope, prompt, cached, None)
+    ctx, runs = _Context.of(model, rope, prompt, cached, None, attention=attention)
     passes = ctx.run(ctx.asking(), read_question=True)     # one first pass, every layer read
     while True:
         try:
@@ -619,12 +568,12 @@ def segment_peaks_by_layer(model: Decoder, rope: RopeTables, prompt: BlendPrompt
 
 
 @torch.inference_mode()
-def extend(model: Decoder, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-           token_ids: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+def extend(model: Decoder, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], token_ids: Sequence[int],
+           attention: AttentionBackend | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Compute ``token_ids`` after the KV ``keys``/``values`` (per layer [n, kv_heads, head_dim]):
     the last token's logits and the KV grown by them. Continues a blended prompt (tests, the
-    accuracy checks of a benchmark)."""
-    n, dev = keys[0].shape[0], model.device
+    accuracy checks of a benchmark), attending through ``attention`` (``backend_of``)."""
+    n, dev, attention = keys[0].shape[0], model.device, backend_of(model, attention)
     rows = torch.arange(n, n + len(token_ids), device=dev)
     angles = model.angles(rows)
     h = model.embed(torch.tensor(list(token_ids), dtype=torch.long, device=dev))
@@ -634,16 +583,18 @@ def extend(model: Decoder, keys: Sequence[torch.Tensor], values: Sequence[torch.
         k, v = torch.cat([keys[layer], k]), torch.cat([values[layer], v])
         new_keys.append(k)
         new_values.append(v)
-        h = model.layer_output(layer, h, _attend(q, k, v, rows, model.scale))
+        h = model.layer_output(layer, h, attention.attend_dense(q, k, v, rows, model.scale))
     return model.compute_logits(model.final_norm_of(h[-1:]))[0], new_keys, new_values
 
 
-def greedy_tokens(model: Decoder, blended: Blended, max_tokens: int) -> list[int]:
-    """``max_tokens`` greedy tokens after a blended prompt."""
+def greedy_tokens(model: Decoder, blended: Blended, max_tokens: int,
+                  attention: AttentionBackend | None = None) -> list[int]:
+    """``max_tokens`` greedy tokens after a blended prompt (``extend``)."""
     out: list[int] = []
+    attention = backend_of(model, attention)
     logits, keys, values = blended.logits, list(blended.keys), list(blended.values)
     for _ in range(max_tokens):
         out.append(int(torch.argmax(logits)))
         if len(out) < max_tokens:
-            logits, keys, values = extend(model, keys, values, out[-1:])
+            logits, keys, values = extend(model, keys, values, out[-1:], attention)
     return out

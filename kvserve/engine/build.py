@@ -4,7 +4,7 @@
     KV storage ── pool ── tiering (mover, transports) ── budgets ── pins
                      └── KV manager (owns pool, tiering, budgets, pins)
     scheduler (KV manager, tiering) · runner (model, storage, KV manager, budgets)
-    blender (model, storage, KV manager, tiering) · sampler · grammars · model card
+    blender (model, storage, KV manager, tiering, attention backend) · sampler · grammars · model card
 
 Each part gets the parts it calls, explicitly: nobody reaches a part through another's
 attributes. Names are checked first, so a typo costs no model load and opens no tier.
@@ -198,7 +198,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
     # not the loaded model's weights)
     resolve = functools.partial(resolve_selection, query_layer=cc.blend_query_layer, fingerprint=loaded.fingerprint)
     selection, query_layer = resolve(cc.blend_selection)
-    blender = Blender(model, storage, kv, pool, tiering, cc.blend_select_layer, cc.blend_cost_model, selection,
+    blender = Blender(model, storage, kv, pool, tiering, attention, cc.blend_select_layer, cc.blend_cost_model, selection,
                       cc.blend_sink_tokens, query_layer, preamble, cc.blend_in_batch, cc.blend_last_segments,
                       resolve)
     grammars = GrammarCompiler(tokenizer_json, mc.vocab_size, eos)

@@ -354,8 +354,11 @@ def test_bad_blends_are_refused(setup):
 def test_selected_rows_attend_through_the_kernel_and_in_groups_as_in_one_masked_call(padding):
     """Rows at gaps (the last at the last key): the CPU kernel's route and the groups of masked
     calls (the route elsewhere) give one masked call's output; rows of padding past the last
-    key, filled with garbage, are never read."""
-    from kvserve.blend.blending import ROWS_PER_CALL, _attend, _attend_groups, _attend_kernel
+    key, filled with garbage, are never read (the cpu backend's ``attend_dense``, blending's call)."""
+    from kvserve.attention import cpu, dense
+    from kvserve.attention.backends import CpuBackend
+    from kvserve.attention.dense import ROWS_PER_CALL
+    _attend, _attend_kernel, _attend_groups = CpuBackend().attend_dense, cpu.dense_attention, dense.attend_dense
     gen = torch.Generator().manual_seed(0)
     n, heads, kv_heads, dim = 300, 6, 2, 16
     rows = torch.sort(torch.randperm(n - 1, generator=gen)[:2 * ROWS_PER_CALL + 8]).values

@@ -47,6 +47,25 @@ def test_fraction_one_gives_the_full_prefill_tokens(loaded):
     llm.engine.check_integrity()
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_the_blends_passes_attend_through_the_engines_backend(loaded, monkeypatch, backend):
+    """Outside the batch every layer of the blend's passes attends through the backend the
+    engine runs (``AttentionBackend.attend_dense``), not a kernel of blending's choosing."""
+    llm = LLM(loaded=loaded, num_kv_blocks=48, blend_cost_model=False, blend_in_batch=False,
+              attention_backend=backend)
+    engine = llm.engine
+    attention = engine.runner.backend
+    assert engine.blending.blender.attention is attention and attention.name == backend
+    calls = []
+    attend = attention.attend_dense
+    monkeypatch.setattr(attention, "attend_dense", lambda *args: calls.append(args[3].numel()) or attend(*args))
+    out = llm.generate([rag([0, 1, 2], 0.15)], GREEDY)[0]
+    assert out.num_recomputed_tokens > 0 and len(out.token_ids) == 6
+    # layer 0 computes every token (a causal prefill), the layers from select_layer on some
+    n = len(out.prompt_token_ids)
+    assert len(calls) == loaded.config.num_layers and calls[0] == n and all(0 < c < n for c in calls[1:])
+
+
 @pytest.mark.parametrize("selection", ["deviation", "narrowing", "query", "query-segments"])
 def test_the_engine_blends_with_each_selection_as_blend_prefill_does(loaded, selection):
     """``blend_selection`` and ``blend_sink_tokens`` reach the blend: the engine's request
