@@ -21,6 +21,7 @@ from kvserve.blend.blending import BlendPrompt, segment_peaks_by_layer
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV, compute_kv
 from kvserve.llm import LLM
+from kvserve.options import add_engine_args
 
 
 class LayerHits(NamedTuple):
@@ -103,8 +104,7 @@ def add_eval_blend_layer_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--num-queries", type=int, default=20)
     e.add_argument("--k", type=int, default=4, help="documents per query")
     e.add_argument("--question", choices=("both", "end"), default="both")
-    e.add_argument("--blend-preamble", default=None,
-                   help="store the documents after this text, as blend_preamble does (docs/blend.md)")
+    add_engine_args(e, ("blend_preamble",))      # the documents are stored after it, as the engine stores segments
     e.add_argument("--preamble-head", action="store_true",
                    help="store the documents after the prompts' own head (the chat template's text before the "
                         "user message), as bench rag --preamble-head")
