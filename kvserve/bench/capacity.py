@@ -209,7 +209,7 @@ def run_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"{fmt}: a request of {args.prompt_tokens} + {args.max_tokens} tokens needs "
                              f"{request_blocks} blocks; the pool has {llm.engine.kv.pool.num_blocks}")
         count = args.num_requests or fit + max(2, fit // 4)
-        prompts = distinct_prompts(text_ids, count, args.prompt_tokens, args.seed)
+        prompts = distinct_prompts(text_ids, count, args.prompt_tokens, args.workload_seed)
         log(f"{fmt}: {count} requests of {args.prompt_tokens} tokens + {args.max_tokens} new")
         result = run_format(llm, fmt, seqs, prompts, args.max_tokens, request_blocks, default_seats, layout)
         log(f"{fmt} / {result.backend}: peak {result.peak_concurrent} concurrent, decode {result.decode_tok_s:.1f} "
@@ -239,7 +239,7 @@ def add_capacity_parser(bsub: argparse._SubParsersAction, common: argparse.Argum
     c.add_argument("--num-requests", type=int, default=None,
                    help="requests submitted (default: those that fit plus a quarter)")
     c.add_argument("--text", default=None, help="prompt text (default: the shipped botchan.txt)")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, dest="workload_seed", metavar="SEED")   # the engine's: --engine-seed
     c.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     c.add_argument("--whole-layers", action="store_true",
                    help="also run each format with every layer's blocks whole (--no-window-kv), on a model with "

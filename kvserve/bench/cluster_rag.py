@@ -182,8 +182,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise ValueError("bench cluster-rag needs a model with a tokenizer (the documents are text)")
     documents = make_documents(find_text(args.text), tokenizer, args.users * args.docs_per_user, args.doc_tokens,
-                               args.seed)
-    queries = user_queries(args.users, args.docs_per_user, args.k, args.queries_per_user, args.seed)
+                               args.workload_seed)
+    queries = user_queries(args.users, args.docs_per_user, args.k, args.queries_per_user, args.workload_seed)
     prompts = [[prompt_text(tokenizer, documents, q) for q in qs] for qs in queries]
     num_queries = sum(len(qs) for qs in queries)
     runs = []
@@ -228,7 +228,7 @@ def add_cluster_rag_parser(bsub: argparse._SubParsersAction, common: argparse.Ar
     c.add_argument("--ray-num-cpus", type=float, default=2)
     c.add_argument("--served-model-name", default="SmolLM2-135M-Instruct")
     c.add_argument("--text", default=None, help="text of the documents (default botchan.txt)")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, dest="workload_seed", metavar="SEED")   # the engine's: --engine-seed
     c.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for every `kvserve serve`, e.g. --server-arg=--blend-selection=query (repeatable)")
     add_engine_args(c, ("num_kv_blocks",), defaults={"num_kv_blocks": CommandDefault(400, "per replica; the single engine gets replicas x this")})

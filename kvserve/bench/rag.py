@@ -302,8 +302,8 @@ def run_bench(args: argparse.Namespace) -> int:
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise ValueError("bench rag needs a model with a tokenizer (the documents are text)")
-    documents = make_documents(find_text(args.text), tokenizer, args.num_docs, args.doc_tokens, args.seed)
-    *queries, warmup = make_queries(args.num_docs, args.num_queries + 1, args.k, args.seed)
+    documents = make_documents(find_text(args.text), tokenizer, args.num_docs, args.doc_tokens, args.workload_seed)
+    *queries, warmup = make_queries(args.num_docs, args.num_queries + 1, args.k, args.workload_seed)
     texts = [prompt_text(tokenizer, documents, q, args.question) for q in queries]
     cut_apart = sum(segmented_prompt(t, documents, q, 0.0).encode(tokenizer)[0] != tokenizer.encode(t)
                     for t, q in zip(texts, queries))
@@ -408,7 +408,7 @@ def add_rag_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentPa
                    help="where the question goes: before and after the documents, or after them only")
     r.add_argument("--rounds", type=int, default=1, help="passes over the queries, each with fresh engines")
     r.add_argument("--text", default=None, help="text the documents are cut from (default: the shipped botchan.txt)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, dest="workload_seed", metavar="SEED")   # the engine's: --engine-seed
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     r.add_argument("--decoders", type=int, default=0,
                    help="also measure the inter-token latency of this many decoding requests while each query "

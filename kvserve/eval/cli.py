@@ -36,7 +36,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         passkey_lengths=_ints(args.passkey_lengths), passkey_depths=_floats(args.passkey_depths),
         passkey_trials=args.passkey_trials, passkey_filler=args.passkey_filler,
         passkey_reuse=not args.no_passkey_reuse,
-        answer_tokens=args.answer_tokens, context_tokens=args.context_tokens, seed=args.seed,
+        answer_tokens=args.answer_tokens, context_tokens=args.context_tokens, seed=args.workload_seed,
         tasks=tuple(t for t in args.tasks.split(",") if t))
 
 
@@ -114,7 +114,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                         "cache; needles sit on chunk boundaries, so the result is the same)")
     e.add_argument("--answer-tokens", type=int, default=12)
     e.add_argument("--context-tokens", type=int, default=1024, help="sequence length for bytes/token @context")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=int, default=0, dest="workload_seed", metavar="SEED")   # the engine's: --engine-seed
     e.add_argument("--jobs", type=int, default=1,
                    help="worker processes, one configuration each at a time (use with --threads 1)")
     e.add_argument("--threads", type=int, default=None,
@@ -137,7 +137,7 @@ def run_eval_budget(args: argparse.Namespace) -> int:
         contexts=_ints(args.contexts), fractions=_floats(args.fractions),
         policies=tuple(p for p in args.policies.split(",") if p), depths=_floats(args.depths),
         filler=args.filler, answer_tokens=args.answer_tokens, ppl_tokens=args.ppl_tokens, chunk=args.chunk,
-        seed=args.seed, kv_format=args.kv_format)
+        seed=args.workload_seed, kv_format=args.kv_format)
     loaded = load_model(args.model)
     text = find_text(args.text)
     rows = evaluate(loaded, text, settings, args.kv_cache_memory_gb,
@@ -179,7 +179,7 @@ def add_eval_budget_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(e, ("kv_format", "kv_cache_memory_gb"), defaults={
         "kv_cache_memory_gb": CommandDefault(
         0.5, "one engine running one request at a time: the full cache of the default --contexts fits")})
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=int, default=0, dest="workload_seed", metavar="SEED")   # the engine's: --engine-seed
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     e.set_defaults(run=run_eval_budget)
 
