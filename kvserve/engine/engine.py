@@ -42,9 +42,9 @@ class LLMEngine:
         ``model``). ``timer``: seconds, for the durations the load-or-recompute cost model
         learns from (the model steps, the tiers' reads; tests tick a fake one)."""
         config = config if config is not None else EngineConfig()
-        check_names(config, draft)
+        weights = check_names(config, draft)
         loaded = loaded if loaded is not None else load_model(config.model)
-        parts = build_parts(config, loaded, tiers, clock, draft, timer)
+        parts = build_parts(config, weights, loaded, tiers, clock, draft, timer)
         self._timer = timer
         self.config = config
         self.tokenizer = loaded.tokenizer
