@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from kvserve.options import add_engine_args, engine_options
+from kvserve.options import CommandDefault, add_engine_args, engine_options
 from kvserve.sampling_params import SamplingParams
 
 
@@ -127,6 +127,16 @@ def cmd_models(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def add_plan_engine_args(plan: argparse.ArgumentParser) -> None:
+    """``kvserve plan``'s engine flags, added here so that plan/ imports nothing above it (as
+    serve's cluster flags are). --kv-format and --block-size keep the engine's defaults: native KV
+    is the compute dtype, so a plan for a CPU engine (--compute-dtype fp32) counts what that
+    engine stores; --weight-format counts the weights only when asked, or for --device-gb."""
+    add_engine_args(plan, ("kv_format", "block_size", "weight_format"), defaults={"weight_format": CommandDefault(
+        None, "the weights are not counted, or with --device-gb counted in auto; gguf counts the blocks of a .gguf "
+              "given with --config")})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
@@ -163,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.cluster.cli import add_cluster_args
     add_cluster_args(serve)      # --replicas N: engine replicas on Ray Serve instead of one engine
     from kvserve.plan.cli import add_plan_parser
-    add_plan_parser(sub)
+    add_plan_engine_args(add_plan_parser(sub))
     from kvserve.eval.cli import add_eval_budget_parser, add_eval_parser, add_eval_weights_parser
     add_eval_parser(sub)
     add_eval_budget_parser(sub)

@@ -4,8 +4,12 @@ Every option is a field of a config class carrying an ``Option`` in its metadata
 (kvserve/config.py). From those this module builds:
 
     engine_config(model, **options)   flat keywords -> EngineConfig   (LLM(**options) uses it)
-    add_engine_args(parser)           the flags of every command that builds an engine
+    add_engine_args(parser)           the flags of every command that builds an engine (or plans one)
     engine_options(args)              parsed flags -> flat keywords
+
+A command that takes an engine option takes it through ``add_engine_args``, so that the flag
+parses the same everywhere; where the command needs a default of its own it says so with a
+``CommandDefault``, which the flag's help shows beside the engine's.
 
     keyword               flag                    field
     kv_cache_memory_gb    --kv-cache-gb           CacheConfig.memory_bytes     (GiB -> bytes)
@@ -51,6 +55,21 @@ _REGISTRIES: Mapping[str, Registry] = MappingProxyType({
     "kv budget policies": Registry(lambda: (*BUDGET_POLICIES, f"{TUNED_ARKVALE}-w<0..1>-m<margin>"), is_closed=False),
     "attention backends": Registry(lambda: (*ATTENTION_BACKENDS, AUTO), is_closed=True),
 })
+
+
+@dataclass(frozen=True)
+class CommandDefault:
+    """A command's own default for an engine flag, and why it is not the engine's: the flag's
+    help shows both. ``value`` is in the flag's units (GiB for a size); None: the flag not
+    given, the command does what ``reason`` says (``CommandDefault(None, "a temporary
+    directory")``)."""
+
+    value: Any
+    reason: str
+
+    def __post_init__(self) -> None:
+        if not self.reason:
+            raise ValueError("a command's own default for an engine flag needs its reason, for the help")
 
 
 @dataclass(frozen=True)
@@ -100,10 +119,46 @@ class EngineOption:
 
     @property
     def help(self) -> str:
-        text = self.spec.help
-        if not self.is_closed:
-            text += f": {', '.join(self.choices)}"
-        return text if self.default_text is None else f"{text} (default: {self.default_text})"
+        return self._text if self.default_text is None else f"{self._text} (default: {self.default_text})"
+
+    def help_with(self, default: CommandDefault) -> str:
+        """The help of a command's flag with its own ``default``, the engine's beside it."""
+        value = None if default.value is None else f"{default.value:g}" if self.spec.unit else str(default.value)
+        here = default.reason if value is None else f"{value}, {default.reason}"
+        engine = "" if self.default_text is None else f"; the engine's: {self.default_text}"
+        return f"{self._text} (default here: {here}{engine})"
+
+    @property
+    def _text(self) -> str:
+        return self.spec.help if self.is_closed else f"{self.spec.help}: {', '.join(self.choices)}"
+
+    def argument(self, own: CommandDefault | None = None) -> dict[str, Any]:
+        """The ``add_argument`` keywords of the flag; with ``own``, a command's default instead of
+        the engine's (ValueError for one the flag could not have parsed)."""
+        if own is None:
+            default = None if self.is_tier or self.default is MISSING else self.from_field(self.default)
+            kw: dict[str, Any] = {"dest": self.name, "help": self.help, "default": default}
+        else:
+            self._check(own.value)
+            kw = {"dest": self.name, "help": self.help_with(own), "default": own.value}
+        if self.type is bool:
+            return kw | {"action": "store_const", "const": not self.default}
+        kw["type"] = self.type
+        if self.choices and self.is_closed:
+            kw["choices"] = self.choices       # argparse shows them
+        else:
+            kw["metavar"] = self.spec.metavar or self.flag.removeprefix("--").replace("-", "_").upper()
+        return kw
+
+    def _check(self, value: Any) -> None:
+        if self.type is bool:
+            raise ValueError(f"{self.flag} is a switch: its default is the engine's")
+        if value is None:
+            return
+        if not isinstance(value, self.type) and not (self.type is float and type(value) is int):
+            raise ValueError(f"{self.flag} takes {self.type.__name__}, and the command default is {value!r}")
+        if self.choices and self.is_closed and value not in self.choices:
+            raise ValueError(f"{self.flag}: the command default {value!r} is not one of {', '.join(self.choices)}")
 
 
 def _options_of(owner: type) -> list[EngineOption]:
@@ -157,12 +212,18 @@ def _tiers(values: dict[type, dict[str, Any]]) -> tuple[TierConfig, ...]:
     return tuple(tiers)
 
 
-def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None = None,
+                    defaults: Mapping[str, CommandDefault] | None = None) -> None:
     """The flags of ``names`` (every option by default, with ``--model``), in their help groups.
 
     A flag not given parses to its field's default, or to None for a tier's option (not
-    given: the tier stays off)."""
+    given: the tier stays off), or to the command's own ``defaults[name]``. ValueError for
+    a default of an option not among ``names``, or one its flag could not have parsed."""
     chosen = list(OPTIONS) if names is None else list(names)
+    defaults = defaults or {}
+    unknown = set(defaults) - set(chosen)
+    if unknown:
+        raise ValueError(f"command defaults for options not added: {', '.join(sorted(unknown))}")
     groups: dict[str, argparse._ArgumentGroup] = {}
 
     def group(key: str) -> argparse._ArgumentGroup:
@@ -176,17 +237,7 @@ def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None
             help="a .gguf file, a Hugging Face model directory, or the default SmolLM2-135M-Instruct")
     for name in chosen:
         o = OPTIONS[name]
-        default = None if o.is_tier or o.default is MISSING else o.from_field(o.default)
-        kw: dict[str, Any] = {"dest": o.name, "help": o.help}
-        if o.type is bool:
-            kw |= {"action": "store_const", "const": not o.default, "default": default}
-        else:
-            kw |= {"type": o.type, "default": default}
-            if o.choices and o.is_closed:
-                kw["choices"] = o.choices       # argparse shows them
-            else:
-                kw["metavar"] = o.spec.metavar or o.flag.removeprefix("--").replace("-", "_").upper()
-        group(o.spec.group).add_argument(o.flag, **kw)
+        group(o.spec.group).add_argument(o.flag, **o.argument(defaults.get(name)))
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

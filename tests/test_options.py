@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.config import CacheConfig, DiskConfig, EngineConfig, HostConfig, RedisConfig, SchedulerConfig
-from kvserve.options import OPTIONS, add_engine_args, engine_config, engine_options
+from kvserve.options import OPTIONS, CommandDefault, add_engine_args, engine_config, engine_options
 from kvserve.scheduler.policies import POLICIES
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -166,3 +166,28 @@ def test_subsets_for_bench_and_eval_commands():
     parser = argparse.ArgumentParser()
     add_engine_args(parser, ("device", "dtype"))
     assert engine_options(parser.parse_args(["--dtype", "float32"])) == {"device": "auto", "dtype": "float32"}
+
+
+def test_a_command_default_is_parsed_as_the_engine_flag_and_says_why_beside_the_engines():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, ("kv_cache_memory_gb", "kv_format", "disk_cache_dir"), defaults={
+        "kv_cache_memory_gb": CommandDefault(0.25, "small"), "disk_cache_dir": CommandDefault(None, "a temporary one")})
+    assert parser.parse_args([]).kv_cache_memory_gb == 0.25
+    assert parser.parse_args(["--kv-cache-gb", "2"]).kv_cache_memory_gb == 2.0
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps["kv_cache_memory_gb"] == "KV cache memory in GiB (default here: 0.25, small; the engine's: 1)"
+    assert helps["disk_cache_dir"].endswith("(default here: a temporary one; the engine's: off)")
+    assert helps["kv_format"] == OPTIONS["kv_format"].help     # no default of its own: the engine's help
+
+
+def test_a_command_default_the_flag_could_not_parse_is_refused():
+    cases = {"block_size": (CommandDefault(1.5, "why"), "--block-size takes int"),
+             "dtype": (CommandDefault("fp16", "why"), "not one of auto, float32"),
+             "enable_prefix_caching": (CommandDefault(False, "why"), "is a switch")}
+    for name, (default, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            add_engine_args(argparse.ArgumentParser(), (name,), defaults={name: default})
+    with pytest.raises(ValueError, match="options not added: kv_format"):
+        add_engine_args(argparse.ArgumentParser(), ("device",), defaults={"kv_format": CommandDefault("int8", "why")})
+    with pytest.raises(ValueError, match="needs its reason"):
+        CommandDefault(0.5, "")

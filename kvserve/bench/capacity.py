@@ -38,6 +38,7 @@ from typing import Any
 
 from kvserve.bench.common import table
 from kvserve.llm import LLM
+from kvserve.options import CommandDefault, add_engine_args
 from kvserve.sampling_params import SamplingParams
 
 MakeLLM = Callable[[int | None], LLM]   # max_num_seqs (None: the default) -> an engine with that many seats
@@ -190,7 +191,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for fmt, backend, layout in configs:
         def make(max_num_seqs: int | None, fmt: str = fmt, backend: str = backend, layout: str = layout) -> LLM:
             seats: dict[str, Any] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
-            return LLM(loaded=loaded, kv_format=fmt, kv_cache_memory_gb=args.kv_cache_gb,
+            return LLM(loaded=loaded, kv_format=fmt, kv_cache_memory_gb=args.kv_cache_memory_gb,
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=backend,
                        device=args.device, dtype=args.dtype, window_kv=layout == "window", **seats)
 
@@ -208,7 +209,7 @@ def run_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"{fmt}: a request of {args.prompt_tokens} + {args.max_tokens} tokens needs "
                              f"{request_blocks} blocks; the pool has {llm.engine.kv.num_blocks}")
         count = args.num_requests or fit + max(2, fit // 4)
-        prompts = distinct_prompts(text_ids, count, args.prompt_tokens, args.seed)
+        prompts = distinct_prompts(text_ids, count, args.prompt_tokens, args.workload_seed)
         log(f"{fmt}: {count} requests of {args.prompt_tokens} tokens + {args.max_tokens} new")
         result = run_format(llm, fmt, seqs, prompts, args.max_tokens, request_blocks, default_seats, layout)
         log(f"{fmt} / {result.backend}: peak {result.peak_concurrent} concurrent, decode {result.decode_tok_s:.1f} "
@@ -216,7 +217,7 @@ def run_bench(args: argparse.Namespace) -> int:
         results.append(result)
         del llm
     engine_desc = f"device {args.device}, dtype {args.dtype}"
-    print(f"KV capacity: pool {args.kv_cache_gb} GiB, requests of {args.prompt_tokens} prompt + {args.max_tokens} "
+    print(f"KV capacity: pool {args.kv_cache_memory_gb} GiB, requests of {args.prompt_tokens} prompt + {args.max_tokens} "
           f"generated tokens, {args.max_num_batched_tokens} tokens per step, {loaded.source}, {engine_desc}")
     print(render(results))
     write_plot(args.plot, lambda path: plots.plot_capacity(results, path))
@@ -232,17 +233,17 @@ def add_capacity_parser(bsub: argparse._SubParsersAction, common: argparse.Argum
                    help=f"KV format spec (repeatable; default: {', '.join(DEFAULT_FORMATS)})")
     c.add_argument("--backend", action="append", default=None,
                    help="attention backend (repeatable; default auto)")
-    c.add_argument("--kv-cache-gb", type=float, default=0.25, help="the fixed KV pool, GiB")
     c.add_argument("--prompt-tokens", type=int, default=1000)
     c.add_argument("--max-tokens", type=int, default=128,
                    help="tokens generated per request (must outlast the first wave's prefill)")
-    c.add_argument("--max-num-batched-tokens", type=int, default=512)
     c.add_argument("--num-requests", type=int, default=None,
                    help="requests submitted (default: those that fit plus a quarter)")
     c.add_argument("--text", default=None, help="prompt text (default: the shipped botchan.txt)")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, dest="workload_seed", metavar="SEED")   # the engine's: --engine-seed
     c.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     c.add_argument("--whole-layers", action="store_true",
                    help="also run each format with every layer's blocks whole (--no-window-kv), on a model with "
                         "sliding-window layers: the two layouts on the same pool")
+    add_engine_args(c, ("kv_cache_memory_gb", "max_num_batched_tokens"), defaults={
+        "kv_cache_memory_gb": CommandDefault(0.25, "the fixed pool every format fills, small to keep the run short")})
     c.set_defaults(run=run_bench)

@@ -39,6 +39,7 @@ from kvserve.bench.chat import passages
 from kvserve.bench.common import table
 from kvserve.bench.serve import free_port, percentile, start_server
 from kvserve.bench.tiers import SYSTEM
+from kvserve.options import CommandDefault, add_engine_args
 
 CONFIGS = {   # name -> kvserve serve flags (the replicated ones get --replicas and the CPU split too)
     "single": [],
@@ -291,13 +292,13 @@ def add_cluster_bench_parser(bsub: argparse._SubParsersAction, common: argparse.
     c.add_argument("--system-words", type=int, default=150, help="words of the shared system prompt's notes")
     c.add_argument("--max-tokens", type=int, default=16, help="reply length per turn")
     c.add_argument("--replicas", type=int, default=2)
-    c.add_argument("--num-kv-blocks", type=int, default=256,
-                   help="device KV blocks per replica (the single engine gets replicas x this)")
     c.add_argument("--replica-cpus", type=float, default=0.5)
     c.add_argument("--ray-num-cpus", type=float, default=2)
-    c.add_argument("--redis-url", default=None, help="default: a throwaway redis-server on loopback")
     c.add_argument("--served-model-name", default="SmolLM2-135M-Instruct")
     c.add_argument("--text", default=None, help="text for the turns (default botchan.txt)")
     c.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for every `kvserve serve`, e.g. --server-arg=--num-kv-blocks=512 (repeatable)")
+    add_engine_args(c, ("num_kv_blocks", "redis_url"), defaults={
+        "num_kv_blocks": CommandDefault(256, "per replica; the single engine gets replicas x this"),
+        "redis_url": CommandDefault(None, "a throwaway redis-server on loopback")})
     c.set_defaults(run=run_bench)

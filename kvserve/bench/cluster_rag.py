@@ -38,6 +38,7 @@ from kvserve.bench.cluster import server_flags, serving, streamed
 from kvserve.bench.common import table
 from kvserve.bench.rag_workload import Document, Query, is_correct, make_documents, prompt_text
 from kvserve.bench.serve import percentile
+from kvserve.options import CommandDefault, add_engine_args
 
 CONFIGS = {"single": [], "kv": ["--routing", "kv"], "kv-prefix": ["--routing", "kv-prefix"],
            "pow2": ["--routing", "pow2"]}
@@ -181,8 +182,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise ValueError("bench cluster-rag needs a model with a tokenizer (the documents are text)")
     documents = make_documents(find_text(args.text), tokenizer, args.users * args.docs_per_user, args.doc_tokens,
-                               args.seed)
-    queries = user_queries(args.users, args.docs_per_user, args.k, args.queries_per_user, args.seed)
+                               args.workload_seed)
+    queries = user_queries(args.users, args.docs_per_user, args.k, args.queries_per_user, args.workload_seed)
     prompts = [[prompt_text(tokenizer, documents, q) for q in qs] for qs in queries]
     num_queries = sum(len(qs) for qs in queries)
     runs = []
@@ -223,13 +224,12 @@ def add_cluster_rag_parser(bsub: argparse._SubParsersAction, common: argparse.Ar
     c.add_argument("--concurrency", type=int, default=2, help="queries in flight at once")
     c.add_argument("--max-tokens", type=int, default=8, help="answer length")
     c.add_argument("--replicas", type=int, default=2)
-    c.add_argument("--num-kv-blocks", type=int, default=400,
-                   help="device KV blocks per replica (the single engine gets replicas x this)")
     c.add_argument("--replica-cpus", type=float, default=0.5)
     c.add_argument("--ray-num-cpus", type=float, default=2)
     c.add_argument("--served-model-name", default="SmolLM2-135M-Instruct")
     c.add_argument("--text", default=None, help="text of the documents (default botchan.txt)")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, dest="workload_seed", metavar="SEED")   # the engine's: --engine-seed
     c.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for every `kvserve serve`, e.g. --server-arg=--blend-selection=query (repeatable)")
+    add_engine_args(c, ("num_kv_blocks",), defaults={"num_kv_blocks": CommandDefault(400, "per replica; the single engine gets replicas x this")})
     c.set_defaults(run=run_bench)

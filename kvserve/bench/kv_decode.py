@@ -254,9 +254,10 @@ def run_bench(args: argparse.Namespace) -> int:
     loaded, text_ids = load_text_model(args.model, args.text, args.threads, "kv-decode")
     bandwidth = read_bandwidth()
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    options = engine_options(args)
+    kv_cache_gb = options.pop("kv_cache_memory_gb")     # every engine's pool, given to run on its own
     results = run(loaded, text_ids, args.format or list(DEFAULT_FORMATS), args.backend or list(DEFAULT_BACKENDS),
-                  args.seqs, args.context, args.steps, args.repeats, args.kv_cache_gb, log, engine_options(args),
-                  args.interleave)
+                  args.seqs, args.context, args.steps, args.repeats, kv_cache_gb, log, options, args.interleave)
     bandwidth = max(bandwidth, read_bandwidth())      # measured again after the runs: the box may have warmed
     w = results[0].weight_bytes if results else 0
     weights = results[0].weight_format if results else "-"
@@ -293,11 +294,10 @@ def add_kv_decode_parser(bsub: argparse._SubParsersAction, common: argparse.Argu
     d.add_argument("--context", type=int, default=4000, help="context tokens per request")
     d.add_argument("--steps", type=int, default=32, help="decode steps per request")
     d.add_argument("--repeats", type=int, default=3)
-    d.add_argument("--kv-cache-gb", type=float, default=1.0)
     d.add_argument("--interleave", action="store_true",
                    help="play the repeats in rounds, every configuration once a round (all engines held at once: "
                         "configurations x --kv-cache-gb), and give each row's tok/s over the first row's per round")
     d.add_argument("--text", default=None, help="prompt text (default: the shipped botchan.txt)")
     d.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    add_engine_args(d, ("weight_format",))
+    add_engine_args(d, ("kv_cache_memory_gb", "weight_format"))
     d.set_defaults(run=run_bench)

@@ -77,7 +77,7 @@ from kvserve.bench.rag_workload import (
 from kvserve.blend.calibrated import resolve_selection
 from kvserve.blend.prompt import SegmentedPrompt
 from kvserve.llm import LLM
-from kvserve.options import add_engine_args
+from kvserve.options import CommandDefault, add_engine_args
 from kvserve.sampling_params import SamplingParams
 
 
@@ -302,12 +302,13 @@ def run_bench(args: argparse.Namespace) -> int:
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise ValueError("bench rag needs a model with a tokenizer (the documents are text)")
-    documents = make_documents(find_text(args.text), tokenizer, args.num_docs, args.doc_tokens, args.seed)
-    *queries, warmup = make_queries(args.num_docs, args.num_queries + 1, args.k, args.seed)
+    documents = make_documents(find_text(args.text), tokenizer, args.num_docs, args.doc_tokens, args.workload_seed)
+    *queries, warmup = make_queries(args.num_docs, args.num_queries + 1, args.k, args.workload_seed)
     texts = [prompt_text(tokenizer, documents, q, args.question) for q in queries]
     cut_apart = sum(segmented_prompt(t, documents, q, 0.0).encode(tokenizer)[0] != tokenizer.encode(t)
                     for t, q in zip(texts, queries))
     options = engine_options(args)
+    num_kv_blocks = options.pop("num_kv_blocks", None)     # sizes each engine below, one way or the other
     if args.preamble_head:
         if options.get("blend_preamble") is not None:
             raise ValueError("give --preamble-head or --blend-preamble, not both")
@@ -317,8 +318,8 @@ def run_bench(args: argparse.Namespace) -> int:
                   for q in [*queries, warmup])
     # the caching engines hold every document and two requests (a finished request's blocks,
     # holding no key, are reused before any cached block is evicted)
-    pool = args.num_kv_blocks or pool_blocks(documents, longest, args.max_tokens, cache.block_size, 2)
-    full_pool = args.num_kv_blocks or pool_blocks([], longest, args.max_tokens, cache.block_size, 1)
+    pool = num_kv_blocks or pool_blocks(documents, longest, args.max_tokens, cache.block_size, 2)
+    full_pool = num_kv_blocks or pool_blocks([], longest, args.max_tokens, cache.block_size, 1)
     chosen = methods(args.fraction or DEFAULT_FRACTIONS, args.outside_too)
     engines: list[str] = []     # what the engines resolved, for the header
 
@@ -406,10 +407,8 @@ def add_rag_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentPa
     r.add_argument("--question", choices=QUESTION_PLACES, default="both",
                    help="where the question goes: before and after the documents, or after them only")
     r.add_argument("--rounds", type=int, default=1, help="passes over the queries, each with fresh engines")
-    r.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV blocks per engine (default: every document and every request of a round)")
     r.add_argument("--text", default=None, help="text the documents are cut from (default: the shipped botchan.txt)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, dest="workload_seed", metavar="SEED")   # the engine's: --engine-seed
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     r.add_argument("--decoders", type=int, default=0,
                    help="also measure the inter-token latency of this many decoding requests while each query "
@@ -420,6 +419,9 @@ def add_rag_parser(bsub: argparse._SubParsersAction, common: argparse.ArgumentPa
     r.add_argument("--preamble-head", action="store_true",
                    help="store every document after the prompts' own head (the chat template's system turn and "
                         "the user turn's start), as --blend-preamble with that text (docs/blend.md)")
-    add_engine_args(r, ("blend_cost_model", "blend_select_layer", "blend_selection", "blend_sink_tokens",
-                        "blend_last_segments", "blend_query_layer", "blend_preamble", "blend_in_batch"))
+    add_engine_args(r, ("num_kv_blocks", "blend_cost_model", "blend_select_layer", "blend_selection",
+                        "blend_sink_tokens", "blend_last_segments", "blend_query_layer", "blend_preamble",
+                        "blend_in_batch"),
+                    defaults={"num_kv_blocks": CommandDefault(None, "every document and every request of a round, "
+                                                                    "per engine")})
     r.set_defaults(run=run_bench)

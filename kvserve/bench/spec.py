@@ -26,6 +26,7 @@ from typing import Any
 
 from kvserve.bench.common import find_text, table
 from kvserve.llm import LLM
+from kvserve.options import CommandDefault, add_engine_args, engine_options
 from kvserve.sampling_params import SamplingParams
 
 # edits of a given passage this small model carries out (it declines "repeat word for word")
@@ -110,24 +111,24 @@ def run_spec(args: argparse.Namespace) -> int:
     from kvserve.bench import plots
     from kvserve.bench.common import write_plot
     from kvserve.model.loader import load_model
-    from kvserve.options import engine_options
 
     loaded = load_model(args.model)
     options = engine_options(args)
+    spec_config = options.pop("speculative_config")       # the speculative engine's alone
     plain = LLM(loaded=loaded, **options)
-    spec = LLM(loaded=loaded, speculative_config=args.spec_config, **options)
+    spec = LLM(loaded=loaded, speculative_config=spec_config, **options)
     if args.always_draft:
         spec.engine.speculator.always_draft()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     rows = run(plain, spec, find_text(args.text), sizes, args.max_tokens, args.repeats)
-    print(f"speculative decoding {args.spec_config} vs plain, {loaded.source}, device {plain.engine.device}, "
+    print(f"speculative decoding {spec_config} vs plain, {loaded.source}, device {plain.engine.device}, "
           f"weights {plain.engine.weight_format}, greedy, max_tokens {args.max_tokens}, median of {args.repeats}"
           f"{', always drafting (cost model off)' if args.always_draft else ''}")
     print(render(rows))
     write_plot(args.plot, lambda path: plots.plot_spec(rows, path))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "spec", "speculative_config": args.spec_config, "rows": rows}, f, indent=2)
+            json.dump({"benchmark": "spec", "speculative_config": spec_config, "rows": rows}, f, indent=2)
     if not all(r["identical"] for r in rows):
         print("speculative decoding changed greedy output: a bug", flush=True)
         return 1
@@ -136,8 +137,8 @@ def run_spec(args: argparse.Namespace) -> int:
 
 def add_spec_parser(bsub: Any, common: Any) -> None:
     s = bsub.add_parser("spec", parents=[common], help="speculative decoding vs plain decoding (grounded and open)")
-    s.add_argument("--speculative-config", dest="spec_config", default='{"method": "ngram", "num_speculative_tokens": 4}',
-                   help="the speculative engine's config, as --speculative-config (default: ngram, k=4)")
+    add_engine_args(s, ("speculative_config",), defaults={"speculative_config": CommandDefault(
+        '{"method": "ngram", "num_speculative_tokens": 4}', "the speculative engine's; the plain one runs without")})
     s.add_argument("--always-draft", action="store_true",
                    help="draft num_speculative_tokens every step, the cost model off: what the proposer gives "
                         "when it never backs off")

@@ -36,6 +36,7 @@ from kvserve.llm import LLM
 from kvserve.offload.cost import CostSnapshot, TierCost
 from kvserve.offload.measure import throwaway_redis
 from kvserve.offload.registry import TIERS
+from kvserve.options import CommandDefault, add_engine_args
 from kvserve.sampling_params import SamplingParams
 
 SYSTEM = ("You are a careful reader in a long reading group. Members share passages of a novel, one at a "
@@ -159,7 +160,7 @@ def tables(results: list[dict[str, Any]]) -> str:
 def engine_options(args: argparse.Namespace, scratch: str, redis_url: str | None) -> dict[str, dict[str, Any]]:
     """The LLM options that turn on each tier ``--tiers`` names (the registry's words), alone."""
     return {"host": {"host_cache_gb": args.host_cache_gb},
-            "disk": {"disk_cache_dir": args.disk_cache or f"{scratch}/blocks"},
+            "disk": {"disk_cache_dir": args.disk_cache_dir or f"{scratch}/blocks"},
             "redis": {"redis_url": redis_url}}
 
 
@@ -180,7 +181,7 @@ def run_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     turns = user_turns(find_text(args.text), args.conversations, args.turns, args.words_per_turn)
     loaded = load_model(args.model)
-    base = {"device": args.device, "dtype": args.dtype, "kv_cache_memory_gb": args.kv_cache_gb,
+    base = {"device": args.device, "dtype": args.dtype, "kv_cache_memory_gb": args.kv_cache_memory_gb,
             "kv_format": args.kv_format}
     configs: list[tuple[str, dict[str, Any]]] = [("recompute only", {})]
     with contextlib.ExitStack() as stack:
@@ -229,17 +230,16 @@ def add_tiers_parser(bsub: argparse._SubParsersAction, common: argparse.Argument
     t.add_argument("--turns", type=int, default=12, help="turns per conversation (interleaved)")
     t.add_argument("--words-per-turn", type=int, default=20)
     t.add_argument("--max-tokens", type=int, default=32, help="reply length per turn")
-    t.add_argument("--kv-cache-gb", type=float, default=0.05,
-                   help="device KV cache (small, so that the histories outgrow it)")
-    t.add_argument("--kv-format", default=None, help="KV format (default native)")
     t.add_argument("--tiers", default=None,
                    help="tier configurations to run, each alone: host,disk,redis (default: all three; redis "
                         "only when --redis-url is given or redis-server is installed)")
-    t.add_argument("--host-cache-gb", type=float, default=4.0)
     t.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 when other jobs share the cores)")
-    t.add_argument("--disk-cache", default=None, help="disk tier directory (default: a temporary one)")
-    t.add_argument("--redis-url", default=None,
-                   help="Redis for --tiers redis (default: a throwaway redis-server on a free loopback port)")
     t.add_argument("--text", default=None, help="text for the user turns (default: the shipped botchan.txt)")
+    # each tier's flag sizes or places that tier in its own run; the recompute-only run has none
+    add_engine_args(t, ("kv_cache_memory_gb", "kv_format", "host_cache_gb", "disk_cache_dir", "redis_url"), defaults={
+        "kv_cache_memory_gb": CommandDefault(0.05, "small, so that the histories outgrow it"),
+        "host_cache_gb": CommandDefault(4.0, "in the host tier's run"),
+        "disk_cache_dir": CommandDefault(None, "a temporary one, in the disk tier's run"),
+        "redis_url": CommandDefault(None, "a throwaway redis-server on a free loopback port, in the redis tier's run")})
     t.set_defaults(run=run_bench)

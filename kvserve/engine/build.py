@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -50,7 +51,7 @@ from kvserve.kv.tiering import make_tiering
 from kvserve.model.decoder import Decoder
 from kvserve.model.families import build_decoder
 from kvserve.model.formats.build import make_products
-from kvserve.model.formats.spec import parse_weight_format
+from kvserve.model.formats.spec import WeightFormat, parse_weight_format
 from kvserve.model.linear import make_linear
 from kvserve.model.loader import LoadedModel, default_cache_dir, load_model
 from kvserve.offload.base import Transport
@@ -84,15 +85,26 @@ def resolve_dtype(name: str, device: torch.device, model_dtype: str) -> torch.dt
     return getattr(torch, name)
 
 
-def check_names(config: EngineConfig, draft: LoadedModel | None = None) -> None:
+class WeightFormats(NamedTuple):
+    """The weight formats of an engine's config, parsed once (``check_names``): the served
+    model's, and the one a drafting model is built in (the speculative config's
+    ``quantization``, else the served model's)."""
+
+    served: WeightFormat
+    drafting: WeightFormat
+
+
+def check_names(config: EngineConfig, draft: LoadedModel | None = None) -> WeightFormats:
     """Raise ValueError for a name no registry knows (or a default budget its policy cannot
-    run, or a draft method with no drafting model), before a model is loaded or a tier opened."""
+    run, or a draft method with no drafting model), before a model is loaded or a tier opened.
+    The weight formats it parses are returned, for ``build_parts``."""
     policy_class(config.scheduler.policy)
-    parse_weight_format(config.weight_format)
+    served = parse_weight_format(config.weight_format)
     spec = config.speculative
+    drafting = served
     if spec is not None:
         if spec.quantization is not None:
-            parse_weight_format(spec.quantization)
+            drafting = parse_weight_format(spec.quantization)
         if spec.method == "draft" and spec.model is None and draft is None:
             raise ValueError('speculative config: method "draft" needs the drafting model ("model": a path or name)')
         if draft is not None and (spec.method != "draft" or spec.model is not None):
@@ -101,6 +113,7 @@ def check_names(config: EngineConfig, draft: LoadedModel | None = None) -> None:
     budget_policy = get_policy(cc.kv_policy)
     if cc.kv_budget is not None:
         check_budget(cc.kv_budget, budget_policy, cc.block_size)
+    return WeightFormats(served, drafting)
 
 
 def check_model(config: EngineConfig, mc: ModelConfig) -> None:
@@ -149,17 +162,17 @@ class EngineParts:
     outputs: OutputProcessor
 
 
-def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Transport] | None,
+def build_parts(config: EngineConfig, weights: WeightFormats, loaded: LoadedModel, tiers: Sequence[Transport] | None,
                 clock: Clock, draft: LoadedModel | None = None, timer: Clock = time.perf_counter) -> EngineParts:
-    """Every part of an engine for ``loaded``; ``tiers`` replace the transports ``config.tiers``
-    would open, ``draft`` the draft method's model (LLMEngine's docstring)."""
+    """Every part of an engine for ``loaded``, its weights in ``weights`` (``check_names``'s);
+    ``tiers`` replace the transports ``config.tiers`` would open, ``draft`` the draft method's
+    model (LLMEngine's docstring)."""
     mc, cc = loaded.config, config.cache
     check_model(config, mc)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    products = make_products(config.weight_format, loaded, device, dtype,
-                             make_linear(config.linear_backend, device, dtype))
+    products = make_products(weights.served, loaded, device, dtype, make_linear(config.linear_backend, device, dtype))
     model = build_decoder(mc, loaded.weights, device, dtype, products)
     # the weights' format is part of the model's identity: KV computed with other weights never matches
     fingerprint = f"{loaded.fingerprint}:weights={products.name}"
@@ -208,7 +221,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel, tiers: Sequence[Trans
         scheduler=scheduler, runner=ModelRunner(model, storage, kv, budgets, attention),
         sampler=Sampler(config.seed, eos), grammars=grammars, attention=attention,
         speculator=_make_speculator(config, budgets, max_model_len,
-                                    _Drafting(loaded, model, storage, kv, draft, device, dtype)),
+                                    _Drafting(loaded, model, storage, kv, draft, weights.drafting, device, dtype)),
         checks=RequestChecks(budgets, grammars, mc.vocab_size, mc.has_sliding_layers),
         blending=BlendAdmission(blender, kv, scheduler, _blend_step_tokens(config)),
         outputs=OutputProcessor(loaded.tokenizer, frozenset(mc.eos_token_ids), max_model_len))
@@ -252,6 +265,7 @@ class _Drafting:
     storage: KVStorage
     kv: KVCacheManager
     draft: LoadedModel | None
+    weight_format: WeightFormat         # of a drafting model built here (WeightFormats.drafting)
     device: torch.device
     dtype: torch.dtype
 
@@ -277,8 +291,7 @@ def _make_model_proposer(config: EngineConfig, spec: SpeculativeConfig, d: _Draf
         _check_draft_model(d.loaded, loaded)
         model = None
     if model is None or spec.quantization is not None:
-        weight_format = spec.quantization or config.weight_format
-        products = make_products(weight_format, loaded, d.device, d.dtype,
+        products = make_products(d.weight_format, loaded, d.device, d.dtype,
                                  make_linear(config.linear_backend, d.device, d.dtype))
         model = build_decoder(loaded.config, loaded.weights, d.device, d.dtype, products)
     num_layers = loaded.config.num_layers

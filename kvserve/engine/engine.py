@@ -43,9 +43,9 @@ class LLMEngine:
         learns from (the model steps, the tiers' reads; tests tick a fake one). ``sampler``: draws
         the tokens instead of the engine's own (eval's forced decoding, kvserve/eval/budget.py)."""
         config = config if config is not None else EngineConfig()
-        check_names(config, draft)
+        weights = check_names(config, draft)
         loaded = loaded if loaded is not None else load_model(config.model)
-        parts = build_parts(config, loaded, tiers, clock, draft, timer)
+        parts = build_parts(config, weights, loaded, tiers, clock, draft, timer)
         self._timer = timer
         self.config = config
         self.tokenizer = loaded.tokenizer

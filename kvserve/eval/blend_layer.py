@@ -21,6 +21,7 @@ from kvserve.blend.blending import BlendPrompt, segment_peaks_by_layer
 from kvserve.blend.rope import RopeTables
 from kvserve.blend.segment import SegmentKV, compute_kv
 from kvserve.llm import LLM
+from kvserve.options import add_engine_args
 
 
 class LayerHits(NamedTuple):
@@ -75,8 +76,8 @@ def run_eval_blend_layer(args: argparse.Namespace) -> int:
     llm = LLM(args.model, num_kv_blocks=16)
     if llm.tokenizer is None:
         raise ValueError("eval-blend-layer needs a model with a tokenizer (the documents are text)")
-    documents = make_documents(find_text(args.text), llm.tokenizer, args.num_docs, args.doc_tokens, args.seed)
-    queries = make_queries(args.num_docs, args.num_queries, args.k, args.seed)
+    documents = make_documents(find_text(args.text), llm.tokenizer, args.num_docs, args.doc_tokens, args.workload_seed)
+    queries = make_queries(args.num_docs, args.num_queries, args.k, args.workload_seed)
     if args.preamble_head and args.blend_preamble is not None:
         raise ValueError("give --preamble-head or --blend-preamble, not both")
     preamble = template_head(llm.tokenizer) if args.preamble_head else args.blend_preamble
@@ -103,11 +104,10 @@ def add_eval_blend_layer_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--num-queries", type=int, default=20)
     e.add_argument("--k", type=int, default=4, help="documents per query")
     e.add_argument("--question", choices=("both", "end"), default="both")
-    e.add_argument("--blend-preamble", default=None,
-                   help="store the documents after this text, as blend_preamble does (docs/blend.md)")
+    add_engine_args(e, ("blend_preamble",))      # the documents are stored after it, as the engine stores segments
     e.add_argument("--preamble-head", action="store_true",
                    help="store the documents after the prompts' own head (the chat template's text before the "
                         "user message), as bench rag --preamble-head")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=int, default=0, dest="workload_seed", metavar="SEED")   # the engine's: --engine-seed
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     e.set_defaults(run=run_eval_blend_layer)

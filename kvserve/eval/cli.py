@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvserve.options import add_engine_args, engine_options
+from kvserve.options import CommandDefault, add_engine_args, engine_options
 
 DEFAULT_FORMATS = ("native", "fp16", "bf16", "fp8", "int8", "int4", "kivi4", "kivi2", "kivi2+had",
                    "kivi4+out4", "0-1=fp16;2-=kivi2", "k=kivi4,v=kivi2")
@@ -36,7 +36,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         passkey_lengths=_ints(args.passkey_lengths), passkey_depths=_floats(args.passkey_depths),
         passkey_trials=args.passkey_trials, passkey_filler=args.passkey_filler,
         passkey_reuse=not args.no_passkey_reuse,
-        answer_tokens=args.answer_tokens, context_tokens=args.context_tokens, seed=args.seed,
+        answer_tokens=args.answer_tokens, context_tokens=args.context_tokens, seed=args.workload_seed,
         tasks=tuple(t for t in args.tasks.split(",") if t))
 
 
@@ -114,7 +114,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                         "cache; needles sit on chunk boundaries, so the result is the same)")
     e.add_argument("--answer-tokens", type=int, default=12)
     e.add_argument("--context-tokens", type=int, default=1024, help="sequence length for bytes/token @context")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=int, default=0, dest="workload_seed", metavar="SEED")   # the engine's: --engine-seed
     e.add_argument("--jobs", type=int, default=1,
                    help="worker processes, one configuration each at a time (use with --threads 1)")
     e.add_argument("--threads", type=int, default=None,
@@ -137,10 +137,10 @@ def run_eval_budget(args: argparse.Namespace) -> int:
         contexts=_ints(args.contexts), fractions=_floats(args.fractions),
         policies=tuple(p for p in args.policies.split(",") if p), depths=_floats(args.depths),
         filler=args.filler, answer_tokens=args.answer_tokens, ppl_tokens=args.ppl_tokens, chunk=args.chunk,
-        seed=args.seed, kv_format=args.kv_format)
+        seed=args.workload_seed, kv_format=args.kv_format)
     loaded = load_model(args.model)
     text = find_text(args.text)
-    rows = evaluate(loaded, text, settings, args.kv_cache_gb,
+    rows = evaluate(loaded, text, settings, args.kv_cache_memory_gb,
                     log=lambda m: print(f"[eval-budget {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
     device = resolve_device("auto")
     dtype = resolve_dtype("auto", device, loaded.config.torch_dtype)
@@ -163,7 +163,9 @@ def run_eval_budget(args: argparse.Namespace) -> int:
 
 
 def add_eval_budget_parser(sub: argparse._SubParsersAction) -> None:
-    e = sub.add_parser("eval-budget", help="KV budget policies vs the full cache: passkey, perplexity, memory, speed")
+    e = sub.add_parser("eval-budget", help="KV budget policies vs the full cache: passkey, perplexity, memory, speed",
+                       description="--kv-format is the format of every row, the full cache's too (under zip: the "
+                                   "only policy is saliency-blocks)")
     e.add_argument("--model", default=None)
     e.add_argument("--text", default=None, help="evaluation text (default: the shipped botchan.txt)")
     e.add_argument("--contexts", default="2048,4096", help="context lengths in tokens")
@@ -174,11 +176,10 @@ def add_eval_budget_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--answer-tokens", type=int, default=8)
     e.add_argument("--ppl-tokens", type=int, default=64, help="tokens scored by forced decoding")
     e.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
-    e.add_argument("--kv-cache-gb", type=float, default=0.5)
-    e.add_argument("--kv-format", default="native",
-                   help="KV format of every row, the full cache's too (docs/kv_formats.md; under zip: the only policy is "
-                        "saliency-blocks)")
-    e.add_argument("--seed", type=int, default=0)
+    add_engine_args(e, ("kv_format", "kv_cache_memory_gb"), defaults={
+        "kv_cache_memory_gb": CommandDefault(
+        0.5, "one engine running one request at a time: the full cache of the default --contexts fits")})
+    e.add_argument("--seed", type=int, default=0, dest="workload_seed", metavar="SEED")   # the engine's: --engine-seed
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     e.set_defaults(run=run_eval_budget)
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvserve.plan.formats import BLOCK_SIZE, COMPUTE_FORMATS, FORMATS
+from kvserve.plan.formats import COMPUTE_FORMATS
 from kvserve.plan.models import ModelShape, load_gguf, load_model_shape, resolve_model
 from kvserve.plan.planner import GIB, KVLayout, PlanRequest, make_plan
 from kvserve.plan.report import plan_to_dict, render_formats, render_models, render_plan
@@ -77,7 +77,9 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """``kvserve plan``'s parser, less the engine's own flags (--kv-format, --block-size,
+    --weight-format): kvserve/cli.py adds those from kvserve/options.py, a floor above plan/."""
     p = sub.add_parser("plan", help="KV memory planner: bytes per token/sequence/batch, what fits, "
                                     "prefix sharing, offload tiers",
                        description=__doc__, epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,20 +93,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="print the bytes of every KV format at the model's head dim and exit")
     p.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's max context)")
     p.add_argument("--batch", type=int, default=1, help="concurrent sequences of --context tokens (default 1)")
-    p.add_argument("--kv-format", default="fp16",
-                   help=f"KV storage format: any spec the engine's --kv-format takes, e.g. {', '.join(FORMATS)}, "
-                        "int4g64+had, '0-1=fp16;2-=kivi2' (default fp16)")
     p.add_argument("--key-format", default=None, help="override the K half's format (a codec, e.g. int8)")
     p.add_argument("--value-format", default=None, help="override the V half's format (a codec, e.g. int4)")
     p.add_argument("--compute-dtype", default="fp16", choices=list(COMPUTE_FORMATS),
-                   help="the engine's compute dtype: of KIVI's residual (the open block of each sequence) and, "
-                        "with --weight-format, of native weights and the norms (default fp16; an engine on "
-                        "the CPU computes in fp32)")
-    p.add_argument("--weight-format", default=None,
-                   help="count the weights in an engine --weight-format: native, int8, int8-gG, int8-ch, int4, int4-gG, "
-                        "...+outN, or gguf (the blocks of a .gguf given with --config); auto: gguf for a "
-                        "quantized .gguf, else native (the default with --device-gb)")
-    p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"tokens per block (default {BLOCK_SIZE})")
+                   help="the engine's compute dtype: of native KV (--kv-format's default, as the engine's), of "
+                        "KIVI's residual (the open block of each sequence) and, with --weight-format, of native "
+                        "weights and the norms (default fp16; an engine on the CPU computes in fp32)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--memory-gb", type=float, default=None, help="device KV budget in GiB")
     budget.add_argument("--device-gb", type=float, default=None,
@@ -118,3 +112,4 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the plan as JSON to PATH ('-': print JSON instead of the table)")
     p.set_defaults(run=run_plan)
+    return p

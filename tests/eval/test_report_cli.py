@@ -72,4 +72,4 @@ def test_units_put_the_dense_transformers_run_before_its_quantized_caches():
 
 def test_capacity_command_line():
     args = build_parser().parse_args(["bench", "capacity", "--format", "kivi2", "--kv-cache-gb", "0.1"])
-    assert args.format == ["kivi2"] and args.kv_cache_gb == 0.1 and args.prompt_tokens == 1000
+    assert args.format == ["kivi2"] and args.kv_cache_memory_gb == 0.1 and args.prompt_tokens == 1000

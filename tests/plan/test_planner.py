@@ -305,6 +305,18 @@ def test_cli_lists_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "format k:int8,v:int4" in capsys.readouterr().out
 
 
+def test_cli_kv_format_defaults_to_the_engines_native_the_compute_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    """No --kv-format plans the engine's default, native: the compute dtype's bytes, fp16 unless
+    --compute-dtype says otherwise (a CPU engine's fp32 KV is twice as large)."""
+    def plan(*args: str) -> dict:
+        assert main(["plan", "--model", "llama-3-8b", "--context", "1000", *args, "--json", "-"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert plan() == plan("--kv-format", "native") == plan("--kv-format", "fp16")
+    fp32 = plan("--compute-dtype", "fp32")
+    assert fp32["kv_format"] == "fp32" and fp32["bytes_per_token"] == 2 * plan()["bytes_per_token"]
+
+
 # --- one source: the engine's codecs ------------------------------------------------------------
 
 def test_engine_specs_are_planned_from_their_codecs() -> None:

@@ -1,7 +1,7 @@
 """An engine's weight format (spec.py), chosen and built: which kernel multiplies packed weights
 on this device, and how each loaded matrix becomes a product.
 
-    make_products("auto", loaded, device, dtype, linear)  -> Products (kvserve/model/linear.py)
+    make_products(parse_weight_format("auto"), loaded, device, dtype, linear)  -> Products (kvserve/model/linear.py)
 
 ``gguf`` keeps the file's blocks where every part of a product (Q, K and V; gate and up) is in a
 type a kernel reads, and dequantizes the product otherwise (one log line per cause). ``int8`` /
@@ -24,7 +24,7 @@ from kvserve.model.cpu_extension import load_extension
 from kvserve.model.formats.cpu import CpuKernel
 from kvserve.model.formats.kernel import QuantKernel
 from kvserve.model.formats.packing import Outliers, PackedWeight, quantize_int4, quantize_int8, stack
-from kvserve.model.formats.spec import WeightFormat, parse_weight_format
+from kvserve.model.formats.spec import WeightFormat
 from kvserve.model.linear import DenseProduct, DenseProducts, Embedding, Linear, Product, Products, Weight, as_float
 from kvserve.model.loaded import LoadedModel
 
@@ -55,12 +55,11 @@ def has_packed(weights: Mapping[str, Weight]) -> bool:
     return any(isinstance(w, PackedWeight) for w in weights.values())
 
 
-def resolve(spec: str, loaded: LoadedModel, device: torch.device,
+def resolve(fmt: WeightFormat, loaded: LoadedModel, device: torch.device,
             dtype: torch.dtype) -> tuple[WeightFormat, QuantKernel | None]:
-    """The format ``spec`` names for this model and device, and its kernel (None for native).
+    """The format ``fmt`` comes to for this model and device, and its kernel (None for native).
     ``auto`` is gguf when the file has blocks a kernel here reads, else native; an explicit
     format that cannot run raises ValueError saying why."""
-    fmt = parse_weight_format(spec)
     if fmt.base == "native":
         return fmt, None
     packed = has_packed(loaded.weights)
@@ -81,10 +80,10 @@ def resolve(spec: str, loaded: LoadedModel, device: torch.device,
     return fmt, kernel
 
 
-def make_products(spec: str, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+def make_products(fmt: WeightFormat, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                   linear: Linear) -> Products:
-    """The products of ``loaded`` in the format ``spec`` (ValueError when it cannot run here)."""
-    fmt, kernel = resolve(spec, loaded, device, dtype)
+    """The products of ``loaded`` in the format ``fmt`` (ValueError when it cannot run here)."""
+    fmt, kernel = resolve(fmt, loaded, device, dtype)
     dense = DenseProducts(linear, device, dtype)
     if kernel is None:
         return dense
