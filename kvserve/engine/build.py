@@ -28,7 +28,7 @@ from kvserve.attention.cpu_writes import CpuWrites
 from kvserve.blend.admission import BlendAdmission
 from kvserve.blend.blender import Blender
 from kvserve.blend.calibrated import resolve_selection
-from kvserve.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.checks import SLIDING_NO_BUDGETS, RequestChecks
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.model_runner import ModelRunner
@@ -53,16 +53,15 @@ from kvserve.model.families import build_decoder
 from kvserve.model.formats.build import make_products
 from kvserve.model.formats.spec import WeightFormat, parse_weight_format
 from kvserve.model.linear import make_linear
-from kvserve.model.loader import LoadedModel, default_cache_dir, load_model
+from kvserve.model.loader import LoadedModel, default_cache_dir
 from kvserve.offload.base import Transport
 from kvserve.offload.tiered import open_transports
 from kvserve.sampling.sampler import Sampler
 from kvserve.sampling.structured import GrammarCompiler
 from kvserve.scheduler.policies import policy_class
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.speculative.drafters import DraftModelProposer, ModelProposer, SelfProposer, TokenPass
-from kvserve.speculative.proposers import make_proposer
-from kvserve.speculative.speculator import PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S, Speculation, Speculator
+from kvserve.speculative.build import Drafting, make_speculator
+from kvserve.speculative.speculator import Speculation
 
 log = logging.getLogger("kvserve")
 
@@ -220,8 +219,8 @@ def build_parts(config: EngineConfig, weights: WeightFormats, loaded: LoadedMode
         weight_format=products.name, fingerprint=fingerprint, kv_format=kv_format, model_card=model_card, kv=kv,
         scheduler=scheduler, runner=ModelRunner(model, storage, kv, budgets, attention),
         sampler=Sampler(config.seed, eos), grammars=grammars, attention=attention,
-        speculator=_make_speculator(config, budgets, max_model_len,
-                                    _Drafting(loaded, model, storage, kv, draft, weights.drafting, device, dtype)),
+        speculator=make_speculator(config, budgets, max_model_len,
+                                   Drafting(loaded, model, storage, kv, draft, weights.drafting, device, dtype)),
         checks=RequestChecks(budgets, grammars, mc.vocab_size, mc.has_sliding_layers),
         blending=BlendAdmission(blender, kv, scheduler, _blend_step_tokens(config)),
         outputs=OutputProcessor(loaded.tokenizer, frozenset(mc.eos_token_ids), max_model_len))
@@ -254,86 +253,6 @@ def fit_max_model_len(fit: str | None, kv: KVCacheManager, max_model_len: int, b
         f"so a request without max_tokens could never run. Give --max-model-len {fits} (or less), a KV cache of "
         f"{needed} blocks or more (--kv-cache-gb {gib:.2f}, or --num-kv-blocks {needed}), or --max-model-len-fit "
         f"lower to start with max_model_len {fits}")
-
-
-@dataclass(frozen=True)
-class _Drafting:
-    """What a model proposer is built from: the served model and its cache, a loaded draft model."""
-
-    loaded: LoadedModel
-    model: Decoder
-    storage: KVStorage
-    kv: KVCacheManager
-    draft: LoadedModel | None
-    weight_format: WeightFormat         # of a drafting model built here (WeightFormats.drafting)
-    device: torch.device
-    dtype: torch.dtype
-
-
-def _make_speculator(config: EngineConfig, budgets: Budgets, max_model_len: int,
-                     drafting: _Drafting) -> Speculation:
-    spec = config.speculative
-    if spec is None:
-        return Speculation()
-    proposer = make_proposer(spec) if spec.method == "ngram" else _make_model_proposer(config, spec, drafting)
-    whole_blocks = drafting.storage.residual.num_rows > 0       # a format that encodes whole blocks
-    return Speculator(spec, proposer, budgets, max_model_len, config.cache.block_size if whole_blocks else None)
-
-
-def _make_model_proposer(config: EngineConfig, spec: SpeculativeConfig, d: _Drafting) -> ModelProposer:
-    """The ``self`` or ``draft`` proposer: its model (the served weights shared, or in the format
-    ``spec.quantization`` names), the layers it runs, and for ``draft`` its own cache."""
-    cc = config.cache
-    if spec.method == "self":
-        loaded, model = d.loaded, d.model
-    else:
-        loaded = d.draft if d.draft is not None else load_model(spec.model)
-        _check_draft_model(d.loaded, loaded)
-        model = None
-    if model is None or spec.quantization is not None:
-        products = make_products(d.weight_format, loaded, d.device, d.dtype,
-                                 make_linear(config.linear_backend, d.device, d.dtype))
-        model = build_decoder(loaded.config, loaded.weights, d.device, d.dtype, products)
-    num_layers = loaded.config.num_layers
-    skip = spec.skip_layers if spec.skip_layers is not None else (default_skip_layers(num_layers)
-                                                                  if spec.method == "self" else ())
-    bad = [i for i in skip if i >= num_layers]
-    if bad or len(skip) >= num_layers:
-        raise ValueError(f"speculative config: skip_layers {list(skip)} must name layers below {num_layers} and "
-                         f"leave at least one")
-    layers = [i for i in range(num_layers) if i not in set(skip)]
-    # a drafting pass's prior cost: a step's, for the layers it runs (measured passes take over)
-    share = len(layers) / d.loaded.config.num_layers
-    prior = (PRIOR_STEP_BASE_S * share, PRIOR_STEP_ROW_S * share)
-    backend = make_attention_backend(config.attention_backend, d.device)
-    if spec.method == "self":
-        log.info("self-drafting proposer: weights %s, %d of %d layers (%s left out)", model.products.name,
-                 len(layers), num_layers, list(skip) or "none")
-        return SelfProposer(TokenPass(model, d.storage, backend, layers), d.kv, *prior)
-    storage = make_storage(loaded.config, parse_kv_format("native", num_layers, d.dtype,
-                                                          head_dim=loaded.config.head_dim),
-                           replace(cc, num_blocks=d.storage.num_blocks), config.scheduler,
-                           d.dtype, d.device, CpuWrites.for_storage)
-    log.info("draft-model proposer: %s, weights %s, %d of %d layers, its own cache of %d blocks (%.1f MiB)",
-             loaded.source, model.products.name, len(layers), num_layers, storage.num_blocks, storage.nbytes / 2**20)
-    return DraftModelProposer(TokenPass(model, storage, backend, layers), storage.num_blocks, cc.block_size,
-                              loaded.config.max_position_embeddings, *prior)
-
-
-def default_skip_layers(num_layers: int) -> tuple[int, ...]:
-    """The self draft's layers left out by default: every other one of the middle half."""
-    return tuple(range(num_layers // 4, num_layers - num_layers // 4, 2))
-
-
-def _check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
-    """A draft model must speak the target's vocabulary: the same size, the same tokenizer."""
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"the draft model {draft.source} has a vocabulary of {draft.config.vocab_size} tokens; "
-                         f"the served model's has {target.config.vocab_size}: they must be the same")
-    if target.tokenizer is not None and draft.tokenizer is not None and \
-            target.tokenizer.to_tokenizer_json() != draft.tokenizer.to_tokenizer_json():
-        raise ValueError(f"the draft model {draft.source} has another tokenizer than the served model's: "
-                         f"drafts would name other tokens")
 
 
 def _attention_backend(name: str, device: torch.device, kv_format: KVFormat, mixes_domains: bool) -> AttentionBackend:
