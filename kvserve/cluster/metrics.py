@@ -18,6 +18,7 @@ old); the router's outcomes and the ingress's retries are counted here as they h
 | `kvserve_cluster_time_to_first_output_seconds` | at the ingress: routing, queueing and prefill |
 | `kvserve_cluster_replica_write_through_blocks_total{replica,tier}` | blocks written through |
 | `kvserve_cluster_replica_segment_tokens_total{replica,kind}` | prompts given with segments: `reused` tokens whose KV came from a stored segment, `stored` segment tokens computed standalone and stored |
+| `kvserve_cluster_tenant_cached_blocks{replica,tenant}`, `kvserve_cluster_tenant_pins{replica,tenant}` | each configured tenant's device blocks and pinned prefixes per replica, `replica="fleet"` their sum (counts only, never a key or a salt) |
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class FleetMetrics:
 
     def __init__(self, poll_s: float = 1.0, tenants: tuple[str, ...] = ()) -> None:
         self.server = ServerMetrics(tenants)
+        self.tenants = tuple(sorted(set(tenants)))
         r = self.server.registry
         self.poll_s = poll_s
         self.replica_stats: dict[str, Any] = {}      # replica id -> its ReplicaStats (last poll)
@@ -145,6 +147,8 @@ class _FleetCollector(Collector):
             rates.add_metric([FLEET, tier], n / fleet_query if fleet_query else 0.0)
         rates.add_metric([FLEET, "all"], sum(fleet_hits.values()) / fleet_query if fleet_query else 0.0)
         yield from (queues, queries, hits, rates, written, segments)
+        if self.fleet.tenants:
+            yield from _tenant_metrics(stats, self.fleet.tenants)
         routed = CounterMetricFamily("kvserve_cluster_routed_requests", "Requests by the replica that served them "
                                      "and the routing outcome (holder, away, cold)", labels=["replica", "outcome"])
         for (replica, outcome), n in sorted(self.fleet.outcomes.items()):
@@ -157,3 +161,25 @@ class _FleetCollector(Collector):
         yield GaugeMetricFamily("kvserve_cluster_routed_to_holder_ratio", "Requests sent to the replica holding "
                                 "the most of their KV, over those some replica held",
                                 by_outcome["holder"] / decided if decided else 0.0)
+
+
+def _tenant_metrics(stats: dict[str, Any], tenants: tuple[str, ...]) -> Iterator[Metric]:
+    """Each tenant's share of each replica's device cache, and of the fleet's: counts only."""
+    blocks = GaugeMetricFamily("kvserve_cluster_tenant_cached_blocks", "Device KV blocks holding a key of the "
+                               "tenant's namespaces (used or not), per replica; replica=fleet sums them",
+                               labels=["replica", "tenant"])
+    pinned = GaugeMetricFamily("kvserve_cluster_tenant_pins", "The tenant's pinned prefixes per replica; "
+                               "replica=fleet sums them", labels=["replica", "tenant"])
+    fleet_blocks: Tally[str] = Tally()
+    fleet_pins: Tally[str] = Tally()
+    for replica, s in stats.items():
+        cached, pins = dict(s.engine.kv_cached_blocks_by_tenant), dict(s.engine.pins.pins_by_tenant)
+        for tenant in tenants:
+            blocks.add_metric([replica, tenant], cached.get(tenant, 0))
+            pinned.add_metric([replica, tenant], pins.get(tenant, 0))
+            fleet_blocks[tenant] += cached.get(tenant, 0)
+            fleet_pins[tenant] += pins.get(tenant, 0)
+    for tenant in tenants:
+        blocks.add_metric([FLEET, tenant], fleet_blocks[tenant])
+        pinned.add_metric([FLEET, tenant], fleet_pins[tenant])
+    yield from (blocks, pinned)
