@@ -205,7 +205,7 @@ def build_parts(config: EngineConfig, weights: WeightFormats, loaded: LoadedMode
     model_card = ModelCard(loaded.tokenizer, mc.vocab_size, max_model_len, cc.block_size, extra_key, preamble)
     eos = sorted(mc.eos_token_ids)
     tokenizer_json = loaded.tokenizer.to_tokenizer_json() if loaded.tokenizer is not None else None
-    scheduler = Scheduler(config.scheduler, kv, tiering)
+    scheduler = Scheduler(config.scheduler, kv, tiering, whole_blocks=storage.residual.num_rows > 0)
     # a prompt's own selection resolves as the option does (the closure holds the fingerprint,
     # not the loaded model's weights)
     resolve = functools.partial(resolve_selection, query_layer=cc.blend_query_layer, fingerprint=loaded.fingerprint)

@@ -69,9 +69,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, tiering: Tiering | None = None) -> None:
-        """``tiering``: the one ``kv`` looks up and demotes through (none: no tiers)."""
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, tiering: Tiering | None = None,
+                 whole_blocks: bool = False) -> None:
+        """``tiering``: the one ``kv`` looks up and demotes through (none: no tiers).
+        ``whole_blocks``: the KV format encodes some half a whole block at a time (KIVI's keys,
+        ``+outN``): a prefill chunk that stops short of the prompt's end then ends on a block
+        boundary (``_chunk``)."""
         self.config = config
+        # a query before its block's last slot reads the block encoded when its step fills the
+        # block, else the block's full-precision residual row: chunks cut at block boundaries fill
+        # every prompt block in the step of its queries, however the budget cuts the prompt
+        self.align = kv.block_size if whole_blocks and config.max_num_batched_tokens >= kv.block_size else 1
         self.kv = kv
         self.tiering = tiering if tiering is not None else NoTiering()
         self.waiting: list[Request] = []
@@ -154,7 +162,9 @@ class Scheduler:
                 num_new, num_rows, cost = req.blend_rows.chunk(req.num_computed_tokens, rows_budget,
                                                                self.config.max_num_batched_tokens)
             else:
-                num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+                num_new = self._chunk(req.num_computed_tokens, req.num_tokens, budget)
+                if num_new == 0:
+                    continue        # the budget left ends before its next block boundary
             draft = tuple(drafts.get(req.request_id, ()))[:budget - 1] if num_new == 1 and num_rows is None else ()
             if draft and self.kv.try_allocate(req, 1 + len(draft)):
                 out.chunks.append(ScheduledChunk(req, 1 + len(draft), draft))
@@ -179,8 +189,12 @@ class Scheduler:
             req.waited_steps += 1
         return out
 
-    def _chunk(self, num_tokens: int, budget: int) -> int:
-        return min(num_tokens, budget)
+    def _chunk(self, start: int, end: int, budget: int) -> int:
+        """Tokens to compute from ``start`` toward ``end`` within ``budget``; short of ``end``, the
+        chunk ends on a multiple of ``align`` (0 when the budget does not reach one)."""
+        if end - start <= budget:
+            return end - start
+        return max(0, (start + budget) // self.align * self.align - start)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         policy = self.policy
@@ -206,11 +220,12 @@ class Scheduler:
                 admitted += 1
                 continue
             # tier hits cost no compute budget: they are loaded, not computed
-            num_left = req.num_tokens - match.num_blocks * self.kv.block_size
+            start = match.num_blocks * self.kv.block_size
+            num_left = req.num_tokens - start
             if not self.config.enable_chunked_prefill and num_left > budget:
                 break
-            num_new = self._chunk(num_left, budget)
-            if not self.kv.try_allocate(req, num_new, match):
+            num_new = self._chunk(start, req.num_tokens, budget)
+            if num_new == 0 or not self.kv.try_allocate(req, num_new, match):
                 break
             # a load that stops early leaves its blocks to compute: the chunk starts earlier
             self._start(req, self.tiering.load(match.tier_run, self.kv.load_targets(req, match)))

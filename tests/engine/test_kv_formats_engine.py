@@ -71,6 +71,21 @@ def test_the_cpu_kernel_gives_the_torch_paths_tokens(loaded, fmt):
     kernel.engine.check_integrity()
 
 
+@pytest.mark.parametrize("fmt", ["kivi2g8", "int4g8+out2", "int8"])
+def test_the_kernel_gives_the_same_bits_however_the_budget_cuts_the_prompt(loaded, fmt):
+    """A query before its block's last slot reads a whole-block half (KIVI's keys, +outN) encoded
+    when its step fills the block, else the block's full-precision residual row; chunks that stop
+    short of the prompt's end end on block boundaries, so the answer is the same to the bit under
+    any budget (6, 12, 16 and 64 tokens; blocks of 4)."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    runs = [LLM(loaded=loaded, kv_format=fmt, enable_prefix_caching=False, num_kv_blocks=256, block_size=4,
+                attention_backend="cpu", max_num_batched_tokens=budget).generate(prompts()[:4], params)
+            for budget in (6, 12, 16, 64)]
+    first = [[(lp.token_id, lp.logprob) for lp in o.logprobs] for o in runs[0]]
+    for run in runs[1:]:
+        assert [[(lp.token_id, lp.logprob) for lp in o.logprobs] for o in run] == first
+
+
 def test_an_aborted_request_under_the_kernel_leaves_nothing_behind(loaded):
     llm = LLM(loaded=loaded, kv_format="kivi2g8", num_kv_blocks=64, attention_backend="cpu")
     e = llm.engine

@@ -16,9 +16,9 @@ def make(rid: str, tokens: list[int], seq: int, priority: int = 0) -> Request:
     return Request(rid, tokens, SamplingParams(), arrival_seq=seq, priority=priority)
 
 
-def scheduler(num_blocks: int = 32, block_size: int = 4, **cfg) -> Scheduler:
+def scheduler(num_blocks: int = 32, block_size: int = 4, whole_blocks: bool = False, **cfg) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks, block_size), make_extra_key("m", "native"))
-    return Scheduler(SchedulerConfig(**cfg), kv)
+    return Scheduler(SchedulerConfig(**cfg), kv, whole_blocks=whole_blocks)
 
 
 def step(s: Scheduler, sampled: int = 7) -> list[tuple[str, int]]:
@@ -38,6 +38,27 @@ def test_token_budget_chunks_prefills_and_decodes_go_first():
     assert step(s) == [("a", 10)]
     assert step(s) == [("a", 3), ("b", 5)]
     assert step(s) == [("a", 1), ("b", 1)]    # both decode in one step
+
+
+def test_under_a_whole_block_format_chunks_end_on_block_boundaries():
+    """The budget of 10 as above, blocks of 4: a chunk short of its prompt's end stops at a block
+    boundary; a request whose next boundary the budget left does not reach waits a step."""
+    s = scheduler(max_num_batched_tokens=10, policy="fcfs", whole_blocks=True)
+    s.add(make("a", list(range(13)), 0))
+    s.add(make("b", list(range(100, 115)), 1))
+    assert step(s) == [("a", 8)]                    # not 10: 8 is the last boundary within it
+    assert step(s) == [("a", 5), ("b", 4)]          # a's end; b up to its first boundary (5 left)
+    assert step(s) == [("a", 1), ("b", 8)]
+    assert step(s) == [("a", 1), ("b", 3)]          # b's end needs no boundary
+    # what is left of the budget reaches no boundary of b's: b is not admitted yet
+    w = scheduler(max_num_batched_tokens=6, policy="fcfs", whole_blocks=True)
+    w.add(make("a", list(range(7)), 0))
+    w.add(make("b", list(range(100, 109)), 1))
+    assert [step(w) for _ in range(4)] == [[("a", 4)], [("a", 3)], [("a", 1), ("b", 4)], [("a", 1), ("b", 5)]]
+    # a budget below one block cannot align: chunks are cut as without the format
+    tiny = scheduler(max_num_batched_tokens=3, policy="fcfs", whole_blocks=True)
+    tiny.add(make("c", list(range(7)), 0))
+    assert [step(tiny) for _ in range(3)] == [[("c", 3)], [("c", 3)], [("c", 1)]]
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
