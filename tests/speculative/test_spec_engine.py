@@ -77,7 +77,8 @@ def test_greedy_tokens_equal_plain_decoding(loaded, kv_format, backend, config):
     assert spec.kv.num_free_blocks == spec.kv.num_blocks
 
 
-def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded):
+@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded, config):
     ps = prompts(1, 8)
     shared = ps[0][:40]
     work = [(p, GREEDY) for p in ps]
@@ -86,7 +87,7 @@ def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded):
              (ps[2], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)),   # short max_tokens
              (ps[3], SamplingParams(max_tokens=48, temperature=0.0, logprobs=2, ignore_eos=True))]
     plain = LLM(loaded=loaded, num_kv_blocks=96).engine
-    spec = drafting(LLM(loaded=loaded, num_kv_blocks=96, speculative_config=NGRAM).engine)
+    spec = drafting(LLM(loaded=loaded, num_kv_blocks=96, speculative_config=config).engine)
     want = run(plain, work)
     # a stop token met while speculating: the output is cut at the same place
     stop_at = want["r0"].token_ids[20]
@@ -107,11 +108,12 @@ def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded):
     assert any(o.num_cached_tokens > 0 for o in got.values())
 
 
-def test_preemption_and_aborts_mid_speculation(loaded):
+@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_preemption_and_aborts_mid_speculation(loaded, config):
     work = [(p, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)) for p in prompts(2, 8)]
     options = {"num_kv_blocks": 14, "max_num_batched_tokens": 64, "enable_prefix_caching": False}
     want = run(LLM(loaded=loaded, **options).engine, work)
-    spec = drafting(LLM(loaded=loaded, speculative_config=NGRAM, **options).engine)
+    spec = drafting(LLM(loaded=loaded, speculative_config=config, **options).engine)
     got = run(spec, work, abort_at={6: "r3", 11: "r5"})
     assert spec.scheduler.num_preemptions > 0 and spec.stats().spec.num_accepted_tokens > 0
     assert tokens(got) == {rid: t for rid, t in tokens(want).items() if rid not in ("r3", "r5")}
