@@ -439,9 +439,11 @@ class RedisConfig:
 
 TierConfig = HostConfig | DiskConfig | RedisConfig
 TIER_CONFIGS: tuple[type[TierConfig], ...] = (HostConfig, DiskConfig, RedisConfig)   # lookup order
-SPEC_METHODS = ("ngram", "self", "draft")    # kvserve/speculative/proposers.py, kvserve/speculative/drafters.py
+SPEC_METHODS = ("ngram", "suffix", "self", "draft")    # kvserve/speculative/: proposers.py, suffix.py, drafters.py
 _NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
+_SUFFIX_KEYS = ("suffix_max_depth", "suffix_min_match", "suffix_min_prob", "suffix_max_global_tokens")
 _MODEL_KEYS = ("quantization", "skip_layers")
+_METHOD_KEYS = {"ngram": _NGRAM_KEYS, "suffix": _SUFFIX_KEYS, "self": _MODEL_KEYS, "draft": _MODEL_KEYS}
 
 
 @dataclass(frozen=True)
@@ -451,6 +453,11 @@ class SpeculativeConfig:
 
     ``ngram`` (prompt lookup) proposes what followed the most recent earlier occurrence of the
     last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens of the prompt and output.
+    ``suffix`` (suffix decoding) counts the substrings of up to ``suffix_max_depth`` tokens of
+    each request's prompt and output and of finished requests' outputs (the last
+    ``suffix_max_global_tokens`` tokens of them), matches the longest suffix of at least
+    ``suffix_min_match`` tokens and drafts the most frequent continuation while each token's
+    share of what followed there is at least ``suffix_min_prob``.
     ``self``: the served model drafts, over its own KV cache, with the layers in
     ``skip_layers`` left out and its weights in the format ``quantization`` names (default:
     the served weights themselves, shared). ``draft``: the model at ``model`` (same vocabulary)
@@ -462,6 +469,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    suffix_max_depth: int = 32                   # suffix: the longest substring counted (match + draft)
+    suffix_min_match: int = 2                    # suffix: the fewest last tokens a match takes
+    suffix_min_prob: float = 0.1                 # suffix: a drafted token's least share of what followed
+    suffix_max_global_tokens: int = 32768        # suffix: finished outputs' tokens kept (0: none)
     model: str | None = None                     # draft: the drafting model (a path or name, as --model)
     quantization: str | None = None              # self / draft: the drafting weights' format (--weight-format)
     skip_layers: tuple[int, ...] | None = None   # self / draft: layers the draft leaves out (None: the default)
@@ -469,11 +480,12 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
-        for name in ("num_speculative_tokens", *_NGRAM_KEYS):
+        for name in ("num_speculative_tokens", *_NGRAM_KEYS, "suffix_max_depth", "suffix_min_match"):
             _check_count(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        self._check_suffix()
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"speculative config: model must be a path or name, got {self.model!r}")
         if self.method != "draft" and self.model is not None:
@@ -488,6 +500,18 @@ class SpeculativeConfig:
                     or len(set(layers)) != len(layers):
                 raise ValueError(f"speculative config: skip_layers must be distinct layer indices >= 0, got {layers!r}")
             object.__setattr__(self, "skip_layers", tuple(sorted(layers)))
+
+    def _check_suffix(self) -> None:
+        p, cap = self.suffix_min_prob, self.suffix_max_global_tokens
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"speculative config: suffix_min_prob must be a number in [0, 1], got {p!r}")
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+            raise ValueError(f"speculative config: suffix_max_global_tokens must be an integer >= 0, got {cap!r}")
+        need = self.num_speculative_tokens + self.suffix_min_match
+        if self.method == "suffix" and self.suffix_max_depth < need:
+            raise ValueError(f"speculative config: suffix_max_depth ({self.suffix_max_depth}) must hold a match of "
+                             f"suffix_min_match ({self.suffix_min_match}) and a draft of num_speculative_tokens "
+                             f"({self.num_speculative_tokens}): at least {need}")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -505,7 +529,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if "method" not in data:
             raise ValueError(f"speculative config needs a method ({', '.join(SPEC_METHODS)})")
-        unused = [k for k in (_MODEL_KEYS if data["method"] == "ngram" else _NGRAM_KEYS) if k in data]
+        own = _METHOD_KEYS.get(data["method"], ())     # an unknown method is refused by name below
+        unused = [k for k in dict.fromkeys(k for keys in _METHOD_KEYS.values() for k in keys)
+                  if k in data and k not in own and data["method"] in _METHOD_KEYS]
         if unused:
             raise ValueError(f"speculative config: method {data['method']!r} does not use {', '.join(unused)}")
         return cls(**data)
@@ -559,7 +585,7 @@ class EngineConfig:
         flag="--write-through", group="offload"))
     speculative_config: str | None = field(default=None, metadata=opt(
         "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}; methods ngram, self, draft (docs/speculative.md); "
+        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}; methods ngram, suffix, self, draft (docs/speculative.md); "
         "a dict as a keyword",
         default_text="off", metavar="JSON"))
 

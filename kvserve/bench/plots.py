@@ -193,7 +193,7 @@ def plot_spec(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     """``bench spec``: tokens / s of plain and speculative decoding per workload and batch, with
     the bound (plain x mean accepted length); and the acceptance rate."""
     fig, (speed, acceptance) = _figure(2, "Speculative decoding vs plain decoding (greedy, same tokens)")
-    labels = [f"{r['workload']}\nbatch {r['batch']}" for r in rows]
+    labels = [f"{r['workload']}\nbatch {r['batch']}\n{r.get('method', '')}" for r in rows]
     _bars(speed, labels, {"plain": [r["plain_tok_s"] for r in rows], "speculative": [r["spec_tok_s"] for r in rows],
                           "bound": [r["bound_tok_s"] for r in rows]}, "tokens / s")
     _bars(acceptance, labels, {"acceptance (%)": [100 * r["acceptance"] for r in rows]}, "drafted tokens accepted (%)")

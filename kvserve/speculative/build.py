@@ -1,5 +1,5 @@
 """Speculative decoding's parts, built from the engine's config: the proposer by method (prompt
-lookup; the served model drafting over its own cache with some layers left out; a draft model
+lookup; suffix decoding; the served model drafting over its own cache with some layers left out; a draft model
 over a cache of its own) and the speculator that decides who drafts (engine/build.py calls
 ``make_speculator`` once)."""
 
@@ -25,8 +25,9 @@ from kvserve.model.formats.spec import WeightFormat
 from kvserve.model.linear import make_linear
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.speculative.drafters import DraftModelProposer, ModelProposer, SelfProposer, TokenPass
-from kvserve.speculative.proposers import make_proposer
+from kvserve.speculative.proposers import NgramProposer, Proposer
 from kvserve.speculative.speculator import PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S, Speculation, Speculator
+from kvserve.speculative.suffix import SuffixProposer
 
 log = logging.getLogger("kvserve")
 
@@ -52,9 +53,22 @@ def make_speculator(config: EngineConfig, budgets: Budgets, max_model_len: int,
     spec = config.speculative
     if spec is None:
         return Speculation()
-    proposer = make_proposer(spec) if spec.method == "ngram" else _model_proposer(config, spec, drafting)
+    proposer = make_proposer(spec) if spec.method in LOOKUP_METHODS else _model_proposer(config, spec, drafting)
     whole_blocks = drafting.storage.residual.num_rows > 0       # a format that encodes whole blocks
     return Speculator(spec, proposer, budgets, max_model_len, config.cache.block_size if whole_blocks else None)
+
+
+LOOKUP_METHODS = ("ngram", "suffix")     # proposers that look drafts up, no model
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The lookup proposer ``config.method`` names (SpeculativeConfig checked its keys)."""
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_max_depth, config.suffix_min_match, config.suffix_min_prob,
+                              config.suffix_max_global_tokens)
+    raise ValueError(f"no lookup proposer is named {config.method!r}")
 
 
 def _model_proposer(config: EngineConfig, spec: SpeculativeConfig, d: Drafting) -> ModelProposer:

@@ -19,7 +19,6 @@ from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Sequence
 
-from kvserve.config import SpeculativeConfig
 from kvserve.request import Request
 
 
@@ -51,6 +50,9 @@ class Proposer(ABC):
 
     def forget(self, request_id: str) -> None:
         """Drop what the proposer keeps for a finished request (nothing by default)."""
+
+    def clear_history(self) -> None:
+        """Drop what was learnt from finished requests, so that a measurement starts cold."""
 
     def check_integrity(self) -> None:
         """Check what the proposer holds (a draft model's cache)."""
@@ -99,9 +101,3 @@ def _rfind_aligned(haystack: bytes, needle: bytes, itemsize: int, end: int) -> i
             return at // itemsize
         end = at + len(needle) - 1      # a match straddling two ids: look further left
 
-
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer ``config.method`` names (SpeculativeConfig checked the name)."""
-    if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"no proposer is named {config.method!r}")

@@ -140,6 +140,9 @@ class Speculation:
     def forget(self, request_id: str) -> None:
         """Drop what is kept for a finished request."""
 
+    def clear_history(self) -> None:
+        """Drop what the proposer learnt from finished requests (measurements start cold)."""
+
     def check_integrity(self) -> None:
         """Check what the proposer holds."""
 
@@ -261,6 +264,9 @@ class Speculator(Speculation):
         self.proposer.forget(request_id)
         self._acceptance.pop(request_id, None)
         self._probe_every.pop(request_id, None)
+
+    def clear_history(self) -> None:
+        self.proposer.clear_history()
 
     def check_integrity(self) -> None:
         self.proposer.check_integrity()

@@ -7,7 +7,8 @@ import pytest
 from kvserve.config import SpeculativeConfig
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.speculative.proposers import NgramProposer, make_proposer
+from kvserve.speculative.build import make_proposer
+from kvserve.speculative.proposers import NgramProposer
 
 
 def request(ids: list[int], rid: str = "r") -> Request:

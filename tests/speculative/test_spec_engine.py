@@ -20,6 +20,7 @@ from kvserve.speculative.proposers import Proposer
 from kvserve.speculative.speculator import before_block_end
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
@@ -55,7 +56,8 @@ def tokens(outs: dict[str, RequestOutput]) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("kv_format", ["native", "fp16", "int8", "int4g8", "fp8"])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_greedy_tokens_equal_plain_decoding(loaded, kv_format, backend):
+@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_greedy_tokens_equal_plain_decoding(loaded, kv_format, backend, config):
     if kv_format == "fp8":
         from kvserve.kv.codecs import fp8_supported
         if not fp8_supported():
@@ -63,7 +65,7 @@ def test_greedy_tokens_equal_plain_decoding(loaded, kv_format, backend):
     work = [(p, GREEDY) for p in prompts(0)]
     options = {"num_kv_blocks": 64, "kv_format": kv_format, "attention_backend": backend}
     plain = LLM(loaded=loaded, **options).engine
-    spec = drafting(LLM(loaded=loaded, speculative_config=NGRAM, **options).engine)
+    spec = drafting(LLM(loaded=loaded, speculative_config=config, **options).engine)
     want, got = run(plain, work), run(spec, work)
     assert tokens(got) == tokens(want)
     stats = spec.stats().spec
@@ -75,7 +77,8 @@ def test_greedy_tokens_equal_plain_decoding(loaded, kv_format, backend):
     assert spec.kv.num_free_blocks == spec.kv.num_blocks
 
 
-def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded):
+@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded, config):
     ps = prompts(1, 8)
     shared = ps[0][:40]
     work = [(p, GREEDY) for p in ps]
@@ -84,7 +87,7 @@ def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded):
              (ps[2], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)),   # short max_tokens
              (ps[3], SamplingParams(max_tokens=48, temperature=0.0, logprobs=2, ignore_eos=True))]
     plain = LLM(loaded=loaded, num_kv_blocks=96).engine
-    spec = drafting(LLM(loaded=loaded, num_kv_blocks=96, speculative_config=NGRAM).engine)
+    spec = drafting(LLM(loaded=loaded, num_kv_blocks=96, speculative_config=config).engine)
     want = run(plain, work)
     # a stop token met while speculating: the output is cut at the same place
     stop_at = want["r0"].token_ids[20]
@@ -105,15 +108,30 @@ def test_a_mixed_batch_with_prefix_hits_stops_and_opt_outs(loaded):
     assert any(o.num_cached_tokens > 0 for o in got.values())
 
 
-def test_preemption_and_aborts_mid_speculation(loaded):
+@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_preemption_and_aborts_mid_speculation(loaded, config):
     work = [(p, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)) for p in prompts(2, 8)]
     options = {"num_kv_blocks": 14, "max_num_batched_tokens": 64, "enable_prefix_caching": False}
     want = run(LLM(loaded=loaded, **options).engine, work)
-    spec = drafting(LLM(loaded=loaded, speculative_config=NGRAM, **options).engine)
+    spec = drafting(LLM(loaded=loaded, speculative_config=config, **options).engine)
     got = run(spec, work, abort_at={6: "r3", 11: "r5"})
     assert spec.scheduler.num_preemptions > 0 and spec.stats().spec.num_accepted_tokens > 0
     assert tokens(got) == {rid: t for rid, t in tokens(want).items() if rid not in ("r3", "r5")}
     assert spec.kv.num_free_blocks == spec.kv.num_blocks
+
+
+def test_suffix_drafts_a_finished_requests_answer(loaded):
+    """The same request again: the outputs index holds the first one's answer, so the second
+    drafts more of it, and both give plain decoding's tokens."""
+    prompt = prompts(7, 1)[0]
+    want = LLM(loaded=loaded).generate([prompt], GREEDY)[0].token_ids
+    llm = LLM(loaded=loaded, speculative_config=SUFFIX)
+    drafting(llm.engine)
+    first, second = llm.generate([prompt], GREEDY)[0], llm.generate([prompt], GREEDY)[0]
+    assert first.token_ids == second.token_ids == want
+    assert second.num_accepted_tokens > first.num_accepted_tokens
+    assert second.num_accepted_tokens >= len(want) // 2
+    llm.engine.check_integrity()
 
 
 def test_bad_configs_are_refused(loaded):
@@ -133,14 +151,14 @@ def open_rows_held(engine: LLMEngine) -> tuple[set[int], set[int]]:
 
 @pytest.mark.parametrize("kv_format", ["kivi2g8", "kivi4g8", "int4g8+out2", "0=fp16;1-=kivi2g8"])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "self", "draft"])
 def test_formats_that_encode_whole_blocks_give_plain_decodings_tokens(loaded, kv_format, backend, method):
     """A block is encoded as its last slot is written (drafts stop short of a block's last slot
     but at a chunk's start); a block a drafting pass fills keeps its row until the step
     verifies it: the same tokens and cached keys as plain decoding, rows held by open blocks only."""
     work = [(p, GREEDY) for p in prompts(5)]
     options = {"num_kv_blocks": 64, "kv_format": kv_format, "attention_backend": backend}
-    config = NGRAM if method == "ngram" else {"method": method, "num_speculative_tokens": 4}
+    config = {"ngram": NGRAM, "suffix": SUFFIX}.get(method, {"method": method, "num_speculative_tokens": 4})
     if method == "self":
         config = {**config, "skip_layers": [1]}
     plain = LLM(loaded=loaded, **options).engine
