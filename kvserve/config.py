@@ -444,6 +444,7 @@ _NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 _SUFFIX_KEYS = ("suffix_max_depth", "suffix_min_match", "suffix_min_prob", "suffix_max_global_tokens")
 _MODEL_KEYS = ("quantization", "skip_layers")
 _METHOD_KEYS = {"ngram": _NGRAM_KEYS, "suffix": _SUFFIX_KEYS, "self": _MODEL_KEYS, "draft": _MODEL_KEYS}
+_ALL_METHOD_KEYS = (*_NGRAM_KEYS, *_SUFFIX_KEYS, *_MODEL_KEYS)
 
 
 @dataclass(frozen=True)
@@ -529,9 +530,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if "method" not in data:
             raise ValueError(f"speculative config needs a method ({', '.join(SPEC_METHODS)})")
-        own = _METHOD_KEYS.get(data["method"], ())     # an unknown method is refused by name below
-        unused = [k for k in dict.fromkeys(k for keys in _METHOD_KEYS.values() for k in keys)
-                  if k in data and k not in own and data["method"] in _METHOD_KEYS]
+        own = _METHOD_KEYS.get(data["method"])     # None: an unknown method, refused by name below
+        unused = [] if own is None else [k for k in _ALL_METHOD_KEYS if k in data and k not in own]
         if unused:
             raise ValueError(f"speculative config: method {data['method']!r} does not use {', '.join(unused)}")
         return cls(**data)

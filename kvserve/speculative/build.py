@@ -30,6 +30,7 @@ from kvserve.speculative.speculator import PRIOR_STEP_BASE_S, PRIOR_STEP_ROW_S, 
 from kvserve.speculative.suffix import SuffixProposer
 
 log = logging.getLogger("kvserve")
+LOOKUP_METHODS = ("ngram", "suffix")     # proposers that look drafts up, no model
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,6 @@ def make_speculator(config: EngineConfig, budgets: Budgets, max_model_len: int,
     proposer = make_proposer(spec) if spec.method in LOOKUP_METHODS else _model_proposer(config, spec, drafting)
     whole_blocks = drafting.storage.residual.num_rows > 0       # a format that encodes whole blocks
     return Speculator(spec, proposer, budgets, max_model_len, config.cache.block_size if whole_blocks else None)
-
-
-LOOKUP_METHODS = ("ngram", "suffix")     # proposers that look drafts up, no model
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
