@@ -21,9 +21,17 @@
 // is ever taken: a lane is one output. Float work is per (row, tile, block): one or two fused
 // multiply-adds. A row's result never depends on the other rows of the batch (tested).
 //
-// Decode (up to kMaxRows rows) unpacks each block into registers and uses it for every row;
-// longer batches (prefill chunks) unpack a whole tile once into L1-sized scratch and run the
-// rows over it kMaxRows at a time. Tiles are spread over the OpenMP threads (torch's runtime).
+// With AVX2 (no VNNI) a half block's products of unsigned codes are summed as int16 pairs, as
+// maddubs leaves them, and widened to int32 once (exact, see Part in qvec.h).
+//
+// Decode (up to kMaxRows rows) unpacks each block and uses it for every row: with AVX2, one or
+// two rows take its codes pair of vectors by pair of vectors as they are unpacked, in registers
+// (a whole unpacked block is 16 vectors, all the registers AVX2 has: it spilled to the
+// stack and was read back); more rows share a block unpacked once. Longer batches (prefill
+// chunks) unpack a whole tile once into L1-sized scratch and run the rows over it kMaxRows at a
+// time. Every path does the same integer sums and the same float operations in the same order,
+// so a row's result never depends on its batch. Tiles are spread over the OpenMP threads
+// (torch's runtime).
 #pragma once
 
 #include <omp.h>
@@ -149,48 +157,52 @@ inline void quantize_row(const float* y, int64_t K, int8_t* q, float* d, float* 
 
 // ---- one (tile, block) of weights, unpacked ----------------------------------------
 
-struct Prepared {
-  Codes w[8];
+struct Scales {
   F16 scale;   // per lane: grouped kinds the scale; Q4_K / Q5_K d x sc; Q6_K d
   F16 min;     // Q4_1 / Q5_1 the minimum; Q4_K / Q5_K -(dmin x m)
   I16 sc0, sc1;  // Q6_K: the two 16-column sub-blocks' integer scales
 };
 
-template <int KIND>
-inline void prepare(const Segment& s, int64_t t, int64_t b, Prepared& p) {
-  const int64_t KB = s.K / kBlock;
-  const int64_t tb = t * KB + b;
-  const uint8_t* c = s.codes + tb * code_bytes(KIND);
-  if (KIND == Q8_0) {
-    for (int j = 0; j < 8; ++j) p.w[j] = load_codes(c + 64 * j);
+struct Prepared {
+  Codes w[8];
+  Scales sc;
+};
+
+// Vectors J and J + 4 of a (tile, block) as 8-bit codes: c its codes, hp the vectors of its
+// high-bit plane (Q6_K two, the Q5 kinds one).
+template <int KIND, int J>
+inline void unpack_pair(const uint8_t* c, const Codes* hp, Codes& lo, Codes& hi) {
+  if constexpr (KIND == Q8_0) {
+    lo = load_codes(c + 64 * J);
+    hi = load_codes(c + 64 * (J + 4));
   } else {
-    for (int j = 0; j < 4; ++j) {
-      const Codes packed = load_codes(c + 64 * j);
-      p.w[j] = low_nibbles(packed);
-      p.w[j + 4] = high_nibbles(packed);
+    const Codes packed = load_codes(c + 64 * J);
+    lo = low_nibbles(packed);
+    hi = high_nibbles(packed);
+    if constexpr (KIND == Q6_K) {
+      lo = with_high2<J>(lo, hp[0]);
+      hi = with_high2<J>(hi, hp[1]);
+    } else if constexpr (high_bytes(KIND) == 64) {
+      lo = with_high1<J>(lo, hp[0]);
+      hi = with_high1<J + 4>(hi, hp[0]);
     }
   }
-  if (KIND == Q6_K) {
-    const Codes h0 = load_codes(s.high + tb * 128), h1 = load_codes(s.high + tb * 128 + 64);
-    p.w[0] = with_high2<0>(p.w[0], h0);
-    p.w[1] = with_high2<1>(p.w[1], h0);
-    p.w[2] = with_high2<2>(p.w[2], h0);
-    p.w[3] = with_high2<3>(p.w[3], h0);
-    p.w[4] = with_high2<0>(p.w[4], h1);
-    p.w[5] = with_high2<1>(p.w[5], h1);
-    p.w[6] = with_high2<2>(p.w[6], h1);
-    p.w[7] = with_high2<3>(p.w[7], h1);
-  } else if (high_bytes(KIND) == 64) {
-    const Codes h = load_codes(s.high + tb * 64);
-    p.w[0] = with_high1<0>(p.w[0], h);
-    p.w[1] = with_high1<1>(p.w[1], h);
-    p.w[2] = with_high1<2>(p.w[2], h);
-    p.w[3] = with_high1<3>(p.w[3], h);
-    p.w[4] = with_high1<4>(p.w[4], h);
-    p.w[5] = with_high1<5>(p.w[5], h);
-    p.w[6] = with_high1<6>(p.w[6], h);
-    p.w[7] = with_high1<7>(p.w[7], h);
+}
+
+template <int KIND>
+inline void load_high(const Segment& s, int64_t tb, Codes* hp) {
+  if constexpr (KIND == Q6_K) {
+    hp[0] = load_codes(s.high + tb * 128);
+    hp[1] = load_codes(s.high + tb * 128 + 64);
+  } else if constexpr (high_bytes(KIND) == 64) {
+    hp[0] = load_codes(s.high + tb * 64);
   }
+}
+
+template <int KIND>
+inline void prepare_scales(const Segment& s, int64_t t, int64_t b, Scales& p) {
+  const int64_t KB = s.K / kBlock;
+  const int64_t tb = t * KB + b;
   if (is_grouped(KIND)) {
     const int64_t g = t * (KB / s.group_blocks) + b / s.group_blocks;
     p.scale = load_f16(s.scale + g * kLanes);
@@ -210,20 +222,49 @@ inline void prepare(const Segment& s, int64_t t, int64_t b, Prepared& p) {
   }
 }
 
-// f += this block's share of one activation row: a its 32 codes, d2 the scales of its two
-// halves, sa the sum of its dequantized values, is16 the codes' two half sums.
 template <int KIND>
-inline void accumulate(const Prepared& p, const int8_t* a, const float* d2, float sa, const int32_t* is16, F16& f) {
+inline void prepare(const Segment& s, int64_t t, int64_t b, Prepared& p) {
+  const int64_t tb = t * (s.K / kBlock) + b;
+  const uint8_t* c = s.codes + tb * code_bytes(KIND);
+  Codes hp[2];
+  load_high<KIND>(s, tb, hp);
+  unpack_pair<KIND, 0>(c, hp, p.w[0], p.w[4]);
+  unpack_pair<KIND, 1>(c, hp, p.w[1], p.w[5]);
+  unpack_pair<KIND, 2>(c, hp, p.w[2], p.w[6]);
+  unpack_pair<KIND, 3>(c, hp, p.w[3], p.w[7]);
+  prepare_scales<KIND>(s, t, b, p.sc);
+}
+
+// One activation row's integer products with a (tile, block)'s codes, pair by pair (add<J>
+// with vectors J and J + 4): a0 over the block's first 16 columns, a1 over the rest. Unsigned
+// codes' products stay Parts until a half's four pairs (Q6_K: two) are in.
+template <int KIND>
+struct Dots {
   I16 a0 = izero(), a1 = izero();
-  for (int j = 0; j < 4; ++j) {
-    if (KIND == Q8_0) {
-      a0 = dot4_s(a0, p.w[j], load_i32(a + 4 * j));
-      a1 = dot4_s(a1, p.w[j + 4], load_i32(a + 16 + 4 * j));
+  Part p0 = pzero(), p1 = pzero();
+  template <int J>
+  inline void add(Codes lo, Codes hi, const int8_t* a) {
+    if constexpr (KIND == Q8_0) {
+      a0 = dot4_s(a0, lo, load_i32(a + 4 * J));
+      a1 = dot4_s(a1, hi, load_i32(a + 16 + 4 * J));
     } else {
-      a0 = dot4_u(a0, p.w[j], load_i32(a + 4 * j));
-      a1 = dot4_u(a1, p.w[j + 4], load_i32(a + 16 + 4 * j));
+      p0 = pdot(p0, lo, load_i32(a + 4 * J));
+      p1 = pdot(p1, hi, load_i32(a + 16 + 4 * J));
+      if constexpr (J == 3 || (KIND == Q6_K && J == 1)) {
+        a0 = iadd(a0, widen(p0));
+        a1 = iadd(a1, widen(p1));
+        p0 = pzero();
+        p1 = pzero();
+      }
     }
   }
+};
+
+// f += this block's share of one activation row from its integer products a0, a1: d2 the
+// scales of the row's two halves, sa the sum of its dequantized values, is16 the codes' two
+// half sums.
+template <int KIND>
+inline void finish(const Scales& p, I16 a0, I16 a1, const float* d2, float sa, const int32_t* is16, F16& f) {
   // the codes' integer offsets come off per half (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q8_0 on VNNI: 128)
   if (KIND == Q4_0 || KIND == Q5_0) {
     a0 = isub_scalar(a0, code_offset(KIND) * is16[0]);
@@ -239,6 +280,34 @@ inline void accumulate(const Prepared& p, const int8_t* a, const float* d2, floa
   f = ffma(t, p.scale, f);
   if (has_min(KIND)) f = ffma(p.min, fset1(sa), f);
 }
+
+// A prepared block (its codes unpacked in memory) against one activation row.
+template <int KIND>
+inline void accumulate(const Prepared& p, const int8_t* a, const float* d2, float sa, const int32_t* is16, F16& f) {
+  Dots<KIND> d;
+  d.template add<0>(p.w[0], p.w[4], a);
+  d.template add<1>(p.w[1], p.w[5], a);
+  d.template add<2>(p.w[2], p.w[6], a);
+  d.template add<3>(p.w[3], p.w[7], a);
+  finish<KIND>(p.sc, d.a0, d.a1, d2, sa, is16, f);
+}
+
+// Pair J of a block unpacked in registers and used at once by each of MR rows.
+template <int KIND, int J, int MR>
+inline void stream_pair(const uint8_t* c, const Codes* hp, const int8_t* const* a, Dots<KIND>* d) {
+  Codes lo, hi;
+  unpack_pair<KIND, J>(c, hp, lo, hi);
+  for (int r = 0; r < MR; ++r) d[r].template add<J>(lo, hi, a[r]);
+}
+
+// Rows a decode streams (each block's codes unpacked pair by pair in registers, no Prepared
+// copy: with AVX2's 16 vector registers the 16 vectors of one spill to the stack and are read
+// back, the bulk of a block's time at batch 1); larger tiles of rows share a prepared block.
+#if KVS_W == 8
+constexpr int kStreamRows = 2;
+#else
+constexpr int kStreamRows = 0;
+#endif
 
 inline void store_row(const Weight& W, const Segment& s, int64_t t, const Acts& A, int64_t m, F16 f, float* out,
                       int64_t ldo, bool add) {
@@ -278,6 +347,27 @@ inline void tile_rows(const Weight& W, const Segment& s, int64_t t, const Acts& 
       if (s.scale != nullptr) __builtin_prefetch(s.scale + (ahead / s.group_blocks) * kLanes);
       if (s.min != nullptr) __builtin_prefetch(s.min + (ahead / s.group_blocks) * kLanes);
       if (s.sub_scale != nullptr) __builtin_prefetch(s.sub_scale + ahead * kLanes * (KIND == Q6_K ? 2 : 1));
+      if constexpr (MR <= kStreamRows) {
+        const int64_t tb = t * KB + b;
+        Scales sc;
+        prepare_scales<KIND>(s, t, b, sc);
+        Codes hp[2];
+        load_high<KIND>(s, tb, hp);
+        const uint8_t* codes = s.codes + tb * code_bytes(KIND);
+        const int8_t* a[MR];
+        for (int r = 0; r < MR; ++r) a[r] = A.q.data() + (m0 + r) * A.K + b * kBlock;
+        Dots<KIND> d[MR];
+        stream_pair<KIND, 0, MR>(codes, hp, a, d);
+        stream_pair<KIND, 1, MR>(codes, hp, a, d);
+        stream_pair<KIND, 2, MR>(codes, hp, a, d);
+        stream_pair<KIND, 3, MR>(codes, hp, a, d);
+        for (int r = 0; r < MR; ++r) {
+          const int64_t m = m0 + r;
+          finish<KIND>(sc, d[r].a0, d[r].a1, A.d.data() + m * 2 * KB + 2 * b, A.s[m * KB + b],
+                       A.isum.data() + m * 2 * KB + 2 * b, f[r]);
+        }
+        continue;
+      }
       prepare<KIND>(s, t, b, local);
     }
     const Prepared& p = pre == nullptr ? local : pre[b];

@@ -63,6 +63,11 @@ inline I16 dot4_s(I16 acc, Codes w, int32_t a4) {
   return {_mm512_dpbusd_epi32(acc.v, _mm512_xor_si512(w.v, _mm512_set1_epi8(static_cast<char>(0x80))), _mm512_set1_epi32(a4))};
 }
 constexpr int kSignedOffset = 128;
+// A half block's products before they are widened (see Part below): VNNI's are int32 already.
+using Part = I16;
+inline Part pzero() { return izero(); }
+inline Part pdot(Part acc, Codes w, int32_t a4) { return dot4_u(acc, w, a4); }
+inline I16 widen(Part p) { return p; }
 inline I16 iadd(I16 a, I16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline I16 isub_scalar(I16 a, int32_t x) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(x))}; }
 inline I16 imul(I16 a, I16 b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
@@ -168,6 +173,20 @@ inline I16 dot4_s(I16 acc, Codes w, int32_t a4) {
   const __m256i a = _mm256_set1_epi32(a4);
   return {_mm256_add_epi32(acc.lo, dot4_half(_mm256_abs_epi8(w.lo), _mm256_sign_epi8(a, w.lo))),
           _mm256_add_epi32(acc.hi, dot4_half(_mm256_abs_epi8(w.hi), _mm256_sign_epi8(a, w.hi)))};
+}
+// Products of unsigned codes summed as maddubs leaves them, int16 pairs per lane, and widened
+// to int32 once for several (one madd instead of one each). The caller bounds the sum: with
+// activation codes |a| <= 128, four pairs of 5-bit codes (4 x 2 x 31 x 128) or two of 6-bit
+// codes stay under 2^15, so the result is exact, the same integers as widening each.
+struct Part { __m256i lo, hi; };
+inline Part pzero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline Part pdot(Part acc, Codes w, int32_t a4) {
+  const __m256i a = _mm256_set1_epi32(a4);
+  return {_mm256_add_epi16(acc.lo, _mm256_maddubs_epi16(w.lo, a)), _mm256_add_epi16(acc.hi, _mm256_maddubs_epi16(w.hi, a))};
+}
+inline I16 widen(Part p) {
+  const __m256i one = _mm256_set1_epi16(1);
+  return {_mm256_madd_epi16(p.lo, one), _mm256_madd_epi16(p.hi, one)};
 }
 constexpr int kSignedOffset = 0;
 inline I16 iadd(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
@@ -313,6 +332,10 @@ inline I16 dot4_s(I16 acc, Codes w, int32_t a4) {
     for (int i = 0; i < 4; ++i) acc.v[n] += static_cast<int32_t>(static_cast<int8_t>(w.v[4 * n + i])) * a[i];
   return acc;
 }
+using Part = I16;
+inline Part pzero() { return izero(); }
+inline Part pdot(Part acc, Codes w, int32_t a4) { return dot4_u(acc, w, a4); }
+inline I16 widen(Part p) { return p; }
 constexpr int kSignedOffset = 0;
 inline I16 iadd(I16 a, I16 b) {
   for (int i = 0; i < 16; ++i) a.v[i] += b.v[i];

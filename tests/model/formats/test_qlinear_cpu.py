@@ -33,7 +33,7 @@ from kvserve.model.formats.packing import (
     quantize_int8,
     stack,
 )
-from kvserve.model.formats.random_blocks import random_gguf_bytes
+from kvserve.model.formats.random_blocks import SCALE_FIELDS, random_gguf_bytes
 from kvserve.model.linear import rms_norm
 
 ISAS = supported_isas()
@@ -100,10 +100,31 @@ def test_prefill_chunks_of_512_rows(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", list(GGUF_TYPES))
+def test_the_largest_codes_times_the_largest_activations_are_exact(isa: str, fmt: str) -> None:
+    """Every code and sub-scale at its largest, every activation code at +-127: the integer
+    sums at their largest (the AVX2 kernel sums a half block's products in int16 before widening
+    them; a saturated sum would be off by thousands of steps), streamed (1-2 rows) and prepared."""
+    ext = ext_for(isa)
+    cols = 256 if is_k_quant(fmt) else 64
+    nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt]][1]
+    raw = random_gguf_bytes(fmt, 16, cols, seed=0).reshape(-1, nbytes)
+    scales = {o for f in SCALE_FIELDS[fmt] for o in (f, f + 1)}
+    raw[:, [i for i in range(nbytes) if i not in scales]] = 0xFF
+    w = pack_gguf(fmt, raw.reshape(-1), 16, cols)
+    product = CpuPackedProduct(ext, w)
+    for rows in (1, 2, 9):
+        x = torch.ones(rows, cols)
+        x[1::2] = -1.0
+        check(product(x), x, w)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_a_rows_result_never_depends_on_its_batch(isa: str) -> None:
     ext = ext_for(isa)
     w = stack([weights("Q4_1", 40, 256, 1), weights("Q6_K", 24, 256, 2), weights("Q8_0", 8, 256, 3),
-               weights("Q5_0", 16, 256, 4), weights("Q5_K", 20, 256, 5)])
+               weights("Q5_0", 16, 256, 4), weights("Q5_K", 20, 256, 5), weights("Q4_K", 16, 256, 6),
+               weights("Q4_0", 8, 256, 7), weights("Q5_1", 8, 256, 8)])
     product = CpuPackedProduct(ext, w)
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(0))
     full = product(x)
