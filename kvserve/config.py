@@ -245,8 +245,9 @@ class CacheConfig:
         "file of the secret block keys are keyed with (HMAC), created on first use: no one without it can "
         "compute a block's key offline; engines that share cached blocks (replicas, restarts, the disk and "
         "Redis tiers) share it", default_text="$KVSERVE_CACHE_DIR/block-key-secret", metavar="FILE"))
-    kv_format: str = field(default="native", metadata=opt(
-        "KV storage: native, fp16, bf16, fp8, int8, int4, kivi2, kivi4, with +outN/+had and per-layer or "
+    kv_format: str = field(default="auto", metadata=opt(
+        "KV storage: auto (16 bits: fp16 over float32 compute, as on CPU; else native), native (the compute "
+        "dtype), fp16, bf16, fp8, int8, int4, kivi2, kivi4, with +outN/+had and per-layer or "
         "per-half specs, e.g. '0-1=fp16;2-=kivi2', or precision by saliency, e.g. "
         "'zip:hi=int8+had,lo=kivi2+had,salient=0.2' (docs/kv_formats.md)"))
     kv_budget: int | None = field(default=None, metadata=opt(

@@ -59,7 +59,7 @@ def test_every_kv_format_flag_parses_alike_and_plan_refuses_as_the_engine_does(c
     assert {"generate", "chat", "serve", "plan", "eval-budget", "bench tiers"} <= set(found)
     spec = "0-1=fp16;2-=k=kivi4,v=kivi2"
     assert {action.type(spec) for action in found.values()} == {spec}
-    assert {action.default for action in found.values()} == {"native"}     # the engine's, plan's too
+    assert {action.default for action in found.values()} == {"auto"}     # the engine's, plan's too
     with pytest.raises(ValueError) as refused:
         parse_kv_format("int9", 30, torch.float16, head_dim=64)
     assert main(["plan", "--kv-format", "int9"]) == 2

@@ -96,7 +96,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--key-format", default=None, help="override the K half's format (a codec, e.g. int8)")
     p.add_argument("--value-format", default=None, help="override the V half's format (a codec, e.g. int4)")
     p.add_argument("--compute-dtype", default="fp16", choices=list(COMPUTE_FORMATS),
-                   help="the engine's compute dtype: of native KV (--kv-format's default, as the engine's), of "
+                   help="the engine's compute dtype: of native KV (what --kv-format's default, auto, stores at a 16-bit "
+                        "compute dtype; over fp32 it stores fp16, as the engine's), of "
                         "KIVI's residual (the open block of each sequence) and, with --weight-format, of native "
                         "weights and the norms (default fp16; an engine on the CPU computes in fp32)")
     budget = p.add_mutually_exclusive_group()

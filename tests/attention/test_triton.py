@@ -329,7 +329,7 @@ def test_gemma3_through_the_engine_matches_transformers() -> None:
 
     from kvserve import LLM
     loaded, reference = tiny_gemma3(seed=4)
-    llm = LLM(loaded=loaded, block_size=4, max_num_batched_tokens=16, attention_backend="triton", device=DEVICE,
+    llm = LLM(kv_format="native", loaded=loaded, block_size=4, max_num_batched_tokens=16, attention_backend="triton", device=DEVICE,
               num_kv_blocks=2000)
     check_against(llm, reference, [(i * 11) % 128 for i in range(21)], max_tokens=4)
 

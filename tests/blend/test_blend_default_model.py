@@ -61,7 +61,7 @@ def test_documents_stored_after_a_preamble_are_the_prompts_own_kv_for_them(defau
     from kvserve.kv.prefix import segment_block_keys
 
     system = "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\n"
-    llm = LLM(loaded=default_model, num_kv_blocks=256, blend_preamble=system)
+    llm = LLM(kv_format="native", loaded=default_model, num_kv_blocks=256, blend_preamble=system)
     pre = llm.tokenizer.encode(system)
     got = llm.chat(conversation(DOC_A, DOC_B), GREEDY, segments=[DOC_A, DOC_B], blend_fraction=0.15)[0]
     assert "4817" in got.text and got.num_reused_tokens > 0

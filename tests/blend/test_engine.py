@@ -74,7 +74,7 @@ def test_the_engine_blends_with_each_selection_as_blend_prefill_does(loaded, sel
     from kvserve.blend.rope import RopeTables
     from kvserve.blend.segment import compute_kv
 
-    llm = LLM(loaded=loaded, num_kv_blocks=64, blend_cost_model=False, blend_selection=selection,
+    llm = LLM(kv_format="native", loaded=loaded, num_kv_blocks=64, blend_cost_model=False, blend_selection=selection,
               blend_sink_tokens=4, blend_query_layer=1, enable_prefix_caching=False)
     prompt = rag([2, 0, 1], 0.15)
     out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1))[0]

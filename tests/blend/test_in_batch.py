@@ -47,7 +47,7 @@ def reference(llm: LLM, prompt: SegmentedPrompt, selection: str, query_layer: in
 def test_the_batch_computes_the_dense_blend(four_layers, selection, backend):
     """Chunks of 16 rows through the engine's backend give the dense blend's KV in the request's
     blocks (every layer, to float order), its recomputed rows and its greedy tokens."""
-    llm = LLM(loaded=four_layers, num_kv_blocks=64, blend_cost_model=False, blend_selection=selection,
+    llm = LLM(kv_format="native", loaded=four_layers, num_kv_blocks=64, blend_cost_model=False, blend_selection=selection,
               blend_sink_tokens=4, blend_query_layer=2, enable_prefix_caching=False, blend_in_batch=True,
               attention_backend=backend, max_num_batched_tokens=16)
     engine = llm.engine

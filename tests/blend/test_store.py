@@ -19,7 +19,7 @@ FILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 def test_a_stored_segment_comes_back_moved_and_exact(loaded):
-    llm = LLM(loaded=loaded, num_kv_blocks=16)
+    llm = LLM(kv_format="native", loaded=loaded, num_kv_blocks=16)
     engine = llm.engine
     store, rope = SegmentStore(engine.kv, engine.kv._pool, engine.runner.cache, engine.kv._tiering), RopeTables(engine.model_config)
     segment = tokens(40, 1)                          # 2 full blocks + 8 tokens never stored
@@ -42,7 +42,7 @@ def test_a_stored_segment_comes_back_moved_and_exact(loaded):
 
 
 def test_segments_share_blocks_with_each_other_never_with_prompts(loaded):
-    llm = LLM(loaded=loaded, num_kv_blocks=16)
+    llm = LLM(kv_format="native", loaded=loaded, num_kv_blocks=16)
     engine = llm.engine
     store = SegmentStore(engine.kv, engine.kv._pool, engine.runner.cache, engine.kv._tiering)
     a = tokens(48, 2)
@@ -82,7 +82,7 @@ def test_a_segment_in_a_compressed_format(loaded, kv_format):
 
 
 def test_an_evicted_segment_is_demoted_and_comes_back_from_the_host_tier(loaded):
-    llm = LLM(loaded=loaded, num_kv_blocks=8, host_cache_gb=1 / 1024)
+    llm = LLM(kv_format="native", loaded=loaded, num_kv_blocks=8, host_cache_gb=1 / 1024)
     engine = llm.engine
     assert isinstance(engine.kv._tiering, OffloadTiering)
     store, rope = SegmentStore(engine.kv, engine.kv._pool, engine.runner.cache, engine.kv._tiering), RopeTables(engine.model_config)

@@ -63,10 +63,10 @@ EXPECTED_KEPT = {"streaming": [64, 64], "h2o": [64, 64], "snapkv": [64, 64], "py
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_each_policy_keeps_exactly_its_budget_per_layer_and_frees_blocks(loaded, policy):
     prompt = tokens(150)
-    full = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False)
+    full = LLM(kv_format="native", loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False)
     run_prefill(full, prompt, greedy(20))
     assert used_blocks(full) == 10           # 150 tokens
-    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False)
+    llm = LLM(kv_format="native", loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False)
     rid = run_prefill(llm, prompt, greedy(20, kv_budget=64, kv_policy=policy))
     state = llm.engine.kv.budgets.get(rid)
     assert state is not None and state.is_compacted

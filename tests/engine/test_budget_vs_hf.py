@@ -35,7 +35,7 @@ def test_streaming_attends_exactly_to_its_kept_positions():
     loaded = tiny_model(TINY, seed=3)
     model = hf_model(TINY, weights)
     prompt = [(i * 37) % 128 for i in range(150)]
-    llm = LLM(loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=32, enable_prefix_caching=False)
+    llm = LLM(kv_format="native", loaded=loaded, num_kv_blocks=64, max_num_batched_tokens=32, enable_prefix_caching=False)
     engine = llm.engine
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=5,
                             kv_budget=48, kv_policy="streaming")

@@ -109,6 +109,22 @@ def test_formats_never_share_block_keys(loaded):
     assert len(set(keys.values())) == len(keys) == 5
 
 
+def test_the_default_on_cpu_is_fp16_kv_auto(loaded):
+    """kv_format defaults to auto: fp16 over the CPU's float32 compute (docs/kv_formats.md), the
+    same format, bytes and block keys as asking for fp16; native keeps float32."""
+    default, fp16, native = (LLM(loaded=loaded, num_kv_blocks=8, **kw) for kw in ({}, {"kv_format": "fp16"},
+                                                                                  {"kv_format": "native"}))
+    assert default.engine.dtype == torch.float32
+    assert default.engine.kv_format.spec == fp16.engine.kv_format.spec == "fp16"
+    assert default.engine.kv.extra_key == fp16.engine.kv.extra_key != native.engine.kv.extra_key
+    # tiny: 2 layers, 2 KV heads, head_dim 16, block 16, K and V
+    assert default.engine.runner.cache.nbytes == 8 * 2 * 2 * 2 * 16 * 16 * 2
+    assert native.engine.runner.cache.nbytes == 2 * default.engine.runner.cache.nbytes
+    prompt = prompts(3)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert default.generate([prompt], params)[0].token_ids == fp16.generate([prompt], params)[0].token_ids
+
+
 def test_cache_bytes_follow_the_format(loaded):
     # tiny: 2 layers, 2 KV heads, head_dim 16, block 16: int8 = 2 * 2 * 2 * 16 * (16 + 2) bytes a block;
     # int8 stores each token as it comes, so it keeps no residual rows

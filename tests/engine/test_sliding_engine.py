@@ -34,7 +34,7 @@ def prompts(seed: int) -> list[list[int]]:
 
 
 def test_the_groups_and_their_storage(loaded) -> None:
-    engine = LLM(loaded=loaded, block_size=4, kv_cache_memory_gb=1 / 1024).engine
+    engine = LLM(kv_format="native", loaded=loaded, block_size=4, kv_cache_memory_gb=1 / 1024).engine
     kv = engine.kv
     assert [(g.layers, g.window) for g in kv.groups] == [((5,), None), ((0,), 8), ((1,), 8), ((2,), 8), ((3,), 8),
                                                          ((4,), 8)]

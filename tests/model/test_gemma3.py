@@ -58,7 +58,7 @@ def test_tiny_gemma3_matches_transformers(backend: str) -> None:
     loaded, reference = tiny_gemma3(seed=3)
     prompt = [(i * 37) % 128 for i in range(45)]
     # 16-token chunks over 4-token blocks: chunks and decode steps cross block and window edges
-    llm = LLM(loaded=loaded, block_size=4, max_num_batched_tokens=16, attention_backend=backend, num_kv_blocks=2000)
+    llm = LLM(kv_format="native", loaded=loaded, block_size=4, max_num_batched_tokens=16, attention_backend=backend, num_kv_blocks=2000)
     assert isinstance(llm.engine.model, Gemma3Model)
     check_against(llm, reference, prompt, max_tokens=12)
 
@@ -66,7 +66,7 @@ def test_tiny_gemma3_matches_transformers(backend: str) -> None:
 def test_a_window_longer_than_the_context_is_full_attention() -> None:
     """Window 64 over 45 + 8 positions: every layer sees everything, as transformers' does."""
     loaded, reference = tiny_gemma3(seed=5, window=64)
-    llm = LLM(loaded=loaded, block_size=4, max_num_batched_tokens=16, num_kv_blocks=2000)
+    llm = LLM(kv_format="native", loaded=loaded, block_size=4, max_num_batched_tokens=16, num_kv_blocks=2000)
     check_against(llm, reference, [(i * 13) % 128 for i in range(45)], max_tokens=8)
 
 

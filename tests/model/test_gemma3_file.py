@@ -51,7 +51,7 @@ def test_matches_transformers_gguf_load(gemma3: LoadedModel, gemma3_reference) -
     """Native weights (the file's blocks dequantized, as transformers computes): every prompt and
     generated token's logprob and top 20 within 2e-4, greedy tokens equal."""
     prompt = gemma3.tokenizer.encode_prompt(gemma3.tokenizer.apply_chat_template(CHAT))
-    llm = LLM(loaded=gemma3, weight_format="native", max_num_batched_tokens=16, kv_cache_memory_gb=0.1)
+    llm = LLM(kv_format="native", loaded=gemma3, weight_format="native", max_num_batched_tokens=16, kv_cache_memory_gb=0.1)
     assert isinstance(llm.engine.model, Gemma3Model)
     check_against(llm, gemma3_reference, prompt, max_tokens=8)
 

@@ -67,7 +67,7 @@ def test_tiny_model_matches_transformers(bias):
     model = hf_model(config, weights)
     prompt = [(i * 37) % 128 for i in range(45)]
     # chunked prefill (16-token budget) and decode steps through the paged cache
-    llm = LLM(loaded=loaded, block_size=8, max_num_batched_tokens=16)
+    llm = LLM(kv_format="native", loaded=loaded, block_size=8, max_num_batched_tokens=16)
     check_against(llm, model, prompt, max_tokens=10)
 
 
@@ -77,7 +77,7 @@ def test_default_model_matches_transformers_gguf_load(default_model, hf_gguf_ref
     dequantized float weights; the gguf format is held to them in tests/model/formats)."""
     tok = default_model.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colours."}]))
-    llm = LLM(loaded=default_model, max_num_batched_tokens=16, kv_cache_memory_gb=0.05, weight_format="native")
+    llm = LLM(kv_format="native", loaded=default_model, max_num_batched_tokens=16, kv_cache_memory_gb=0.05, weight_format="native")
     generated = check_against(llm, hf_gguf_reference.model, prompt, max_tokens=6)
     with torch.inference_mode():
         ref = hf_gguf_reference.model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,

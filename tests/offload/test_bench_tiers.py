@@ -28,7 +28,7 @@ def test_bench_tiers_serves_evicted_histories_from_host(tmp_path, capsys):
     text.write_text(story())
     # 0.01 GiB of fp32 KV = 14 blocks of 16 tokens: three conversations do not fit
     assert main(["bench", "tiers", "--conversations", "3", "--turns", "3", "--words-per-turn", "12",
-                 "--max-tokens", "4", "--kv-cache-gb", "0.01", "--tiers", "host", "--text", str(text),
+                 "--max-tokens", "4", "--kv-cache-gb", "0.01", "--kv-format", "native", "--tiers", "host", "--text", str(text),
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "recompute only" in text and "break-even blocks" in text and "runs loaded/cut/probed" in text

@@ -305,16 +305,17 @@ def test_cli_lists_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "format k:int8,v:int4" in capsys.readouterr().out
 
 
-def test_cli_kv_format_defaults_to_the_engines_native_the_compute_dtype(capsys: pytest.CaptureFixture[str]) -> None:
-    """No --kv-format plans the engine's default, native: the compute dtype's bytes, fp16 unless
-    --compute-dtype says otherwise (a CPU engine's fp32 KV is twice as large)."""
+def test_cli_kv_format_defaults_to_the_engines_auto_16_bit_kv(capsys: pytest.CaptureFixture[str]) -> None:
+    """No --kv-format plans the engine's default, auto: 16-bit KV, the compute dtype's own at fp16
+    (native), fp16 over an fp32 compute dtype (a CPU engine's default)."""
     def plan(*args: str) -> dict:
         assert main(["plan", "--model", "llama-3-8b", "--context", "1000", *args, "--json", "-"]) == 0
         return json.loads(capsys.readouterr().out)
 
     assert plan() == plan("--kv-format", "native") == plan("--kv-format", "fp16")
-    fp32 = plan("--compute-dtype", "fp32")
-    assert fp32["kv_format"] == "fp32" and fp32["bytes_per_token"] == 2 * plan()["bytes_per_token"]
+    fp32_auto, fp32_native = plan("--compute-dtype", "fp32"), plan("--compute-dtype", "fp32", "--kv-format", "native")
+    assert fp32_auto["kv_format"] == "fp16" and fp32_native["kv_format"] == "fp32"
+    assert fp32_native["bytes_per_token"] == 2 * fp32_auto["bytes_per_token"] == 2 * plan()["bytes_per_token"]
 
 
 # --- one source: the engine's codecs ------------------------------------------------------------

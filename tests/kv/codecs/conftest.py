@@ -39,7 +39,7 @@ def real_kv(default_model) -> RealKV:
     0..n-1 in order, so the first n rows of each layer's cache hold it."""
     if not BOTCHAN.exists():
         pytest.skip(f"evaluation text {BOTCHAN} not found")
-    llm = LLM(loaded=default_model, kv_cache_memory_gb=0.05)
+    llm = LLM(kv_format="native", loaded=default_model, kv_cache_memory_gb=0.05)
     text = BOTCHAN.read_text(encoding="utf-8")[:4000]
     ids = llm.tokenizer.encode(text)[:NUM_BLOCKS * 16]
     assert len(ids) == NUM_BLOCKS * 16

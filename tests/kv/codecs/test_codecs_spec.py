@@ -46,6 +46,15 @@ def test_canonical_forms(spec, expected):
     assert canonical(expected) == expected                 # canonical strings are fixed points
 
 
+def test_auto_is_16_bit_kv_fp16_over_float32_and_native_over_16_bit_compute():
+    assert canonical("auto") == canonical(" AUTO ") == "fp16"
+    assert canonical("auto", torch.bfloat16) == "bf16" and canonical("auto", torch.float16) == "fp16"
+    assert parse_kv_format("auto", L, torch.bfloat16).is_lossless
+    assert not parse_kv_format("auto", L, F32).is_lossless
+    with pytest.raises(ValueError):
+        canonical("0-1=auto;2-=int8")          # auto names a whole format, not a layer's codec
+
+
 def test_native_is_the_compute_dtype_and_only_it_is_lossless():
     assert canonical("native", torch.float16) == "fp16"
     assert canonical("native", torch.bfloat16) == "bf16"
