@@ -15,6 +15,7 @@ from kvserve.attention.cpu_writes import CpuWrites
 from kvserve.config import EngineConfig, SpeculativeConfig
 from kvserve.kv.budget.budgets import Budgets
 from kvserve.kv.codecs import parse_kv_format
+from kvserve.kv.codecs.spec import AUTO
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
@@ -99,7 +100,8 @@ def _model_proposer(config: EngineConfig, spec: SpeculativeConfig, d: Drafting) 
         log.info("self-drafting proposer: weights %s, %d of %d layers (%s left out)", model.products.name,
                  len(layers), num_layers, list(skip) or "none")
         return SelfProposer(TokenPass(model, d.storage, backend, layers), d.kv, *prior)
-    storage = make_storage(loaded.config, parse_kv_format("native", num_layers, d.dtype,
+    # its own cache in the engine's default KV format (16-bit), whatever the served cache's
+    storage = make_storage(loaded.config, parse_kv_format(AUTO, num_layers, d.dtype,
                                                           head_dim=loaded.config.head_dim),
                            replace(cc, num_blocks=d.storage.num_blocks), config.scheduler,
                            d.dtype, d.device, CpuWrites.for_storage)
