@@ -32,7 +32,7 @@ from kvserve.attention import dense
 from kvserve.kv.storage.layout import AttentionScores, HalfStore, PagedBatch
 
 if TYPE_CHECKING:
-    from kvserve.attention.triton_kernels import Halves
+    from kvserve.attention.triton_kernels import Halves, Launcher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -170,13 +170,16 @@ class TritonBackend(AttentionBackend):
         self._kernels: ModuleType = triton_kernels
         # each layer's halves checked and their arguments built once (triton_kernels.prepare)
         self._layers: HeldHalves[Halves] = HeldHalves()
+        # the split scratch and each step's plan, shared by the layers' calls (one stream)
+        self.launcher: Launcher = triton_kernels.Launcher()
 
     def attend(self, q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
                out: torch.Tensor | None = None, scores: AttentionScores | None = None) -> torch.Tensor:
         kernels = self._kernels
         halves = self._layers.get(key, value, (q.shape[-1], batch.block_size),
                                   lambda: kernels.prepare(key, value, q.shape[-1], batch.block_size))
-        return kernels.paged_attention(q, key, value, batch, scale, out, scores=scores, halves=halves)
+        return kernels.paged_attention(q, key, value, batch, scale, out, scores=scores, halves=halves,
+                                       launcher=self.launcher)
 
     # attend_dense: the portable path (SDPA). The paged kernel could read a dense KV as blocks, as
     # the cpu backend's does; not done: a blend's results on CUDA would move, untested without a GPU.

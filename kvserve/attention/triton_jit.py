@@ -17,9 +17,10 @@ import to run them on CPU tensors through Triton's interpreter.
 
 A tile is dequantized in registers to float32 (``_load_tile``), then multiplied in the
 compute dtype (q's) with float32 accumulation; online softmax in base 2. With one split the
-program writes the output; with several it writes (acc, max, sum) and ``merge`` combines them.
+program writes the output; with several it writes (acc, max, sum), and the last of a tile's
+split programs to finish combines them (``MERGE_HERE``; else the ``merge`` kernel does).
 A zip storage's full blocks are read from their finer copy where the side map names one
-(``_load_half``). Scoring (``AttentionScores``): ``attend`` or ``merge`` also store each row's
+(``_load_half``). Scoring (``AttentionScores``): the program that writes a row's output also stores its
 final (max, sum), and ``score`` then adds each key's softmax weight per (sequence, KV head).
 
 ``+had`` without outliers is folded out of the loop: H is symmetric and orthonormal, so
@@ -361,7 +362,7 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
            side_map, kf_main, kf_scale, kf_zero, kf_out_vals, kf_out_chans,
            kfb_main, kfb_scale, kfb_zero, kfb_out_vals, kfb_out_chans,
            vf_main, vf_scale, vf_zero, vf_out_vals, vf_out_chans,
-           vfb_main, vfb_scale, vfb_zero, vfb_out_vals, vfb_out_chans, row_m, row_l,
+           vfb_main, vfb_scale, vfb_zero, vfb_out_vals, vfb_out_chans, row_m, row_l, tickets,
            K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP_SIZE: tl.constexpr, K_HAD: tl.constexpr,
            K_NOUT: tl.constexpr, K_HAS_RESIDUAL: tl.constexpr,
            V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP_SIZE: tl.constexpr, V_HAD: tl.constexpr,
@@ -371,12 +372,15 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
            VF_HAD: tl.constexpr, VF_NOUT: tl.constexpr, REFINED: tl.constexpr,
            GROUP: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
-           DOT: tl.constexpr, F32_DOTS: tl.constexpr, HAS_POSITIONS: tl.constexpr, STATS: tl.constexpr):
+           DOT: tl.constexpr, F32_DOTS: tl.constexpr, HAS_POSITIONS: tl.constexpr, STATS: tl.constexpr,
+           MERGE_HERE: tl.constexpr):
     """One program: ROWS (query, head) rows of one sequence over one split of its keys. With
     HAS_POSITIONS each query's position is read from ``query_positions`` (ascending, the last
     at length - 1: a prefill with gaps), else a sequence's queries are its last n positions.
     ``window`` > 0: each query sees only its last ``window`` positions (a sliding-window layer);
-    keys before the tile's first query's window are not read."""
+    keys before the tile's first query's window are not read. With SPLIT the program writes its
+    split's partials; with MERGE_HERE too, the last of a tile's splits to finish (``tickets``: one
+    counter per (program_id(0), KV head), zero before the launch and left zero) merges them."""
     s_idx = tl.program_id(0) // num_q_tiles
     q_tile = tl.program_id(0) % num_q_tiles
     h = tl.program_id(1)
@@ -446,19 +450,56 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
     if V_HAD and V_NOUT == 0:
         acc = _rotate(acc, D, tl.float32, F32_DOTS)
 
-    mask = row_ok[:, None] & d_ok[None, :]
+    write = True
     if SPLIT:
-        idx = split.to(tl.int64) * num_rows + q_rows * (H * GROUP) + head
+        rows = q_rows * (H * GROUP) + head
+        idx = split.to(tl.int64) * num_rows + rows
         tl.store(part_acc + idx[:, None] * D_PAD + dd[None, :], acc, mask=row_ok[:, None])
         tl.store(part_m + idx, m_i, mask=row_ok)
         tl.store(part_l + idx, l_i, mask=row_ok)
-    else:
+        write = False
+        if MERGE_HERE:
+            # every thread's partials stored (barrier) before the ticket is taken (release); the
+            # last program's loads of the others' partials after it (acquire, read from L2)
+            tl.debug_barrier()
+            ticket_ptr = tickets + tl.program_id(0) * H + h
+            num_splits = tl.num_programs(2)
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+            write = ticket == num_splits - 1
+            if write:
+                m_i, l_i, acc = _merge_splits(part_acc, part_m, part_l, rows.to(tl.int64), row_ok, num_rows,
+                                              num_splits, dd, ROWS, D_PAD)
+                tl.atomic_xchg(ticket_ptr, 0)       # ready for the next launch
+    if write:
         if STATS:      # each row's final max and sum, for ``score``
             tl.store(row_m + q_rows * (H * GROUP) + head, m_i, mask=row_ok)
             tl.store(row_l + q_rows * (H * GROUP) + head, l_i, mask=row_ok)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # no visible key (l = 0): acc = 0
         tl.store(o_ptr + q_rows[:, None] * so_t + head[:, None] * so_h + dd[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=mask)
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits(part_acc, part_m, part_l, rows, r_ok, num_rows, num_splits, dd, ROWS: tl.constexpr,
+                  D_PAD: tl.constexpr):
+    """The splits' (acc, max, sum) of ``rows`` combined, split 0 first: the same operations in
+    the same order whichever program merges."""
+    m = tl.full((ROWS,), NEG_BIG, tl.float32)
+    l_sum = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D_PAD), tl.float32)
+    for k in range(num_splits):
+        idx = k * num_rows + rows
+        m_k = tl.load(part_m + idx, mask=r_ok, other=NEG_BIG, cache_modifier=".cg")
+        l_k = tl.load(part_l + idx, mask=r_ok, other=0.0, cache_modifier=".cg")
+        acc_k = tl.load(part_acc + idx[:, None] * D_PAD + dd[None, :], mask=r_ok[:, None], other=0.0,
+                        cache_modifier=".cg")
+        m_new = tl.maximum(m, m_k)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_k - m_new)
+        l_sum = l_sum * alpha + l_k * beta
+        acc = acc * alpha[:, None] + acc_k * beta[:, None]
+        m = m_new
+    return m, l_sum, acc
 
 
 @triton.jit
@@ -468,20 +509,8 @@ def merge(part_acc, part_m, part_l, o_ptr, so_t, so_h, num_rows, num_heads, num_
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r_ok = r < num_rows
     dd = tl.arange(0, D_PAD)
-    m = tl.full((ROWS,), NEG_BIG, tl.float32)
-    l_sum = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, D_PAD), tl.float32)
-    for k in range(num_splits):
-        idx = k * num_rows + r.to(tl.int64)
-        m_k = tl.load(part_m + idx, mask=r_ok, other=NEG_BIG)
-        l_k = tl.load(part_l + idx, mask=r_ok, other=0.0)
-        acc_k = tl.load(part_acc + idx[:, None] * D_PAD + dd[None, :], mask=r_ok[:, None], other=0.0)
-        m_new = tl.maximum(m, m_k)
-        alpha = tl.exp2(m - m_new)
-        beta = tl.exp2(m_k - m_new)
-        l_sum = l_sum * alpha + l_k * beta
-        acc = acc * alpha[:, None] + acc_k * beta[:, None]
-        m = m_new
+    m, l_sum, acc = _merge_splits(part_acc, part_m, part_l, r.to(tl.int64), r_ok, num_rows, num_splits, dd, ROWS,
+                                  D_PAD)
     if STATS:
         tl.store(row_m + r, m, mask=r_ok)
         tl.store(row_l + r, l_sum, mask=r_ok)

@@ -3,7 +3,9 @@
 ``paged_attention`` has the contract of ``reference.reference_attention`` (without the
 codecs: the ``HalfLayout`` says what to read). Decode and prefill chunks over cached context
 go through the same kernel (``triton_jit.attend``); long contexts are split across programs
-(flash-decoding) and the splits merged by a second small kernel.
+(flash-decoding); the last program of a query tile's splits to finish merges them
+(``LaunchConfig.merge_in_kernel``; else a second small kernel does), so a call is one launch.
+Split partials and the merge's tickets live in a ``SplitScratch`` reused from call to call.
 
 Dequantization is fused into the kernel for every layout ``HalfLayout.from_codec`` builds;
 products run in q's dtype with float32 accumulation (float32 q: exact float32 dots).
@@ -16,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -59,6 +61,7 @@ class LaunchConfig:
     num_splits: int
     num_warps: int = 4
     num_stages: int = 2
+    merge_in_kernel: bool = True   # split partials merged by their tile's last program, not a second kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -104,6 +107,43 @@ def launch_config(q: torch.Tensor, batch: PagedBatch, num_kv_heads: int,
     return LaunchConfig(rows, queries, block_n, tokens_per_split, -(-max_len // tokens_per_split), num_warps=warps)
 
 
+class SplitScratch:
+    """Where split programs leave their partials (acc, max, sum) and take their tickets (one int32
+    counter per query tile and KV head: the in-kernel merge's), per device, grown as calls need and
+    reused by every call after: calls on one stream run one after another, so a call's partials
+    are merged before the next call writes them. Between launches every ticket is zero (a launch's
+    merging program sets its tile's back), so they are zeroed once, when allocated."""
+
+    def __init__(self) -> None:
+        self._partials: dict[torch.device, torch.Tensor] = {}
+        self._tickets: dict[torch.device, torch.Tensor] = {}
+
+    def partials(self, num_splits: int, num_rows: int, d_pad: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views [num_splits, num_rows, d_pad], [num_splits, num_rows] x 2 (float32) of one buffer."""
+        n = num_splits * num_rows
+        buf = self._partials.get(device)
+        if buf is None or buf.numel() < n * (d_pad + 2):
+            buf = torch.empty(n * (d_pad + 2), dtype=torch.float32, device=device)
+            self._partials[device] = buf
+        return (buf[:n * d_pad].view(num_splits, num_rows, d_pad), buf[n * d_pad:n * (d_pad + 1)].view(num_splits, num_rows),
+                buf[n * (d_pad + 1):n * (d_pad + 2)].view(num_splits, num_rows))
+
+    def tickets(self, count: int, device: torch.device) -> torch.Tensor:
+        """``count`` int32 counters, all zero."""
+        held = self._tickets.get(device)
+        if held is None or held.numel() < count:
+            held = torch.zeros(max(count, 2 * (0 if held is None else held.numel())), dtype=torch.int32, device=device)
+            self._tickets[device] = held
+        return held[:count]
+
+    def check_integrity(self) -> None:
+        """Every ticket back at zero (reads them from the device: tests and idle checks)."""
+        for device, held in self._tickets.items():
+            if int(torch.count_nonzero(held)):
+                raise AssertionError(f"{int(torch.count_nonzero(held))} split tickets on {device} were left non-zero")
+
+
 @dataclass(frozen=True)
 class Halves:
     """A layer's keys and values checked once and their kernel arguments built (``prepare``): a
@@ -139,7 +179,8 @@ def prepare(key: HalfStore, value: HalfStore, head_dim: int, block_size: int) ->
 
 def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: PagedBatch, scale: float,
                     out: torch.Tensor | None = None, *, config: LaunchConfig | None = None,
-                    scores: AttentionScores | None = None, halves: Halves | None = None) -> torch.Tensor:
+                    scores: AttentionScores | None = None, halves: Halves | None = None,
+                    launcher: Launcher | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] in q's dtype (written into ``out`` when given); the
     semantics of ``reference_attention``, except that ``open_rows`` of a sequence whose last
     block is full is ignored. ValueError for inputs the kernel cannot read. The batch's
@@ -147,7 +188,9 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
     (not checked: that would cost a device sync). ``config`` overrides the default cut.
     ``scores``: the attention weights keys get are added to it (``AttentionScores``; a second
     kernel, ``score``, after the attention has each row's final max and sum). ``halves``:
-    ``key`` and ``value`` as ``prepare`` made them earlier (checked then, not again)."""
+    ``key`` and ``value`` as ``prepare`` made them earlier (checked then, not again).
+    ``launcher``: what the calls of one stream share (``Launcher``: the split scratch, the step's
+    batch checked and cut once for all its layers); a fresh one per call without."""
     if triton_jit is None:
         raise RuntimeError("the Triton attention backend needs the triton package (pip install triton)")
     _check_query(q, out)
@@ -159,7 +202,8 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
     num_kv_heads = halves.num_kv_heads
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
-    _check_batch(batch, q.device)
+    launcher = launcher if launcher is not None else Launcher()
+    plan = launcher.plan(q, batch, num_kv_heads, config)
     if scores is not None:
         if batch.window is not None:
             raise ValueError("attention scores are not kept under a sliding window")
@@ -171,15 +215,93 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if q.shape[0] == 0 or batch.num_seqs == 0:
         return out
-    cfg = config or launch_config(q, batch, num_kv_heads)
-    if cfg.tokens_per_split % math.lcm(cfg.block_n, batch.block_size):
-        raise ValueError(f"tokens_per_split {cfg.tokens_per_split} is not a multiple of block_n {cfg.block_n} "
-                         f"and the block size {batch.block_size}")
     stats = None if scores is None else torch.empty(2, q.shape[0] * q.shape[1], dtype=torch.float32, device=q.device)
-    cfg = _launch(q, halves, batch, scale, out, cfg, stats)
+    cfg = _launch(q, halves, plan, scale, out, stats)
     if scores is not None and stats is not None:
         _score(q, halves, batch, scale, scores, stats, cfg)
     return out
+
+
+class Launcher:
+    """What the calls on one stream share: the split scratch (``SplitScratch``), and the plan of
+    the step's batches (``StepPlan``: checked, cut and its kernel arguments built by the first
+    layer's call, reused by every later layer's while the same batch, query shape and config come
+    back; the KEPT_PLANS latest are kept).
+
+    Plans of several batches share the scratch: their calls run one after another on the stream,
+    each merging its splits before the next writes them."""
+
+    KEPT_PLANS = 4      # a step's batches: the whole one, a sliding window's, a budget's per-layer ones
+
+    def __init__(self) -> None:
+        self.scratch = SplitScratch()
+        self._plans: list[StepPlan] = []      # most recent first
+
+    def plan(self, q: torch.Tensor, batch: PagedBatch, num_kv_heads: int, config: LaunchConfig | None = None,
+             f32_dots: bool | None = None) -> StepPlan:
+        """The plan for ``batch`` under queries like ``q`` (ValueError for a batch the kernels
+        cannot read, or a config that does not tile its blocks); ``f32_dots``: the device's (asked
+        of it) unless given (compiling for another device)."""
+        query = (q.shape, q.dtype, q.device)
+        for held in self._plans:
+            if held.batch is batch and held.query == query and held.num_kv_heads == num_kv_heads \
+                    and held.asked is config and (f32_dots is None or f32_dots == held.f32_dots):
+                return held
+        _check_batch(batch, q.device)
+        cfg = config or launch_config(q, batch, num_kv_heads)
+        if cfg.tokens_per_split % math.lcm(cfg.block_n, batch.block_size):
+            raise ValueError(f"tokens_per_split {cfg.tokens_per_split} is not a multiple of block_n {cfg.block_n} "
+                             f"and the block size {batch.block_size}")
+        f32 = _device_traits(q.device)[1] if f32_dots is None else f32_dots
+        num_q_tiles = -(-batch.max_query_len // cfg.queries_per_tile)
+        num_rows, d_pad = q.shape[0] * q.shape[1], max(16, _next_pow2(q.shape[2]))
+        partials: tuple[torch.Tensor, ...] | None = None      # one split: the output stands in (never read)
+        tickets = None
+        if cfg.num_splits > 1:
+            partials = self.scratch.partials(cfg.num_splits, num_rows, d_pad, q.device)
+            if cfg.merge_in_kernel:
+                tickets = self.scratch.tickets(batch.num_seqs * num_q_tiles * num_kv_heads, q.device)
+        plan = StepPlan(batch, query, num_kv_heads, config, cfg, f32, num_q_tiles, _batch_args(batch),
+                        _tile_constants(q, num_kv_heads, batch, cfg, f32), partials, tickets)
+        self._plans = [plan, *self._plans[:self.KEPT_PLANS - 1]]
+        return plan
+
+
+@dataclass
+class StepPlan:
+    """A batch's launch for queries of one shape: its cut, its kernel arguments and tile
+    constants, its split partials and tickets (``Launcher.plan``); each layer's merged constants
+    are kept by its halves' id (``constants``)."""
+
+    batch: PagedBatch
+    query: tuple[Any, ...]              # q's shape, dtype, device
+    num_kv_heads: int
+    asked: LaunchConfig | None          # the config the caller gave (None: the default cut)
+    cfg: LaunchConfig
+    f32_dots: bool
+    num_q_tiles: int
+    batch_args: list[Any]
+    tile_constants: dict[str, Any]
+    partials: tuple[torch.Tensor, ...] | None
+    tickets: torch.Tensor | None
+    _constants: dict[tuple[int, bool], dict[str, Any]] = field(default_factory=dict)
+
+    def constants(self, halves: Halves, stats: bool) -> dict[str, Any]:
+        """``attend``'s compile-time constants for ``halves`` (a layer's), with or without scoring."""
+        key = (id(halves), stats)
+        held = self._constants.get(key)
+        if held is None:
+            held = {**halves.constants, **self.tile_constants, "SPLIT": self.cfg.num_splits > 1, "STATS": stats,
+                    "MERGE_HERE": self.tickets is not None}
+            self._constants[key] = held
+        return held
+
+    def with_config(self, cfg: LaunchConfig) -> StepPlan:
+        """The same plan in another tile (a launch that did not fit: ``smaller_configs``)."""
+        q_shape, dtype, _ = self.query
+        tiles = _tile_constants(torch.empty(0, *q_shape[1:], dtype=dtype), self.num_kv_heads, self.batch, cfg,
+                                self.f32_dots)
+        return replace(self, cfg=cfg, tile_constants=tiles, _constants={})
 
 
 @dataclass(frozen=True)
@@ -191,20 +313,18 @@ class AttendLaunch:
     constants: dict[str, Any]
 
 
-def attend_launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float,
-                  out: torch.Tensor, cfg: LaunchConfig, partials: tuple[torch.Tensor, ...],
-                  f32_dots: bool, stats: torch.Tensor | None = None) -> AttendLaunch:
-    """What ``paged_attention`` launches (``partials``: acc, max, sum of the splits; any
-    tensors when there is one split; ``stats``: [2, rows] where each row's final max and sum
-    go, for scoring). Also used to compile the kernel without a GPU."""
-    num_tokens, num_heads, _ = q.shape
-    num_q_tiles = -(-batch.max_query_len // cfg.queries_per_tile)
-    args = [q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), *partials, num_tokens * num_heads,
-            *_batch_args(batch), batch.window or 0, halves.num_kv_heads, num_q_tiles, cfg.tokens_per_split, scale * math.log2(math.e),
-            *halves.args, *((out, out) if stats is None else (stats[0], stats[1]))]
-    constants = {**halves.constants, **_tile_constants(q, halves, batch, cfg, f32_dots),
-                 "SPLIT": cfg.num_splits > 1, "STATS": stats is not None}
-    return AttendLaunch((batch.num_seqs * num_q_tiles, halves.num_kv_heads, cfg.num_splits), args, constants)
+def attend_launch(q: torch.Tensor, halves: Halves, plan: StepPlan, scale: float, out: torch.Tensor,
+                  stats: torch.Tensor | None = None) -> AttendLaunch:
+    """What ``paged_attention`` launches for one layer (``stats``: [2, rows] where each row's
+    final max and sum go, for scoring). Also used to compile the kernel without a GPU."""
+    cfg, batch = plan.cfg, plan.batch
+    partials = plan.partials if plan.partials is not None else (out, out, out)
+    args = [q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), *partials, q.shape[0] * q.shape[1],
+            *plan.batch_args, batch.window or 0, halves.num_kv_heads, plan.num_q_tiles, cfg.tokens_per_split,
+            scale * math.log2(math.e), *halves.args, *((out, out) if stats is None else (stats[0], stats[1])),
+            out if plan.tickets is None else plan.tickets]
+    return AttendLaunch((batch.num_seqs * plan.num_q_tiles, halves.num_kv_heads, cfg.num_splits), args,
+                        plan.constants(halves, stats is not None))
 
 
 def _batch_args(batch: PagedBatch) -> list[Any]:
@@ -216,11 +336,11 @@ def _batch_args(batch: PagedBatch) -> list[Any]:
             batch.context_lens if batch.query_positions is None else batch.query_positions]
 
 
-def _tile_constants(q: torch.Tensor, halves: Halves, batch: PagedBatch, cfg: LaunchConfig,
+def _tile_constants(q: torch.Tensor, num_kv_heads: int, batch: PagedBatch, cfg: LaunchConfig,
                     f32_dots: bool) -> dict[str, Any]:
     """The compile-time shape of both kernels' tiles: rows, keys, head and block sizes, dot dtype."""
     head_dim = q.shape[2]
-    return {"GROUP": q.shape[1] // halves.num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
+    return {"GROUP": q.shape[1] // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
             "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
             "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
             "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots, "HAS_POSITIONS": batch.query_positions is not None}
@@ -243,18 +363,13 @@ def smaller_configs(cfg: LaunchConfig) -> Iterator[LaunchConfig]:
 _FITTED: dict[tuple[Any, ...], LaunchConfig] = {}
 
 
-def _launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float, out: torch.Tensor,
-            cfg: LaunchConfig, stats: torch.Tensor | None) -> LaunchConfig:
-    """Runs ``attend`` (and ``merge``); returns the config that ran."""
+def _launch(q: torch.Tensor, halves: Halves, plan: StepPlan, scale: float, out: torch.Tensor,
+            stats: torch.Tensor | None) -> LaunchConfig:
+    """Runs ``attend`` (and ``merge`` where the splits are not merged in the kernel); returns the
+    config that ran."""
     assert triton_jit is not None
-    num_rows, d_pad = q.shape[0] * q.shape[1], max(16, _next_pow2(q.shape[2]))
-    partials: tuple[torch.Tensor, ...] = (out, out, out)     # not read with one split
-    if cfg.num_splits > 1:
-        partials = (torch.empty(cfg.num_splits, num_rows, d_pad, dtype=torch.float32, device=q.device),
-                    torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device),
-                    torch.empty(cfg.num_splits, num_rows, dtype=torch.float32, device=q.device))
-    f32_dots = _device_traits(q.device)[1]
-    launch = attend_launch(q, halves, batch, scale, out, cfg, partials, f32_dots, stats)
+    cfg = plan.cfg
+    launch = attend_launch(q, halves, plan, scale, out, stats)
 
     def memo() -> tuple[Any, ...]:
         return q.device, tuple(sorted((k, str(v)) for k, v in launch.constants.items())), cfg.num_warps, cfg.num_stages
@@ -262,8 +377,10 @@ def _launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float, ou
     asked = memo() if _FITTED else None          # (nothing to look up until a launch has not fit)
     fitted = _FITTED.get(asked) if asked is not None else None
     if fitted is not None:
-        cfg = replace(fitted, tokens_per_split=cfg.tokens_per_split, num_splits=cfg.num_splits)
-        launch = attend_launch(q, halves, batch, scale, out, cfg, partials, f32_dots, stats)
+        cfg = replace(fitted, tokens_per_split=cfg.tokens_per_split, num_splits=cfg.num_splits,
+                      merge_in_kernel=cfg.merge_in_kernel)
+        plan = plan.with_config(cfg)
+        launch = attend_launch(q, halves, plan, scale, out, stats)
     tries = smaller_configs(cfg)
     while True:
         try:
@@ -279,12 +396,13 @@ def _launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float, ou
                                  f"at head_dim {q.shape[2]} in {q.dtype}, even in {cfg.block_n}-key tiles ({e}); use "
                                  "a 16-bit compute dtype or the torch attention backend") from e
             cfg = smaller
-            launch = attend_launch(q, halves, batch, scale, out, cfg, partials, f32_dots, stats)
+            plan = plan.with_config(cfg)
+            launch = attend_launch(q, halves, plan, scale, out, stats)
             _FITTED[asked] = cfg
-    if cfg.num_splits > 1:
-        rows = 16
+    if plan.partials is not None and plan.tickets is None:     # splits merged by the second kernel
+        rows, num_rows, d_pad = 16, q.shape[0] * q.shape[1], max(16, _next_pow2(q.shape[2]))
         row_stats = (out, out) if stats is None else (stats[0], stats[1])
-        triton_jit.merge[(-(-num_rows // rows),)](*partials, out, out.stride(0), out.stride(1), num_rows, q.shape[1],
+        triton_jit.merge[(-(-num_rows // rows),)](*plan.partials, out, out.stride(0), out.stride(1), num_rows, q.shape[1],
                                                   cfg.num_splits, *row_stats, ROWS=rows, D=q.shape[2], D_PAD=d_pad,
                                                   STATS=stats is not None, num_warps=4)
     return cfg
@@ -306,7 +424,7 @@ def score_launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: floa
     w = scores.weights
     args = [q, q.stride(0), q.stride(1), stats[0], stats[1], w, w.stride(0), w.stride(1), w.shape[2],
             scores.score_from, *_batch_args(batch), halves.num_kv_heads, scale * math.log2(math.e), *halves.key_args]
-    constants = {**halves.key_constants, **_tile_constants(q, halves, batch, cfg, f32_dots)}
+    constants = {**halves.key_constants, **_tile_constants(q, halves.num_kv_heads, batch, cfg, f32_dots)}
     return (batch.num_seqs, halves.num_kv_heads), args, constants
 
 

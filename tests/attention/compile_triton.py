@@ -4,8 +4,9 @@
     python tests/attention/compile_triton.py [--arch 90] [--variants kivi2:bf16:128:decode ...]
 
 A variant is ``format:dtype:head_dim:mode`` (format as ``kivi2``, ``k=int8,v=kivi2`` or, for a
-zip storage's mixed blocks, ``zip=int8/kivi2``: finer / base; mode ``decode``, ``prefill`` or
-``score``: the scoring kernel after a decode); the arguments are those ``paged_attention``
+zip storage's mixed blocks, ``zip=int8/kivi2``: finer / base; mode ``decode``, ``prefill``,
+``split``: a decode whose contexts are cut in splits of 256 keys, merged by each tile's last
+program, or ``score``: the scoring kernel after a decode); the arguments are those ``paged_attention``
 launches with (the default launch config, strides of a real cache, 16-byte alignment as the
 runtime specializes them). Besides registers and spills, each line gives the shared memory the
 kernel asks (``smem``: an H100 or H200 has 227 KB). Run without TRITON_INTERPRET: the
@@ -32,7 +33,7 @@ from attention.cases import make_case
 from kvserve.attention import triton_jit, triton_kernels
 from kvserve.kv.storage.layout import AttentionScores, RefinedHalf
 
-DEFAULT_VARIANTS = ["native:bf16:128:decode", "int8:bf16:128:decode", "fp8:bf16:128:decode",
+DEFAULT_VARIANTS = ["native:bf16:128:decode", "native:bf16:128:split", "int8:bf16:128:decode", "fp8:bf16:128:decode",
                     "kivi2:bf16:128:decode", "int4:fp16:64:decode", "int8+had+out4:bf16:128:decode",
                     "kivi2:bf16:128:prefill", "fp32:fp32:64:decode", "zip=int8/kivi2:bf16:128:decode",
                     "zip=int8/kivi2:bf16:128:prefill", "kivi2:bf16:128:score", "zip=int8/kivi2:bf16:64:score"]
@@ -61,12 +62,11 @@ def compile_variant(variant: str, arch: int) -> str:
         side_map = torch.zeros(next(iter(key.parts.values())).shape[0], dtype=torch.int64)
         key = replace(key, refined=RefinedHalf(finer.key.layout, finer.key.parts, side_map))
         value = replace(value, refined=RefinedHalf(finer.value.layout, finer.value.parts, side_map))
-    cfg = triton_kernels.launch_config(case.q, case.batch, 8)
-    partials = (torch.empty(1), torch.empty(1), torch.empty(1))
+    cfg = triton_kernels.launch_config(case.q, case.batch, 8, tokens_per_split=256 if mode == "split" else None)
     stats = torch.empty(2, case.q.shape[0] * case.q.shape[1]) if mode == "score" else None
     halves = triton_kernels.prepare(key, value, int(head_dim), case.batch.block_size)
-    launch = triton_kernels.attend_launch(case.q, halves, case.batch, case.scale, torch.empty_like(case.q),
-                                          cfg, partials, f32_dots=arch < 80, stats=stats)
+    plan = triton_kernels.Launcher().plan(case.q, case.batch, 8, cfg, f32_dots=arch < 80)
+    launch = triton_kernels.attend_launch(case.q, halves, plan, case.scale, torch.empty_like(case.q), stats=stats)
     kernel = triton_jit.attend
     if mode == "score":
         assert stats is not None

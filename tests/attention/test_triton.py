@@ -182,12 +182,65 @@ def test_half_precision_queries(fmt: tuple[str, str | None], mode: str, dtype: t
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_split_contexts_merge_exactly(fmt: tuple[str, str | None], mode: str) -> None:
     """Flash-decoding: every sequence cut into splits of 16 or 32 keys (the open block in the
-    last one, prefill queries masked out of whole splits), merged by the second kernel."""
+    last one, prefill queries masked out of whole splits), merged by each tile's last split
+    program, twice through one scratch (its tickets back at zero after each call), and by the
+    second kernel: the same bits (the same sums in the same order)."""
+    launcher = tk.Launcher()
+    scratch = launcher.scratch
     for block_size in (16, 32):
         case = matrix_case(fmt, mode, group=3, head_dim=64, block_size=block_size)
         cfg = forced_splits(case)
-        assert cfg.num_splits >= 3
-        check(case, run(case, config=cfg))
+        assert cfg.num_splits >= 3 and cfg.merge_in_kernel
+        fused = run(case, config=cfg, launcher=launcher)
+        scratch.check_integrity()
+        check(case, fused)
+        assert torch.equal(run(case, config=cfg, launcher=launcher), fused)
+        scratch.check_integrity()
+        assert torch.equal(run(case, config=replace(cfg, merge_in_kernel=False)), fused)
+
+
+def test_a_steps_plan_is_made_once_for_all_its_layers() -> None:
+    """The launcher checks and cuts a batch once: the same batch object (every layer of a step)
+    gets the same plan back; another batch (the next step, a sliding window's) its own, the
+    latest KEPT_PLANS kept; another config its own; a bad batch is refused as before."""
+    case = make_case("int8", lens=[40, 300], num_queries=[1, 1], num_kv_heads=2, group=2, device=DEVICE, seed=1)
+    launcher = tk.Launcher()
+    plan = launcher.plan(case.q, case.batch, 2)
+    assert launcher.plan(case.q, case.batch, 2) is plan
+    window = replace(case.batch, window=64)
+    assert launcher.plan(case.q, window, 2) is not plan and launcher.plan(case.q, case.batch, 2) is plan
+    forced = forced_splits(case)
+    split = launcher.plan(case.q, case.batch, 2, forced)
+    assert split is not plan and split.partials is not None and split.tickets is not None
+    assert split.tickets.numel() == 2 * 1 * 2      # sequences x query tiles x KV heads
+    for _ in range(tk.Launcher.KEPT_PLANS):
+        launcher.plan(case.q, replace(case.batch), 2)
+    assert launcher.plan(case.q, case.batch, 2) is not plan
+    check(case, run(case, launcher=launcher))
+    check(case, run(case, config=forced, launcher=launcher))
+    bad = replace(case.batch, context_lens=case.batch.context_lens.long())
+    with pytest.raises(ValueError, match="context_lens"):
+        launcher.plan(case.q, bad, 2)
+
+
+def test_split_scratch_is_reused_and_grown() -> None:
+    """Partials are views of one buffer per device, grown only when a call needs more; tickets
+    come zeroed and are kept, a larger request keeping the count."""
+    scratch = tk.SplitScratch()
+    acc, m, s = scratch.partials(3, 10, 64, torch.device("cpu"))
+    assert acc.shape == (3, 10, 64) and m.shape == s.shape == (3, 10)
+    assert acc.untyped_storage().data_ptr() == m.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
+    again = scratch.partials(2, 10, 64, torch.device("cpu"))[0]
+    assert again.untyped_storage().data_ptr() == acc.untyped_storage().data_ptr()
+    assert scratch.partials(4, 10, 64, torch.device("cpu"))[0].untyped_storage().data_ptr() != acc.untyped_storage().data_ptr()
+    tickets = scratch.tickets(5, torch.device("cpu"))
+    assert tickets.tolist() == [0] * 5 and tickets.dtype == torch.int32
+    tickets[1] = 1
+    with pytest.raises(AssertionError, match="1 split tickets"):
+        scratch.check_integrity()
+    tickets[1] = 0
+    assert scratch.tickets(12, torch.device("cpu")).shape == (12,)
+    scratch.check_integrity()
 
 
 @pytest.mark.parametrize("fmt,block_size", [("fp32", 16), ("kivi2", 16), ("int4+had+out4", 256)])
@@ -485,7 +538,8 @@ def test_kernels_compile_for_the_gpu_without_spilling() -> None:
     """What the interpreter cannot show: the kernels compile for sm_90 (Triton's own ptxas, no
     GPU needed), keep their tiles in registers and ask well under an H100's 227 KB of shared
     memory, for the heaviest decode tile (2-bit per-channel keys, head_dim 128), a prefill
-    with rotated outlier keys, mixed blocks (zip) and the scoring kernel."""
+    with rotated outlier keys, mixed blocks (zip), the scoring kernel and a split decode (its
+    merge in the kernel: an atomic ticket, a barrier)."""
     import triton
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
@@ -494,12 +548,12 @@ def test_kernels_compile_for_the_gpu_without_spilling() -> None:
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     script = Path(__file__).with_name("compile_triton.py")
     variants = ["kivi2:bf16:128:decode", "k=fp8+had+out4,v=int4:fp16:64:prefill", "zip=int8/kivi2:bf16:128:prefill",
-                "kivi2:bf16:128:score"]
+                "kivi2:bf16:128:score", "kivi2:bf16:128:split"]
     done = subprocess.run([sys.executable, str(script), "--arch", "90", "--variants", *variants], check=False,
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 4 and all("STACK:0" in line for line in lines), done.stdout
+    assert len(lines) == 5 and all("STACK:0" in line for line in lines), done.stdout
     assert all(int(line.split("smem:")[1].split()[0]) <= 128 * 1024 for line in lines), done.stdout
 
 
