@@ -1,5 +1,6 @@
 """Micro-benchmark of the quantized-weight products (the C++ kernel, kvserve/model/csrc/qkernel.h)
-per GGUF block type: how near the memory bandwidth each type's blocks are read.
+per GGUF block type: how near the memory bandwidth each type's blocks are read, and how near
+the box's integer peak their multiply-adds run.
 
     python -m kvserve.bench.qlinear [--types Q4_0,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K] [--rows 1,512]
 
@@ -9,8 +10,13 @@ o (896 x 896), gate_up (9728 x 896) and down (896 x 4864), ``--layers`` layers, 
 loader packs them. The K-quants take K in whole super-blocks of 256, so their 896-column
 products take 1024. Per batch of ``rows`` rows (decode batch, or prefill chunk): the time to
 run every product once, the median of ``--repeats`` (min-max), and the weights' GB/s against
-the read bandwidth measured in the same run (kv_decode.read_bandwidth). The types take turns
-within each repeat, so a noisy neighbour slows each alike.
+the read bandwidth measured in the same run (kv_decode.read_bandwidth), and the multiply-adds a
+second (rows x N x K) against the integer peak measured in the same run: the kernel's own
+4-product instruction (VNNI's vpdpbusd; AVX2's maddubs pair and adds) on registers alone, on
+every thread (``int8_peak`` in qkernel.h). Decode rows are bound by the bytes, prefill chunks by
+the arithmetic: the peak is the ceiling the latter are held to (the products also convert, scale
+and add per half block of 16, which the peak leaves out). The types take turns within each
+repeat, so a noisy neighbour slows each alike.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from kvserve.model.formats.random_blocks import random_gguf_bytes
 
 LAYER_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]   # (rows, cols): qkv, o, gate_up, down
 DEFAULT_TYPES = "Q4_0,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K"
+PEAK_ROUNDS = 5_000_000     # a thread's rounds of the integer-peak loop (8 instructions a round): ~0.1 s
 
 
 def layer_products(ext: ModuleType, type_name: str, num_layers: int) -> list[CpuPackedProduct]:
@@ -75,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     inputs = {rows: {c: torch.randn(rows, c, generator=g) for c in {p.cols for ps in weights.values() for p in ps}}
               for rows in all_rows}
     bandwidth = read_bandwidth()
+    peak = max(ext.int8_peak(PEAK_ROUNDS) for _ in range(3))
     times: dict[tuple[str, int], list[float]] = {(t, rows): [] for t in types for rows in all_rows}
     for rows in all_rows:
         for t in types:
@@ -83,17 +91,21 @@ def main(argv: list[str] | None = None) -> int:
             for t in types:
                 times[(t, rows)].append(run_all(weights[t], inputs[rows]))
     bandwidth = max(bandwidth, read_bandwidth())      # again after the runs: the box may have quietened
+    peak = max(peak, *(ext.int8_peak(PEAK_ROUNDS) for _ in range(3)))
     out = []
     for rows in all_rows:
         for t in types:
             ts = times[(t, rows)]
             nbytes = sum(p.nbytes for p in weights[t])
+            macs = rows * sum(p.rows * p.cols for p in weights[t])
             m = statistics.median(ts)
             out.append([t, rows, f"{nbytes / 2 ** 20:.0f}", f"{m * 1e3:.2f} ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})",
-                        f"{nbytes / m / 1e9:.1f}", f"{nbytes / m / bandwidth:.0%}"])
+                        f"{nbytes / m / 1e9:.1f}", f"{nbytes / m / bandwidth:.0%}", f"{macs / m / 1e9:.0f}",
+                        f"{macs / m / peak:.0%}"])
     print(f"Qwen2.5-0.5B's layer products, {args.layers} layers, {ext.isa} kernel, {torch.get_num_threads()} "
-          f"threads; median of {args.repeats} (min-max); read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print(table(["type", "rows", "MiB", "ms", "GB/s", "of bandwidth"], out))
+          f"threads; median of {args.repeats} (min-max); read bandwidth {bandwidth / 1e9:.1f} GB/s; integer peak "
+          f"{peak / 1e9:.0f} GMAC/s (the kernel's 4-product instruction on registers, every thread)")
+    print(table(["type", "rows", "MiB", "ms", "GB/s", "of bandwidth", "GMAC/s", "of int8 peak"], out))
     return 0
 
 

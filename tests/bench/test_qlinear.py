@@ -5,16 +5,19 @@ from __future__ import annotations
 import pytest
 
 from kvserve.bench import qlinear
-from kvserve.model.cpu_extension import load_extension
+from kvserve.model.cpu_extension import load_extension, supported_isas
 
 
 def test_one_layer_of_each_type_is_timed(monkeypatch, capsys) -> None:
     if load_extension() is None:
         pytest.skip("the C++ kernel is unavailable here")
     monkeypatch.setattr(qlinear, "read_bandwidth", lambda: 1e10)
+    monkeypatch.setattr(qlinear, "PEAK_ROUNDS", 1000)
     assert qlinear.main(["--types", "Q5_0,Q5_K", "--layers", "1", "--rows", "1,17", "--repeats", "1",
                          "--threads", "1"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|") and "Q5" in line]
+    out = capsys.readouterr().out
+    assert "integer peak" in out and "of int8 peak" in out
+    lines = [line for line in out.splitlines() if line.startswith("|") and "Q5" in line]
     assert [line.split("|")[1].strip() + " " + line.split("|")[2].strip() for line in lines] == \
         ["Q5_0 1", "Q5_K 1", "Q5_0 17", "Q5_K 17"]
 
@@ -22,3 +25,12 @@ def test_one_layer_of_each_type_is_timed(monkeypatch, capsys) -> None:
 def test_a_type_no_kernel_reads_is_refused() -> None:
     with pytest.raises(SystemExit, match="no kernel reads Q3_K"):
         qlinear.main(["--types", "Q3_K"])
+
+
+@pytest.mark.parametrize("isa", supported_isas())
+def test_the_integer_peak_runs_in_every_build(isa: str) -> None:
+    """Every build's peak loop runs and counts its multiply-adds: 8 chains x 64 a round, per thread."""
+    ext = load_extension(isa)
+    if ext is None:
+        pytest.skip(f"the {isa} build is unavailable here")
+    assert 0 < ext.int8_peak(10_000) < 1e14

@@ -264,6 +264,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &kvs::dequantize_rows, "rows of W as float32");
   m.def("rope_qk", &kvs::rope_qk, "queries and keys rotated, from the fused Q/K/V rows");
   m.def("norm_add", &kvs::norm_add, "h += rms_norm(x) * w, in place");
+  m.def("int8_peak", &kvs::q::int8_peak, "multiply-adds a second of the products' integer instruction, every thread",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("qk_norm_rope", &kvs::qk_norm_rope, "queries and keys each head normed, then rotated, from the fused Q/K/V rows");
 #if defined(KVS_Q_VNNI)
   m.attr("isa") = "avx512vnni";

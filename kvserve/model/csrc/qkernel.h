@@ -36,6 +36,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -473,6 +474,44 @@ inline void linear(const Weight& W, const float* x, int64_t M, int64_t ldx, int 
       run_tile_any(W, s, it - s.tile0, A, scratch, out, ldo, add);
     }
   }
+}
+
+// ---- the box's integer peak (benchmarks) --------------------------------------------------
+
+// Multiply-adds a second of the products' 4-product instruction (pdot: VNNI's vpdpbusd, 64 a
+// call; AVX2's maddubs pair and adds) on every OpenMP thread, from registers: 8 independent
+// accumulator chains a thread, each call's activations broadcast from memory as the kernel's
+// are (so none is loop-invariant), `iters` rounds. The ceiling a product's arithmetic is held to.
+inline double int8_peak(int64_t iters) {
+  constexpr int kChains = 8;
+  int threads = 1;
+  int64_t sink = 0;
+  const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel
+  {
+#pragma omp single
+    threads = omp_get_num_threads();
+    alignas(64) uint8_t bytes[64];
+    for (int i = 0; i < 64; ++i) bytes[i] = static_cast<uint8_t>(i * 7 + omp_get_thread_num());
+    const Codes w = load_codes(bytes);
+    alignas(64) int8_t acts[256];
+    for (int i = 0; i < 256; ++i) acts[i] = static_cast<int8_t>(i * 13 - 100);
+    Part p[kChains];
+    for (int k = 0; k < kChains; ++k) p[k] = pzero();
+    for (int64_t i = 0; i < iters; ++i) {
+      const int8_t* a = acts + (i & 7) * 32;
+#pragma GCC unroll 8
+      for (int k = 0; k < kChains; ++k) p[k] = pdot(p[k], w, load_i32(a + 4 * k));
+    }
+    I16 total = widen(p[0]);
+    for (int k = 1; k < kChains; ++k) total = iadd(total, widen(p[k]));
+    alignas(64) float lanes[kLanes];
+    store_f32_all(lanes, to_float(total));
+#pragma omp atomic
+    sink += static_cast<int64_t>(lanes[0]);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return (sink == 42 ? 1.0 : 0.0) + static_cast<double>(threads) * iters * kChains * kLanes * 4 / seconds;
 }
 
 // ---- dequantization (embedding rows, tests): the same values the products use ----------
