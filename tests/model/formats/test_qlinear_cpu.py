@@ -91,7 +91,8 @@ def test_every_format_at_every_row_count_matches_the_references(isa: str, fmt: s
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_prefill_chunks_of_512_rows(fmt: str) -> None:
-    """Beyond 8 rows a tile is unpacked once into scratch and every row runs over it."""
+    """Past 4 x the kernel's rows at once (32 with AVX-512, 16 with AVX2) a tile is unpacked once
+    into scratch and every row runs over it."""
     ext = ext_for(ISAS[0])
     cols = 256 if is_k_quant(fmt) else 128
     w = weights(fmt, 24, cols, seed=3)
@@ -104,7 +105,9 @@ def test_prefill_chunks_of_512_rows(fmt: str) -> None:
 def test_the_largest_codes_times_the_largest_activations_are_exact(isa: str, fmt: str) -> None:
     """Every code and sub-scale at its largest, every activation code at +-127: the integer
     sums at their largest (the AVX2 kernel sums a half block's products in int16 before widening
-    them; a saturated sum would be off by thousands of steps), streamed (1-2 rows) and prepared."""
+    them; a saturated sum would be off by thousands of steps): streamed or unpacked in registers
+    (1, 2 and 9 rows: decode rows and a verify step's groups of rows) and unpacked into scratch (33
+    rows, past 4 x the kernel's rows at once)."""
     ext = ext_for(isa)
     cols = 256 if is_k_quant(fmt) else 64
     nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt]][1]
@@ -113,7 +116,7 @@ def test_the_largest_codes_times_the_largest_activations_are_exact(isa: str, fmt
     raw[:, [i for i in range(nbytes) if i not in scales]] = 0xFF
     w = pack_gguf(fmt, raw.reshape(-1), 16, cols)
     product = CpuPackedProduct(ext, w)
-    for rows in (1, 2, 9):
+    for rows in (1, 2, 9, 33):
         x = torch.ones(rows, cols)
         x[1::2] = -1.0
         check(product(x), x, w)
