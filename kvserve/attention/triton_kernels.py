@@ -284,17 +284,18 @@ class StepPlan:
     tile_constants: dict[str, Any]
     partials: tuple[torch.Tensor, ...] | None
     tickets: torch.Tensor | None
-    _constants: dict[tuple[int, bool], dict[str, Any]] = field(default_factory=dict)
+    # by the halves' id, held beside them (so the id stays theirs)
+    _constants: dict[tuple[int, bool], tuple[Halves, dict[str, Any]]] = field(default_factory=dict)
 
     def constants(self, halves: Halves, stats: bool) -> dict[str, Any]:
         """``attend``'s compile-time constants for ``halves`` (a layer's), with or without scoring."""
         key = (id(halves), stats)
         held = self._constants.get(key)
-        if held is None:
-            held = {**halves.constants, **self.tile_constants, "SPLIT": self.cfg.num_splits > 1, "STATS": stats,
-                    "MERGE_HERE": self.tickets is not None}
+        if held is None or held[0] is not halves:
+            held = (halves, {**halves.constants, **self.tile_constants, "SPLIT": self.cfg.num_splits > 1,
+                             "STATS": stats, "MERGE_HERE": self.tickets is not None})
             self._constants[key] = held
-        return held
+        return held[1]
 
     def with_config(self, cfg: LaunchConfig) -> StepPlan:
         """The same plan in another tile (a launch that did not fit: ``smaller_configs``)."""
