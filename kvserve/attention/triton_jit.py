@@ -450,9 +450,9 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
     if V_HAD and V_NOUT == 0:
         acc = _rotate(acc, D, tl.float32, F32_DOTS)
 
+    rows = q_rows * (H * GROUP) + head          # the tile's (query, head) rows in the flat [T x Hq] order
     write = True
     if SPLIT:
-        rows = q_rows * (H * GROUP) + head
         idx = split.to(tl.int64) * num_rows + rows
         tl.store(part_acc + idx[:, None] * D_PAD + dd[None, :], acc, mask=row_ok[:, None])
         tl.store(part_m + idx, m_i, mask=row_ok)
@@ -472,8 +472,8 @@ def attend(q_ptr, sq_t, sq_h, o_ptr, so_t, so_h, part_acc, part_m, part_l, num_r
                 tl.atomic_xchg(ticket_ptr, 0)       # ready for the next launch
     if write:
         if STATS:      # each row's final max and sum, for ``score``
-            tl.store(row_m + q_rows * (H * GROUP) + head, m_i, mask=row_ok)
-            tl.store(row_l + q_rows * (H * GROUP) + head, l_i, mask=row_ok)
+            tl.store(row_m + rows, m_i, mask=row_ok)
+            tl.store(row_l + rows, l_i, mask=row_ok)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # no visible key (l = 0): acc = 0
         tl.store(o_ptr + q_rows[:, None] * so_t + head[:, None] * so_h + dd[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

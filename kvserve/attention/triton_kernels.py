@@ -262,7 +262,7 @@ class Launcher:
             if cfg.merge_in_kernel:
                 tickets = self.scratch.tickets(batch.num_seqs * num_q_tiles * num_kv_heads, q.device)
         plan = StepPlan(batch, query, num_kv_heads, config, cfg, f32, num_q_tiles, _batch_args(batch),
-                        _tile_constants(q, num_kv_heads, batch, cfg, f32), partials, tickets)
+                        _tile_constants(q.shape, q.dtype, num_kv_heads, batch, cfg, f32), partials, tickets)
         self._plans = [plan, *self._plans[:self.KEPT_PLANS - 1]]
         return plan
 
@@ -299,9 +299,8 @@ class StepPlan:
 
     def with_config(self, cfg: LaunchConfig) -> StepPlan:
         """The same plan in another tile (a launch that did not fit: ``smaller_configs``)."""
-        q_shape, dtype, _ = self.query
-        tiles = _tile_constants(torch.empty(0, *q_shape[1:], dtype=dtype), self.num_kv_heads, self.batch, cfg,
-                                self.f32_dots)
+        q_shape, q_dtype, _ = self.query
+        tiles = _tile_constants(q_shape, q_dtype, self.num_kv_heads, self.batch, cfg, self.f32_dots)
         return replace(self, cfg=cfg, tile_constants=tiles, _constants={})
 
 
@@ -337,14 +336,15 @@ def _batch_args(batch: PagedBatch) -> list[Any]:
             batch.context_lens if batch.query_positions is None else batch.query_positions]
 
 
-def _tile_constants(q: torch.Tensor, num_kv_heads: int, batch: PagedBatch, cfg: LaunchConfig,
-                    f32_dots: bool) -> dict[str, Any]:
-    """The compile-time shape of both kernels' tiles: rows, keys, head and block sizes, dot dtype."""
-    head_dim = q.shape[2]
-    return {"GROUP": q.shape[1] // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
+def _tile_constants(q_shape: torch.Size, q_dtype: torch.dtype, num_kv_heads: int, batch: PagedBatch,
+                    cfg: LaunchConfig, f32_dots: bool) -> dict[str, Any]:
+    """The compile-time shape of both kernels' tiles (queries [T, Hq, D] in ``q_dtype``): rows,
+    keys, head and block sizes, dot dtype."""
+    head_dim = q_shape[2]
+    return {"GROUP": q_shape[1] // num_kv_heads, "QUERIES": cfg.queries_per_tile, "ROWS": cfg.rows,
             "D": head_dim, "D_PAD": max(16, _next_pow2(head_dim)), "BLOCK_SIZE": batch.block_size,
             "BLOCK_N": cfg.block_n, "PAGES": _pages_per_tile(cfg.block_n, batch.block_size),
-            "DOT": _dot_dtype(q.dtype), "F32_DOTS": f32_dots, "HAS_POSITIONS": batch.query_positions is not None}
+            "DOT": _dot_dtype(q_dtype), "F32_DOTS": f32_dots, "HAS_POSITIONS": batch.query_positions is not None}
 
 
 def smaller_configs(cfg: LaunchConfig) -> Iterator[LaunchConfig]:
@@ -425,7 +425,7 @@ def score_launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: floa
     w = scores.weights
     args = [q, q.stride(0), q.stride(1), stats[0], stats[1], w, w.stride(0), w.stride(1), w.shape[2],
             scores.score_from, *_batch_args(batch), halves.num_kv_heads, scale * math.log2(math.e), *halves.key_args]
-    constants = {**halves.key_constants, **_tile_constants(q, halves.num_kv_heads, batch, cfg, f32_dots)}
+    constants = {**halves.key_constants, **_tile_constants(q.shape, q.dtype, halves.num_kv_heads, batch, cfg, f32_dots)}
     return (batch.num_seqs, halves.num_kv_heads), args, constants
 
 

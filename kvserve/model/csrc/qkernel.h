@@ -423,16 +423,14 @@ constexpr int64_t kRegroupRows = 4 * kMaxRows;
 template <int KIND>
 inline void run_tile(const Weight& W, const Segment& s, int64_t t, const Acts& A, std::vector<Prepared>& scratch,
                      float* out, int64_t ldo, bool add) {
-  if (A.M <= kMaxRows) return rows_of_tile<KIND>(W, s, t, A, 0, A.M, nullptr, out, ldo, add);
-  if (A.M <= kRegroupRows) {   // a few groups: each unpacks the tile's blocks again, in registers
-    for (int64_t m0 = 0; m0 < A.M; m0 += kMaxRows)
-      rows_of_tile<KIND>(W, s, t, A, m0, std::min<int64_t>(kMaxRows, A.M - m0), nullptr, out, ldo, add);
-    return;
+  const Prepared* pre = nullptr;   // up to kRegroupRows: each group unpacks the blocks in registers
+  if (A.M > kRegroupRows) {
+    scratch.resize(static_cast<size_t>(A.KB));
+    for (int64_t b = 0; b < A.KB; ++b) prepare<KIND>(s, t, b, scratch[b]);
+    pre = scratch.data();
   }
-  scratch.resize(static_cast<size_t>(A.KB));
-  for (int64_t b = 0; b < A.KB; ++b) prepare<KIND>(s, t, b, scratch[b]);
   for (int64_t m0 = 0; m0 < A.M; m0 += kMaxRows)
-    rows_of_tile<KIND>(W, s, t, A, m0, std::min<int64_t>(kMaxRows, A.M - m0), scratch.data(), out, ldo, add);
+    rows_of_tile<KIND>(W, s, t, A, m0, std::min<int64_t>(kMaxRows, A.M - m0), pre, out, ldo, add);
 }
 
 inline void run_tile_any(const Weight& W, const Segment& s, int64_t t, const Acts& A, std::vector<Prepared>& scratch,
