@@ -62,6 +62,17 @@ def test_decodes_and_prefill_chunks_match_reference(spec: str, group: int, head_
                     seed=group + head_dim + block_size))
 
 
+@pytest.mark.parametrize("group", [4, 5, 6, 7])
+@pytest.mark.parametrize("spec", FORMATS)
+def test_query_groups_of_the_models_users_run(spec: str, group: int) -> None:
+    """Head dim 128 with 4-7 query heads per KV head (Llama's 4, Qwen2.5-1.5B's 6, 0.5B's 7):
+    decode tiles of up to 6 rows read keys and values in place with AVX-512 (4 + 2, 5 + 1 and
+    6 + 4 rows in prefill chunks), contexts long enough to be split and prefetched far ahead."""
+    k, v = halves(spec)
+    check(make_case(k, v, lens=[1, 37, 700, 1100, 40], num_queries=[1, 1, 1, 1, 2], group=group, head_dim=128,
+                    seed=group))
+
+
 @pytest.mark.parametrize("spec", ["fp32", "bf16", "int8", "kivi2", "int4+had+out4"])
 def test_long_contexts_split_over_the_cores(spec: str) -> None:
     """Thousands of tokens: the context is split (split-K) and the partials merged."""

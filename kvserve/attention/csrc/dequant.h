@@ -100,10 +100,10 @@ class Prefetcher {
     at_ = nullptr;
     lines_ = 0;
   }
-  // `rows` runs of `bytes` bytes, `stride` bytes apart.
-  void add(const void* p, int64_t bytes, int64_t rows = 1, int64_t stride = 0) {
+  // `rows` runs of `bytes` bytes, `stride` bytes apart; `far`: into L2 only (blocks further ahead).
+  void add(const void* p, int64_t bytes, int64_t rows = 1, int64_t stride = 0, bool far = false) {
     if (bytes <= 0 || rows <= 0 || n_ == kMaxRanges) return;
-    ranges_[n_] = Range{static_cast<const char*>(p), bytes, rows, stride};
+    ranges_[n_] = Range{static_cast<const char*>(p), bytes, rows, stride, far};
     lines_ += rows * ((bytes + 63) / 64 + 1);
     if (n_++ == 0) start(0);
   }
@@ -116,6 +116,7 @@ class Prefetcher {
   struct Range {
     const char* base;
     int64_t bytes, rows, stride;
+    bool far;
   };
   static constexpr int kMaxRanges = 16;
   void start(int i) {
@@ -133,7 +134,11 @@ class Prefetcher {
   __attribute__((always_inline)) void issue(int64_t count) {
     while (count > 0 && at_) {
       const int64_t k = std::min<int64_t>(count, (end_ - at_ + 63) / 64);
-      for (int64_t i = 0; i < k; ++i) __builtin_prefetch(at_ + 64 * i, 0, 3);
+      if (ranges_[cur_].far) {
+        for (int64_t i = 0; i < k; ++i) __builtin_prefetch(at_ + 64 * i, 0, 2);
+      } else {
+        for (int64_t i = 0; i < k; ++i) __builtin_prefetch(at_ + 64 * i, 0, 3);
+      }
       at_ += 64 * k;
       count -= k;
       if (at_ < end_) return;
@@ -155,25 +160,25 @@ class Prefetcher {
 };
 
 // The small parameter parts of `block` (scales, zeros, outliers), all heads.
-inline void add_params(Prefetcher& pf, const HalfView& v, int64_t block) {
+inline void add_params(Prefetcher& pf, const HalfView& v, int64_t block, bool far = false) {
   const int64_t BH = v.B * v.H;
   int64_t params = 0;  // float16 scale / zero entries per block
   if (v.kind == INT8 || v.kind == FP8) params = BH;
   if (v.kind == ASYM_TOKEN) params = BH * (v.D / v.group);
   if (v.kind == ASYM_CHANNEL) params = v.H * v.D;
-  if (params) pf.add(v.scale + block * params, 2 * params);
-  if (v.zero) pf.add(v.zero + block * params, 2 * params);
+  if (params) pf.add(v.scale + block * params, 2 * params, 1, 0, far);
+  if (v.zero) pf.add(v.zero + block * params, 2 * params, 1, 0, far);
   if (v.num_outliers) {
-    pf.add(v.out_values + block * BH * v.num_outliers, 2 * BH * v.num_outliers);
-    pf.add(v.out_channels + block * v.H * v.num_outliers, v.H * v.num_outliers);
+    pf.add(v.out_values + block * BH * v.num_outliers, 2 * BH * v.num_outliers, 1, 0, far);
+    pf.add(v.out_channels + block * v.H * v.num_outliers, v.H * v.num_outliers, 1, 0, far);
   }
 }
 
 // Every byte of `block`, all heads: one contiguous run per part.
-inline void add_block(Prefetcher& pf, const HalfView& v, int64_t block) {
+inline void add_block(Prefetcher& pf, const HalfView& v, int64_t block, bool far = false) {
   const int64_t BH = v.B * v.H;
-  pf.add(v.main + block * BH * v.row_bytes, BH * v.row_bytes);
-  add_params(pf, v, block);
+  pf.add(v.main + block * BH * v.row_bytes, BH * v.row_bytes, 1, 0, far);
+  add_params(pf, v, block, far);
 }
 
 // The rows of head `head` of `block` (strided: heads interleave per token).
