@@ -31,7 +31,8 @@ def _floats(text: str) -> tuple[float, ...]:
 def settings_from(args: argparse.Namespace) -> Any:
     from kvserve.eval.harness import EvalSettings
     return EvalSettings(
-        ppl_tokens=args.ppl_tokens, window=args.window, stride=args.stride, chunk=args.chunk,
+        ppl_tokens=args.ppl_tokens, window=args.window, stride=args.stride, ppl_layout=args.ppl_layout,
+        chunk=args.chunk,
         num_prompts=args.num_prompts, agree_tokens=args.agree_tokens,
         passkey_lengths=_ints(args.passkey_lengths), passkey_depths=_floats(args.passkey_depths),
         passkey_trials=args.passkey_trials, passkey_filler=args.passkey_filler,
@@ -64,8 +65,8 @@ def run_eval(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, device, mc.torch_dtype)
     print(f"kvserve eval: {loaded.source}, device {device}, compute dtype {dtype}, prompts fed in chunks "
           f"of {settings.chunk} tokens")
-    print(f"perplexity: first {settings.ppl_tokens} tokens of the text, window {settings.window}, "
-          f"stride {settings.stride}; agreement: {settings.num_prompts} chat prompts x {settings.agree_tokens} "
+    print(f"perplexity: first {settings.ppl_tokens} tokens of the text, {settings.ppl_layout} windows of "
+          f"{settings.window}, stride {settings.stride}; agreement: {settings.num_prompts} chat prompts x {settings.agree_tokens} "
           f"greedy tokens vs the same engine's uncompressed cache; passkey: {settings.passkey_filler} filler, "
           f"depths {', '.join(f'{d:g}' for d in settings.passkey_depths)}, {settings.passkey_trials} key(s) "
           f"each, answer in {settings.answer_tokens} greedy tokens")
@@ -86,6 +87,9 @@ def add_quality_args(e: argparse.ArgumentParser, chunk_help: str) -> None:
     e.add_argument("--ppl-tokens", type=int, default=2048, help="score the first N tokens of the text")
     e.add_argument("--window", type=int, default=1024)
     e.add_argument("--stride", type=int, default=512)
+    e.add_argument("--ppl-layout", choices=("sliding", "halves"), default="sliding",
+                   help="sliding: windows every --stride tokens, every token scored once; halves: llama.cpp's "
+                        "llama-perplexity (windows back to back, each scored on its second half; no stride)")
     e.add_argument("--chunk", type=int, default=64, help=chunk_help)
     e.add_argument("--num-prompts", type=int, default=8, help="chat prompts for greedy agreement")
     e.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens per chat prompt")
@@ -192,7 +196,7 @@ def run_eval_weights(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = weights.weight_settings(args.ppl_tokens, args.window, args.stride, args.chunk, args.num_prompts,
-                                       args.agree_tokens)
+                                       args.agree_tokens, args.ppl_layout)
     report, results = weights.run(args.model, find_text(args.text), args.text or "the shipped botchan.txt", settings,
                                   args.format or DEFAULT_WEIGHT_FORMATS, {**engine_options(args), "max_num_seqs": 4})
     wall = time.perf_counter() - t_start

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from kvserve.eval.agreement import CHAT_PROMPTS, agreement
 from kvserve.eval.backends import EvalBackend, StorageCost
 from kvserve.eval.passkey import FILLERS, PasskeyCase, build_cases, is_correct
-from kvserve.eval.perplexity import PerplexityResult, perplexity
+from kvserve.eval.perplexity import LAYOUTS, PerplexityResult, perplexity
 from kvserve.model.tokenizer import Tokenizer
 
 TASKS = ("ppl", "agree", "passkey")
@@ -26,6 +26,7 @@ class EvalSettings:
     ppl_tokens: int = 2048          # the first N tokens of the text
     window: int = 1024
     stride: int = 512
+    ppl_layout: str = "sliding"     # or "halves" (llama-perplexity's: kvserve/eval/perplexity.py)
     chunk: int = 64                 # tokens per forward / per engine step for every prompt
     num_prompts: int = 8
     agree_tokens: int = 32
@@ -44,6 +45,8 @@ class EvalSettings:
                      "passkey_trials", "answer_tokens", "context_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.ppl_layout not in LAYOUTS:
+            raise ValueError(f"perplexity layout must be one of {', '.join(LAYOUTS)}, got {self.ppl_layout!r}")
         if self.num_prompts > len(CHAT_PROMPTS):
             raise ValueError(f"at most {len(CHAT_PROMPTS)} chat prompts are built in, got {self.num_prompts}")
         if self.passkey_filler not in FILLERS:
@@ -107,7 +110,8 @@ def evaluate(backend: EvalBackend, engine: str, work: Workload, settings: EvalSe
     if "ppl" in tasks:
         def progress(done: int, total: int) -> None:
             log(f"{backend.name}: perplexity window {done}/{total} ({time.perf_counter() - t0:.0f} s)")
-        result.ppl = perplexity(backend.prompt_logprobs, work.ppl_ids, settings.window, settings.stride, progress)
+        result.ppl = perplexity(backend.prompt_logprobs, work.ppl_ids, settings.window, settings.stride, progress,
+                                settings.ppl_layout)
         log(f"{backend.name}: perplexity {result.ppl.perplexity:.4f}")
     if "agree" in tasks:
         outputs = greedy_all(backend, work.chat_prompts, settings.agree_tokens)

@@ -13,6 +13,14 @@ the previous one, so every token 1 .. n-1 is scored exactly once, with at least
 
 Inside a window the backend feeds the tokens in chunks (see ``EvalBackend``),
 so every chunk attends to the compressed cache of the chunks before it.
+
+The ``halves`` layout is llama.cpp's ``llama-perplexity`` default, for comparing with it on
+the same text: windows of W tokens back to back (the tokens past the last whole window are
+left out), each scoring the tokens of its second half after the first (W/2 + 1 .. W-1 of the
+window: every scored token has at least W/2 tokens of context):
+
+    window 0 [0, W)     scores W/2+1 .. W-1
+    window 1 [W, 2W)    scores W + W/2+1 .. 2W-1
 """
 
 from __future__ import annotations
@@ -61,17 +69,40 @@ def sliding_windows(num_tokens: int, window: int, stride: int) -> list[Window]:
         begin += stride
 
 
+def halves_windows(num_tokens: int, window: int) -> list[Window]:
+    """``llama-perplexity``'s chunks: whole windows back to back, each scored on its second half."""
+    if window < 4:
+        raise ValueError(f"window must be at least 4 tokens, got {window}")
+    if num_tokens < window:
+        raise ValueError(f"the halves layout needs at least one whole window of {window} tokens, got {num_tokens}")
+    return [Window(begin, begin + window, begin + window // 2 + 1)
+            for begin in range(0, num_tokens - window + 1, window)]
+
+
+LAYOUTS = ("sliding", "halves")
+
+
+def windows_of(layout: str, num_tokens: int, window: int, stride: int) -> list[Window]:
+    """The windows of ``layout`` (``halves`` takes no stride)."""
+    if layout == "sliding":
+        return sliding_windows(num_tokens, window, stride)
+    if layout == "halves":
+        return halves_windows(num_tokens, window)
+    raise ValueError(f"unknown perplexity layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+
+
 # Scores a window: token ids -> log p(ids[i] | ids[:i]) for i = 1 .. len(ids) - 1.
 ScoreFn = Callable[[Sequence[int]], list[float]]
 
 
 def perplexity(score: ScoreFn, token_ids: Sequence[int], window: int, stride: int,
-               progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
-    """exp(mean NLL) of ``token_ids[1:]`` scored window by window with ``score``.
+               progress: Callable[[int, int], None] | None = None, layout: str = "sliding") -> PerplexityResult:
+    """exp(mean NLL) of the tokens ``layout``'s windows score (``sliding``: ``token_ids[1:]``),
+    window by window with ``score``.
 
     ``progress(done, total)`` is called after each window.
     """
-    windows = sliding_windows(len(token_ids), window, stride)
+    windows = windows_of(layout, len(token_ids), window, stride)
     nll_sum = 0.0
     num_scored = 0
     for i, w in enumerate(windows):

@@ -30,15 +30,15 @@ PERPLEXITY_GOALS = (("gguf", 0.5), ("int8", 0.5), ("int4", 3.0))
 
 
 def weight_settings(ppl_tokens: int = 2048, window: int = 1024, stride: int = 512, chunk: int = 64,
-                    num_prompts: int = 8, agree_tokens: int = 32) -> EvalSettings:
+                    num_prompts: int = 8, agree_tokens: int = 32, ppl_layout: str = "sliding") -> EvalSettings:
     """``kvserve eval``'s settings for the two tasks run here (no passkey cases are built)."""
-    return EvalSettings(ppl_tokens=ppl_tokens, window=window, stride=stride, chunk=chunk, num_prompts=num_prompts,
-                        agree_tokens=agree_tokens, passkey_lengths=(), tasks=("ppl", "agree"))
+    return EvalSettings(ppl_tokens=ppl_tokens, window=window, stride=stride, ppl_layout=ppl_layout, chunk=chunk,
+                        num_prompts=num_prompts, agree_tokens=agree_tokens, passkey_lengths=(), tasks=("ppl", "agree"))
 
 
-def settings_json(settings: EvalSettings) -> dict[str, int]:
-    return {name: getattr(settings, name) for name in ("ppl_tokens", "window", "stride", "chunk", "num_prompts",
-                                                         "agree_tokens")}
+def settings_json(settings: EvalSettings) -> dict[str, int | str]:
+    return {name: getattr(settings, name) for name in ("ppl_tokens", "window", "stride", "ppl_layout", "chunk",
+                                                         "num_prompts", "agree_tokens")}
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,8 @@ def header_lines(source: str, source_nbytes: int | None, device: str, dtype: str
     size = "" if source_nbytes is None else f" ({source_nbytes / 2**20:.1f} MiB)"
     engine = (f"kvserve eval-weights: {source}{size}, device {device}, compute dtype {dtype}, KV cache "
               f"uncompressed, prompts fed in chunks of {s.chunk} tokens")
-    tasks = (f"perplexity: first {s.ppl_tokens} tokens of {text_label}, window {s.window}, stride {s.stride}; "
+    layout = f"stride {s.stride}" if s.ppl_layout == "sliding" else "halves (llama-perplexity's)"
+    tasks = (f"perplexity: first {s.ppl_tokens} tokens of {text_label}, window {s.window}, {layout}; "
              f"agreement: {s.num_prompts} chat prompts x {s.agree_tokens} greedy tokens vs native's (share of "
              f"tokens before the first difference; first divergence: its mean position)")
     return [engine, tasks]

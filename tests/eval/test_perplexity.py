@@ -11,7 +11,7 @@ from tiny import tiny_model
 
 from kvserve.bench.common import hf_model_from
 from kvserve.eval.backends import KVServeBackend
-from kvserve.eval.perplexity import Window, perplexity, sliding_windows
+from kvserve.eval.perplexity import Window, halves_windows, perplexity, sliding_windows
 
 
 @pytest.mark.parametrize("n,window,stride", [(2, 2, 1), (10, 4, 2), (11, 4, 3), (100, 32, 16), (100, 200, 50),
@@ -36,6 +36,23 @@ def test_windows_by_hand():
 def test_bad_windows_are_rejected(n, window, stride):
     with pytest.raises(ValueError):
         sliding_windows(n, window, stride)
+
+
+def test_halves_are_llama_perplexity_chunks():
+    """llama.cpp's llama-perplexity: whole windows back to back, the tokens after the first
+    half scored (logits of positions W/2 .. W-2 predict W/2+1 .. W-1); the rest of the text left out."""
+    assert halves_windows(10, 4) == [Window(0, 4, 3), Window(4, 8, 7)]
+    assert halves_windows(2048, 1024) == [Window(0, 1024, 513), Window(1024, 2048, 1537)]
+    with pytest.raises(ValueError, match="one whole window"):
+        halves_windows(1000, 1024)
+
+    def score(ids):
+        return [-float(i) for i in range(1, len(ids))]
+
+    result = perplexity(score, list(range(10)), window=4, stride=2, layout="halves")
+    assert result.num_scored == 2 and result.nll_sum == pytest.approx(3 + 3)   # position 3 of each window
+    with pytest.raises(ValueError, match="layout"):
+        perplexity(score, list(range(10)), window=4, stride=2, layout="chunks")
 
 
 def test_perplexity_keeps_only_the_scored_tokens():
