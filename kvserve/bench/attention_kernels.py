@@ -4,8 +4,8 @@
                                               [--model-shape qwen2.5-1.5b]
 
 A model's attention shape (default SmolLM2-135M's: 3 KV heads, 9 query heads, head_dim 64,
-block 16; ``--model-shape`` picks another from SHAPES), decode (one query per sequence) over S sequences of N cached tokens each (default 4 x 4,000, and
-1 x 8,192). Each format gets ``--layers`` separate caches (a model's layers), called in
+block 16; ``--model-shape`` picks another from SHAPES), decode (one query per sequence) over
+S sequences of N cached tokens each (default 4 x 4,000, and 1 x 8,192). Each format gets ``--layers`` separate caches (a model's layers), called in
 turn, so the KV bytes come from memory as in a real step, not from the last level cache.
 
 Per format: time per call of the C++ CPU kernel (kvserve.attention.cpu) and of the torch

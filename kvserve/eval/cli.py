@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvserve.eval.perplexity import describe_layout
 from kvserve.options import CommandDefault, add_engine_args, engine_options
 
 DEFAULT_FORMATS = ("native", "fp16", "bf16", "fp8", "int8", "int4", "kivi4", "kivi2", "kivi2+had",
@@ -28,10 +29,17 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
 
+def ppl_stride(args: argparse.Namespace) -> int:
+    """``--stride`` (512 unless given) for sliding windows; the halves layout takes none."""
+    if args.ppl_layout == "halves" and args.stride is not None:
+        raise SystemExit("--stride applies to --ppl-layout sliding: halves windows follow each other, no stride")
+    return 512 if args.stride is None else args.stride
+
+
 def settings_from(args: argparse.Namespace) -> Any:
     from kvserve.eval.harness import EvalSettings
     return EvalSettings(
-        ppl_tokens=args.ppl_tokens, window=args.window, stride=args.stride, ppl_layout=args.ppl_layout,
+        ppl_tokens=args.ppl_tokens, window=args.window, stride=ppl_stride(args), ppl_layout=args.ppl_layout,
         chunk=args.chunk,
         num_prompts=args.num_prompts, agree_tokens=args.agree_tokens,
         passkey_lengths=_ints(args.passkey_lengths), passkey_depths=_floats(args.passkey_depths),
@@ -65,9 +73,9 @@ def run_eval(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, device, mc.torch_dtype)
     print(f"kvserve eval: {loaded.source}, device {device}, compute dtype {dtype}, prompts fed in chunks "
           f"of {settings.chunk} tokens")
-    print(f"perplexity: first {settings.ppl_tokens} tokens of the text, {settings.ppl_layout} windows of "
-          f"{settings.window}, stride {settings.stride}; agreement: {settings.num_prompts} chat prompts x {settings.agree_tokens} "
-          f"greedy tokens vs the same engine's uncompressed cache; passkey: {settings.passkey_filler} filler, "
+    windows = describe_layout(settings.ppl_layout, settings.window, settings.stride)
+    print(f"perplexity: first {settings.ppl_tokens} tokens of the text, {windows}; agreement: "
+          f"{settings.num_prompts} chat prompts x {settings.agree_tokens} greedy tokens vs the same engine's uncompressed cache; passkey: {settings.passkey_filler} filler, "
           f"depths {', '.join(f'{d:g}' for d in settings.passkey_depths)}, {settings.passkey_trials} key(s) "
           f"each, answer in {settings.answer_tokens} greedy tokens")
     print(render_table(results, mc.kv_bytes_per_token(4), mc.kv_bytes_per_token(2), settings.passkey_lengths))
@@ -86,7 +94,7 @@ def add_quality_args(e: argparse.ArgumentParser, chunk_help: str) -> None:
     e.add_argument("--text", default=None, help="perplexity text (default: the shipped botchan.txt)")
     e.add_argument("--ppl-tokens", type=int, default=2048, help="score the first N tokens of the text")
     e.add_argument("--window", type=int, default=1024)
-    e.add_argument("--stride", type=int, default=512)
+    e.add_argument("--stride", type=int, default=None, help="tokens between sliding windows (default 512)")
     e.add_argument("--ppl-layout", choices=("sliding", "halves"), default="sliding",
                    help="sliding: windows every --stride tokens, every token scored once; halves: llama.cpp's "
                         "llama-perplexity (windows back to back, each scored on its second half; no stride)")
@@ -195,7 +203,7 @@ def run_eval_weights(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = weights.weight_settings(args.ppl_tokens, args.window, args.stride, args.chunk, args.num_prompts,
+    settings = weights.weight_settings(args.ppl_tokens, args.window, ppl_stride(args), args.chunk, args.num_prompts,
                                        args.agree_tokens, args.ppl_layout)
     report, results = weights.run(args.model, find_text(args.text), args.text or "the shipped botchan.txt", settings,
                                   args.format or DEFAULT_WEIGHT_FORMATS, {**engine_options(args), "max_num_seqs": 4})

@@ -91,6 +91,13 @@ def windows_of(layout: str, num_tokens: int, window: int, stride: int) -> list[W
     raise ValueError(f"unknown perplexity layout {layout!r}; choose from {', '.join(LAYOUTS)}")
 
 
+def describe_layout(layout: str, window: int, stride: int) -> str:
+    """How a report names the windows."""
+    if layout == "halves":
+        return f"windows of {window} back to back, each scored on its second half (llama-perplexity's)"
+    return f"window {window}, stride {stride}"
+
+
 # Scores a window: token ids -> log p(ids[i] | ids[:i]) for i = 1 .. len(ids) - 1.
 ScoreFn = Callable[[Sequence[int]], list[float]]
 

@@ -19,7 +19,7 @@ from kvserve.bench.common import table
 from kvserve.eval.agreement import agreement
 from kvserve.eval.backends import KVServeBackend
 from kvserve.eval.harness import EvalSettings, Log, Workload, evaluate, stderr_log
-from kvserve.eval.perplexity import PerplexityResult
+from kvserve.eval.perplexity import PerplexityResult, describe_layout
 from kvserve.kv.prefix import common_prefix_len
 from kvserve.model.formats.spec import parse_weight_format
 from kvserve.model.loader import LoadedModel
@@ -184,8 +184,8 @@ def header_lines(source: str, source_nbytes: int | None, device: str, dtype: str
     size = "" if source_nbytes is None else f" ({source_nbytes / 2**20:.1f} MiB)"
     engine = (f"kvserve eval-weights: {source}{size}, device {device}, compute dtype {dtype}, KV cache "
               f"uncompressed, prompts fed in chunks of {s.chunk} tokens")
-    layout = f"stride {s.stride}" if s.ppl_layout == "sliding" else "halves (llama-perplexity's)"
-    tasks = (f"perplexity: first {s.ppl_tokens} tokens of {text_label}, window {s.window}, {layout}; "
+    windows = describe_layout(s.ppl_layout, s.window, s.stride)
+    tasks = (f"perplexity: first {s.ppl_tokens} tokens of {text_label}, {windows}; "
              f"agreement: {s.num_prompts} chat prompts x {s.agree_tokens} greedy tokens vs native's (share of "
              f"tokens before the first difference; first divergence: its mean position)")
     return [engine, tasks]

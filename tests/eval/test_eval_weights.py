@@ -11,7 +11,7 @@ import pytest
 
 from kvserve.bench.common import find_text
 from kvserve.cli import build_parser
-from kvserve.eval.cli import DEFAULT_WEIGHT_FORMATS, run_eval_weights
+from kvserve.eval.cli import DEFAULT_WEIGHT_FORMATS, ppl_stride, run_eval_weights
 from kvserve.eval.harness import EvalSettings, Workload
 from kvserve.eval.perplexity import PerplexityResult
 from kvserve.eval.weights import (
@@ -92,8 +92,12 @@ def test_command_line():
     assert args.run is run_eval_weights
     assert args.format == ["int8", "int4-g64+out8"] and args.threads == 2 and args.json == "w.json"
     assert args.device == "cpu" and args.text is None
-    assert (args.ppl_tokens, args.window, args.stride, args.chunk, args.num_prompts, args.agree_tokens) == \
+    assert (args.ppl_tokens, args.window, ppl_stride(args), args.chunk, args.num_prompts, args.agree_tokens) == \
         (512, 1024, 512, 64, 8, 32)
+    assert args.ppl_layout == "sliding"
+    halves = build_parser().parse_args(["eval-weights", "--ppl-layout", "halves", "--stride", "100"])
+    with pytest.raises(SystemExit, match="no stride"):
+        ppl_stride(halves)
     defaults = build_parser().parse_args(["eval-weights"])
     assert defaults.format is None and defaults.ppl_tokens == 2048
     assert DEFAULT_WEIGHT_FORMATS == ("native", "gguf", "int8", "int8-ch", "int4", "int4+out8", "int4-g64",

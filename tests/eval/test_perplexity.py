@@ -110,3 +110,18 @@ def test_a_quantized_format_changes_the_perplexity_a_little():
     assert kivi2.perplexity != native.perplexity
     assert abs(int8.perplexity / native.perplexity - 1) < abs(kivi2.perplexity / native.perplexity - 1)
     assert abs(int8.perplexity / native.perplexity - 1) < 0.01
+
+
+def test_a_stride_is_refused_with_the_halves_layout():
+    """--stride acts on sliding windows only: given with halves it is refused, not ignored."""
+    import argparse
+
+    from kvserve.eval.cli import ppl_stride
+    from kvserve.eval.perplexity import describe_layout
+
+    with pytest.raises(SystemExit, match="no stride"):
+        ppl_stride(argparse.Namespace(ppl_layout="halves", stride=256))
+    assert ppl_stride(argparse.Namespace(ppl_layout="sliding", stride=256)) == 256
+    assert ppl_stride(argparse.Namespace(ppl_layout="sliding", stride=None)) == 512
+    assert describe_layout("sliding", 1024, 512) == "window 1024, stride 512"
+    assert "second half" in describe_layout("halves", 1024, 512)
