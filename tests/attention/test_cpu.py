@@ -66,8 +66,9 @@ def test_decodes_and_prefill_chunks_match_reference(spec: str, group: int, head_
 @pytest.mark.parametrize("spec", FORMATS)
 def test_query_groups_of_the_models_users_run(spec: str, group: int) -> None:
     """Head dim 128 with 4-7 query heads per KV head (Llama's 4, Qwen2.5-1.5B's 6, 0.5B's 7):
-    decode tiles of up to 6 rows read keys and values in place with AVX-512 (4 + 2, 5 + 1 and
-    6 + 4 rows in prefill chunks), contexts long enough to be split and prefetched far ahead."""
+    with AVX-512 decode tiles of 4, 5 and 6 rows read keys and values in place, 7 rows and the
+    2-query chunks' 8-14 rows decode first and run as 6 + 1, 6 + 2, 6 + 4, 6 + 6 (+ 2) rows;
+    contexts long enough to be split and prefetched far ahead."""
     k, v = halves(spec)
     check(make_case(k, v, lens=[1, 37, 700, 1100, 40], num_queries=[1, 1, 1, 1, 2], group=group, head_dim=128,
                     seed=group))
