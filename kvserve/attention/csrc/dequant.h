@@ -182,8 +182,8 @@ inline void add_block(Prefetcher& pf, const HalfView& v, int64_t block, bool far
 }
 
 // The rows of head `head` of `block` (strided: heads interleave per token).
-inline void add_head_rows(Prefetcher& pf, const HalfView& v, int64_t block, int64_t head) {
-  pf.add(v.main + (block * v.B * v.H + head) * v.row_bytes, v.row_bytes, v.B, v.H * v.row_bytes);
+inline void add_head_rows(Prefetcher& pf, const HalfView& v, int64_t block, int64_t head, bool far = false) {
+  pf.add(v.main + (block * v.B * v.H + head) * v.row_bytes, v.row_bytes, v.B, v.H * v.row_bytes, far);
 }
 
 // One row of plain storage in `dtype` -> float.

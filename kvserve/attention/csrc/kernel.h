@@ -149,31 +149,22 @@ inline bool decodes_block(const HalfView& v, int side, const Batch& b, int64_t r
   return rows > limit || (v.kind == ASYM_TOKEN && v.group % W);
 }
 
-// Queue heads [h0, h1) of block kb of both halves for prefetching (the parameters come with
-// the item's first head `first`). A residual row is one per sequence: not worth it.
+// Add heads [h0, h1) of block kb of both halves to what `pf` prefetches (the parameters come
+// with the item's first head `first`); `far`: into L2 (the far stream: blocks lie in random
+// order, so the hardware prefetchers cannot find them; L1 gets them later, a head or a block
+// ahead). A residual row is one per sequence: not worth it.
 inline void queue(Prefetcher& pf, const HalfView& K, const HalfView& V, const Batch& b, int64_t s, int64_t kb,
-                  int64_t h0, int64_t h1, int64_t first) {
-  pf.clear();
+                  int64_t h0, int64_t h1, int64_t first, bool far = false) {
   for (const HalfView* v : {&K, &V}) {
     if (in_residual(*v, b, s, kb)) continue;
     int64_t block = b.tables[s * b.max_blocks + kb];
     const HalfView& u = stored(*v, block);
     if (h0 == 0 && h1 == u.H) {
-      add_block(pf, u, block);
+      add_block(pf, u, block, far);
       continue;
     }
-    for (int64_t h = h0; h < h1; ++h) add_head_rows(pf, u, block, h);
-    if (h0 == first) add_params(pf, u, block);
-  }
-}
-
-// Block kb of both halves, all heads, into L2 (the far stream: blocks lie in random order, so
-// the hardware prefetchers cannot find them; L1 gets them later, a head or a block ahead).
-inline void queue_far(Prefetcher& pf, const HalfView& K, const HalfView& V, const Batch& b, int64_t s, int64_t kb) {
-  for (const HalfView* v : {&K, &V}) {
-    if (in_residual(*v, b, s, kb)) continue;
-    int64_t block = b.tables[s * b.max_blocks + kb];
-    add_block(pf, stored(*v, block), block, true);
+    for (int64_t h = h0; h < h1; ++h) add_head_rows(pf, u, block, h, far);
+    if (h0 == first) add_params(pf, u, block, far);
   }
 }
 
@@ -455,6 +446,7 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
   const bool far_ahead = nh == K.H && K.kind == PLAIN && V.kind == PLAIN;
   const int64_t far = far_ahead ? std::max<int64_t>(1, kFarBytes / (block_bytes(K) + block_bytes(V))) : 0;
   for (int64_t kb = kb0; kb < std::min(kb1, kb0 + ahead); ++kb) {
+    pf.clear();
     queue(pf, K, V, b, s, kb, g.h0, per_head ? g.h0 + 1 : g.h1, g.h0);
     pf.drain();
   }
@@ -463,7 +455,7 @@ inline void run_item(const Batch& b, const HalfView& K, const HalfView& V, const
   int64_t far_next = kb0 + ahead;
   const auto queue_far_upto = [&](int64_t kb) {
     const int64_t end = std::min(kb1, kb + ahead + far + 1);
-    for (int k = 0; k < 2 && far_next < end; ++k) queue_far(pf, K, V, b, s, far_next++);
+    for (int k = 0; k < 2 && far_next < end; ++k) queue(pf, K, V, b, s, far_next++, 0, K.H, 0, true);
   };
   const int64_t decodes = decodes_block(K, KEY, b, rows) + decodes_block(V, VALUE, b, rows);
   for (int64_t kb = kb0; kb < kb1; ++kb) {

@@ -24,10 +24,10 @@
 // With AVX2 (no VNNI) a half block's products of unsigned codes are summed as int16 pairs, as
 // maddubs leaves them, and widened to int32 once (exact, see Part in qvec.h).
 //
-// Decode (up to kMaxRows rows) unpacks each block and uses it for every row: with AVX2 the rows
-// take its codes pair of vectors by pair of vectors as they are unpacked, in registers (a whole
-// unpacked block is 16 vectors, all the registers AVX2 has: it spilled to the stack and was
-// read back). Up to kRegroupRows rows (a verify step, a small batch) every group of kMaxRows rows
+// Decode (up to kMaxRows rows) unpacks each block and uses it for every row: up to kStreamRows
+// rows (all of AVX2's, 7 of AVX-512's 8) take its codes pair of vectors by pair of vectors as
+// they are unpacked, in registers (a whole unpacked block is 16 vectors, all the registers AVX2
+// has: it spilled to the stack and was read back). Up to kRegroupRows rows (a verify step, a small batch) every group of kMaxRows rows
 // does the same in turn; longer batches (prefill chunks) unpack a whole tile once into L1-sized
 // scratch and run the rows over it kMaxRows at a time. Every path does the same integer sums and the same float operations in the same order,
 // so a row's result never depends on its batch. Tiles are spread over the OpenMP threads
