@@ -62,6 +62,7 @@ SAMPLES = {
     "redis_backoff_s": (["2"], 2.0, 2.0),
     "redis_max_backoff_s": (["30"], 30.0, 30.0),
     "write_through": ([], True, True),
+    "cuda_graphs": ([], True, True),
     "speculative_config": (['{"method": "ngram"}'], '{"method": "ngram"}', '{"method": "ngram"}'),
 }
 

@@ -30,6 +30,7 @@ from kvserve.blend.blender import Blender
 from kvserve.blend.calibrated import resolve_selection
 from kvserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.checks import SLIDING_NO_BUDGETS, RequestChecks
+from kvserve.engine.graphs import DecodeGraphs, graph_batch_sizes, unfit_reason
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_processor import OutputProcessor
@@ -200,7 +201,12 @@ def build_parts(config: EngineConfig, weights: WeightFormats, loaded: LoadedMode
     pins = Pins(pool, int(cc.max_pinned_fraction * storage.num_blocks), cc.max_pin_ttl_s, clock)
     kv = KVCacheManager(pool, extra_key, cc.enable_prefix_caching, storage.residual, tiering, budgets, pins, groups,
                         config.scheduler.max_num_batched_tokens)
+    # a captured decode step's padded rows write one block of their own (engine/graphs.py)
+    reserved = _reserve_graph_block(config, device, attention, storage, kv)
     max_model_len = fit_max_model_len(config.max_model_len_fit, kv, max_model_len, storage.nbytes / storage.num_blocks)
+    graphs = None if reserved is None else DecodeGraphs(
+        model, storage, attention, reserved, kv.num_blocks_needed(max_model_len),
+        graph_batch_sizes(config.scheduler.max_num_seqs), capture=True)
     # what a front end needs to parse requests for this engine (a cluster's ingress gets it over the wire)
     model_card = ModelCard(loaded.tokenizer, mc.vocab_size, max_model_len, cc.block_size, extra_key, preamble)
     eos = sorted(mc.eos_token_ids)
@@ -217,7 +223,7 @@ def build_parts(config: EngineConfig, weights: WeightFormats, loaded: LoadedMode
     parts = EngineParts(
         model_config=mc, device=device, dtype=dtype, max_model_len=max_model_len, model=model,
         weight_format=products.name, fingerprint=fingerprint, kv_format=kv_format, model_card=model_card, kv=kv,
-        scheduler=scheduler, runner=ModelRunner(model, storage, kv, budgets, attention),
+        scheduler=scheduler, runner=ModelRunner(model, storage, kv, budgets, attention, graphs),
         sampler=Sampler(config.seed, eos), grammars=grammars, attention=attention,
         speculator=make_speculator(config, budgets, max_model_len,
                                    Drafting(loaded, model, storage, kv, draft, weights.drafting, device, dtype)),
@@ -253,6 +259,18 @@ def fit_max_model_len(fit: str | None, kv: KVCacheManager, max_model_len: int, b
         f"so a request without max_tokens could never run. Give --max-model-len {fits} (or less), a KV cache of "
         f"{needed} blocks or more (--kv-cache-gb {gib:.2f}, or --num-kv-blocks {needed}), or --max-model-len-fit "
         f"lower to start with max_model_len {fits}")
+
+
+def _reserve_graph_block(config: EngineConfig, device: torch.device, attention: AttentionBackend,
+                         storage: KVStorage, kv: KVCacheManager) -> int | None:
+    """With ``cuda_graphs``: the block the graphs' padded rows use, or ValueError saying why no
+    decode step of this engine could be captured; None without."""
+    if not config.cuda_graphs:
+        return None
+    reason = unfit_reason(device, attention, storage, len(kv.groups))
+    if reason is not None:
+        raise ValueError(f"cuda_graphs: {reason}")
+    return kv.reserve_block()
 
 
 def _attention_backend(name: str, device: torch.device, kv_format: KVFormat, mixes_domains: bool) -> AttentionBackend:

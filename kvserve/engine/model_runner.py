@@ -14,6 +14,7 @@ import torch
 from kvserve.attention.backends import AttentionBackend, TorchBackend
 from kvserve.attention.batch import BatchBuilder
 from kvserve.attention.paged import AttentionMetadata, write_layer
+from kvserve.engine.graphs import StepGraphs
 from kvserve.kv.budget.budgets import Budgets
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
@@ -33,13 +34,15 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: Decoder, cache: KVStorage, kv: KVCacheManager, budgets: Budgets,
-                 backend: AttentionBackend | None = None) -> None:
-        """``budgets``: where a budgeted request's new entries go and which it observes."""
+                 backend: AttentionBackend | None = None, graphs: StepGraphs | None = None) -> None:
+        """``budgets``: where a budgeted request's new entries go and which it observes; ``graphs``:
+        decode steps replayed from CUDA graphs where they fit (engine/graphs.py; default none)."""
         self.model = model
         self.cache = cache
         self.kv = kv
         self.budgets = budgets
         self.backend = backend if backend is not None else TorchBackend()
+        self.graphs = graphs if graphs is not None else StepGraphs()
         self.device = model.device
         self.block_size = cache.block_size
         group_of = {layer: g.index for g in kv.groups for layer in g.layers}
@@ -69,7 +72,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         ids, pos, meta = self.build_metadata(out)
         if ids.numel():
-            hidden = self.model.forward(ids, pos, self.cache, meta)
+            hidden = self.graphs.run(ids, pos, meta)
+            if hidden is None:
+                hidden = self.model.forward(ids, pos, self.cache, meta)
         else:
             hidden = self._write_only(meta)
         for writes in meta.all_writes:

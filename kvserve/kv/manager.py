@@ -94,6 +94,8 @@ class KVCacheManager:
         self._lossy: dict[str, int] = {}
         # per request admitted with a tier run over several groups: the run's end and slots
         self._tier_loads: dict[str, tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]]] = {}
+        # blocks the engine holds for good, no request's (``reserve_block``)
+        self._reserved: list[Block] = []
 
     @property
     def has_windows(self) -> bool:
@@ -103,7 +105,17 @@ class KVCacheManager:
     # -- what others ask of the pool, the tiers and the pins (kept here) ------
     @property
     def num_blocks(self) -> int:
-        return self._pool.num_blocks
+        """Blocks requests can hold: the pool's, less those reserved (``reserve_block``)."""
+        return self._pool.num_blocks - len(self._reserved)
+
+    def reserve_block(self) -> int:
+        """One block taken for good by the engine itself, never a request's and never cached:
+        where writes that must land somewhere harmless go (the padded rows of a captured decode
+        step, engine/graphs.py). ``check_integrity`` counts it; requests can hold one block less.
+        Raises NoFreeBlocksError when the pool cannot supply it."""
+        block = self._allocate(1, 0)[0]
+        self._reserved.append(block)
+        return block.block_id
 
     @property
     def num_free_blocks(self) -> int:
@@ -181,7 +193,7 @@ class KVCacheManager:
         low, high = 0, limit
         while low < high:       # max_blocks_held grows with n
             mid = (low + high + 1) // 2
-            low, high = (mid, high) if self.max_blocks_held(mid) <= self._pool.num_blocks else (low, mid - 1)
+            low, high = (mid, high) if self.max_blocks_held(mid) <= self.num_blocks else (low, mid - 1)
         return low
 
     def used_blocks_by_kind(self) -> dict[str, int]:
@@ -197,10 +209,10 @@ class KVCacheManager:
         num_blocks = self.max_blocks_held(num_prompt_tokens + max_tokens)
         budgeted = self.budgets.max_blocks(params, num_prompt_tokens)
         num_blocks = num_blocks if budgeted is None else min(num_blocks, budgeted)
-        if num_blocks > self._pool.num_blocks:
+        if num_blocks > self.num_blocks:
             raise ValueError(
                 f"request needs up to {num_blocks} KV blocks ({num_prompt_tokens} prompt + {max_tokens} new tokens) "
-                f"but the cache has {self._pool.num_blocks}; lower max_tokens or give the KV cache more memory")
+                f"but the cache has {self.num_blocks}; lower max_tokens or give the KV cache more memory")
 
     def block_keys(self, request: Request) -> list[bytes]:
         """Keys of the request's full blocks, extended as its tokens grow (the first group's:
@@ -589,7 +601,7 @@ class KVCacheManager:
         self._tiering.check_integrity()
         self.residual.check_integrity()
         self.budgets.check_integrity()
-        counted: dict[int, int] = {}
+        counted = {b.block_id: 1 for b in self._reserved}
         for tables in self._tables.values():
             assert len(tables) == len(self.groups), "a table per group"
             for g, table in zip(self.groups, tables):

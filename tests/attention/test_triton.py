@@ -701,6 +701,35 @@ def test_the_engine_on_the_triton_backend_gives_the_torch_paths_tokens(fmt: str)
     assert outs["triton"][3][1] == 16                   # the last prompt hit the first's leading block
 
 
+@pytest.mark.parametrize("fmt", ["native", "int8"])
+def test_decode_steps_through_graph_buckets_give_the_eager_tokens(fmt: str) -> None:
+    """Decode steps through batch-size buckets (kvserve/engine/graphs.py) on the triton backend:
+    each bucket's grid cut for any context (its batch's max_context_len is the table's capacity,
+    so most splits lie past a sequence's end), its padding rows on the reserved block; captured
+    and replayed on CUDA, run eagerly through the interpreter. The eager engine's tokens."""
+    from tiny import tiny_model
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.engine.graphs import DecodeGraphs
+
+    prompts = [list(range(1, 40)), list(range(5, 25)), [3] * 17]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (3, 6, 9)]
+    outs = {}
+    graphs = None
+    for bucketed in (False, True):
+        llm = LLM(loaded=tiny_model(), kv_format=fmt, num_kv_blocks=40, device=DEVICE, dtype="float32",
+                  attention_backend="triton", max_num_seqs=4)
+        eng = llm.engine
+        if bucketed:
+            graphs = DecodeGraphs(eng.model, eng.runner.cache, eng.runner.backend, eng.kv.reserve_block(),
+                                  eng.kv.num_blocks_needed(eng.max_model_len), (1, 2, 4), capture=DEVICE == "cuda")
+            eng.runner.graphs = graphs
+        outs[bucketed] = [o.token_ids for o in llm.generate(prompts, params)]
+        eng.check_integrity()
+    assert outs[True] == outs[False]
+    assert graphs is not None and (graphs.stats.eager_steps, graphs.stats.replayed_steps) == (1, 8)
+
+
 @pytest.mark.parametrize("fmt", ["native", "int8", "kivi2g8"])
 @pytest.mark.parametrize("policy", ["snapkv", "pyramid", "saliency-blocks"])
 def test_budgeted_requests_on_the_triton_backend_give_the_torch_paths_tokens(policy: str, fmt: str,
