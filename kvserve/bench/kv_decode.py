@@ -20,6 +20,12 @@ caches). Weights dominate a small model; KV bytes dominate long contexts and man
 Per configuration the table also gives the median decode step and, for a backend that
 reads in place, the part of it spent in the backend's ``attend`` (every layer's calls): the
 rest of the step is the weights, the per-layer work and the writes of new tokens.
+
+On CUDA (``--device cuda``) the bandwidth is the device's (a sum over a buffer in its memory),
+the step is not taken apart (launches return before the work is done), and ``--graphs on|both``
+adds rows whose decode steps replay CUDA graphs (``--cuda-graphs``, docs/attention.md): the
+same configuration eager and with graphs, in the same run. ``--random-model SHAPE`` times a
+model of a real shape with random weights (kvserve/bench/random_model.py: no file needed).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ import torch
 
 from kvserve.bench.capacity import distinct_prompts
 from kvserve.bench.common import load_text_model, stderr_log, table, write_plot
+from kvserve.bench.random_model import SHAPES, random_model, random_token_ids
+from kvserve.engine.build import resolve_device
+from kvserve.engine.graphs import DecodeGraphs
 from kvserve.llm import LLM
 from kvserve.model.loader import LoadedModel
 from kvserve.options import add_engine_args, engine_options
@@ -54,28 +63,32 @@ class DecodeResult:
     tok_s: list[float]            # one per repeat
     step_ms: float = 0.0          # median decode step
     attention_ms: float | None = None   # of which in the backend's attend (None: the torch path, not timed apart)
-    products_ms: float = 0.0      # of which in the weight products (every layer's and the LM head's)
+    products_ms: float | None = 0.0     # of which in the weight products (None: not taken apart, CUDA)
     weight_format: str = ""
     vs_first: list[float] | None = None   # with --interleave: tok/s over the first row's, per round
+    graphs: bool = False          # decode steps replayed from CUDA graphs
+    graph_steps: float | None = None    # with graphs: the share of decode steps that replayed one
 
     @property
     def rest_ms(self) -> float | None:
         """The step less its products and attention (None where attention is not timed apart)."""
-        return None if self.attention_ms is None else self.step_ms - self.products_ms - self.attention_ms
+        if self.attention_ms is None or self.products_ms is None:
+            return None
+        return self.step_ms - self.products_ms - self.attention_ms
 
     @property
     def median(self) -> float:
         return statistics.median(self.tok_s)
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second a float32 sum streams from memory (median of ``repeats``)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Bytes per second a float32 sum streams from ``device``'s memory (median of ``repeats``)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    x.sum().item()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        x.sum()
+        x.sum().item()      # .item(): the sum done, on a device too
         times.append(time.perf_counter() - t)
     return nbytes / statistics.median(times)
 
@@ -106,7 +119,11 @@ class StepTimer:
         self.attend_s = 0.0
         self.products_s = 0.0
         backend = llm.engine.runner.backend
-        self.times_attention = backend.reads_in_place
+        # on a device, calls return before their work is done: the step is not taken apart there
+        self.splits = llm.engine.device.type == "cpu"
+        self.times_attention = backend.reads_in_place and self.splits
+        if not self.splits:
+            return
         if self.times_attention:
             backend.attend = self._timed(backend.attend, "attend_s")   # type: ignore[method-assign]
         model = llm.engine.model
@@ -173,19 +190,35 @@ class Player:
 
 def run(loaded: LoadedModel, text_ids: list[int], formats: list[str], backends: list[str], num_seqs: int,
         context: int, steps: int, repeats: int, kv_cache_gb: float, log=print,
-        engine_options: dict[str, Any] | None = None, interleave: bool = False) -> list[DecodeResult]:
+        engine_options: dict[str, Any] | None = None, interleave: bool = False,
+        graphs: tuple[bool, ...] = (False,)) -> list[DecodeResult]:
     """``engine_options``: further ``LLM(...)`` keywords (device, dtype, weight_format). With
-    ``interleave``: every engine is built first, then the repeats run in rounds."""
+    ``interleave``: every engine is built first, then the repeats run in rounds. ``graphs``: each
+    configuration eager (False) and / or with CUDA graphs (True)."""
     prompts = distinct_prompts(text_ids, num_seqs, context, seed=0)
-    configs = [(fmt, backend) for fmt in formats for backend in backends]
+    configs = [(fmt, backend, g) for fmt in formats for backend in backends for g in graphs]
 
-    def engine(fmt: str, backend: str) -> LLM:
-        return LLM(loaded=loaded, kv_format=fmt, attention_backend=backend, kv_cache_memory_gb=kv_cache_gb,
-                   max_num_seqs=max(8, num_seqs), max_num_batched_tokens=512, **(engine_options or {}))
+    def engine(fmt: str, backend: str, with_graphs: bool) -> LLM | None:
+        """The configuration's engine; None for a graphs row the engine refuses (logged: a KIVI
+        format's steps never fit a graph, and its eager row still runs)."""
+        try:
+            return LLM(loaded=loaded, kv_format=fmt, attention_backend=backend, kv_cache_memory_gb=kv_cache_gb,
+                       max_num_seqs=max(8, num_seqs), max_num_batched_tokens=512, cuda_graphs=with_graphs,
+                       **(engine_options or {}))
+        except ValueError as e:
+            if not with_graphs or not str(e).startswith("cuda_graphs:"):
+                raise
+            log(f"{fmt} / {backend}: no row with CUDA graphs ({e})")
+            return None
 
     def result(fmt: str, player: Player, vs_first: list[float] | None = None) -> DecodeResult:
         llm, times = player.llm, player.times
         timed_attention = bool(times.attend_s) and llm.engine.runner.backend.reads_in_place
+        step_graphs = llm.engine.runner.graphs
+        graph_share = None
+        if isinstance(step_graphs, DecodeGraphs):
+            ran = step_graphs.stats.replayed_steps + step_graphs.stats.eager_steps
+            graph_share = step_graphs.stats.replayed_steps / ran if ran else 0.0
 
         def median_ms(xs: list[float]) -> float:
             return statistics.median(xs) * 1e3 if xs else 0.0
@@ -193,29 +226,34 @@ def run(loaded: LoadedModel, text_ids: list[int], formats: list[str], backends: 
         return DecodeResult(fmt, llm.engine.runner.backend.name, kv_bytes_per_step(llm, context + steps // 2, num_seqs),
                             weight_bytes(llm), times.rates, median_ms(times.step_s),
                             median_ms(times.attend_s) if timed_attention else None,
-                            median_ms(times.products_s), llm.engine.weight_format, vs_first)
+                            median_ms(times.products_s) if player.timer.splits else None, llm.engine.weight_format,
+                            vs_first, graph_share is not None, graph_share)
 
     def rates(r: DecodeResult) -> str:
         return f"{r.median:.2f} tok/s ({', '.join(f'{x:.2f}' for x in r.tok_s)})"
 
     results = []
     if not interleave:
-        for fmt, backend in configs:
-            player = Player(engine(fmt, backend), prompts, steps)
+        for fmt, backend, g in configs:
+            llm = engine(fmt, backend, g)
+            if llm is None:
+                continue
+            player = Player(llm, prompts, steps)
             for _ in range(repeats):
                 player.play()
             results.append(result(fmt, player))
             log(f"{fmt} / {results[-1].backend}: {rates(results[-1])}")
             del player
         return results
-    players = [Player(engine(fmt, backend), prompts, steps) for fmt, backend in configs]
+    built = [(fmt, engine(fmt, backend, g)) for fmt, backend, g in configs]
+    players = [(fmt, Player(llm, prompts, steps)) for fmt, llm in built if llm is not None]
     for i in range(repeats):
-        for (fmt, _), player in zip(configs, players):
+        for _, player in players:
             player.play()
         log(f"round {i + 1}: " + ", ".join(f"{fmt} / {p.llm.engine.runner.backend.name} {p.times.rates[-1]:.2f}"
-                                           for (fmt, _), p in zip(configs, players)))
-    first = players[0].times.rates
-    for (fmt, _), player in zip(configs, players):
+                                           for fmt, p in players))
+    first = players[0][1].times.rates
+    for fmt, player in players:
         results.append(result(fmt, player, [r / f if f else 0.0 for r, f in zip(player.times.rates, first)]))
         log(f"{fmt} / {results[-1].backend}: {rates(results[-1])}")
     return results
@@ -229,21 +267,26 @@ def ratios(xs: list[float] | None) -> str:
 
 
 def render(results: list[DecodeResult], num_seqs: int, bandwidth: float) -> str:
-    by = {(r.kv_format, r.backend): r for r in results}
+    by = {(r.kv_format, r.backend, r.graphs): r for r in results}
     interleaved = any(r.vs_first is not None for r in results)
     rows = []
     for r in results:
-        native = by.get(("native", r.backend))
-        reference = by.get((r.kv_format, "torch"))
+        native = by.get(("native", r.backend, r.graphs))
+        reference = by.get((r.kv_format, "torch", False))
         limit = num_seqs * bandwidth / (r.weight_bytes + r.kv_bytes_per_step)
-        rows.append([r.kv_format, r.backend, f"{r.kv_bytes_per_step / 2**20:,.0f}",
+        eager = by.get((r.kv_format, r.backend, False)) if r.graphs else None
+        graphs = "-" if r.graph_steps is None else f"{r.graph_steps:.0%} of steps"
+        if eager is not None:
+            graphs += f", {r.median / eager.median:.2f}x eager"
+        rows.append([r.kv_format, r.backend, graphs, f"{r.kv_bytes_per_step / 2**20:,.0f}",
                      f"{r.median:.2f}", f"{min(r.tok_s):.2f}-{max(r.tok_s):.2f}", f"{r.step_ms:.2f}",
-                     f"{r.products_ms:.2f}", "-" if r.attention_ms is None else f"{r.attention_ms:.2f}",
+                     "-" if r.products_ms is None else f"{r.products_ms:.2f}",
+                     "-" if r.attention_ms is None else f"{r.attention_ms:.2f}",
                      "-" if r.rest_ms is None else f"{r.rest_ms:.2f}",
                      f"{r.median / native.median:.2f}x" if native else "-",
                      f"{r.median / reference.median:.2f}x" if reference and reference is not r else "-",
                      f"{limit:.2f}", f"{r.median / limit:.0%}"] + ([ratios(r.vs_first)] if interleaved else []))
-    return table(["format", "attention", "KV MiB/step", "tok/s (median)", "spread", "step ms", "products ms",
+    return table(["format", "attention", "CUDA graphs", "KV MiB/step", "tok/s (median)", "spread", "step ms", "products ms",
                   "attend ms", "rest ms", "vs native",
                   "vs torch path", "limit tok/s", "of limit"] + (["vs first row, per round"] if interleaved else []),
                  rows)
@@ -251,19 +294,33 @@ def render(results: list[DecodeResult], num_seqs: int, bandwidth: float) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     log = stderr_log("kv-decode")
-    loaded, text_ids = load_text_model(args.model, args.text, args.threads, "kv-decode")
-    bandwidth = read_bandwidth()
-    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
     options = engine_options(args)
+    device = resolve_device(options.get("device", "auto"))
+    if args.graphs != "off" and device.type != "cuda":
+        raise ValueError(f"--graphs {args.graphs}: CUDA graphs need a CUDA device, this run is on {device}")
+    if args.random_model:
+        if args.model or args.text:
+            raise ValueError("--random-model times a model of a shape: give it without --model and --text")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        loaded = random_model(args.random_model)
+        text_ids = random_token_ids(args.context + 64 * args.seqs, loaded.config.vocab_size)
+    else:
+        loaded, text_ids = load_text_model(args.model, args.text, args.threads, "kv-decode")
+    bandwidth = read_bandwidth(device=device)
+    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s on {device}")
     kv_cache_gb = options.pop("kv_cache_memory_gb")     # every engine's pool, given to run on its own
+    graphs = {"off": (False,), "on": (True,), "both": (False, True)}[args.graphs]
     results = run(loaded, text_ids, args.format or list(DEFAULT_FORMATS), args.backend or list(DEFAULT_BACKENDS),
-                  args.seqs, args.context, args.steps, args.repeats, kv_cache_gb, log, options, args.interleave)
-    bandwidth = max(bandwidth, read_bandwidth())      # measured again after the runs: the box may have warmed
+                  args.seqs, args.context, args.steps, args.repeats, kv_cache_gb, log, options, args.interleave,
+                  graphs)
+    bandwidth = max(bandwidth, read_bandwidth(device=device))  # measured again after the runs: the box may have warmed
     w = results[0].weight_bytes if results else 0
     weights = results[0].weight_format if results else "-"
     print(f"decode, {args.seqs} requests x {args.context} context tokens, {args.steps} steps, median of "
           f"{args.repeats}{' (in rounds)' if args.interleave else ''}; {loaded.source}, weights {weights} ({w / 2**20:,.0f} MiB read per step), "
-          f"{torch.get_num_threads()} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over 1 GiB); "
+          f"{torch.get_num_threads()} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s on {device} (float32 sum over "
+          f"1 GiB); "
           f"a step = products (every layer's and the LM head's) + attend (the backend's calls) + rest (norms' and "
           f"RoPE's remains, KV writes, per-layer Python, scheduling, sampling)")
     print(render(results, args.seqs, bandwidth))
@@ -298,6 +355,11 @@ def add_kv_decode_parser(bsub: argparse._SubParsersAction, common: argparse.Argu
                    help="play the repeats in rounds, every configuration once a round (all engines held at once: "
                         "configurations x --kv-cache-gb), and give each row's tok/s over the first row's per round")
     d.add_argument("--text", default=None, help="prompt text (default: the shipped botchan.txt)")
+    d.add_argument("--random-model", choices=sorted(SHAPES), default=None,
+                   help="time a model of this shape with random weights (no file; random prompt ids) instead of --model")
+    d.add_argument("--graphs", choices=("off", "on", "both"), default="off",
+                   help="decode steps replayed from CUDA graphs (--cuda-graphs): off, on, or both (each configuration "
+                        "eager and with graphs, side by side; CUDA only)")
     d.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add_engine_args(d, ("kv_cache_memory_gb", "weight_format"))
     d.set_defaults(run=run_bench)

@@ -111,7 +111,7 @@ def plot_step_parts(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path
     """``bench kv-decode``: tokens / s per KV format and backend, and each decode step taken
     apart (stacked: products, attention, the rest)."""
     fig, (speed, parts) = _figure(2, "Decode per KV format")
-    labels = [f"{r['kv_format']}\n{r['backend']}" for r in rows]
+    labels = [f"{r['kv_format']}\n{r['backend']}{' graphs' if r.get('graphs') else ''}" for r in rows]
     _bars(speed, labels, {"tok/s": [statistics.median(r["tok_s"]) for r in rows]}, "decode tokens / s (median)")
     bottom = [0.0] * len(rows)
     for key, name in (("products_ms", "products"), ("attention_ms", "attention"), ("rest_ms", "rest")):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+import pytest
 from tiny import random_tokens, tiny_model
 
 from kvserve.bench import kv_decode
 from kvserve.bench.cli import add_bench_parser
+from kvserve.bench.random_model import SHAPES, random_model, random_token_ids
 
 
 def test_a_decode_step_is_taken_apart_into_products_attention_and_the_rest():
@@ -69,8 +71,51 @@ def test_json_rows_carry_the_derived_figures_and_draw_the_plot(tmp_path):
     rows = kv_decode.result_rows(results)
     assert rows[0] == {"kv_format": "native", "backend": "cpu", "kv_bytes_per_step": 1 << 20,
                        "weight_bytes": 1 << 26, "tok_s": [90.0, 100.0, 95.0], "step_ms": 40.0, "attention_ms": 30.0,
-                       "products_ms": 5.0, "weight_format": "gguf", "vs_first": None, "median": 95.0, "rest_ms": 5.0}
+                       "products_ms": 5.0, "weight_format": "gguf", "vs_first": None, "graphs": False,
+                       "graph_steps": None, "median": 95.0, "rest_ms": 5.0}
     assert (rows[1]["median"], rows[1]["rest_ms"]) == (150.0, None)
     path = tmp_path / "kv.png"
     assert plots.PLOTS["kv-decode"](rows, path) == path
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_random_models_have_the_real_files_shapes(default_model):
+    """SmolLM2-135M's shape as its GGUF gives it (the 1.5B's was taken from its file the same way);
+    a random model of it, with fewer layers, decodes through the bench."""
+    assert replace(SHAPES["smollm2-135m"], torch_dtype="float32", rms_norm_eps=default_model.config.rms_norm_eps) \
+        == default_model.config
+    loaded = random_model("smollm2-135m", num_layers=2)
+    assert loaded.config.num_layers == 2 and loaded.tokenizer is None
+    assert sorted(loaded.weights) == sorted(n for n in default_model.weights if not n.startswith("model.layers.")
+                                            or n.startswith(("model.layers.0.", "model.layers.1.")))
+    text = random_token_ids(200, loaded.config.vocab_size)
+    (result,) = kv_decode.run(loaded, text, ["native"], ["auto"], num_seqs=1, context=64, steps=3, repeats=1,
+                              kv_cache_gb=0.05, log=lambda m: None)
+    assert result.median > 0 and not result.graphs and result.graph_steps is None
+    with pytest.raises(ValueError, match="unknown model shape 'gpt-5'"):
+        random_model("gpt-5")
+
+
+def test_graphs_off_cuda_are_refused_before_any_run():
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "kv-decode", "--random-model", "smollm2-135m", "--graphs", "both",
+                              "--device", "cpu"])
+    with pytest.raises(ValueError, match="--graphs both: CUDA graphs need a CUDA device, this run is on cpu"):
+        kv_decode.run_bench(args)
+
+
+def test_a_graphs_row_the_engine_refuses_is_left_out_and_said():
+    """With graphs both, a configuration whose engine refuses graphs (here: no CUDA; on a GPU a
+    KIVI format) keeps its eager row and logs why it has no other."""
+    loaded = tiny_model()
+    text = random_tokens(400, seed=0, vocab_size=loaded.config.vocab_size)
+    logged: list[str] = []
+    for interleave in (False, True):
+        results = kv_decode.run(loaded, text, ["native", "int8"], ["auto"], num_seqs=2, context=40, steps=3,
+                                repeats=1, kv_cache_gb=0.01, log=logged.append, interleave=interleave,
+                                graphs=(False, True))
+        assert [(r.kv_format, r.graphs) for r in results] == [("native", False), ("int8", False)]
+    refused = [m for m in logged if "no row with CUDA graphs" in m]
+    assert refused == 2 * [f"{f} / auto: no row with CUDA graphs (cuda_graphs: CUDA graphs need a CUDA device, the "
+                           "engine is on cpu)" for f in ("native", "int8")]
