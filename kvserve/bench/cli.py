@@ -36,15 +36,19 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_decode(args: argparse.Namespace) -> int:
     from kvserve.bench import decode, plots
     from kvserve.bench.common import write_plot
+    from kvserve.bench.random_model import random_model
     from kvserve.llm import LLM
     from kvserve.model.loader import load_model
 
-    loaded = load_model(args.model)
+    if args.random_model and args.model:
+        raise ValueError("--random-model times a model of a shape: give it without --model")
+    loaded = random_model(args.random_model) if args.random_model else load_model(args.model)
     llm = LLM(loaded=loaded, **engine_options(args))
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    rows, tbl = decode.run(loaded, llm, sizes, args.new_tokens, args.repeats)
-    print(f"decode throughput, {loaded.source}, device {llm.engine.device}, dtype {llm.engine.dtype}, "
-          f"{args.new_tokens} new tokens per request, median of {args.repeats}")
+    rows, tbl = decode.run(loaded, llm, sizes, args.new_tokens, args.repeats, args.hf_cache)
+    graphs = ", CUDA graphs" if llm.engine.config.cuda_graphs else ""
+    print(f"decode throughput, {loaded.source}, device {llm.engine.device}, dtype {llm.engine.dtype}{graphs}, "
+          f"{args.new_tokens} new tokens per request, median of {args.repeats}; transformers' {args.hf_cache} cache")
     print(tbl)
     numbers = [{"batch": float(r[0]), "kvserve_tok_s": float(r[1]), "transformers_tok_s": float(r[2])}  # type: ignore[arg-type]
                for r in rows]
@@ -76,10 +80,16 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--repeats", type=int, default=3, help="plays of the conversation; TTFT is the median")
     c.set_defaults(run=run_chat)
 
+    from kvserve.bench.random_model import SHAPES
     d = bsub.add_parser("decode", parents=[common], help="decode throughput vs transformers generate")
     d.add_argument("--batch-sizes", default="1,8,16")
     d.add_argument("--new-tokens", type=int, default=128)
     d.add_argument("--repeats", type=int, default=3)
+    d.add_argument("--random-model", choices=sorted(SHAPES), default=None,
+                   help="a model of this shape with random weights (no file) instead of --model")
+    d.add_argument("--hf-cache", choices=("dynamic", "static"), default="dynamic",
+                   help="transformers' KV cache in generate: its default, or its static cache")
+    add_engine_args(d, ("cuda_graphs",))
     d.set_defaults(run=run_decode)
 
     from kvserve.bench.serve import add_serve_bench_parser
