@@ -587,8 +587,8 @@ class EngineConfig:
     cuda_graphs: bool = field(default=False, metadata=opt(
         "replay decode steps from CUDA graphs, one per batch-size bucket (powers of two up to --max-num-seqs), "
         "so a step's kernel launches become one; steps that do not fit (prefill chunks, drafts, KV budgets) run "
-        "eagerly. Needs CUDA, the triton attention backend, one layer group and a KV format without residual "
-        "rows (not kivi); refused otherwise, saying why (docs/attention.md)", flag="--cuda-graphs"))
+        "eagerly. Needs CUDA, the triton attention backend and a KV format without residual rows (not kivi, "
+        "+outN); refused otherwise, saying why (docs/attention.md)", flag="--cuda-graphs"))
     speculative_config: str | None = field(default=None, metadata=opt(
         "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}; methods ngram, suffix, self, draft (docs/speculative.md); "

@@ -206,7 +206,8 @@ def build_parts(config: EngineConfig, weights: WeightFormats, loaded: LoadedMode
     max_model_len = fit_max_model_len(config.max_model_len_fit, kv, max_model_len, storage.nbytes / storage.num_blocks)
     graphs = None if reserved is None else DecodeGraphs(
         model, storage, attention, reserved, kv.num_blocks_needed(max_model_len),
-        graph_batch_sizes(config.scheduler.max_num_seqs), capture=True)
+        graph_batch_sizes(config.scheduler.max_num_seqs), capture=True,
+        group_of_layer=() if groups.is_single else groups.group_of_layer)
     # what a front end needs to parse requests for this engine (a cluster's ingress gets it over the wire)
     model_card = ModelCard(loaded.tokenizer, mc.vocab_size, max_model_len, cc.block_size, extra_key, preamble)
     eos = sorted(mc.eos_token_ids)
@@ -267,7 +268,7 @@ def _reserve_graph_block(config: EngineConfig, device: torch.device, attention: 
     decode step of this engine could be captured; None without."""
     if not config.cuda_graphs:
         return None
-    reason = unfit_reason(device, attention, storage, len(kv.groups))
+    reason = unfit_reason(device, attention, storage)
     if reason is not None:
         raise ValueError(f"cuda_graphs: {reason}")
     return kv.reserve_block()

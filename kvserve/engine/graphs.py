@@ -5,12 +5,14 @@ the whole forward pass, captured once per batch-size bucket, is launched as one.
 A graph replays fixed addresses with fixed shapes. Each bucket of ``size`` rows owns its
 forward pass over static buffers (slices of one set, sized for the largest bucket):
 
-    ids, positions, slots   [size]                 the step's tokens and where their keys go
-    block_tables            [size, max_blocks]     max_blocks = the blocks of max_model_len
-    context_lens, open_rows [size]; query_starts [size + 1] = 0, 1, ..., size
+    ids, positions          [size]                 the step's tokens
+    slots                   [size]                 where their keys go     } one set per layer group
+    block_tables            [size, max_blocks]     max_blocks = the blocks } (Gemma 3: the full
+    context_lens, open_rows [size]                   of max_model_len      } layers', each window's)
+    query_starts            [size + 1] = 0, 1, ..., size
 
 A step fits when every row is one decode token read in place (no draft, no budget observing,
-no blend, one layer group) and its writes are slots alone (a storage that keeps open blocks in
+no blend) and its writes are slots alone (a storage that keeps open blocks in
 residual rows encodes whole blocks some steps and not others: those steps, and every other that
 does not fit, run eagerly). The step's batch is built as any other (``BatchBuilder``), then
 copied into the bucket's buffers; its ``n`` rows are the first, and the bucket's other rows
@@ -35,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -62,7 +64,7 @@ def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def unfit_reason(device: torch.device, backend: AttentionBackend, storage: KVStorage, num_groups: int) -> str | None:
+def unfit_reason(device: torch.device, backend: AttentionBackend, storage: KVStorage) -> str | None:
     """Why decode steps of an engine so built could never be captured (None: they can)."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, the engine is on {device}"
@@ -71,8 +73,6 @@ def unfit_reason(device: torch.device, backend: AttentionBackend, storage: KVSto
     if storage.residual.num_rows:
         return ("this KV format keeps open blocks in residual rows and encodes a block when one fills: a step's "
                 "writes change shape, so no decode step could replay a graph")
-    if num_groups > 1:
-        return "a model with sliding-window layer groups keeps a block table per group (not captured)"
     return None
 
 
@@ -99,59 +99,99 @@ class GraphStats:
     captured_buckets: int = 0
 
 
+class _GroupBuffers:
+    """One layer group's static rows: where its keys go, its block tables, lengths and open rows
+    (groups hold different blocks; the tokens and positions are the same in every group)."""
+
+    def __init__(self, size: int, max_blocks: int, reserved_block: int, block_size: int,
+                 device: torch.device) -> None:
+        self.reserved_block, self.reserved_slot = reserved_block, reserved_block * block_size
+        self.slots = torch.full((size,), self.reserved_slot, dtype=torch.long, device=device)
+        self.tables = torch.full((size, max_blocks), reserved_block, dtype=torch.int32, device=device)
+        self.lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.open_rows = torch.full((size,), -1, dtype=torch.int32, device=device)
+
+    def fill(self, n: int, slots: torch.Tensor, batch: PagedBatch) -> None:
+        nb = batch.block_tables.shape[1]
+        self.slots[:n].copy_(slots)
+        self.tables[:n, :nb].copy_(batch.block_tables)
+        self.tables[:n, nb:].fill_(self.reserved_block)
+        self.lens[:n].copy_(batch.context_lens)
+        self.open_rows[:n].copy_(batch.open_rows)
+
+    def pad(self, n: int, size: int) -> None:
+        self.slots[n:size].fill_(self.reserved_slot)
+        self.tables[n:size].fill_(self.reserved_block)
+        self.lens[n:size].fill_(1)
+        self.open_rows[n:size].fill_(-1)
+
+    def meta(self, b: int, starts: torch.Tensor, block_size: int, backend: AttentionBackend) -> AttentionMetadata:
+        """Bucket ``b``'s metadata over these rows."""
+        dev = self.slots.device
+        batch = PagedBatch(block_tables=self.tables[:b], context_lens=self.lens[:b], query_starts=starts[:b + 1],
+                           open_rows=self.open_rows[:b], block_size=block_size, max_query_len=1,
+                           max_context_len=self.tables.shape[1] * block_size)
+        paged = PagedChunks(torch.arange(b, dtype=torch.long, device=dev), batch, is_whole_batch=True)
+        none = torch.empty(0, dtype=torch.long, device=dev)
+        return AttentionMetadata(write=StepWrites(self.slots[:b], none, none), decode=None, prefills=(),
+                                 paged=paged, backend=backend)
+
+
 class DecodeGraphs(StepGraphs):
     """The buckets of one engine's decode steps (module docstring). ``run`` takes a built step and
     returns its hidden states, or None for a step that does not fit (the caller runs it eagerly)."""
 
     def __init__(self, model: Decoder, cache: KVStorage, backend: AttentionBackend, reserved_block: int,
-                 max_blocks: int, batch_sizes: Sequence[int], capture: bool) -> None:
+                 max_blocks: int, batch_sizes: Sequence[int], capture: bool,
+                 group_of_layer: tuple[int, ...] = ()) -> None:
         """``reserved_block``: the block padded rows read and write (``KVCacheManager.reserve_block``);
         ``max_blocks``: the most blocks one sequence's table holds; ``capture``: record CUDA graphs
-        (else run the buckets' buffers eagerly)."""
+        (else run the buckets' buffers eagerly); ``group_of_layer``: each layer's group, with
+        several layer groups (``AttentionMetadata.group_of_layer``; empty: one)."""
         if capture and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {model.device}")
         self.model, self.cache, self.capture = model, cache, capture
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_blocks = max_blocks
+        self.group_of_layer = group_of_layer
         self.stats = GraphStats()
         dev, size, bs = model.device, self.batch_sizes[-1], cache.block_size
-        self._reserved_slot = reserved_block * bs
-        self._reserved_block = reserved_block
+        self.reserved_slot = reserved_block * bs     # where padding rows write, in every layer
         self._ids = torch.zeros(size, dtype=torch.long, device=dev)
         self._positions = torch.zeros(size, dtype=torch.long, device=dev)
-        self._slots = torch.full((size,), self._reserved_slot, dtype=torch.long, device=dev)
-        self._tables = torch.full((size, max_blocks), reserved_block, dtype=torch.int32, device=dev)
-        self._lens = torch.ones(size, dtype=torch.int32, device=dev)
-        self._open_rows = torch.full((size,), -1, dtype=torch.int32, device=dev)
+        num_groups = max(group_of_layer) + 1 if group_of_layer else 1
+        self._groups = [_GroupBuffers(size, max_blocks, reserved_block, bs, dev) for _ in range(num_groups)]
         starts = torch.arange(size + 1, dtype=torch.int32, device=dev)
-        none = torch.empty(0, dtype=torch.long, device=dev)
         self._pool: Any = torch.cuda.graph_pool_handle() if capture else None
         self._buckets: dict[int, _Bucket] = {}
         for b in self.batch_sizes:
-            batch = PagedBatch(block_tables=self._tables[:b], context_lens=self._lens[:b],
-                               query_starts=starts[:b + 1], open_rows=self._open_rows[:b], block_size=bs,
-                               max_query_len=1, max_context_len=max_blocks * bs)
-            paged = PagedChunks(torch.arange(b, dtype=torch.long, device=dev), batch, is_whole_batch=True)
             # a backend of its own: its scratch stays the one its kernels were captured with
-            meta = AttentionMetadata(write=StepWrites(self._slots[:b], none, none), decode=None, prefills=(),
-                                     paged=paged, backend=type(backend)())
+            own = type(backend)()
+            metas = [g.meta(b, starts, bs, own) for g in self._groups]
+            meta = metas[0] if num_groups == 1 else replace(metas[0], groups=tuple(metas),
+                                                            group_of_layer=group_of_layer)
             self._buckets[b] = _Bucket(b, meta)
 
     def bucket_for(self, ids: torch.Tensor, meta: AttentionMetadata) -> int | None:
         """The bucket a built step pads to, or None where it does not fit (module docstring)."""
-        paged, w, n = meta.paged, meta.write, ids.shape[0]
-        if (paged is None or not paged.is_whole_batch or meta.groups is not None or meta.supplied is not None
-                or meta.budgeted or meta.prefills or meta.decode is not None or paged.scores is not None
-                or paged.layer_batches is not None):
-            return None
-        batch = paged.batch
-        if (batch.max_query_len != 1 or batch.num_seqs != n or batch.query_positions is not None
-                or batch.window is not None or batch.block_tables.shape[1] > self.max_blocks):
-            return None
-        if (w.residual_slots is not None or w.encode_rows.numel() or w.refine_rows is not None
-                or w.kept_block_ids or w.slots.shape[0] != n):
+        n = ids.shape[0]
+        groups = (meta,) if meta.groups is None else meta.groups
+        if len(groups) != len(self._groups) or not all(self._fits(m, n) for m in groups):
             return None
         return next((b for b in self.batch_sizes if b >= n), None)
+
+    def _fits(self, meta: AttentionMetadata, n: int) -> bool:
+        """One group's metadata: ``n`` decode rows read in place, written to slots alone."""
+        paged, w = meta.paged, meta.write
+        if (paged is None or not paged.is_whole_batch or meta.supplied is not None or meta.budgeted
+                or meta.prefills or meta.decode is not None or paged.scores is not None
+                or paged.layer_batches is not None):
+            return False
+        batch = paged.batch
+        return not (batch.max_query_len != 1 or batch.num_seqs != n or batch.query_positions is not None
+                    or batch.window is not None or batch.block_tables.shape[1] > self.max_blocks
+                    or w.residual_slots is not None or w.encode_rows.numel() or w.refine_rows is not None
+                    or w.kept_block_ids or w.slots.shape[0] != n)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Through the step's bucket (valid until the next call); None when it does not fit
@@ -160,11 +200,16 @@ class DecodeGraphs(StepGraphs):
         if size is None:
             self.stats.eager_steps += 1
             return None
-        assert meta.paged is not None
         bucket = self._buckets[size]
         if self.capture and bucket.graph is None:
             self._capture(bucket)           # before the step's rows go in: it runs on padding
-        self._fill(ids, positions, meta.write.slots, meta.paged.batch, size)
+        n = ids.shape[0]
+        self._ids[:n].copy_(ids)
+        self._positions[:n].copy_(positions)
+        for g, m in zip(self._groups, (meta,) if meta.groups is None else meta.groups):
+            assert m.paged is not None
+            g.fill(n, m.write.slots, m.paged.batch)
+        self._pad(n, size)
         if self.capture:
             bucket.graph.replay()
             hidden = bucket.hidden
@@ -172,30 +217,15 @@ class DecodeGraphs(StepGraphs):
             hidden = self._forward(bucket)
         self.stats.replayed_steps += 1
         assert hidden is not None
-        return hidden[:ids.shape[0]]
-
-    def _fill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, batch: PagedBatch,
-              size: int) -> None:
-        """The step's rows first, padding after (module docstring's table)."""
-        n, nb = ids.shape[0], batch.block_tables.shape[1]
-        self._ids[:n].copy_(ids)
-        self._positions[:n].copy_(positions)
-        self._slots[:n].copy_(slots)
-        self._tables[:n, :nb].copy_(batch.block_tables)
-        self._tables[:n, nb:].fill_(self._reserved_block)
-        self._lens[:n].copy_(batch.context_lens)
-        self._open_rows[:n].copy_(batch.open_rows)
-        self._pad(n, size)
+        return hidden[:n]
 
     def _pad(self, n: int, size: int) -> None:
         """Rows ``n .. size - 1`` made padding."""
         if n < size:
             self._ids[n:size].zero_()
             self._positions[n:size].zero_()
-            self._slots[n:size].fill_(self._reserved_slot)
-            self._tables[n:size].fill_(self._reserved_block)
-            self._lens[n:size].fill_(1)
-            self._open_rows[n:size].fill_(-1)
+            for g in self._groups:
+                g.pad(n, size)
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
         b = bucket.size

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model.test_gemma3 import tiny_gemma3
 from tiny import random_tokens, tiny_model
 
 from kvserve import LLM, SamplingParams
@@ -22,7 +23,8 @@ def with_buckets(llm: LLM, sizes: tuple[int, ...]) -> DecodeGraphs:
     """The engine's decode steps through buckets of ``sizes`` rows, run eagerly (CPU)."""
     eng = llm.engine
     graphs = DecodeGraphs(eng.model, eng.runner.cache, eng.runner.backend, eng.kv.reserve_block(),
-                          eng.kv.num_blocks_needed(eng.max_model_len), sizes, capture=False)
+                          eng.kv.num_blocks_needed(eng.max_model_len), sizes, capture=False,
+                          group_of_layer=eng.runner.group_of_layer)
     eng.runner.graphs = graphs
     return graphs
 
@@ -68,7 +70,7 @@ def test_padding_writes_only_the_reserved_block():
     assert graphs.stats.replayed_steps == 1
     # each request's 1st generated token goes to the slot after its prompt
     expected = {eng.kv.block_ids(i)[len(p) // bs] * bs + len(p) % bs for i, p in zip(ids, PROMPTS)}
-    expected.add(graphs._reserved_slot)
+    expected.add(graphs.reserved_slot)
     for old, new in zip(before, cache.key_caches + cache.value_caches):
         changed = (old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
         assert set(changed) == expected
@@ -106,6 +108,21 @@ def test_drafted_steps_run_eagerly_with_the_plain_tokens():
     assert graphs.stats.replayed_steps == llm.engine.num_steps - graphs.stats.eager_steps
 
 
+@pytest.mark.parametrize("kv_format", ["native", "int8"])
+def test_layer_groups_each_fill_their_own_rows(kv_format):
+    """Tiny Gemma 3 (five sliding layers of window 8, then a full one; blocks of 4): six groups,
+    each its own tables and write slots in the bucket; contexts past the window; the eager
+    engine's tokens."""
+    loaded = tiny_gemma3(seed=7)[0]
+    options = {"kv_format": kv_format, "attention_backend": "cpu", "block_size": 4, "num_kv_blocks": 400}
+    plain = generate(LLM(loaded=loaded, **options))
+    llm = LLM(loaded=loaded, **options)
+    assert len(llm.engine.kv.groups) == 6
+    graphs = with_buckets(llm, (1, 2, 4))
+    assert generate(llm) == plain
+    assert (graphs.stats.eager_steps, graphs.stats.replayed_steps) == (1, 13)
+
+
 def test_the_reserved_block_leaves_the_requests_one_block_less():
     llm = LLM(loaded=tiny_model(), attention_backend="cpu", num_kv_blocks=4, max_model_len=64)
     kv = llm.engine.kv
@@ -127,19 +144,20 @@ def test_cuda_graphs_are_refused_where_no_step_could_be_captured():
         LLM(loaded=tiny_model(), cuda_graphs=True)
     storage = LLM(loaded=tiny_model(), kv_format="kivi2g8").engine.runner.cache
     native = LLM(loaded=tiny_model()).engine.runner.cache
-    assert unfit_reason(CUDA, TorchBackend(), native, 1) == (
+    assert unfit_reason(CUDA, TorchBackend(), native) == (
         "the torch attention backend builds each decode step's shapes on the host; use triton")
-    assert "keeps open blocks in residual rows" in str(unfit_reason(CUDA, CpuBackend(), storage, 1))
-    assert "layer group" in str(unfit_reason(CUDA, CpuBackend(), native, 2))
-    assert unfit_reason(CUDA, CpuBackend(), native, 1) is None
+    assert "keeps open blocks in residual rows" in str(unfit_reason(CUDA, CpuBackend(), storage))
+    assert unfit_reason(CUDA, CpuBackend(), native) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("kv_format", ["native", "int8"])
-def test_replayed_graphs_give_the_eager_tokens_on_cuda(kv_format):
-    options = {"device": "cuda", "attention_backend": "triton", "kv_format": kv_format, "max_num_seqs": 4}
-    plain = generate(LLM(loaded=tiny_model(), **options))
-    llm = LLM(loaded=tiny_model(), cuda_graphs=True, **options)
+@pytest.mark.parametrize(("model", "kv_format"), [("llama", "native"), ("llama", "int8"), ("gemma3", "native")])
+def test_replayed_graphs_give_the_eager_tokens_on_cuda(model, kv_format):
+    loaded, block_size = (tiny_model(), 16) if model == "llama" else (tiny_gemma3(seed=7)[0], 4)
+    options = {"device": "cuda", "attention_backend": "triton", "kv_format": kv_format, "max_num_seqs": 4,
+               "block_size": block_size, "num_kv_blocks": 400}
+    plain = generate(LLM(loaded=loaded, **options))
+    llm = LLM(loaded=loaded, cuda_graphs=True, **options)
     assert generate(llm) == plain
     graphs = llm.engine.runner.graphs
     assert isinstance(graphs, DecodeGraphs)
