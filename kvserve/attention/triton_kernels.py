@@ -216,9 +216,9 @@ def paged_attention(q: torch.Tensor, key: HalfStore, value: HalfStore, batch: Pa
     if q.shape[0] == 0 or batch.num_seqs == 0:
         return out
     stats = None if scores is None else torch.empty(2, q.shape[0] * q.shape[1], dtype=torch.float32, device=q.device)
-    cfg = _launch(q, halves, plan, scale, out, stats)
+    ran = _launch(q, halves, plan, scale, out, stats)
     if scores is not None and stats is not None:
-        _score(q, halves, batch, scale, scores, stats, cfg)
+        _score(q, halves, ran, scale, scores, stats)
     return out
 
 
@@ -365,9 +365,9 @@ _FITTED: dict[tuple[Any, ...], LaunchConfig] = {}
 
 
 def _launch(q: torch.Tensor, halves: Halves, plan: StepPlan, scale: float, out: torch.Tensor,
-            stats: torch.Tensor | None) -> LaunchConfig:
+            stats: torch.Tensor | None) -> StepPlan:
     """Runs ``attend`` (and ``merge`` where the splits are not merged in the kernel); returns the
-    config that ran."""
+    plan that ran (``plan``, or it in the config that fit)."""
     assert triton_jit is not None
     cfg = plan.cfg
     launch = attend_launch(q, halves, plan, scale, out, stats)
@@ -406,27 +406,26 @@ def _launch(q: torch.Tensor, halves: Halves, plan: StepPlan, scale: float, out: 
         triton_jit.merge[(-(-num_rows // rows),)](*plan.partials, out, out.stride(0), out.stride(1), num_rows, q.shape[1],
                                                   cfg.num_splits, *row_stats, ROWS=rows, D=q.shape[2], D_PAD=d_pad,
                                                   STATS=stats is not None, num_warps=4)
-    return cfg
+    return plan
 
 
-def _score(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float, scores: AttentionScores,
-           stats: torch.Tensor, cfg: LaunchConfig) -> None:
+def _score(q: torch.Tensor, halves: Halves, plan: StepPlan, scale: float, scores: AttentionScores,
+           stats: torch.Tensor) -> None:
     """``score`` over the keys, one program per (sequence, KV head), in the tiles ``attend`` ran."""
     assert triton_jit is not None
-    f32_dots = _device_traits(q.device)[1]
-    grid, args, constants = score_launch(q, halves, batch, scale, scores, stats, cfg, f32_dots)
-    triton_jit.score[grid](*args, **constants, num_warps=cfg.num_warps, num_stages=1)
+    grid, args, constants = score_launch(q, halves, plan, scale, scores, stats)
+    triton_jit.score[grid](*args, **constants, num_warps=plan.cfg.num_warps, num_stages=1)
 
 
-def score_launch(q: torch.Tensor, halves: Halves, batch: PagedBatch, scale: float, scores: AttentionScores,
-                 stats: torch.Tensor, cfg: LaunchConfig,
-                 f32_dots: bool) -> tuple[tuple[int, int], list[Any], dict[str, Any]]:
-    """``score``'s grid, positional arguments and constants (also used to compile it without a GPU)."""
+def score_launch(q: torch.Tensor, halves: Halves, plan: StepPlan, scale: float, scores: AttentionScores,
+                 stats: torch.Tensor) -> tuple[tuple[int, int], list[Any], dict[str, Any]]:
+    """``score``'s grid, positional arguments and constants in the tiles of the ``attend`` that ran
+    (its plan's batch arguments and tile constants: no per-call work but the list; also used to
+    compile it without a GPU)."""
     w = scores.weights
     args = [q, q.stride(0), q.stride(1), stats[0], stats[1], w, w.stride(0), w.stride(1), w.shape[2],
-            scores.score_from, *_batch_args(batch), halves.num_kv_heads, scale * math.log2(math.e), *halves.key_args]
-    constants = {**halves.key_constants, **_tile_constants(q.shape, q.dtype, halves.num_kv_heads, batch, cfg, f32_dots)}
-    return (batch.num_seqs, halves.num_kv_heads), args, constants
+            scores.score_from, *plan.batch_args, halves.num_kv_heads, scale * math.log2(math.e), *halves.key_args]
+    return (plan.batch.num_seqs, halves.num_kv_heads), args, {**halves.key_constants, **plan.tile_constants}
 
 
 def _describe(layout: HalfLayout) -> str:

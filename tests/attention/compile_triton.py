@@ -71,8 +71,7 @@ def compile_variant(variant: str, arch: int) -> str:
     if mode == "score":
         assert stats is not None
         scores = AttentionScores(torch.empty(4, 8, 1000), torch.zeros(4, dtype=torch.int32))
-        grid, args, constants = triton_kernels.score_launch(case.q, halves, case.batch, case.scale, scores, stats,
-                                                            cfg, f32_dots=arch < 80)
+        grid, args, constants = triton_kernels.score_launch(case.q, halves, plan, case.scale, scores, stats)
         launch = triton_kernels.AttendLaunch(grid, args, constants)
         kernel = triton_jit.score
     names = [n for n in kernel.arg_names if n not in launch.constants]
