@@ -586,8 +586,8 @@ class EngineConfig:
         flag="--write-through", group="offload"))
     cuda_graphs: bool = field(default=False, metadata=opt(
         "replay decode steps from CUDA graphs, one per batch-size bucket (powers of two up to --max-num-seqs), "
-        "so a step's kernel launches become one; steps that do not fit (prefill chunks, drafts, KV budgets) run "
-        "eagerly. Needs CUDA, the triton attention backend and a KV format without residual rows (not kivi, "
+        "so a step's kernel launches become one; steps that do not fit (prefill chunks, drafts, KV budgets, "
+        "contexts over 8,192 tokens) run eagerly. Needs CUDA, the triton attention backend and a KV format without residual rows (not kivi, "
         "+outN); refused otherwise, saying why (docs/attention.md)", flag="--cuda-graphs"))
     speculative_config: str | None = field(default=None, metadata=opt(
         "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "

@@ -30,7 +30,7 @@ from kvserve.blend.blender import Blender
 from kvserve.blend.calibrated import resolve_selection
 from kvserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.checks import SLIDING_NO_BUDGETS, RequestChecks
-from kvserve.engine.graphs import DecodeGraphs, graph_batch_sizes, unfit_reason
+from kvserve.engine.graphs import GRAPH_MAX_CONTEXT, DecodeGraphs, graph_batch_sizes, unfit_reason
 from kvserve.engine.model_card import ModelCard
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_processor import OutputProcessor
@@ -205,7 +205,7 @@ def build_parts(config: EngineConfig, weights: WeightFormats, loaded: LoadedMode
     reserved = _reserve_graph_block(config, device, attention, storage, kv)
     max_model_len = fit_max_model_len(config.max_model_len_fit, kv, max_model_len, storage.nbytes / storage.num_blocks)
     graphs = None if reserved is None else DecodeGraphs(
-        model, storage, attention, reserved, kv.num_blocks_needed(max_model_len),
+        model, storage, attention, reserved, kv.num_blocks_needed(min(max_model_len, GRAPH_MAX_CONTEXT)),
         graph_batch_sizes(config.scheduler.max_num_seqs), capture=True,
         group_of_layer=() if groups.is_single else groups.group_of_layer)
     # what a front end needs to parse requests for this engine (a cluster's ingress gets it over the wire)

@@ -23,8 +23,9 @@ are padding that reads and writes only the engine's reserved block (``reserve_bl
              block up to max_blocks         its key and value written at that block's slot 0
 
 The grid of a kernel is part of the graph: the bucket's batch says ``max_context_len`` =
-max_blocks x block_size, so the split count covers any context; a split past a sequence's end
-reads nothing. Each bucket attends through its own backend instance, so the scratch its kernels
+max_blocks x block_size (the engine gives the blocks of ``GRAPH_MAX_CONTEXT`` tokens, or of
+max_model_len if fewer), so the split count covers any context up to it; a split past a
+sequence's end reads nothing, and a step with a longer context runs eagerly. Each bucket attends through its own backend instance, so the scratch its kernels
 were captured with (split partials, tickets) is its own and never reallocated by another call.
 
 Without ``capture`` (CPU, where no graph exists) the same buffers and padding run eagerly: what
@@ -50,6 +51,10 @@ from kvserve.kv.storage.layout import PagedBatch
 from kvserve.model.decoder import Decoder
 
 WARMUP_PASSES = 2       # eager passes before a capture: kernels compiled, scratch sized
+# The longest context a captured step reads (vLLM's max_seq_len_to_capture): its kernels' grids are
+# cut for it (on an H100, 32 splits of 256 keys at batch 1 rather than 128 for a 32k window, each
+# merged at every step); a step over a longer context runs eagerly
+GRAPH_MAX_CONTEXT = 8192
 log = logging.getLogger(__name__)
 
 

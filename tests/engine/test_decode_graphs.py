@@ -19,11 +19,13 @@ PROMPTS = [random_tokens(5, seed=1), random_tokens(20, seed=2), random_tokens(37
 MAX_TOKENS = [4, 9, 14]     # 3 rows decode for 3 steps, 2 rows for 5, 1 row for 5
 
 
-def with_buckets(llm: LLM, sizes: tuple[int, ...]) -> DecodeGraphs:
-    """The engine's decode steps through buckets of ``sizes`` rows, run eagerly (CPU)."""
+def with_buckets(llm: LLM, sizes: tuple[int, ...], max_blocks: int | None = None) -> DecodeGraphs:
+    """The engine's decode steps through buckets of ``sizes`` rows, run eagerly (CPU), over
+    tables of ``max_blocks`` blocks (default: max_model_len's)."""
     eng = llm.engine
-    graphs = DecodeGraphs(eng.model, eng.runner.cache, eng.runner.backend, eng.kv.reserve_block(),
-                          eng.kv.num_blocks_needed(eng.max_model_len), sizes, capture=False,
+    blocks = eng.kv.num_blocks_needed(eng.max_model_len) if max_blocks is None else max_blocks
+    graphs = DecodeGraphs(eng.model, eng.runner.cache, eng.runner.backend, eng.kv.reserve_block(), blocks, sizes,
+                          capture=False,
                           group_of_layer=eng.runner.group_of_layer)
     eng.runner.graphs = graphs
     return graphs
@@ -83,6 +85,12 @@ def test_steps_that_do_not_fit_run_eagerly():
     graphs = with_buckets(llm, (1, 2))
     assert generate(llm) == plain
     assert (graphs.stats.eager_steps, graphs.stats.replayed_steps) == (1 + 3, 10)
+    # contexts past the tables' capacity (3 blocks of 16): the long request's last two steps
+    # (contexts 49 and 50) run eagerly
+    llm = LLM(loaded=tiny_model(), attention_backend="cpu")
+    graphs = with_buckets(llm, (1, 2, 4), max_blocks=3)
+    assert generate(llm) == plain
+    assert (graphs.stats.eager_steps, graphs.stats.replayed_steps) == (1 + 2, 11)
     # a format that encodes whole blocks from residual rows writes them some steps: never fits
     plain = generate(LLM(loaded=tiny_model(), kv_format="kivi2g8", attention_backend="cpu"))
     llm = LLM(loaded=tiny_model(), kv_format="kivi2g8", attention_backend="cpu")
