@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -49,6 +50,7 @@ from kvserve.kv.storage import KVStorage
 from kvserve.kv.storage.factory import make_storage
 from kvserve.kv.storage.zip import ZipKVCache
 from kvserve.kv.tiering import make_tiering
+from kvserve.model.cpu_extension import load_extension as load_cpu_kernels
 from kvserve.model.decoder import Decoder
 from kvserve.model.families import build_decoder
 from kvserve.model.formats.build import make_products
@@ -225,7 +227,7 @@ def build_parts(config: EngineConfig, weights: WeightFormats, loaded: LoadedMode
         model_config=mc, device=device, dtype=dtype, max_model_len=max_model_len, model=model,
         weight_format=products.name, fingerprint=fingerprint, kv_format=kv_format, model_card=model_card, kv=kv,
         scheduler=scheduler, runner=ModelRunner(model, storage, kv, budgets, attention, graphs),
-        sampler=Sampler(config.seed, eos), grammars=grammars, attention=attention,
+        sampler=Sampler(config.seed, eos, _sampling_kernels(device)), grammars=grammars, attention=attention,
         speculator=make_speculator(config, budgets, max_model_len,
                                    Drafting(loaded, model, storage, kv, draft, weights.drafting, device, dtype)),
         checks=RequestChecks(budgets, grammars, mc.vocab_size, mc.has_sliding_layers),
@@ -260,6 +262,14 @@ def fit_max_model_len(fit: str | None, kv: KVCacheManager, max_model_len: int, b
         f"so a request without max_tokens could never run. Give --max-model-len {fits} (or less), a KV cache of "
         f"{needed} blocks or more (--kv-cache-gb {gib:.2f}, or --num-kv-blocks {needed}), or --max-model-len-fit "
         f"lower to start with max_model_len {fits}")
+
+
+def _sampling_kernels(device: torch.device) -> ModuleType | None:
+    """The model's C++ extension for the sampler's greedy argmax (kvserve/sampling/sampler.py
+    ``row_max``) on a CPU engine, which loads it for its products anyway (None where it cannot be
+    built, and on CUDA: the logits come to the host, but building it there would stall a
+    first request)."""
+    return load_cpu_kernels() if device.type == "cpu" else None
 
 
 def _reserve_graph_block(config: EngineConfig, device: torch.device, attention: AttentionBackend,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,22 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[T
     return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
 
 
+def row_max(logits: torch.Tensor, kernels: ModuleType | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits.max(dim=-1)``, bit for bit (each row's maximum and the first index holding it):
+    by ``kernels`` (the model's C++ extension, kvserve/model/csrc/rowmax.h) where given and the
+    logits are a contiguous float32 CPU matrix (10x torch's scalar loop over a 152k vocabulary),
+    torch's for the rows holding a NaN and elsewhere."""
+    ext = kernels
+    if (ext is None or logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype != torch.float32
+            or not logits.is_contiguous()):
+        return logits.max(dim=-1)
+    top, argmax, rest = ext.row_argmax(logits)
+    if bool(rest.any()):
+        rows = rest.nonzero()[:, 0]
+        top[rows], argmax[rows] = logits[rows].max(dim=-1)
+    return top, argmax
+
+
 class Sampled(NamedTuple):
     token_ids: list[int | None]     # None for a row that failed
     errors: dict[int, RowError]     # row -> why it has no token
@@ -38,9 +55,11 @@ class Sampled(NamedTuple):
 
 
 class Sampler:
-    def __init__(self, seed: int, eos_token_ids: Collection[int] = ()) -> None:
+    def __init__(self, seed: int, eos_token_ids: Collection[int] = (), kernels: ModuleType | None = None) -> None:
+        """``kernels``: the model's C++ extension (``row_max``), where the engine has it loaded."""
         self._generator = torch.Generator().manual_seed(seed)
         self._eos_token_ids = tuple(eos_token_ids)
+        self._kernels = kernels
 
     def sample(self, logits: torch.Tensor, requests: Sequence[RowRequest], undrawn: Collection[int] = ()) -> Sampled:
         """One token per row of ``logits`` ([n, vocab], float32, on CPU), after each request's
@@ -50,7 +69,7 @@ class Sampler:
         logits, errors = process_logits(logits, requests, self._eos_token_ids)
         # one pass over the vocabulary finds every odd row: a row's max is NaN when it holds
         # a NaN, +inf when it holds +inf, -inf when every token is masked
-        top, argmax = logits.max(dim=-1)
+        top, argmax = row_max(logits, self._kernels)
         odd = (~torch.isfinite(top)).nonzero()[:, 0].tolist()
         if odd:
             logits = logits.clone()   # the caller's logits stay the model's (logprobs read them)

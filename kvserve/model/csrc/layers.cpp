@@ -8,11 +8,13 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "norms.h"
 #include "qkernel.h"
 #include "rope.h"
+#include "rowmax.h"
 
 namespace kvs {
 namespace {
@@ -250,6 +252,28 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& qkv, const at:
   return {q, k};
 }
 
+// Each row's (max, first index of it) of a float32 [n, V] matrix, and a mask of the rows left to
+// torch (holding a NaN: rowmax.h), whose entries are not written.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_argmax(const at::Tensor& logits) {
+  KVS_Q_REQUIRE(logits.dim() == 2 && logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                    logits.is_contiguous(),
+                "logits must be a contiguous CPU float32 matrix, got " + shape_str(logits));
+  const int64_t n = logits.size(0), V = logits.size(1);
+  at::Tensor values = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor indices = at::empty({n}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor rest = at::zeros({n}, at::TensorOptions().dtype(at::kBool));
+  const float* x = logits.data_ptr<float>();
+  float* v = values.data_ptr<float>();
+  int64_t* ix = indices.data_ptr<int64_t>();
+  bool* r = rest.data_ptr<bool>();
+  {
+    pybind11::gil_scoped_release release;
+#pragma omp parallel for schedule(static) if (n > 1)
+    for (int64_t i = 0; i < n; ++i) r[i] = !rowmax::argmax_unless_nan(x + i * V, V, v + i, ix + i);
+  }
+  return {values, indices, rest};
+}
+
 }  // namespace
 }  // namespace kvs
 
@@ -266,6 +290,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_add", &kvs::norm_add, "h += rms_norm(x) * w, in place");
   m.def("int8_peak", &kvs::q::int8_peak, "multiply-adds a second of the products' integer instruction, every thread",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("row_argmax", &kvs::row_argmax, "each row's max and first index of it (rows not finite: masked out)");
   m.def("qk_norm_rope", &kvs::qk_norm_rope, "queries and keys each head normed, then rotated, from the fused Q/K/V rows");
 #if defined(KVS_Q_VNNI)
   m.attr("isa") = "avx512vnni";
