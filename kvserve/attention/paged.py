@@ -172,9 +172,14 @@ class AttentionMetadata:
         return self if self.groups is None else self.groups[self.group_of_layer[layer]]
 
     @property
+    def group_metas(self) -> tuple[AttentionMetadata, ...]:
+        """Each group's metadata (with one group, this one)."""
+        return (self,) if self.groups is None else self.groups
+
+    @property
     def all_writes(self) -> tuple[StepWrites, ...]:
         """The step's write plans, one per group."""
-        return (self.write,) if self.groups is None else tuple(m.write for m in self.groups)
+        return tuple(m.write for m in self.group_metas)
 
 
 def write_layer(k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVStorage, meta: AttentionMetadata) -> None:

@@ -158,7 +158,6 @@ class DecodeGraphs(StepGraphs):
         self.model, self.cache, self.capture = model, cache, capture
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_blocks = max_blocks
-        self.group_of_layer = group_of_layer
         self.stats = GraphStats()
         dev, size, bs = model.device, self.batch_sizes[-1], cache.block_size
         self.reserved_slot = reserved_block * bs     # where padding rows write, in every layer
@@ -180,7 +179,7 @@ class DecodeGraphs(StepGraphs):
     def bucket_for(self, ids: torch.Tensor, meta: AttentionMetadata) -> int | None:
         """The bucket a built step pads to, or None where it does not fit (module docstring)."""
         n = ids.shape[0]
-        groups = (meta,) if meta.groups is None else meta.groups
+        groups = meta.group_metas
         if len(groups) != len(self._groups) or not all(self._fits(m, n) for m in groups):
             return None
         return next((b for b in self.batch_sizes if b >= n), None)
@@ -211,7 +210,7 @@ class DecodeGraphs(StepGraphs):
         n = ids.shape[0]
         self._ids[:n].copy_(ids)
         self._positions[:n].copy_(positions)
-        for g, m in zip(self._groups, (meta,) if meta.groups is None else meta.groups):
+        for g, m in zip(self._groups, meta.group_metas):
             assert m.paged is not None
             g.fill(n, m.write.slots, m.paged.batch)
         self._pad(n, size)

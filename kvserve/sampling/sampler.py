@@ -37,11 +37,10 @@ def row_max(logits: torch.Tensor, kernels: ModuleType | None = None) -> tuple[to
     by ``kernels`` (the model's C++ extension, kvserve/model/csrc/rowmax.h) where given and the
     logits are a contiguous float32 CPU matrix (10x torch's scalar loop over a 152k vocabulary),
     torch's for the rows holding a NaN and elsewhere."""
-    ext = kernels
-    if (ext is None or logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype != torch.float32
+    if (kernels is None or logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype != torch.float32
             or not logits.is_contiguous()):
         return logits.max(dim=-1)
-    top, argmax, rest = ext.row_argmax(logits)
+    top, argmax, rest = kernels.row_argmax(logits)
     if bool(rest.any()):
         rows = rest.nonzero()[:, 0]
         top[rows], argmax[rows] = logits[rows].max(dim=-1)
