@@ -33,6 +33,7 @@ from kvserve.kv.storage.layout import AttentionScores, HalfStore, PagedBatch
 
 if TYPE_CHECKING:
     from kvserve.attention.triton_kernels import Halves, Launcher
+    from kvserve.kv.storage import KVStorage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,6 +62,12 @@ class AttentionBackend(ABC):
                out: torch.Tensor | None = None, scores: AttentionScores | None = None) -> torch.Tensor:
         """``scores`` only where ``scores_attention``."""
         raise NotImplementedError(f"the {self.name} backend reads through the storage's gather")
+
+    def step_attend(self, cache: KVStorage, batch: PagedBatch,
+                    scale: float) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``attend`` over ``cache``'s layers with one step's batch bound, for a loop over the
+        layers: (layer, q, out) -> the layer's output (``out`` where it could be written)."""
+        return lambda layer, q, out: self.attend(q, *cache.half_stores(layer), batch, scale, out)
 
     def dense_rows(self, num_positions: int) -> int:
         """Rows to allocate for a dense KV of ``num_positions`` positions so that ``attend_dense``
@@ -138,6 +145,24 @@ class CpuBackend(AttentionBackend):
             return cpu.paged_attention(q, key, value, batch, scale, out)    # checks and says what is wrong
         halves = self._layers.get(key, value, (q.shape[-1],), lambda: cpu.register_halves(ext, key, value, q.shape[-1]))
         return cpu.run_registered(ext, halves, q, batch, scale, out, scores)
+
+    def step_attend(self, cache: KVStorage, batch: PagedBatch,
+                    scale: float) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The kernel called at once on each layer's registered halves, for float32 queries and
+        outputs (contiguous, on the CPU: the caller's promise; the kernel checks shapes)."""
+        cpu = self._cpu
+        ext = cpu.load_extension()
+        if ext is None:
+            return super().step_attend(cache, batch, scale)
+        held, register, run = self._layers, cpu.register_halves, ext.run_halves
+        args = (batch.block_tables, batch.context_lens, batch.query_starts, batch.open_rows, float(scale),
+                cpu.query_positions(batch), batch.window or 0)
+
+        def attend(layer: int, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            key, value = cache.half_stores(layer)
+            run(held.get(key, value, (q.shape[-1],), lambda: register(ext, key, value, q.shape[-1])), q, out, *args)
+            return out
+        return attend
 
     def dense_rows(self, num_positions: int) -> int:
         return self._cpu.dense_rows(num_positions)

@@ -71,7 +71,7 @@ def run(ext: ModuleType, q: torch.Tensor, key: HalfStore, value: HalfStore, batc
     result = out if direct else torch.empty(q.shape, dtype=torch.float32)
     assert result is not None
     ext.run(q32, result, k_layout, k_parts, v_layout, v_parts, batch.block_tables, batch.context_lens,
-            batch.query_starts, batch.open_rows, batch.block_size, float(scale), _positions(batch), batch.window or 0)
+            batch.query_starts, batch.open_rows, batch.block_size, float(scale), query_positions(batch), batch.window or 0)
     if direct:
         return result
     if out is None:
@@ -158,10 +158,10 @@ def run_registered(ext: ModuleType, halves: object, q: torch.Tensor, batch: Page
     result = out if out is not None and out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q)
     if scores is not None:
         ext.run_halves_scored(halves, q, result, batch.block_tables, batch.context_lens, batch.query_starts,
-                              batch.open_rows, float(scale), scores.weights, scores.score_from, _positions(batch))
+                              batch.open_rows, float(scale), scores.weights, scores.score_from, query_positions(batch))
     else:
         ext.run_halves(halves, q, result, batch.block_tables, batch.context_lens, batch.query_starts,
-                       batch.open_rows, float(scale), _positions(batch), batch.window or 0)
+                       batch.open_rows, float(scale), query_positions(batch), batch.window or 0)
     if out is not None and result is not out:
         return out.copy_(result)
     return result
@@ -170,7 +170,7 @@ def run_registered(ext: ModuleType, halves: object, q: torch.Tensor, batch: Page
 _NO_POSITIONS = torch.empty(0, dtype=torch.int32)
 
 
-def _positions(batch: PagedBatch) -> torch.Tensor:
+def query_positions(batch: PagedBatch) -> torch.Tensor:
     """The kernel's ``query_positions``: the batch's, or empty (each sequence's last n positions)."""
     return _NO_POSITIONS if batch.query_positions is None else batch.query_positions
 

@@ -20,7 +20,7 @@ kv/ never imports the attention package.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
@@ -66,6 +66,20 @@ class CpuWrites:
         else:
             assert refine_slots is not None
             self._ext.write_halves_refined(*args, refine_rows, refine_slots)
+
+
+    def bind(self, slots: torch.Tensor, residual_slots: torch.Tensor | None = None,
+             encode_rows: torch.Tensor | None = None,
+             encode_block_ids: torch.Tensor | None = None) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        """``write`` with one step's index tensors bound (no refined halves): (layer, key, value)."""
+        ext, layers = self._ext, self._layers
+        tail = (slots, _NO_INDICES if residual_slots is None else residual_slots,
+                _NO_INDICES if encode_rows is None else encode_rows,
+                _NO_INDICES if encode_block_ids is None else encode_block_ids)
+
+        def write(layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+            ext.write_halves(layers[layer], _channels_contiguous(key), _channels_contiguous(value), *tail)
+        return write
 
 
 def _channels_contiguous(x: torch.Tensor) -> torch.Tensor:

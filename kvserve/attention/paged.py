@@ -172,6 +172,17 @@ class AttentionMetadata:
         return self if self.groups is None else self.groups[self.group_of_layer[layer]]
 
     @property
+    def one_kernel_batch(self) -> PagedBatch | None:
+        """The batch, where every layer attends the whole step in one backend call and writes
+        the computed keys and values alone: one group, nothing supplied, no budget, no scoring,
+        no per-layer table (``paged_attention``'s first branch, taken by a caller's own loop)."""
+        paged = self.paged
+        if (paged is None or not paged.is_whole_batch or paged.scores is not None or paged.layer_batches is not None
+                or self.groups is not None or self.supplied is not None or self.budgeted or self.decode is not None):
+            return None
+        return paged.batch
+
+    @property
     def group_metas(self) -> tuple[AttentionMetadata, ...]:
         """Each group's metadata (with one group, this one)."""
         return (self,) if self.groups is None else self.groups

@@ -126,10 +126,13 @@ class StepTimer:
             return
         if self.times_attention:
             backend.attend = self._timed(backend.attend, "attend_s")   # type: ignore[method-assign]
+            backend.step_attend = self._timing(backend.step_attend, "attend_s")   # type: ignore[method-assign]
         model = llm.engine.model
         for product in [model.lm_head, *model.layer_products()]:
             for name in PRODUCT_METHODS:
                 setattr(product, name, self._timed(getattr(product, name), "products_s"))
+            product.bound = self._timing(product.bound, "products_s")    # type: ignore[method-assign]
+        model.forget_bound_calls()     # a family's direct loop binds the timed calls
 
     def _timed(self, fn: Any, counter: str) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -139,6 +142,13 @@ class StepTimer:
             finally:
                 setattr(self, counter, getattr(self, counter) + time.perf_counter() - t)
         return timed
+
+    def _timing(self, bind: Any, counter: str) -> Any:
+        """``bind`` whose returned calls are timed (``Product.bound``, ``step_attend``)."""
+        def timed_bind(*args: Any, **kwargs: Any) -> Any:
+            call = bind(*args, **kwargs)
+            return None if call is None else self._timed(call, counter)
+        return timed_bind
 
     def reset(self) -> None:
         self.attend_s = self.products_s = 0.0

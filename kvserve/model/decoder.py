@@ -138,11 +138,22 @@ class Decoder(ABC):
         in order (default: all; a self-drafting pass leaves some out, kvserve/speculative/drafters.py)."""
         h = self.embed(input_ids)
         angles = self.angles(positions)
-        for i in range(self.config.num_layers) if layers is None else layers:
+        order = range(self.config.num_layers) if layers is None else layers
+        return self.final_norm_of(self.run_layers(h, angles, cache, meta, order))
+
+    def run_layers(self, h: torch.Tensor, angles: StepAngles, cache: KVStorage, meta: AttentionMetadata,
+                   layers: Sequence[int]) -> torch.Tensor:
+        """The hidden states after ``layers`` (in order) from the first one's input ``h``. A family
+        may run a step it can take through direct calls (``LlamaModel``) its own way."""
+        for i in layers:
             q, k, v = self.layer_qkv(i, h, angles)
             attn = paged_attention(q, k, v, i, cache, meta, self.scale, self.windows[i])
             h = self.layer_output(i, h, attn)
-        return self.final_norm_of(h)
+        return h
+
+    def forget_bound_calls(self) -> None:
+        """Drop what a family bound from its products for its direct loop, so that it binds them
+        again as they are now (a benchmark that wraps the products' methods calls this)."""
 
     def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm, the step between the last layer and ``compute_logits``."""

@@ -74,6 +74,13 @@ class Product(ABC):
         """The LM head's product: a few rows against the whole vocabulary."""
         return self(x)
 
+    def bound(self, form: str, norm_weight: torch.Tensor | None = None,
+              eps: float = 0.0) -> Callable[[torch.Tensor, torch.Tensor], object] | None:
+        """One fused form as a direct call ``(x, out)`` for a loop over the layers: ``after_norm``
+        written into ``out``, ``add_into`` / ``swiglu_add_into`` added into ``out`` in place (the
+        residual); None where the backend has no such call (then the methods serve)."""
+        return None
+
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(gelu_tanh(gate) * up) W^T + bias, gate and up the two halves of ``gate_up`` [T, 2 cols]."""
         gate, up = gate_up.chunk(2, dim=-1)

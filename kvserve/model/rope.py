@@ -9,6 +9,7 @@ the loader. A layer's RoPE is its ``LayerSpec``'s base and scaling: a model whos
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -114,6 +115,14 @@ class Rope:
         q = qkv[:, :h * d].view(num_tokens, h, d)
         k = qkv[:, h * d:(h + hkv) * d].view(num_tokens, hkv, d)
         return self.rotate(q, k, angles)
+
+    def step_qk(self, angles: RopeAngles) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """``qk`` with one step's ``angles`` bound, for a loop over the layers."""
+        ext = self.ext
+        if ext is None:
+            return lambda qkv: self.qk(qkv, angles)
+        args = (angles.positions, self.cos, self.sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        return lambda qkv: ext.rope_qk(qkv, *args)
 
     def qk_normed(self, qkv: torch.Tensor, angles: RopeAngles, q_weight: torch.Tensor, k_weight: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ blocks a request holds is the KV manager's business; the storage only holds thei
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -138,6 +138,10 @@ class KVStorage(ABC):
     @abstractmethod
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
         """Store the step's new ``key``/``value`` ([num_tokens, heads, dim]) of ``layer``."""
+
+    def step_writer(self, writes: StepWrites) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        """``write`` with the step's plan bound, for a loop over the layers: (layer, key, value)."""
+        return lambda layer, key, value: self.write(layer, key, value, writes)
 
     @abstractmethod
     def gather(self, layer: int, block_table: torch.Tensor,

@@ -126,6 +126,12 @@ class RowWriter(Protocol):
               encode_block_ids: torch.Tensor | None = None, refine_rows: torch.Tensor | None = None,
               refine_slots: torch.Tensor | None = None) -> None: ...
 
+    def bind(self, slots: torch.Tensor, residual_slots: torch.Tensor | None = None,
+             encode_rows: torch.Tensor | None = None,
+             encode_block_ids: torch.Tensor | None = None) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        """``write`` with one step's index tensors bound: (layer, key, value) -> None."""
+        ...
+
 
 # (device, each layer's (key, value) halves, head_dim) -> a writer, or None where it cannot run
 MakeRowWriter = Callable[[torch.device, Sequence[tuple[HalfStore, HalfStore]], int], RowWriter | None]

@@ -18,7 +18,7 @@ below, which stays the reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -146,6 +146,11 @@ class QuantizedKVCache(KVStorage):
                                    writes.encode_block_ids)
             return
         self._write_torch(layer, key, value, writes)
+
+    def step_writer(self, writes: StepWrites) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        if self._writer is None:
+            return super().step_writer(writes)
+        return self._writer.bind(writes.slots, writes.residual_slots, writes.encode_rows, writes.encode_block_ids)
 
     def _write_torch(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
         """The reference: each half through its codec and ``index_copy_``."""

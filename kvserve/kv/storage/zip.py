@@ -21,7 +21,7 @@ so a block brought back from a tier is read at the base precision.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -30,7 +30,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.kv.block_io import block_nbytes, read_blocks, write_blocks
 from kvserve.kv.residual import ResidualRows
-from kvserve.kv.storage.base import Overlay, StepWrites, WritePlanner
+from kvserve.kv.storage.base import KVStorage, Overlay, StepWrites, WritePlanner
 from kvserve.kv.storage.layout import HalfLayout, HalfStore, MakeRowWriter, RefinedHalf
 from kvserve.kv.storage.quantized import QuantizedKVCache, _QuantizedPlanner, layer_parts
 
@@ -168,6 +168,10 @@ class ZipKVCache(QuantizedKVCache):
 
     def planner(self) -> WritePlanner:
         return _ZipPlanner(self.residual, self.block_size, self.device, self.refined)
+
+    def step_writer(self, writes: StepWrites) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        # the refine indexes ride along: every layer through ``write``
+        return KVStorage.step_writer(self, writes)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
         rows, side = writes.refine_rows, writes.refine_slots

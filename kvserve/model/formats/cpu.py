@@ -8,6 +8,7 @@ and outputs are float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -18,6 +19,8 @@ from kvserve.model.linear import Embedding, Product
 
 NONE, RMSNORM, SWIGLU, GEGLU = 0, 1, 2, 3      # csrc/qkernel.h Prologue
 _ABSENT = torch.empty(())
+# Product.bound's forms: (prologue, add into the output)
+_BOUND_FORMS = {"after_norm": (RMSNORM, False), "add_into": (NONE, True), "swiglu_add_into": (SWIGLU, True)}
 
 
 def register(ext: ModuleType, w: PackedWeight) -> object:
@@ -70,6 +73,15 @@ class CpuPackedProduct(Product):
 
     def swiglu_add_into(self, residual: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         return self._run(gate_up, residual, SWIGLU, _ABSENT, 0.0, True)
+
+    def bound(self, form: str, norm_weight: torch.Tensor | None = None,
+              eps: float = 0.0) -> Callable[[torch.Tensor, torch.Tensor], object] | None:
+        """The kernel's call with this product's handle and form bound (inputs with unit column
+        stride: the caller's buffers)."""
+        prologue, add = _BOUND_FORMS[form]
+        linear, handle = self.ext.linear, self.handle
+        norm = _ABSENT if norm_weight is None else norm_weight
+        return lambda x, out: linear(handle, x, out, prologue, norm, eps, add)
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._run(gate_up, gate_up.new_empty(gate_up.shape[0], self.rows), GEGLU, _ABSENT, 0.0, False)
