@@ -13,8 +13,9 @@ the weight format the engine chose.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import ClassVar, TypeVar
 
 import torch
 
@@ -27,6 +28,10 @@ from kvserve.model.rope import Rope, RopeAngles, layer_ropes
 
 #: a step's rotation angles, one per distinct RoPE of the model (``Decoder.angles``)
 StepAngles = tuple[RopeAngles, ...]
+#: a layer's bound write (layer, key, value) and attention (layer, q, out) -> the output
+LayerWrite = Callable[[int, torch.Tensor, torch.Tensor], None]
+LayerAttend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+LayerT = TypeVar("LayerT")
 
 
 class Decoder(ABC):
@@ -56,6 +61,7 @@ class Decoder(ABC):
         self.ropes = [Rope(b, config.num_heads, config.num_kv_heads, device, dtype) for b in distinct]
         self.rope_of_layer = tuple(distinct.index(b) for b in bases)
         self._ext = load_extension() if device.type == "cpu" and dtype == torch.float32 else None
+        self._bound: tuple[tuple[Callable[..., object], ...], ...] | None = None
         self.windows = config.sliding_windows
         self.scale = config.query_scale
         self.build_layers()
@@ -151,9 +157,58 @@ class Decoder(ABC):
             h = self.layer_output(i, h, attn)
         return h
 
+    def bound_layers(self) -> tuple[tuple[Callable[..., object], ...], ...]:
+        """Each layer's calls for a family's direct loop (``bind_layers``), bound once; empty off
+        the CPU or in another dtype than float32 (the kernels' own)."""
+        if self._bound is None:
+            self._bound = self.bind_layers() if self.device.type == "cpu" and self.dtype == torch.float32 else ()
+        return self._bound
+
+    def bind_layers(self) -> tuple[tuple[Callable[..., object], ...], ...]:
+        """A family with a direct loop: each layer's products as direct calls (``Product.bound``),
+        or empty where some product has none."""
+        return ()
+
+    def bind_each_layer(self, layers: Sequence[LayerT],
+                        forms: Callable[[LayerT], Sequence[tuple[Product, str, torch.Tensor | None]]]
+                        ) -> tuple[tuple[Callable[..., object], ...], ...]:
+        """``bind_layers`` from each layer's (product, form, norm weight) calls (``Product.bound``,
+        the norms at ``rms_norm_eps``); empty where some product has none, or the layers' products
+        differ in shape (the loop's buffers are made once a step)."""
+        eps, calls = self.config.rms_norm_eps, []
+        shapes = {tuple(product.rows for product, _, _ in forms(layer)) for layer in layers}
+        for layer in layers if len(shapes) == 1 else ():
+            bound = [product.bound(form, norm, eps) for product, form, norm in forms(layer)]
+            if any(call is None for call in bound):
+                return ()
+            calls.append(tuple(call for call in bound if call is not None))
+        return tuple(calls)
+
     def forget_bound_calls(self) -> None:
         """Drop what a family bound from its products for its direct loop, so that it binds them
         again as they are now (a benchmark that wraps the products' methods calls this)."""
+        self._bound = None
+
+    def step_calls(self, cache: KVStorage, meta: AttentionMetadata) -> tuple[list[LayerWrite], list[LayerAttend]] | None:
+        """Each layer's write and attention with the step bound (its group's write plan, its
+        window), where every group attends the whole step in one backend call; else None."""
+        metas = meta.group_metas
+        batches = [m.one_kernel_batch for m in metas]
+        if any(b is None for b in batches):
+            return None
+        writers = [cache.step_writer(m.write) for m in metas]
+        attends: dict[tuple[int, int | None], LayerAttend] = {}
+        writes, reads = [], []
+        for i, window in enumerate(self.windows):
+            g = meta.group_of_layer[i] if meta.groups is not None else 0
+            if (g, window) not in attends:
+                batch = batches[g]
+                assert batch is not None
+                attends[g, window] = metas[g].backend.step_attend(
+                    cache, batch if window is None else replace(batch, window=window), self.scale)
+            writes.append(writers[g])
+            reads.append(attends[g, window])
+        return writes, reads
 
     def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm, the step between the last layer and ``compute_logits``."""

@@ -15,13 +15,15 @@ scaled by query_pre_attn_scalar ** -0.5. The embedding (262,144 rows) is tied to
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvserve.attention.paged import AttentionMetadata
 from kvserve.config import LayerSpec, ModelConfig
+from kvserve.kv.storage import KVStorage
 from kvserve.model.chat_templates import builtin_chat_template
 from kvserve.model.decoder import Decoder, StepAngles
 from kvserve.model.family import Family, GGUFKeys
@@ -92,6 +94,44 @@ class Gemma3Model(Decoder):
         h = self.norm_add(h, lw.o(attn.reshape(h.shape[0], self.config.q_size)), lw.post_attention_norm)
         gate_up = lw.gate_up.after_norm(h, lw.pre_feedforward_norm, eps)
         return self.norm_add(h, lw.down.geglu(gate_up), lw.post_feedforward_norm)
+
+
+    def run_layers(self, h: torch.Tensor, angles: StepAngles, cache: KVStorage, meta: AttentionMetadata,
+                   layers: Sequence[int]) -> torch.Tensor:
+        """A step every layer group attends in one backend call runs as direct calls, as the
+        Llama family's (``LlamaModel.run_layers``): the norms added into the residual by the C++
+        ``norm_add``, the queries' and keys' norms and RoPE by ``qk_norm_rope``."""
+        bound, ext = self.bound_layers(), self._ext
+        steps = self.step_calls(cache, meta) if bound and ext is not None else None
+        if steps is None or ext is None:
+            return super().run_layers(h, angles, cache, meta, layers)
+        writes, attends = steps
+        cfg, n, eps = self.config, h.shape[0], self.config.rms_norm_eps
+        first = self.layers[0]
+        qkv = h.new_empty(n, first.qkv.rows)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(n, cfg.num_kv_heads, cfg.head_dim)
+        attn = h.new_empty(n, cfg.num_heads, cfg.head_dim)
+        out = h.new_empty(n, cfg.hidden_size)
+        gate_up = h.new_empty(n, first.gate_up.rows)
+        ropes = [rope.step_qk_normed(a, eps) for rope, a in zip(self.ropes, angles)]
+        rope_of, q_size, norm_add = self.rope_of_layer, cfg.q_size, ext.norm_add
+        for i in layers:
+            lw = self.layers[i]
+            qkv_of, o_of, gate_up_of, down_of = bound[i]
+            qkv_of(h, qkv)
+            q, k = ropes[rope_of[i]](qkv, lw.q_norm, lw.k_norm)
+            writes[i](i, k, v)
+            o_of(attends[i](i, q, attn).view(n, q_size), out)
+            norm_add(h, out, lw.post_attention_norm, eps)
+            gate_up_of(h, gate_up)
+            down_of(gate_up, out)
+            norm_add(h, out, lw.post_feedforward_norm, eps)
+        return h
+
+    def bind_layers(self) -> tuple[tuple[Callable[..., object], ...], ...]:
+        return self.bind_each_layer(self.layers, lambda lw: (
+            (lw.qkv, "after_norm", lw.input_norm), (lw.o, "call", None),
+            (lw.gate_up, "after_norm", lw.pre_feedforward_norm), (lw.down, "geglu", None)))
 
 
 def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -76,9 +76,10 @@ class Product(ABC):
 
     def bound(self, form: str, norm_weight: torch.Tensor | None = None,
               eps: float = 0.0) -> Callable[[torch.Tensor, torch.Tensor], object] | None:
-        """One fused form as a direct call ``(x, out)`` for a loop over the layers: ``after_norm``
-        written into ``out``, ``add_into`` / ``swiglu_add_into`` added into ``out`` in place (the
-        residual); None where the backend has no such call (then the methods serve)."""
+        """One form as a direct call ``(x, out)`` for a loop over the layers: ``call`` (``__call__``),
+        ``after_norm`` and ``geglu`` written into ``out``, ``add_into`` / ``swiglu_add_into``
+        added into ``out`` in place (the residual); None where the backend has no such call (then
+        the methods serve)."""
         return None
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,6 @@ class LayerWeights:
 class LlamaModel(Decoder):
     def build_layers(self) -> None:
         cfg, w, vector, make = self.config, self.weight, self.vector, self.products.product
-        self._bound: tuple[tuple[Callable[[torch.Tensor, torch.Tensor], object], ...], ...] | None = None
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -53,15 +52,16 @@ class LlamaModel(Decoder):
 
     def run_layers(self, h: torch.Tensor, angles: StepAngles, cache: KVStorage, meta: AttentionMetadata,
                    layers: Sequence[int]) -> torch.Tensor:
-        """A step whose every layer attends in one backend call (``one_kernel_batch``) runs as
+        """A step whose every layer attends in one backend call (``Decoder.step_calls``) runs as
         direct calls: each product's kernel into buffers made once for the step, RoPE, the
         storage's bound writes, the backend's bound attention; the same calls with the same
         arguments as ``layer_qkv`` / ``paged_attention`` / ``layer_output`` make, without their
         Python around every one (docs/models.md: SmolLM2-135M's decode step 13-15% faster on the CPU)."""
-        batch = meta.one_kernel_batch
-        bound = self._bound_calls() if batch is not None else None
-        if batch is None or not bound:
+        bound = self.bound_layers()
+        steps = self.step_calls(cache, meta) if bound else None
+        if steps is None:
             return super().run_layers(h, angles, cache, meta, layers)
+        writes, attends = steps
         cfg, n = self.config, h.shape[0]
         first = self.layers[0]
         qkv = h.new_empty(n, first.qkv.rows)
@@ -70,39 +70,20 @@ class LlamaModel(Decoder):
         gate_up = h.new_empty(n, first.gate_up.rows)
         ropes = [rope.step_qk(a) for rope, a in zip(self.ropes, angles)]
         rope_of, q_size = self.rope_of_layer, cfg.q_size
-        write = cache.step_writer(meta.write)
-        attend = meta.backend.step_attend(cache, batch, self.scale)
         for i in layers:
             qkv_of, o_into, gate_up_of, down_into = bound[i]
             qkv_of(h, qkv)
             q, k = ropes[rope_of[i]](qkv)
-            write(i, k, v)
-            o_into(attend(i, q, attn).view(n, q_size), h)
+            writes[i](i, k, v)
+            o_into(attends[i](i, q, attn).view(n, q_size), h)
             gate_up_of(h, gate_up)
             down_into(gate_up, h)
         return h
 
-    def _bound_calls(self) -> tuple[tuple[Callable[[torch.Tensor, torch.Tensor], object], ...], ...]:
-        """Each layer's four products as direct calls (``Product.bound``), made once; empty where
-        some product has none, the layers differ in shape, some layer attends a window, or the
-        model computes off the CPU or in another dtype than float32 (the kernels' own)."""
-        if self._bound is None:
-            calls: list[tuple[Callable[[torch.Tensor, torch.Tensor], object], ...]] = []
-            eps, first = self.config.rms_norm_eps, self.layers[0]
-            uniform = all(lw.qkv.rows == first.qkv.rows and lw.gate_up.rows == first.gate_up.rows for lw in self.layers)
-            fits = uniform and all(w is None for w in self.windows) and self.dtype == torch.float32
-            for lw in self.layers if fits and self.device.type == "cpu" else ():
-                layer = (lw.qkv.bound("after_norm", lw.input_norm, eps), lw.o.bound("add_into"),
-                         lw.gate_up.bound("after_norm", lw.post_norm, eps), lw.down.bound("swiglu_add_into"))
-                if any(c is None for c in layer):
-                    calls = []
-                    break
-                calls.append(tuple(c for c in layer if c is not None))
-            self._bound = tuple(calls)
-        return self._bound
-
-    def forget_bound_calls(self) -> None:
-        self._bound = None
+    def bind_layers(self) -> tuple[tuple[Callable[..., object], ...], ...]:
+        return self.bind_each_layer(self.layers, lambda lw: (
+            (lw.qkv, "after_norm", lw.input_norm), (lw.o, "add_into", None),
+            (lw.gate_up, "after_norm", lw.post_norm), (lw.down, "swiglu_add_into", None)))
 
     def layer_products(self) -> Sequence[Product]:
         return [p for lw in self.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]

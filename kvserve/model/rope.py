@@ -124,6 +124,14 @@ class Rope:
         args = (angles.positions, self.cos, self.sin, self.num_heads, self.num_kv_heads, self.head_dim)
         return lambda qkv: ext.rope_qk(qkv, *args)
 
+    def step_qk_normed(self, angles: RopeAngles, eps: float) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """``qk_normed`` with one step's ``angles`` bound: (qkv, q_weight, k_weight) -> (q, k)."""
+        ext = self.ext
+        if ext is None:
+            return lambda qkv, qw, kw: self.qk_normed(qkv, angles, qw, kw, eps)
+        pos, cos, sin, h, hkv, d = angles.positions, self.cos, self.sin, self.num_heads, self.num_kv_heads, self.head_dim
+        return lambda qkv, qw, kw: ext.qk_norm_rope(qkv, pos, cos, sin, qw, kw, h, hkv, d, eps)
+
     def qk_normed(self, qkv: torch.Tensor, angles: RopeAngles, q_weight: torch.Tensor, k_weight: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``qk`` with each head's query and key RMS-normed first (weights [D]): one C++ call on the

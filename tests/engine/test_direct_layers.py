@@ -6,24 +6,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model.test_gemma3 import tiny_gemma3
+from tiny import random_tokens, tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention.backends import CpuBackend
-from kvserve.model.llama import LlamaModel
-from tests.tiny import random_tokens, tiny_model
+from kvserve.model.decoder import Decoder
+from kvserve.model.loader import LoadedModel
 
 
 def run(monkeypatch: pytest.MonkeyPatch, direct: bool, prompts: list[list[int]], params: SamplingParams,
-        **opts: object) -> tuple[list[list[int]], list[torch.Tensor], int]:
+        loaded: LoadedModel | None = None, **opts: object) -> tuple[list[list[int]], list[torch.Tensor], int]:
     """Greedy tokens, every step's logits, and the steps taken by the direct loop (a speculative
     engine drafts every step it can: no timing decides it)."""
     with monkeypatch.context() as m:
         if not direct:
-            m.setattr(LlamaModel, "_bound_calls", lambda self: ())
+            m.setattr(Decoder, "bound_layers", lambda self: ())
         bound = CpuBackend.step_attend
         direct_steps = []
         m.setattr(CpuBackend, "step_attend", lambda self, *a: direct_steps.append(1) or bound(self, *a))
-        llm = LLM(loaded=tiny_model(), num_kv_blocks=64, **opts)
+        llm = LLM(loaded=loaded or tiny_model(), **{"num_kv_blocks": 64, **opts})
         if llm.engine.speculator is not None:
             llm.engine.speculator.always_draft()
         model = llm.engine.model
@@ -71,3 +73,20 @@ def test_steps_outside_one_kernel_call_take_the_methods(monkeypatch) -> None:
     for opts in ({"attention_backend": "cpu"}, {"weight_format": "int8", "attention_backend": "torch"}):
         tokens, _, direct = run(monkeypatch, True, PROMPTS[:1], params, **opts)
         assert direct == 0 and len(tokens[0]) == 6
+
+
+@pytest.mark.parametrize("kv_format", ["native", "int8", "kivi2g8"])
+def test_gemma3s_layer_groups_go_direct_past_the_window(monkeypatch, kv_format) -> None:
+    """Tiny Gemma 3 (five sliding layers of window 8, then a full one; blocks of 4): six groups,
+    each its own write plan and batch, contexts past the window; logits bit for bit."""
+    loaded = tiny_gemma3(seed=7)[0]
+    opts = {"weight_format": "int8", "kv_format": kv_format, "attention_backend": "cpu", "block_size": 4,
+            "num_kv_blocks": 400}
+    prompts = [random_tokens(11, seed=5, vocab_size=loaded.config.vocab_size),
+               random_tokens(19, seed=6, vocab_size=loaded.config.vocab_size)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    tokens, logits, direct = run(monkeypatch, True, prompts, params, loaded, **opts)
+    ref_tokens, ref_logits, ref_direct = run(monkeypatch, False, prompts, params, loaded, **opts)
+    assert tokens == ref_tokens
+    assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
+    assert ref_direct == 0 and direct == 6 * len(logits)      # a bound attention per group and step

@@ -10,7 +10,7 @@ block as any other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -77,6 +77,10 @@ class GroupedStorage(KVStorage):
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, writes: StepWrites) -> None:
         self.inner.write(self.slot_of_layer[layer], key, value, writes)
+
+    def step_writer(self, writes: StepWrites) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        inner, slot_of_layer = self.inner.step_writer(writes), self.slot_of_layer
+        return lambda layer, key, value: inner(slot_of_layer[layer], key, value)
 
     def gather(self, layer: int, block_table: torch.Tensor,
                overlay: Overlay | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,8 @@ from kvserve.model.linear import Embedding, Product
 NONE, RMSNORM, SWIGLU, GEGLU = 0, 1, 2, 3      # csrc/qkernel.h Prologue
 _ABSENT = torch.empty(())
 # Product.bound's forms: (prologue, add into the output)
-_BOUND_FORMS = {"after_norm": (RMSNORM, False), "add_into": (NONE, True), "swiglu_add_into": (SWIGLU, True)}
+_BOUND_FORMS = {"call": (NONE, False), "after_norm": (RMSNORM, False), "add_into": (NONE, True),
+                "swiglu_add_into": (SWIGLU, True), "geglu": (GEGLU, False)}
 
 
 def register(ext: ModuleType, w: PackedWeight) -> object:
