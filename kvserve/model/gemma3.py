@@ -95,7 +95,6 @@ class Gemma3Model(Decoder):
         gate_up = lw.gate_up.after_norm(h, lw.pre_feedforward_norm, eps)
         return self.norm_add(h, lw.down.geglu(gate_up), lw.post_feedforward_norm)
 
-
     def run_layers(self, h: torch.Tensor, angles: StepAngles, cache: KVStorage, meta: AttentionMetadata,
                    layers: Sequence[int]) -> torch.Tensor:
         """A step every layer group attends in one backend call runs as direct calls, as the
