@@ -112,8 +112,10 @@ PRODUCT_METHODS = ("__call__", "after_norm", "add_into", "swiglu_add_into", "hea
 
 class StepTimer:
     """Wall time per engine step spent in the backend's ``attend`` and in the model's products
-    (every layer's and the LM head's calls, set on the instances); the rest of a step is the
-    norms' and RoPE's remains, the KV writes, the per-layer Python, scheduling and sampling."""
+    (every layer's and the LM head's calls, set on the instances, and the calls a family's direct
+    loop binds from them: ``Product.bound``, ``step_attend``); the rest of a step is the norms'
+    and RoPE's remains, the KV writes, the per-layer Python, scheduling, sampling, and these
+    timers' own calls."""
 
     def __init__(self, llm: LLM) -> None:
         self.attend_s = 0.0
