@@ -1,6 +1,7 @@
-"""The Llama family's direct loop (``LlamaModel.run_layers``): a step whose every layer attends
-in one backend call runs as the products', RoPE's, the storage's and the backend's bound calls,
-and gives the logits the per-layer methods give, bit for bit; every other step takes the methods."""
+"""The families' direct loops (``run_layers`` of Llama and Gemma 3): a step whose every layer
+group attends in one backend call runs as the products', RoPE's, the storage's and the backend's
+bound calls, and gives the logits the per-layer methods give, bit for bit; every other step takes
+the methods."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from kvserve.model.loader import LoadedModel
 
 def run(monkeypatch: pytest.MonkeyPatch, direct: bool, prompts: list[list[int]], params: SamplingParams,
         loaded: LoadedModel | None = None, **opts: object) -> tuple[list[list[int]], list[torch.Tensor], int]:
-    """Greedy tokens, every step's logits, and the steps taken by the direct loop (a speculative
-    engine drafts every step it can: no timing decides it)."""
+    """Greedy tokens, every step's logits, and the attentions the direct loop bound (one a step and
+    layer group; a speculative engine drafts every step it can: no timing decides it)."""
     with monkeypatch.context() as m:
         if not direct:
             m.setattr(Decoder, "bound_layers", lambda self: ())
