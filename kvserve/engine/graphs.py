@@ -185,13 +185,11 @@ class DecodeGraphs(StepGraphs):
         return next((b for b in self.batch_sizes if b >= n), None)
 
     def _fits(self, meta: AttentionMetadata, n: int) -> bool:
-        """One group's metadata: ``n`` decode rows read in place, written to slots alone."""
-        paged, w = meta.paged, meta.write
-        if (paged is None or not paged.is_whole_batch or meta.supplied is not None or meta.budgeted
-                or meta.prefills or meta.decode is not None or paged.scores is not None
-                or paged.layer_batches is not None):
+        """One group's metadata: ``n`` decode rows read in place in one backend call
+        (``one_kernel_batch``), written to slots alone."""
+        batch, w = meta.one_kernel_batch, meta.write
+        if batch is None or meta.prefills:
             return False
-        batch = paged.batch
         return not (batch.max_query_len != 1 or batch.num_seqs != n or batch.query_positions is not None
                     or batch.window is not None or batch.block_tables.shape[1] > self.max_blocks
                     or w.residual_slots is not None or w.encode_rows.numel() or w.refine_rows is not None

@@ -290,7 +290,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_add", &kvs::norm_add, "h += rms_norm(x) * w, in place");
   m.def("int8_peak", &kvs::q::int8_peak, "multiply-adds a second of the products' integer instruction, every thread",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("row_argmax", &kvs::row_argmax, "each row's max and first index of it (rows not finite: masked out)");
+  m.def("row_argmax", &kvs::row_argmax, "each row's max and first index of it (rows holding a NaN: masked out, left to torch)");
   m.def("qk_norm_rope", &kvs::qk_norm_rope, "queries and keys each head normed, then rotated, from the fused Q/K/V rows");
 #if defined(KVS_Q_VNNI)
   m.attr("isa") = "avx512vnni";
