@@ -17,6 +17,10 @@ every thread (``int8_peak`` in qkernel.h). Decode rows are bound by the bytes, p
 the arithmetic: the peak is the ceiling the latter are held to (the products also convert, scale
 and add per half block of 16, which the peak leaves out). The types take turns within each
 repeat, so a noisy neighbour slows each alike.
+
+Where the CPU has AMX (Intel Xeon since Sapphire Rapids), batches of ``amx_rows`` rows and more
+take its tiles (kvserve/model/csrc/amx.h); each batch is then timed both ways in the same
+repeats, and the table adds the vector-only time and the tiles' speed-up.
 """
 
 from __future__ import annotations
@@ -83,29 +87,48 @@ def main(argv: list[str] | None = None) -> int:
               for rows in all_rows}
     bandwidth = read_bandwidth()
     peak = max(ext.int8_peak(PEAK_ROUNDS) for _ in range(3))
-    times: dict[tuple[str, int], list[float]] = {(t, rows): [] for t in types for rows in all_rows}
-    for rows in all_rows:
-        for t in types:
-            run_all(weights[t], inputs[rows])          # warm-up
-        for _ in range(args.repeats):
+    paths = [True, False] if ext.amx() else [False]     # the tiles, then the vector unit alone
+    times: dict[tuple[str, int, bool], list[float]] = {(t, rows, amx): [] for t in types for rows in all_rows
+                                                       for amx in paths}
+    try:
+        for rows in all_rows:
             for t in types:
-                times[(t, rows)].append(run_all(weights[t], inputs[rows]))
+                run_all(weights[t], inputs[rows])          # warm-up
+            for _ in range(args.repeats):
+                for t in types:
+                    for amx in paths:
+                        ext.set_amx(amx or len(paths) == 1)
+                        times[(t, rows, amx)].append(run_all(weights[t], inputs[rows]))
+    finally:
+        ext.set_amx(True)
     bandwidth = max(bandwidth, read_bandwidth())      # again after the runs: the box may have quietened
     peak = max(peak, *(ext.int8_peak(PEAK_ROUNDS) for _ in range(3)))
     out = []
     for rows in all_rows:
         for t in types:
-            ts = times[(t, rows)]
+            ts = times[(t, rows, paths[0])]
             nbytes = sum(p.nbytes for p in weights[t])
             macs = rows * sum(p.rows * p.cols for p in weights[t])
             m = statistics.median(ts)
-            out.append([t, rows, f"{nbytes / 2 ** 20:.0f}", f"{m * 1e3:.2f} ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})",
-                        f"{nbytes / m / 1e9:.1f}", f"{nbytes / m / bandwidth:.0%}", f"{macs / m / 1e9:.0f}",
-                        f"{macs / m / peak:.0%}"])
+            row = [t, rows, f"{nbytes / 2 ** 20:.0f}", f"{m * 1e3:.2f} ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})",
+                   f"{nbytes / m / 1e9:.1f}", f"{nbytes / m / bandwidth:.0%}", f"{macs / m / 1e9:.0f}",
+                   f"{macs / m / peak:.0%}"]
+            if len(paths) == 2:
+                alone = times[(t, rows, False)]
+                ratios = sorted(a / b for a, b in zip(alone, ts, strict=True))
+                row += [f"{statistics.median(alone) * 1e3:.2f}",
+                        f"{statistics.median(alone) / m:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+                        if rows >= ext.amx_rows else "(vector)"]
+            out.append(row)
     print(f"Qwen2.5-0.5B's layer products, {args.layers} layers, {ext.isa} kernel, {torch.get_num_threads()} "
           f"threads; median of {args.repeats} (min-max); read bandwidth {bandwidth / 1e9:.1f} GB/s; integer peak "
           f"{peak / 1e9:.0f} GMAC/s (the kernel's 4-product instruction on registers, every thread)")
-    print(table(["type", "rows", "MiB", "ms", "GB/s", "of bandwidth", "GMAC/s", "of int8 peak"], out))
+    header = ["type", "rows", "MiB", "ms", "GB/s", "of bandwidth", "GMAC/s", "of int8 peak"]
+    if len(paths) == 2:
+        print(f"AMX: batches of {ext.amx_rows} rows or more take the tiles; 'vector ms' is the same batch with "
+              "them switched off, 'AMX' the speed-up (median, min-max of the repeats' ratios)")
+        header += ["vector ms", "AMX"]
+    print(table(header, out))
     return 0
 
 

@@ -290,6 +290,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_add", &kvs::norm_add, "h += rms_norm(x) * w, in place");
   m.def("int8_peak", &kvs::q::int8_peak, "multiply-adds a second of the products' integer instruction, every thread",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("amx", &kvs::q::amx::enabled, "whether batches of at least amx_rows rows take AMX's tiles (amx.h)");
+  m.attr("amx_rows") = kvs::q::kAmxRows;
+  m.def("set_amx", [](bool on) { return kvs::q::amx::switched_on().exchange(on); },
+        "let AMX take the batches it fits (the default) or not; returns the previous setting");
   m.def("row_argmax", &kvs::row_argmax, "each row's max and first index of it (rows holding a NaN: masked out, left to torch)");
   m.def("qk_norm_rope", &kvs::qk_norm_rope, "queries and keys each head normed, then rotated, from the fused Q/K/V rows");
 #if defined(KVS_Q_VNNI)
