@@ -117,7 +117,7 @@ struct Weight {
 // half block of 16, the dequantized sum per block of 32; the outlier channels' values apart.
 struct Acts {
   int64_t M = 0, K = 0, KB = 0;
-  bool amx = false;   // the tiles take this batch (its arrays then hold M rounded up to 16 rows)
+  bool amx = false;   // the tiles take this batch (then the g arrays below hold M rounded up to 16 rows)
   std::vector<int8_t> q;
   std::vector<float> d, s, outl;
   std::vector<int32_t> isum;
@@ -428,10 +428,11 @@ inline void rows_of_tile(const Weight& W, const Segment& s, int64_t t, const Act
 // faster, 24 5%, 32 the same, 48 1% slower.
 constexpr int64_t kRegroupRows = 4 * kMaxRows;
 // From this many rows a batch takes AMX's tiles where the CPU has them (amx.h). Measured on an
-// Intel Xeon with AMX (2 threads, Qwen2.5-0.5B's layer products, the two paths interleaved in
-// one process): 512 rows Q4_K 1.27x, Q6_K 1.21x, Q8_0 1.17x; 64 rows 1.01-1.07x; 16-32 rows
-// 0.83-1.05x (a half block's product on the tile unit, stored and read back, costs about what
-// the vector unit's four instructions a row do).
+// Intel Xeon with AMX (2 threads, python -m kvserve.bench.qlinear: Qwen2.5-0.5B's layer
+// products, both paths in the same repeats): 512 rows Q4_K 1.24x, Q6_K 1.23x, Q8_0 1.16x; 64
+// rows 0.99-1.10x; an ad hoc run at 16-32 rows 0.83-1.05x (a half block's product on the tile
+// unit, its sums stored and read back, costs about what the vector unit's four instructions a
+// row do).
 constexpr int64_t kAmxRows = 64;
 
 #if defined(KVS_Q_AMX)
@@ -455,8 +456,8 @@ inline void finish_rows(const Acts& A, int64_t g, int64_t b, const Scales& sc, c
   }
 }
 
-// Every row of a tile through AMX (amx.h), 16 rows at a time (the last group padded with rows
-// the arrays hold but no output takes). Two blocks are in flight: block b + 1's products start
+// Every row of a tile through AMX (amx.h), 16 rows at a time (the last group padded with zero
+// rows, whose results no output takes). Two blocks are in flight: block b + 1's products start
 // before block b's are stored and take their float steps.
 template <int KIND>
 inline void tile_rows_amx(const Weight& W, const Segment& s, int64_t t, const Acts& A, const Prepared* pre,
@@ -531,11 +532,11 @@ inline void linear(const Weight& W, const float* x, int64_t M, int64_t ldx, int 
   A.K = K;
   A.KB = KB;
   A.amx = M >= kAmxRows && amx::enabled();
-  const int64_t held = A.amx ? (M + kLanes - 1) / kLanes * kLanes : M;   // the tiles read 16 rows at once
-  A.q.resize(static_cast<size_t>(held * K));
-  A.d.resize(static_cast<size_t>(held * 2 * KB));
-  A.s.resize(static_cast<size_t>(held * KB));
-  A.isum.resize(static_cast<size_t>(held * 2 * KB));
+  const int64_t held = (M + kLanes - 1) / kLanes * kLanes;   // the tiles read 16 rows at once
+  A.q.resize(static_cast<size_t>(M * K));
+  A.d.resize(static_cast<size_t>(M * 2 * KB));
+  A.s.resize(static_cast<size_t>(M * KB));
+  A.isum.resize(static_cast<size_t>(M * 2 * KB));
   if (A.amx) {
     A.gq.resize(static_cast<size_t>(held * K));
     A.gd.resize(static_cast<size_t>(held * 2 * KB));
@@ -559,18 +560,20 @@ inline void linear(const Weight& W, const float* x, int64_t M, int64_t ldx, int 
       quantize_row(row.data(), K, A.q.data() + m * K, A.d.data() + m * 2 * KB, A.s.data() + m * KB,
                    A.isum.data() + m * 2 * KB);
     }
-    if (A.amx) {
+    if (A.amx) {   // the rows again by groups of 16 (the last group's missing rows zero)
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < held / kLanes; ++g)
         for (int64_t b = 0; b < KB; ++b)
           for (int64_t r = 0; r < kLanes; ++r) {
             const int64_t m = g * kLanes + r, at = (g * KB + b) * kLanes + r;
-            std::memcpy(A.gq.data() + at * kBlock, A.q.data() + m * K + b * kBlock, kBlock);
+            const bool real = m < M;
+            if (real) std::memcpy(A.gq.data() + at * kBlock, A.q.data() + m * K + b * kBlock, kBlock);
+            else std::memset(A.gq.data() + at * kBlock, 0, kBlock);
             for (int h = 0; h < 2; ++h) {
-              A.gd[2 * at + h] = A.d[(m * KB + b) * 2 + h];
-              A.gi[2 * at + h] = A.isum[(m * KB + b) * 2 + h];
+              A.gd[2 * at + h] = real ? A.d[(m * KB + b) * 2 + h] : 0.0f;
+              A.gi[2 * at + h] = real ? A.isum[(m * KB + b) * 2 + h] : 0;
             }
-            A.gs[at] = A.s[m * KB + b];
+            A.gs[at] = real ? A.s[m * KB + b] : 0.0f;
           }
     }
 #pragma omp for schedule(static)
