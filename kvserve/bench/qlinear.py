@@ -20,7 +20,9 @@ repeat, so a noisy neighbour slows each alike.
 
 Where the CPU has AMX (Intel Xeon since Sapphire Rapids), batches of ``amx_rows`` rows and more
 take its tiles (kvserve/model/csrc/amx.h); each batch is then timed both ways in the same
-repeats, and the table adds the vector-only time and the tiles' speed-up.
+repeats, and the table adds the vector-only time, the tiles' speed-up, and the multiply-adds a
+second against the tiles' own peak (their half-block instruction in 4 independent products on
+every thread, ``amx_peak``), the ceiling those batches are held to.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kvserve.model.formats.random_blocks import random_gguf_bytes
 LAYER_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]   # (rows, cols): qkv, o, gate_up, down
 DEFAULT_TYPES = "Q4_0,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K"
 PEAK_ROUNDS = 5_000_000     # a thread's rounds of the integer-peak loop (8 instructions a round): ~0.1 s
+AMX_PEAK_ROUNDS = 1_000_000  # the tiles' peak loop (4 instructions a round): ~0.03 s
 
 
 def layer_products(ext: ModuleType, type_name: str, num_layers: int) -> list[CpuPackedProduct]:
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
               for rows in all_rows}
     bandwidth = read_bandwidth()
     peak = max(ext.int8_peak(PEAK_ROUNDS) for _ in range(3))
+    amx_peak = max(ext.amx_peak(AMX_PEAK_ROUNDS) for _ in range(3)) if ext.amx() else 0.0
     paths = [True, False] if ext.amx() else [False]     # the tiles, then the vector unit alone
     times: dict[tuple[str, int, bool], list[float]] = {(t, rows, amx): [] for t in types for rows in all_rows
                                                        for amx in paths}
@@ -103,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         ext.set_amx(True)
     bandwidth = max(bandwidth, read_bandwidth())      # again after the runs: the box may have quietened
     peak = max(peak, *(ext.int8_peak(PEAK_ROUNDS) for _ in range(3)))
+    if amx_peak:
+        amx_peak = max(amx_peak, *(ext.amx_peak(AMX_PEAK_ROUNDS) for _ in range(3)))
     out = []
     for rows in all_rows:
         for t in types:
@@ -116,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             if len(paths) == 2:
                 alone = times[(t, rows, False)]
                 ratios = sorted(a / b for a, b in zip(alone, ts, strict=True))
+                tiles = rows >= ext.amx_rows
                 row += [f"{statistics.median(alone) * 1e3:.2f}",
-                        f"{statistics.median(alone) / m:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
-                        if rows >= ext.amx_rows else "(vector)"]
+                        f"{statistics.median(alone) / m:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})" if tiles else "(vector)",
+                        f"{macs / m / amx_peak:.0%}" if tiles else "-"]
             out.append(row)
     print(f"Qwen2.5-0.5B's layer products, {args.layers} layers, {ext.isa} kernel, {torch.get_num_threads()} "
           f"threads; median of {args.repeats} (min-max); read bandwidth {bandwidth / 1e9:.1f} GB/s; integer peak "
@@ -126,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     header = ["type", "rows", "MiB", "ms", "GB/s", "of bandwidth", "GMAC/s", "of int8 peak"]
     if len(paths) == 2:
         print(f"AMX: batches of {ext.amx_rows} rows or more take the tiles; 'vector ms' is the same batch with "
-              "them switched off, 'AMX' the speed-up (median, min-max of the repeats' ratios)")
-        header += ["vector ms", "AMX"]
+              "them switched off, 'AMX' the speed-up (median, min-max of the repeats' ratios); AMX peak "
+              f"{amx_peak / 1e9:.0f} GMAC/s (the tiles' half-block instruction, every thread)")
+        header += ["vector ms", "AMX", "of AMX peak"]
     print(table(header, out))
     return 0
 

@@ -34,6 +34,7 @@ def test_the_integer_peak_runs_in_every_build(isa: str) -> None:
     if ext is None:
         pytest.skip(f"the {isa} build is unavailable here")
     assert 0 < ext.int8_peak(10_000) < 1e14
+    assert ext.amx_peak(1_000) == 0.0 if not ext.amx() else 0 < ext.amx_peak(1_000) < 1e15
 
 
 def test_where_the_cpu_has_amx_each_batch_is_timed_both_ways(monkeypatch, capsys) -> None:
@@ -42,11 +43,13 @@ def test_where_the_cpu_has_amx_each_batch_is_timed_both_ways(monkeypatch, capsys
         pytest.skip("this CPU (or its OS) runs no AMX int8 tiles")
     monkeypatch.setattr(qlinear, "read_bandwidth", lambda: 1e10)
     monkeypatch.setattr(qlinear, "PEAK_ROUNDS", 1000)
+    monkeypatch.setattr(qlinear, "AMX_PEAK_ROUNDS", 1000)
     assert qlinear.main(["--types", "Q4_K", "--layers", "1", "--rows", f"1,{ext.amx_rows}", "--repeats", "2",
                          "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert f"batches of {ext.amx_rows} rows or more take the tiles" in out
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| Q4_K")]
     assert [c[:2] for c in cells] == [["Q4_K", "1"], ["Q4_K", str(ext.amx_rows)]]
-    assert cells[0][-1] == "(vector)" and cells[1][-1].split()[0].endswith("x")
+    assert cells[0][-2:] == ["(vector)", "-"]
+    assert cells[1][-2].split()[0].endswith("x") and cells[1][-1].endswith("%")
     assert ext.amx()                                  # switched back on

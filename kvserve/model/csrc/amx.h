@@ -21,6 +21,9 @@
 #define KVS_Q_AMX 1
 #include <cpuid.h>
 #include <immintrin.h>
+#include <omp.h>
+
+#include <chrono>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -109,11 +112,50 @@ inline void collect(int32_t* out0, int32_t* out1) {
   }
 }
 
+// Multiply-adds a second of the tiles' half-block instruction (16 rows x 16 codes by 16 weight
+// rows), on every OpenMP thread: 4 independent products on the same operands, `iters` rounds. The
+// ceiling of the products on the tiles (their sums stored and their float steps left out).
+inline double peak(int64_t iters) {
+  if (!available()) return 0.0;
+  int threads = 1;
+  int64_t sink = 0;
+  const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel
+  {
+#pragma omp single
+    threads = omp_get_num_threads();
+    alignas(64) int8_t a[16 * 16];
+    alignas(64) uint8_t w[4 * 64];
+    for (int i = 0; i < 256; ++i) a[i] = static_cast<int8_t>(i * 13 - 100), w[i] = static_cast<uint8_t>(i * 7);
+    configure();
+    _tile_loadd(0, a, 16);
+    _tile_loadd(2, w, 64);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t i = 0; i < iters; ++i) {
+      _tile_dpbsud(4, 0, 2);
+      _tile_dpbsud(5, 0, 2);
+      _tile_dpbsud(6, 0, 2);
+      _tile_dpbsud(7, 0, 2);
+    }
+    alignas(64) int32_t sums[16 * 16];
+    _tile_stored(4, sums, 64);
+    release();
+#pragma omp atomic
+    sink += sums[0];   // the products' result is read, so they are kept
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return (sink == 42 ? 1.0 : 0.0) + static_cast<double>(threads) * iters * 4 * 16 * 16 * 16 / seconds;
+}
+
 #else
 
 inline bool available() { return false; }
 inline void configure() {}
 inline void release() {}
+inline double peak(int64_t) { return 0.0; }
 
 #endif
 

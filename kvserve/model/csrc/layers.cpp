@@ -292,6 +292,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("amx", &kvs::q::amx::enabled, "whether batches of at least amx_rows rows take AMX's tiles (amx.h)");
   m.attr("amx_rows") = kvs::q::kAmxRows;
+  m.def("amx_peak", &kvs::q::amx::peak, "multiply-adds a second of AMX's half-block instruction, every thread (0 without AMX)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("set_amx", [](bool on) { return kvs::q::amx::switched_on().exchange(on); },
         "let AMX take the batches it fits (the default) or not; returns the previous setting");
   m.def("row_argmax", &kvs::row_argmax, "each row's max and first index of it (rows holding a NaN: masked out, left to torch)");
