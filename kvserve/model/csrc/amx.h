@@ -15,6 +15,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 
 #if defined(KVS_Q_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -22,8 +23,6 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
-
-#include <chrono>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
