@@ -15,7 +15,7 @@ from kvserve.extensions import supported_isas as isas_of
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 QLINEAR = CppExtension(
     prefix="kvserve_cpu_layers",
-    sources=tuple(f"model/csrc/{name}" for name in ("layers.cpp", "qkernel.h", "qvec.h", "amx.h", "rope.h", "norms.h", "rowmax.h")),
+    sources=tuple(f"model/csrc/{name}" for name in ("layers.cpp", "qkernel.h", "qvec.h", "amx.h", "rate.h", "rope.h", "norms.h", "rowmax.h")),
     isas=MappingProxyType({
         "avx512vnni": (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                        "-mamx-tile", "-mamx-int8"),   # AMX runs only where amx.h finds it

@@ -15,14 +15,14 @@
 #pragma once
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
+
+#include "rate.h"
 
 #if defined(KVS_Q_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define KVS_Q_AMX 1
 #include <cpuid.h>
 #include <immintrin.h>
-#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -116,13 +116,7 @@ inline void collect(int32_t* out0, int32_t* out1) {
 // ceiling of the products on the tiles (their sums stored and their float steps left out).
 inline double peak(int64_t iters) {
   if (!available()) return 0.0;
-  int threads = 1;
-  int64_t sink = 0;
-  const auto start = std::chrono::steady_clock::now();
-#pragma omp parallel
-  {
-#pragma omp single
-    threads = omp_get_num_threads();
+  return every_thread_rate(static_cast<double>(iters) * 4 * 16 * 16 * 16, [iters]() -> int64_t {
     alignas(64) int8_t a[16 * 16];
     alignas(64) uint8_t w[4 * 64];
     for (int i = 0; i < 256; ++i) a[i] = static_cast<int8_t>(i * 13 - 100), w[i] = static_cast<uint8_t>(i * 7);
@@ -142,11 +136,8 @@ inline double peak(int64_t iters) {
     alignas(64) int32_t sums[16 * 16];
     _tile_stored(4, sums, 64);
     release();
-#pragma omp atomic
-    sink += sums[0];   // the products' result is read, so they are kept
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return (sink == 42 ? 1.0 : 0.0) + static_cast<double>(threads) * iters * 4 * 16 * 16 * 16 / seconds;
+    return sums[0];
+  });
 }
 
 #else

@@ -37,7 +37,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -46,6 +45,7 @@
 
 #include "qvec.h"
 #include "amx.h"
+#include "rate.h"
 
 namespace kvs {
 namespace q {
@@ -595,13 +595,7 @@ inline void linear(const Weight& W, const float* x, int64_t M, int64_t ldx, int 
 // are (so none is loop-invariant), `iters` rounds. The ceiling a product's arithmetic is held to.
 inline double int8_peak(int64_t iters) {
   constexpr int kChains = 8;
-  int threads = 1;
-  int64_t sink = 0;
-  const auto start = std::chrono::steady_clock::now();
-#pragma omp parallel
-  {
-#pragma omp single
-    threads = omp_get_num_threads();
+  return every_thread_rate(static_cast<double>(iters) * kChains * kLanes * 4, [iters]() -> int64_t {
     alignas(64) uint8_t bytes[64];
     for (int i = 0; i < 64; ++i) bytes[i] = static_cast<uint8_t>(i * 7 + omp_get_thread_num());
     const Codes w = load_codes(bytes);
@@ -618,11 +612,8 @@ inline double int8_peak(int64_t iters) {
     for (int k = 1; k < kChains; ++k) total = iadd(total, widen(p[k]));
     alignas(64) float lanes[kLanes];
     store_f32_all(lanes, to_float(total));
-#pragma omp atomic
-    sink += static_cast<int64_t>(lanes[0]);
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return (sink == 42 ? 1.0 : 0.0) + static_cast<double>(threads) * iters * kChains * kLanes * 4 / seconds;
+    return static_cast<int64_t>(lanes[0]);
+  });
 }
 
 // ---- dequantization (embedding rows, tests): the same values the products use ----------

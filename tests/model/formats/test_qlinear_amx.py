@@ -12,15 +12,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-import gguf
 import pytest
 import torch
-from test_qlinear_cpu import FORMATS, check, is_k_quant, weights
+from test_qlinear_cpu import (
+    FORMATS,
+    alternating_ones,
+    check,
+    every_kind_stacked,
+    is_k_quant,
+    largest_codes,
+    weights,
+)
 
 from kvserve.model.cpu_extension import load_extension, supported_isas
 from kvserve.model.formats.cpu import CpuPackedProduct
-from kvserve.model.formats.packing import GGUF_TYPES, Outliers, pack_gguf, quantize_int4, stack
-from kvserve.model.formats.random_blocks import SCALE_FIELDS, random_gguf_bytes
+from kvserve.model.formats.packing import GGUF_TYPES, Outliers, quantize_int4
 
 
 @pytest.fixture
@@ -67,10 +73,7 @@ def test_every_format_gives_the_vector_units_bits(ext, fmt: str) -> None:
 def test_a_rows_result_never_depends_on_its_batch(ext) -> None:
     """Rows of a batch on the tiles equal the same rows alone (one row: the decode path) and in
     batches too small for the tiles, across segments of every kind in one weight."""
-    w = stack([weights("Q4_1", 40, 256, 1), weights("Q6_K", 24, 256, 2), weights("Q8_0", 8, 256, 3),
-               weights("Q5_0", 16, 256, 4), weights("Q5_K", 20, 256, 5), weights("Q4_K", 16, 256, 6),
-               weights("Q4_0", 8, 256, 7), weights("Q5_1", 8, 256, 8)])
-    product = CpuPackedProduct(ext, w)
+    product = CpuPackedProduct(ext, every_kind_stacked())
     x = torch.randn(90, 256, generator=torch.Generator().manual_seed(0))
     full = product(x)
     for rows in (1, 9, 33, 63, 64, 80):
@@ -107,14 +110,8 @@ def test_fused_forms_bias_and_outliers_give_the_vector_units_bits(ext) -> None:
 
 @pytest.mark.parametrize("fmt", list(GGUF_TYPES))
 def test_the_largest_codes_times_the_largest_activations_are_exact(ext, fmt: str) -> None:
-    cols = 256 if is_k_quant(fmt) else 64
-    nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt]][1]
-    raw = random_gguf_bytes(fmt, 16, cols, seed=0).reshape(-1, nbytes)
-    scales = {o for f in SCALE_FIELDS[fmt] for o in (f, f + 1)}
-    raw[:, [i for i in range(nbytes) if i not in scales]] = 0xFF
-    w = pack_gguf(fmt, raw.reshape(-1), 16, cols)
-    x = torch.ones(64, cols)
-    x[1::2] = -1.0
+    w = largest_codes(fmt)
+    x = alternating_ones(64, w.cols)
     tiles, vector = both_ways(ext, lambda: CpuPackedProduct(ext, w)(x))
     assert torch.equal(tiles, vector)
     check(tiles, x, w)

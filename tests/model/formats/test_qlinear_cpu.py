@@ -109,26 +109,42 @@ def test_the_largest_codes_times_the_largest_activations_are_exact(isa: str, fmt
     (1, 2 and 9 rows: decode rows and a verify step's groups of rows) and unpacked into scratch (33
     rows, past 4 x the kernel's rows at once)."""
     ext = ext_for(isa)
+    w = largest_codes(fmt)
+    product = CpuPackedProduct(ext, w)
+    for rows in (1, 2, 9, 33):
+        x = alternating_ones(rows, w.cols)
+        check(product(x), x, w)
+
+
+def every_kind_stacked() -> PackedWeight:
+    """One weight of 8 segments, one per GGUF kind, most of them not whole tiles of 16 rows."""
+    return stack([weights("Q4_1", 40, 256, 1), weights("Q6_K", 24, 256, 2), weights("Q8_0", 8, 256, 3),
+                  weights("Q5_0", 16, 256, 4), weights("Q5_K", 20, 256, 5), weights("Q4_K", 16, 256, 6),
+                  weights("Q4_0", 8, 256, 7), weights("Q5_1", 8, 256, 8)])
+
+
+def largest_codes(fmt: str) -> PackedWeight:
+    """16 rows in GGUF type ``fmt`` with every code and sub-scale byte at its largest (0xFF), the
+    fp16 scales random."""
     cols = 256 if is_k_quant(fmt) else 64
     nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt]][1]
     raw = random_gguf_bytes(fmt, 16, cols, seed=0).reshape(-1, nbytes)
     scales = {o for f in SCALE_FIELDS[fmt] for o in (f, f + 1)}
     raw[:, [i for i in range(nbytes) if i not in scales]] = 0xFF
-    w = pack_gguf(fmt, raw.reshape(-1), 16, cols)
-    product = CpuPackedProduct(ext, w)
-    for rows in (1, 2, 9, 33):
-        x = torch.ones(rows, cols)
-        x[1::2] = -1.0
-        check(product(x), x, w)
+    return pack_gguf(fmt, raw.reshape(-1), 16, cols)
+
+
+def alternating_ones(rows: int, cols: int) -> torch.Tensor:
+    """Rows of +1 and -1 in turn: every activation code at +-127."""
+    x = torch.ones(rows, cols)
+    x[1::2] = -1.0
+    return x
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_rows_result_never_depends_on_its_batch(isa: str) -> None:
     ext = ext_for(isa)
-    w = stack([weights("Q4_1", 40, 256, 1), weights("Q6_K", 24, 256, 2), weights("Q8_0", 8, 256, 3),
-               weights("Q5_0", 16, 256, 4), weights("Q5_K", 20, 256, 5), weights("Q4_K", 16, 256, 6),
-               weights("Q4_0", 8, 256, 7), weights("Q5_1", 8, 256, 8)])
-    product = CpuPackedProduct(ext, w)
+    product = CpuPackedProduct(ext, every_kind_stacked())
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(0))
     full = product(x)
     for rows in (1, 2, 3, 8, 9, 17, 33):
