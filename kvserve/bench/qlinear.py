@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = read_bandwidth()
     peak = max(ext.int8_peak(PEAK_ROUNDS) for _ in range(3))
     amx_peak = max(ext.amx_peak(AMX_PEAK_ROUNDS) for _ in range(3)) if ext.amx() else 0.0
-    paths = [True, False] if ext.amx() else [False]     # the tiles, then the vector unit alone
+    # the tiles, then the vector unit alone (where AMX runs; else the one path there is, as set)
+    paths = [True, False] if ext.amx() else [False]
     times: dict[tuple[str, int, bool], list[float]] = {(t, rows, amx): [] for t in types for rows in all_rows
                                                        for amx in paths}
     try:
@@ -101,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 for t in types:
                     for amx in paths:
-                        ext.set_amx(amx or len(paths) == 1)
+                        if len(paths) == 2:
+                            ext.set_amx(amx)
                         times[(t, rows, amx)].append(run_all(weights[t], inputs[rows]))
     finally:
-        ext.set_amx(True)
+        if len(paths) == 2:
+            ext.set_amx(True)                         # as it was: on
     bandwidth = max(bandwidth, read_bandwidth())      # again after the runs: the box may have quietened
     peak = max(peak, *(ext.int8_peak(PEAK_ROUNDS) for _ in range(3)))
     if amx_peak:

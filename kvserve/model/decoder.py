@@ -189,6 +189,16 @@ class Decoder(ABC):
         again as they are now (a benchmark that wraps the products' methods calls this)."""
         self._bound = None
 
+    def step_buffers(self, h: torch.Tensor, qkv_rows: int,
+                     gate_up_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A direct loop's buffers for ``h``'s rows, made once a step and reused by every layer:
+        the fused Q/K/V rows, their values' view [n, kv heads, head dim], the attention's output
+        [n, heads, head dim] and the gate/up rows."""
+        cfg, n = self.config, h.shape[0]
+        qkv = h.new_empty(n, qkv_rows)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(n, cfg.num_kv_heads, cfg.head_dim)
+        return qkv, v, h.new_empty(n, cfg.num_heads, cfg.head_dim), h.new_empty(n, gate_up_rows)
+
     def step_calls(self, cache: KVStorage, meta: AttentionMetadata) -> tuple[list[LayerWrite], list[LayerAttend]] | None:
         """Each layer's write and attention with the step bound (its group's write plan, its
         window), where every group attends the whole step in one backend call; else None."""

@@ -105,15 +105,11 @@ class Gemma3Model(Decoder):
         if steps is None or ext is None:
             return super().run_layers(h, angles, cache, meta, layers)
         writes, attends = steps
-        cfg, n, eps = self.config, h.shape[0], self.config.rms_norm_eps
-        first = self.layers[0]
-        qkv = h.new_empty(n, first.qkv.rows)
-        v = qkv[:, cfg.q_size + cfg.kv_size:].view(n, cfg.num_kv_heads, cfg.head_dim)
-        attn = h.new_empty(n, cfg.num_heads, cfg.head_dim)
-        out = h.new_empty(n, cfg.hidden_size)
-        gate_up = h.new_empty(n, first.gate_up.rows)
+        n, first, eps = h.shape[0], self.layers[0], self.config.rms_norm_eps
+        qkv, v, attn, gate_up = self.step_buffers(h, first.qkv.rows, first.gate_up.rows)
+        out = h.new_empty(n, self.config.hidden_size)
         ropes = [rope.step_qk_normed(a, eps) for rope, a in zip(self.ropes, angles)]
-        rope_of, q_size, norm_add = self.rope_of_layer, cfg.q_size, ext.norm_add
+        rope_of, q_size, norm_add = self.rope_of_layer, self.config.q_size, ext.norm_add
         for i in layers:
             lw = self.layers[i]
             qkv_of, o_of, gate_up_of, down_of = bound[i]

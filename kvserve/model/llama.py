@@ -62,14 +62,10 @@ class LlamaModel(Decoder):
         if steps is None:
             return super().run_layers(h, angles, cache, meta, layers)
         writes, attends = steps
-        cfg, n = self.config, h.shape[0]
-        first = self.layers[0]
-        qkv = h.new_empty(n, first.qkv.rows)
-        v = qkv[:, cfg.q_size + cfg.kv_size:].view(n, cfg.num_kv_heads, cfg.head_dim)
-        attn = h.new_empty(n, cfg.num_heads, cfg.head_dim)
-        gate_up = h.new_empty(n, first.gate_up.rows)
+        n, first = h.shape[0], self.layers[0]
+        qkv, v, attn, gate_up = self.step_buffers(h, first.qkv.rows, first.gate_up.rows)
         ropes = [rope.step_qk(a) for rope, a in zip(self.ropes, angles)]
-        rope_of, q_size = self.rope_of_layer, cfg.q_size
+        rope_of, q_size = self.rope_of_layer, self.config.q_size
         for i in layers:
             qkv_of, o_into, gate_up_of, down_into = bound[i]
             qkv_of(h, qkv)

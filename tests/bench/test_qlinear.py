@@ -37,13 +37,21 @@ def test_the_integer_peak_runs_in_every_build(isa: str) -> None:
     assert ext.amx_peak(1_000) == 0.0 if not ext.amx() else 0 < ext.amx_peak(1_000) < 1e15
 
 
-def test_where_the_cpu_has_amx_each_batch_is_timed_both_ways(monkeypatch, capsys) -> None:
+@pytest.fixture
+def amx_ext(monkeypatch):
+    """The kernel where AMX runs (else the test is skipped), the benchmark's peaks and bandwidth cut short."""
     ext = load_extension()
     if ext is None or not ext.amx():
         pytest.skip("this CPU (or its OS) runs no AMX int8 tiles")
     monkeypatch.setattr(qlinear, "read_bandwidth", lambda: 1e10)
     monkeypatch.setattr(qlinear, "PEAK_ROUNDS", 1000)
     monkeypatch.setattr(qlinear, "AMX_PEAK_ROUNDS", 1000)
+    yield ext
+    ext.set_amx(True)
+
+
+def test_where_the_cpu_has_amx_each_batch_is_timed_both_ways(amx_ext, capsys) -> None:
+    ext = amx_ext
     assert qlinear.main(["--types", "Q4_K", "--layers", "1", "--rows", f"1,{ext.amx_rows}", "--repeats", "2",
                          "--threads", "1"]) == 0
     out = capsys.readouterr().out
@@ -53,3 +61,14 @@ def test_where_the_cpu_has_amx_each_batch_is_timed_both_ways(monkeypatch, capsys
     assert cells[0][-2:] == ["(vector)", "-"]
     assert cells[1][-2].split()[0].endswith("x") and cells[1][-1].endswith("%")
     assert ext.amx()                                  # switched back on
+
+
+def test_with_amx_switched_off_the_run_keeps_it_off(amx_ext, capsys) -> None:
+    """``KVSERVE_AMX=0`` (``set_amx(False)``): one path, the vector unit's, and still off after."""
+    ext = amx_ext
+    ext.set_amx(False)
+    assert qlinear.main(["--types", "Q4_K", "--layers", "1", "--rows", f"{ext.amx_rows}", "--repeats", "1",
+                         "--threads", "1"]) == 0
+    assert not ext.amx()
+    out = capsys.readouterr().out
+    assert "take the tiles" not in out and "vector ms" not in out

@@ -117,17 +117,21 @@ struct Weight {
 // half block of 16, the dequantized sum per block of 32; the outlier channels' values apart.
 struct Acts {
   int64_t M = 0, K = 0, KB = 0;
-  bool amx = false;   // the tiles take this batch (then the g arrays below hold M rounded up to 16 rows)
+  bool amx = false;   // the tiles take this batch (q, d, s and isum by groups: row_start)
   std::vector<int8_t> q;
   std::vector<float> d, s, outl;
   std::vector<int32_t> isum;
-  // AMX: q, d, s and isum again per group of 16 rows and block, row by row ([group][block][row]
-  // x 32, 2, 1, 2), so that a block's codes are one run of 512 bytes and its float steps find
-  // every row's scalars at fixed offsets
-  std::vector<int8_t> gq;
-  std::vector<float> gd, gs;
-  std::vector<int32_t> gi;
 };
+
+// Where row m's values start in q, d, s and isum, in units of one row-block's values (32 codes,
+// 2 scales, 1 sum, 2 code sums), and the units from one of its blocks to the next: row by row
+// ([row][block]), or for AMX by groups of 16 rows and block, row by row ([group][block][row]; M
+// rounded up to 16 rows, the missing ones zero), so that a block's codes are one run of 512
+// bytes and its float steps find every row's scalars at fixed offsets.
+inline int64_t row_start(const Acts& A, int64_t m) {
+  return A.amx ? (m / kLanes * A.KB * kLanes + m % kLanes) : m * A.KB;
+}
+inline int64_t block_step(const Acts& A) { return A.amx ? kLanes : 1; }
 
 // ---- activations --------------------------------------------------------------------
 
@@ -162,16 +166,22 @@ inline void transform_row(const float* x, int64_t K, int prologue, const float* 
 
 // Per half block of 16: a scale d = amax / 127 and codes round(y 127 / amax); per block of
 // 32 the sum of its dequantized activations (sum d x codes: what the minimum multiplies, so
-// that a block's rounding errors meet the weights as stored, centered, not their codes).
-inline void quantize_row(const float* y, int64_t K, int8_t* q, float* d, float* s, int32_t* isum) {
-  for (int64_t h = 0; h < K / kLanes; ++h) {
-    const F16 v = load_f32(y + h * kLanes);
-    const float amax = hmax(fabs16(v));
-    d[h] = amax / 127.0f;
-    isum[h] = quantize16(v, amax > 0.0f ? 127.0f / amax : 0.0f, q + h * kLanes);
+// that a block's rounding errors meet the weights as stored, centered, not their codes). Block
+// b's 32 codes go to q + b x qs, its two halves' scales and code sums to d, isum + b x ds, its
+// sum to s + b x ss (a row's own arrays: 32, 2, 1; AMX's groups of 16 rows: see Acts).
+inline void quantize_row(const float* y, int64_t K, int8_t* q, float* d, float* s, int32_t* isum,
+                         int64_t qs = kBlock, int64_t ds = 2, int64_t ss = 1) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    float* db = d + b * ds;
+    int32_t* ib = isum + b * ds;
+    for (int h = 0; h < 2; ++h) {
+      const F16 v = load_f32(y + b * kBlock + h * kLanes);
+      const float amax = hmax(fabs16(v));
+      db[h] = amax / 127.0f;
+      ib[h] = quantize16(v, amax > 0.0f ? 127.0f / amax : 0.0f, q + b * qs + h * kLanes);
+    }
+    s[b * ss] = db[0] * static_cast<float>(ib[0]) + db[1] * static_cast<float>(ib[1]);
   }
-  for (int64_t b = 0; b < K / kBlock; ++b)
-    s[b] = d[2 * b] * static_cast<float>(isum[2 * b]) + d[2 * b + 1] * static_cast<float>(isum[2 * b + 1]);
 }
 
 // ---- one (tile, block) of weights, unpacked ----------------------------------------
@@ -441,10 +451,10 @@ constexpr int64_t kAmxRows = 64;
 template <int KIND>
 inline void finish_rows(const Acts& A, int64_t g, int64_t b, const Scales& sc, const int32_t* s0, const int32_t* s1,
                         F16* f) {
-  const int64_t at = (g * A.KB + b) * kLanes;
-  const float* gd = A.gd.data() + 2 * at;
-  const float* gs = A.gs.data() + at;
-  const int32_t* gi = A.gi.data() + 2 * at;
+  const int64_t at = (g * A.KB + b) * kLanes;   // row_start(A, 16 g) + b x block_step(A)
+  const float* gd = A.d.data() + 2 * at;
+  const float* gs = A.s.data() + at;
+  const int32_t* gi = A.isum.data() + 2 * at;
 #pragma GCC unroll 16
   for (int r = 0; r < kLanes; ++r) {
     I16 a0 = {_mm512_load_si512(s0 + r * kLanes)}, a1 = {_mm512_load_si512(s1 + r * kLanes)};
@@ -470,7 +480,7 @@ inline void tile_rows_amx(const Weight& W, const Segment& s, int64_t t, const Ac
     F16 f[kLanes];
     for (int r = 0; r < kLanes; ++r) f[r] = fzero();
     const int64_t g = m0 / kLanes;
-    const int8_t* a = A.gq.data() + g * KB * kLanes * kBlock;   // block b at a + b x 512
+    const int8_t* a = A.q.data() + g * KB * kLanes * kBlock;   // block b at a + b x 512
     amx::issue<kSigned, 0>(a, kBlock, codes(0));
     for (int64_t b = 0; b < KB; b += 2) {   // even blocks in pair 0, odd in pair 1
       if (b + 1 < KB) amx::issue<kSigned, 1>(a + (b + 1) * kLanes * kBlock, kBlock, codes(b + 1));
@@ -532,17 +542,12 @@ inline void linear(const Weight& W, const float* x, int64_t M, int64_t ldx, int 
   A.K = K;
   A.KB = KB;
   A.amx = M >= kAmxRows && amx::enabled();
-  const int64_t held = (M + kLanes - 1) / kLanes * kLanes;   // the tiles read 16 rows at once
-  A.q.resize(static_cast<size_t>(M * K));
-  A.d.resize(static_cast<size_t>(M * 2 * KB));
-  A.s.resize(static_cast<size_t>(M * KB));
-  A.isum.resize(static_cast<size_t>(M * 2 * KB));
-  if (A.amx) {
-    A.gq.resize(static_cast<size_t>(held * K));
-    A.gd.resize(static_cast<size_t>(held * 2 * KB));
-    A.gs.resize(static_cast<size_t>(held * KB));
-    A.gi.resize(static_cast<size_t>(held * 2 * KB));
-  }
+  const int64_t held = A.amx ? (M + kLanes - 1) / kLanes * kLanes : M;   // the tiles read 16 rows at once
+  A.q.resize(static_cast<size_t>(held * K));
+  A.d.resize(static_cast<size_t>(held * 2 * KB));
+  A.s.resize(static_cast<size_t>(held * KB));
+  A.isum.resize(static_cast<size_t>(held * 2 * KB));
+  const int64_t step = block_step(A);
   A.outl.resize(static_cast<size_t>(M * W.num_outliers));
   // tile index -> (segment, tile): segments are few, so a linear walk per item is cheap
   const int64_t items = W.tiles;
@@ -557,25 +562,17 @@ inline void linear(const Weight& W, const float* x, int64_t M, int64_t ldx, int 
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) {
       transform_row(x + m * ldx, K, prologue, norm, eps, W, row.data(), A.outl.data() + m * W.num_outliers);
-      quantize_row(row.data(), K, A.q.data() + m * K, A.d.data() + m * 2 * KB, A.s.data() + m * KB,
-                   A.isum.data() + m * 2 * KB);
+      const int64_t at = row_start(A, m);
+      quantize_row(row.data(), K, A.q.data() + at * kBlock, A.d.data() + 2 * at, A.s.data() + at,
+                   A.isum.data() + 2 * at, step * kBlock, 2 * step, step);
     }
-    if (A.amx) {   // the rows again by groups of 16 (the last group's missing rows zero)
 #pragma omp for schedule(static)
-      for (int64_t g = 0; g < held / kLanes; ++g)
-        for (int64_t b = 0; b < KB; ++b)
-          for (int64_t r = 0; r < kLanes; ++r) {
-            const int64_t m = g * kLanes + r, at = (g * KB + b) * kLanes + r;
-            const bool real = m < M;
-            if (real) std::memcpy(A.gq.data() + at * kBlock, A.q.data() + m * K + b * kBlock, kBlock);
-            else std::memset(A.gq.data() + at * kBlock, 0, kBlock);
-            for (int h = 0; h < 2; ++h) {
-              A.gd[2 * at + h] = real ? A.d[(m * KB + b) * 2 + h] : 0.0f;
-              A.gi[2 * at + h] = real ? A.isum[(m * KB + b) * 2 + h] : 0;
-            }
-            A.gs[at] = real ? A.s[m * KB + b] : 0.0f;
-          }
-    }
+    for (int64_t m = M; m < held; ++m)   // AMX's last group's missing rows
+      for (int64_t b = 0, at = row_start(A, m); b < KB; ++b, at += step) {
+        std::memset(A.q.data() + at * kBlock, 0, kBlock);
+        A.d[2 * at] = A.d[2 * at + 1] = A.s[at] = 0.0f;
+        A.isum[2 * at] = A.isum[2 * at + 1] = 0;
+      }
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; ++it) {
       size_t si = 0;
