@@ -451,7 +451,7 @@ constexpr int64_t kAmxRows = 64;
 template <int KIND>
 inline void finish_rows(const Acts& A, int64_t g, int64_t b, const Scales& sc, const int32_t* s0, const int32_t* s1,
                         F16* f) {
-  const int64_t at = (g * A.KB + b) * kLanes;   // row_start(A, 16 g) + b x block_step(A)
+  const int64_t at = row_start(A, g * kLanes) + b * block_step(A);
   const float* gd = A.d.data() + 2 * at;
   const float* gs = A.s.data() + at;
   const int32_t* gi = A.isum.data() + 2 * at;
@@ -480,7 +480,7 @@ inline void tile_rows_amx(const Weight& W, const Segment& s, int64_t t, const Ac
     F16 f[kLanes];
     for (int r = 0; r < kLanes; ++r) f[r] = fzero();
     const int64_t g = m0 / kLanes;
-    const int8_t* a = A.q.data() + g * KB * kLanes * kBlock;   // block b at a + b x 512
+    const int8_t* a = A.q.data() + row_start(A, m0) * kBlock;   // block b at a + b x 512
     amx::issue<kSigned, 0>(a, kBlock, codes(0));
     for (int64_t b = 0; b < KB; b += 2) {   // even blocks in pair 0, odd in pair 1
       if (b + 1 < KB) amx::issue<kSigned, 1>(a + (b + 1) * kLanes * kBlock, kBlock, codes(b + 1));
